@@ -1,0 +1,32 @@
+"""dsv4_jax: DeepSeek-V4 (Flash / Pro) inference in JAX.
+
+    model = dsv4_jax.load(path)                                   # official checkpoint directory
+    model = dsv4_jax.init_random(dsv4_jax.presets.tiny(), seed=0) # random weights, same object
+    logits = model.forward(tokens)                                # [B, S] -> float32 [B, S, V]
+"""
+
+from __future__ import annotations
+
+import jax
+
+from . import presets  # noqa: F401
+from .api import GenerationResult, Model  # noqa: F401
+from .config import ModelConfig, from_hf_config, load_hf_config  # noqa: F401
+
+
+def init_random(config: ModelConfig, seed: int = 0, **options) -> Model:
+    """A model with random weights in the stored formats; options as for `load`."""
+    from .params import init_params
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(seed))
+    return Model(config, params, **options)
+
+
+def load(path, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int = 1, simulate_quant: bool = True,
+         act_quant: str = "none", mesh=None, progress=None) -> Model:
+    """Load an official DeepSeek-V4 checkpoint directory (config.json + safetensors), weights kept as stored."""
+    from .checkpoint import load_params
+    if mesh is not None:
+        raise NotImplementedError("multi-device loading (mesh=...) is not implemented yet")
+    cfg, params = load_params(path, progress=progress)
+    return Model(cfg, params, dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant,
+                 max_seq_len=max_seq_len, max_batch=max_batch)

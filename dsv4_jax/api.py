@@ -1,0 +1,177 @@
+"""`Model`: the user-facing object returned by `dsv4_jax.load` and `dsv4_jax.init_random`.
+
+It holds the config, the parameter tree and the numerics options, validates inputs eagerly on the host, and
+calls the jitted programs of `engine` (each compiled once per shape).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import engine
+from .config import ModelConfig
+from .model import RunOptions
+from .state import DecodeState, init_state, state_bytes
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]          # generated ids per prompt (stop token included when hit)
+    finish_reasons: list[str]        # "stop" (EOS / stop token) or "length"
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, params, *, dtype: str = "bfloat16", simulate_quant: bool = True,
+                 act_quant: str = "none", max_seq_len: int = 4096, max_batch: int = 1, prefill_chunk: int = 512):
+        self.config = cfg
+        self.params = params
+        self.options = RunOptions(dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant)
+        for name, value in (("max_seq_len", max_seq_len), ("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.max_seq_len = max_seq_len
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+
+    # ---- validation ---------------------------------------------------------------------------------------
+    def _check_tokens(self, tokens, ndim: int, what: str) -> np.ndarray:
+        arr = np.asarray(tokens)
+        if arr.ndim != ndim or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{what} must be an integer array of rank {ndim}, got {arr.dtype} {arr.shape}")
+        if arr.size and (arr.min() < 0 or arr.max() >= self.config.vocab_size):
+            raise ValueError(f"{what} must be token ids in [0, {self.config.vocab_size}), got "
+                             f"[{arr.min()}, {arr.max()}]")
+        return arr.astype(np.int32)
+
+    def _check_batch(self, batch: int):
+        if batch > self.max_batch:
+            raise ValueError(f"batch of {batch} sequences exceeds max_batch={self.max_batch}")
+
+    # ---- forward --------------------------------------------------------------------------------------------
+    def forward(self, tokens) -> jax.Array:
+        """int32 [B, S] -> float32 logits [B, S, V], teacher-forced from position 0."""
+        tokens = self._check_tokens(tokens, 2, "tokens")
+        return engine.forward(self.params, jnp.asarray(tokens), cfg=self.config, opts=self.options)
+
+    def forward_mtp(self, tokens, next_tokens) -> jax.Array:
+        """MTP logits [B, S, V]: position i uses the main model's streams at i and next_tokens[:, i]."""
+        tokens = self._check_tokens(tokens, 2, "tokens")
+        next_tokens = self._check_tokens(next_tokens, 2, "next_tokens")
+        if tokens.shape != next_tokens.shape:
+            raise ValueError(f"next_tokens shape {next_tokens.shape} must equal tokens shape {tokens.shape}")
+        return engine.forward_mtp(self.params, jnp.asarray(tokens), jnp.asarray(next_tokens), cfg=self.config,
+                                  opts=self.options)
+
+    # ---- decoding -------------------------------------------------------------------------------------------
+    def init_state(self, batch: int | None = None) -> DecodeState:
+        batch = self.max_batch if batch is None else batch
+        self._check_batch(batch)
+        return init_state(self.config, batch, self.max_seq_len, self.options.jnp_dtype)
+
+    def state_bytes(self, batch: int | None = None) -> int:
+        return state_bytes(self.config, self.max_batch if batch is None else batch, self.max_seq_len,
+                           self.options.dtype)
+
+    def prefill(self, tokens, lengths=None, state: DecodeState | None = None):
+        """Consume prompts tokens [B, S] (row b's first lengths[b] tokens are real). Without `state` a fresh one
+        is made; with one, the tokens continue each sequence (chunked prefill). Returns (logits [B, V] of each
+        row's last consumed token, state)."""
+        tokens = self._check_tokens(tokens, 2, "tokens")
+        batch, seq = tokens.shape
+        self._check_batch(batch)
+        lengths = np.full((batch,), seq, np.int32) if lengths is None else np.asarray(lengths)
+        if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):
+            raise ValueError(f"lengths must be {batch} integers, got {lengths.dtype} {lengths.shape}")
+        if lengths.min() < 0 or lengths.max() > seq:
+            raise ValueError(f"lengths must lie in [0, {seq}], got {lengths.tolist()}")
+        if state is None:
+            state = self.init_state(batch)
+            consumed = np.zeros(batch, np.int64)
+        else:
+            if state.positions.shape[0] != batch:
+                raise ValueError(f"state holds {state.positions.shape[0]} sequences, tokens have {batch}")
+            consumed = np.asarray(jax.device_get(state.positions)).astype(np.int64)
+        too_long = consumed + lengths > self.max_seq_len
+        if too_long.any():
+            b = int(np.argmax(too_long))
+            raise ValueError(f"sequence {b}: {int(consumed[b] + lengths[b])} tokens exceed max_seq_len="
+                             f"{self.max_seq_len}")
+        chunk = min(self.prefill_chunk, seq) if seq else 1
+        n_chunks = max(1, -(-seq // chunk))
+        padded = np.zeros((batch, n_chunks * chunk), np.int32)
+        padded[:, :seq] = tokens
+        logits = jnp.zeros((batch, self.config.vocab_size), jnp.float32)
+        for k in range(n_chunks):
+            n_valid = np.clip(lengths - k * chunk, 0, chunk).astype(np.int32)
+            logits, state = engine.prefill_chunk(self.params, state, jnp.asarray(padded[:, k * chunk:(k + 1) * chunk]),
+                                                 jnp.asarray(n_valid), logits, cfg=self.config, opts=self.options)
+        return logits, state
+
+    def decode(self, tokens, state: DecodeState):
+        """One step: tokens [B] -> (logits [B, V], state). The state is donated (do not reuse the old one)."""
+        if not isinstance(tokens, jax.Array):
+            tokens = jnp.asarray(self._check_tokens(tokens, 1, "tokens"))
+        return engine.decode_step(self.params, state, tokens, cfg=self.config, opts=self.options,
+                                  max_seq_len=self.max_seq_len)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_tokens: Sequence[int] | None = None,
+                 stream: Callable[[list[list[int]]], None] | None = None, chunk: int = 16) -> GenerationResult:
+        """Generate continuations of a batch of prompts (lists of token ids) with an on-device loop.
+
+        Sampling: temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. Each sequence stops at
+        EOS or a stop token (included in its output) or after max_new_tokens. `stream(new_tokens_per_prompt)`
+        receives each chunk's tokens while the device already runs the next chunk.
+        """
+        prompts = [list(p) for p in prompts]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token id lists")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if not (np.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if not (np.isfinite(top_p) and 0 < top_p <= 1):
+            raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
+        if not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {top_k!r}")
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds "
+                             f"max_seq_len={self.max_seq_len}")
+        stops = [self.config.eos_token_id] + list(stop_tokens or [])
+        batch = len(prompts)
+        tokens = np.zeros((batch, longest), np.int32)
+        for b, p in enumerate(prompts):
+            tokens[b, :len(p)] = p
+        logits, state = self.prefill(tokens, np.array([len(p) for p in prompts], np.int32))
+        sp = engine.SamplingParams(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
+                                   jnp.full((batch,), max_new_tokens, jnp.int32), jnp.asarray(stops, jnp.int32))
+        gen = engine.first_generation_state(state, logits, jax.random.PRNGKey(seed), sp)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        finished = [False] * batch
+
+        def drain(chunk_tokens):
+            new = [[int(t) for t in row if t >= 0] for row in np.asarray(chunk_tokens)]
+            for b, toks in enumerate(new):
+                outputs[b].extend(toks)
+                finished[b] = finished[b] or any(t in stops for t in toks) or len(outputs[b]) >= max_new_tokens
+            if stream is not None:
+                stream(new)
+
+        # The host reads chunk k-1 while the device runs chunk k, so the device never waits for the host; the
+        # stopping decision uses only tokens already read (a finished batch costs one empty chunk at most).
+        pending = gen.last_token[:, None]
+        while pending is not None:
+            out = None
+            if not all(finished):
+                out, gen = engine.generate_chunk(self.params, gen, sp, cfg=self.config, opts=self.options,
+                                                 max_seq_len=self.max_seq_len, chunk=chunk)
+            drain(pending)
+            pending = out
+        reasons = ["stop" if (o and o[-1] in stops) else "length" for o in outputs]
+        return GenerationResult(tokens=outputs, finish_reasons=reasons)

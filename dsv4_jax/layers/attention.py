@@ -1,0 +1,152 @@
+"""Hybrid attention of one layer (spec 4.3, 4.5, 5): a 128-token window plus compressed entries.
+
+Single shared K = V head of head_dim 512, low-rank query with per-head unweighted RMS norm, interleaved partial
+RoPE, a learned sink logit in the softmax denominator, inverse RoPE on the output and a grouped low-rank output
+projection. Compressed entries (ratio c > 0) are visible to query t iff j < (t+1)//c; ratio 4 (CSA) layers keep
+only the top-k entries chosen by the Lightning indexer, other ratios (HCA) attend to all visible entries.
+
+Like the compressor, this works on a chunk of S new tokens at per-sequence positions start[b] + i, so forward,
+chunked prefill and decode share one code path. Window keys are the ring of the previous 128 positions
+(slot = position mod 128) followed by the chunk's own keys, masked by position.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import ModelConfig
+from ..quant import dequantize, linear
+from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard
+from .compressor import compressor_update
+from .norm import rms_norm
+from .rope import apply_rope
+
+
+def _kv_fake_quant(kv: jax.Array, nope_dim: int) -> jax.Array:
+    return jnp.concatenate([fp8_fake_quant(kv[..., :nope_dim]), kv[..., nope_dim:]], axis=-1)
+
+
+def ring_positions(start: jax.Array, window: int) -> jax.Array:
+    """Position held by each ring slot s before a chunk starting at `start`: the latest p < start with
+    p = s (mod window); negative where nothing was written yet. [B, window]"""
+    slots = jnp.arange(window, dtype=jnp.int32)[None, :]
+    last = start[:, None] - 1
+    return last - jnp.mod(last - slots, window)
+
+
+def write_ring(ring: jax.Array, kv: jax.Array, start: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """Write the last min(window, n_valid) chunk tokens into their slots (position mod window)."""
+    batch, seq, _ = kv.shape
+    window = ring.shape[1]
+    i = jnp.arange(seq, dtype=jnp.int32)[None, :]
+    keep = (i < n_valid[:, None]) & (i >= n_valid[:, None] - window)
+    slot = jnp.where(keep, (start[:, None] + i) % window, window)                # window -> dropped
+    batch_idx = jnp.broadcast_to(jnp.arange(batch)[:, None], slot.shape)
+    return ring.at[batch_idx, slot].set(kv.astype(ring.dtype), mode="drop")
+
+
+def indexer_select(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array, positions: jax.Array,
+                   index_keys: jax.Array, inv_freq: np.ndarray, simulate_quant: bool):
+    """Lightning indexer: top-min(index_topk, N) compressed entries per query. Returns (idx, valid) [B, S, k];
+    an entry is valid iff it is visible (j < (t+1)//4); invisible picks only fill the static k slots."""
+    batch, seq, _ = x.shape
+    n_heads, head_dim = cfg.index_n_heads, cfg.index_head_dim
+    q = linear(q_latent, params["wq_b"]["weight"]).reshape(batch, seq, n_heads, head_dim)
+    q = apply_rope(q, positions[:, :, None], inv_freq)
+    if simulate_quant:
+        q = fp4_fake_quant(hadamard(q))
+    head_weights = linear(x, params["weights_proj"]["weight"], out_dtype=jnp.float32)
+    head_weights = head_weights * (head_dim ** -0.5 * n_heads ** -0.5)
+    scores = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), index_keys.astype(jnp.float32))
+    scores = jnp.einsum("bshn,bsh->bsn", jax.nn.relu(scores), head_weights)
+    n_entries = index_keys.shape[1]
+    visible = jnp.arange(n_entries)[None, None, :] < ((positions + 1) // 4)[:, :, None]
+    scores = jnp.where(visible, scores, -jnp.inf)
+    k = min(cfg.index_topk, n_entries)
+    top_scores, idx = jax.lax.top_k(scores, k)
+    return idx, top_scores > -jnp.inf
+
+
+def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: jax.Array, n_valid: jax.Array,
+              cache: dict, inv_freq: np.ndarray, simulate_quant: bool):
+    """x [B, S, D] (attn_norm'd) at positions start[b] + i. Returns (output [B, S, D], updated layer cache)."""
+    batch, seq, _ = x.shape
+    n_heads, head_dim, nope = cfg.n_heads, cfg.head_dim, cfg.nope_head_dim
+    dtype = x.dtype
+    positions = start[:, None] + jnp.arange(seq, dtype=jnp.int32)[None, :]
+
+    q_latent = rms_norm(linear(x, params["wq_a"]["weight"]), params["q_norm"]["weight"], cfg.norm_eps)
+    q = linear(q_latent, params["wq_b"]["weight"]).reshape(batch, seq, n_heads, head_dim)
+    q = rms_norm(q, None, cfg.norm_eps)
+    q = apply_rope(q, positions[:, :, None], inv_freq)
+
+    kv = rms_norm(linear(x, params["wkv"]["weight"]), params["kv_norm"]["weight"], cfg.norm_eps)
+    kv = apply_rope(kv, positions, inv_freq)
+    if simulate_quant:
+        kv = _kv_fake_quant(kv, nope)
+
+    # Window: the ring (positions before the chunk) followed by the chunk itself.
+    window = cfg.window_size
+    keys = jnp.concatenate([cache["window_kv"].astype(dtype), kv], axis=1)              # [B, W+S, hd]
+    key_pos = jnp.concatenate([ring_positions(start, window), positions], axis=1)
+    delta = positions[:, :, None] - key_pos[:, None, :]
+    window_mask = (key_pos[:, None, :] >= 0) & (delta >= 0) & (delta < window)          # [B, S, W+S]
+    scale = head_dim ** -0.5
+    logits = [jnp.einsum("bshd,bkd->bshk", q, keys, preferred_element_type=jnp.float32) * scale]
+    masks = [window_mask[:, :, None, :]]
+    values = [("window", keys)]
+    new_cache = {"window_kv": write_ring(cache["window_kv"], kv, start, n_valid)}
+
+    if ratio > 0:
+        comp_params = params["compressor"]
+        compressed, new_cache["compressor"] = compressor_update(
+            comp_params, x, start, n_valid, cache["compressor"], cache["compressed_kv"], ratio=ratio,
+            head_dim=head_dim, nope_dim=nope, inv_freq=inv_freq, rotate=False, simulate_quant=simulate_quant,
+            norm_eps=cfg.norm_eps)
+        new_cache["compressed_kv"] = compressed
+        compressed = compressed.astype(dtype)
+        if ratio == 4:
+            index_keys, new_cache["indexer_compressor"] = compressor_update(
+                params["indexer"]["compressor"], x, start, n_valid, cache["indexer_compressor"],
+                cache["index_keys"], ratio=ratio, head_dim=cfg.index_head_dim,
+                nope_dim=cfg.index_head_dim - cfg.rope_head_dim, inv_freq=inv_freq, rotate=True,
+                simulate_quant=simulate_quant, norm_eps=cfg.norm_eps)
+            new_cache["index_keys"] = index_keys
+        has_entries = compressed.shape[1] > 0     # buffers shorter than c never complete an entry
+        if has_entries and ratio == 4:
+            idx, valid = indexer_select(params["indexer"], cfg, x, q_latent, positions, index_keys, inv_freq,
+                                        simulate_quant)
+            selected = jax.vmap(lambda cache_b, idx_b: cache_b[idx_b])(compressed, idx)  # [B, S, k, hd]
+            logits.append(jnp.einsum("bshd,bskd->bshk", q, selected, preferred_element_type=jnp.float32) * scale)
+            masks.append(valid[:, :, None, :])
+            values.append(("selected", selected))
+        elif has_entries:
+            n_entries = compressed.shape[1]
+            visible = jnp.arange(n_entries)[None, None, :] < ((positions + 1) // ratio)[:, :, None]
+            logits.append(jnp.einsum("bshd,bnd->bshn", q, compressed, preferred_element_type=jnp.float32) * scale)
+            masks.append(visible[:, :, None, :])
+            values.append(("all", compressed))
+
+    # One softmax over window and compressed keys, with the sink logit in the denominator only.
+    logits = [jnp.where(m, l, -jnp.inf) for l, m in zip(logits, masks)]
+    sink = params["attn_sink"].astype(jnp.float32)[None, None, :]
+    peak = jnp.maximum(jnp.max(jnp.stack([jnp.max(l, axis=-1) for l in logits]), axis=0), sink)
+    probs = [jnp.exp(l - peak[..., None]) for l in logits]
+    denom = sum(jnp.sum(p, axis=-1) for p in probs) + jnp.exp(sink - peak)
+    out = jnp.zeros((batch, seq, n_heads, head_dim), jnp.float32)
+    for p, (kind, v) in zip(probs, values):
+        p = p.astype(dtype)
+        if kind == "selected":
+            out = out + jnp.einsum("bshk,bskd->bshd", p, v, preferred_element_type=jnp.float32)
+        else:
+            out = out + jnp.einsum("bshk,bkd->bshd", p, v, preferred_element_type=jnp.float32)
+    out = (out / denom[..., None]).astype(dtype)
+
+    out = apply_rope(out, positions[:, :, None], inv_freq, inverse=True)
+    groups = cfg.o_groups
+    out = out.reshape(batch, seq, groups, (n_heads // groups) * head_dim)
+    wo_a = dequantize(params["wo_a"]["weight"], dtype).reshape(groups, cfg.o_lora_rank, -1)
+    z = jnp.einsum("bsgi,gri->bsgr", out, wo_a, preferred_element_type=jnp.float32).astype(dtype)
+    return linear(z.reshape(batch, seq, groups * cfg.o_lora_rank), params["wo_b"]["weight"]), new_cache

@@ -1,0 +1,58 @@
+"""Manifold-constrained hyper-connections (mHC, spec 4.2 and 4.7).
+
+The residual stream is `hc_mult` parallel streams X [..., n, D]. Before a sub-layer they collapse with weights
+`pre`; after it, the output is added with weights `post` and the streams mix through a Sinkhorn-normalised
+(nearly doubly stochastic) matrix C, consumed transposed: X'_k = post_k y + sum_j C[j, k] X_j. All coefficient
+math is float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..config import ModelConfig
+
+
+def _mix_logits(X: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
+    flat = X.reshape(*X.shape[:-2], -1).astype(jnp.float32)
+    rho = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + eps)
+    return rho * jnp.einsum("...i,mi->...m", flat, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
+    """Row softmax + eps, column-normalise, then (iters - 1) x (row, column) normalisation. logits [..., n, n]."""
+    c = jax.nn.softmax(logits, axis=-1) + eps
+    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+    return c
+
+
+def hc_pre(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: ModelConfig):
+    """Collapse the streams X [..., n, D] for a sub-layer. Returns (u [..., D] in X.dtype, post [..., n], comb)."""
+    n = cfg.hc_mult
+    m = _mix_logits(X, fn, cfg.norm_eps)
+    base = base.astype(jnp.float32)
+    scale = scale.astype(jnp.float32)
+    pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + cfg.hc_eps
+    post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb_logits = (m[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*m.shape[:-1], n, n)
+    comb = sinkhorn(comb_logits, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    u = jnp.einsum("...n,...nd->...d", pre, X.astype(jnp.float32))
+    return u.astype(X.dtype), post, comb
+
+
+def hc_post(y: jax.Array, X: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """X'_k = post_k * y + sum_j comb[j, k] * X_j (note the transpose), float32 math, stored in X.dtype."""
+    mixed = jnp.einsum("...jk,...jd->...kd", comb, X.astype(jnp.float32))
+    out = post[..., None] * y.astype(jnp.float32)[..., None, :] + mixed
+    return out.astype(X.dtype)
+
+
+def hc_head(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final collapse of the streams before the last norm: sum_i (sigmoid(m_i s + b_i) + eps) X_i."""
+    m = _mix_logits(X, fn, cfg.norm_eps)
+    pre = jax.nn.sigmoid(m * scale.astype(jnp.float32)[0] + base.astype(jnp.float32)) + cfg.hc_eps
+    return jnp.einsum("...n,...nd->...d", pre, X.astype(jnp.float32)).astype(X.dtype)

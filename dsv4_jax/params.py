@@ -1,0 +1,222 @@
+"""The one description of every weight: name, logical shape and stored format.
+
+`weight_specs` lists the model's weights under their official checkpoint names (spec 6.3). From it come the
+on-disk tensor list used to validate checkpoints (`disk_tensor_specs`), the in-memory parameter tree
+(`tree_set`), and random initialisation (`init_params`, traceable, so `jax.eval_shape` sizes Flash and Pro
+without allocating). Routed experts appear once per layer as a stacked [E, out, in] weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig
+from .quant.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    name: str                 # official name; for experts "layers.L.ffn.experts.w1.weight" (E folded in)
+    shape: tuple[int, ...]    # logical shape (experts: [E, out, in])
+    fmt: str                  # "bf16", "f32", "i64", "fp8" (e4m3 + E8M0 128x128) or "fp4" (routed experts)
+    init_std: float = 0.0     # random init: normal std (0 -> ones for norms, see init_params)
+
+
+def _linear(name, out_dim, in_dim, fmt="fp8"):
+    return WeightSpec(name, (out_dim, in_dim), fmt, in_dim ** -0.5)
+
+
+def _block_specs(cfg: ModelConfig, prefix: str, layer: int) -> list[WeightSpec]:
+    d, ratio = cfg.dim, cfg.compress_ratios[layer]
+    specs = [
+        WeightSpec(f"{prefix}attn_norm.weight", (d,), "bf16"),
+        WeightSpec(f"{prefix}ffn_norm.weight", (d,), "bf16"),
+    ]
+    for site in ("attn", "ffn"):
+        specs += [WeightSpec(f"{prefix}hc_{site}_fn", (cfg.hc_mix_dim, cfg.hc_dim), "f32", 0.02 * cfg.hc_dim ** -0.5),
+                  WeightSpec(f"{prefix}hc_{site}_base", (cfg.hc_mix_dim,), "f32", 0.1),
+                  WeightSpec(f"{prefix}hc_{site}_scale", (3,), "f32", 0.5)]
+    a = f"{prefix}attn."
+    specs += [
+        WeightSpec(f"{a}attn_sink", (cfg.n_heads,), "f32", 1.0),
+        WeightSpec(f"{a}q_norm.weight", (cfg.q_lora_rank,), "bf16"),
+        WeightSpec(f"{a}kv_norm.weight", (cfg.head_dim,), "bf16"),
+        _linear(f"{a}wq_a.weight", cfg.q_lora_rank, d),
+        _linear(f"{a}wq_b.weight", cfg.n_heads * cfg.head_dim, cfg.q_lora_rank),
+        _linear(f"{a}wkv.weight", cfg.head_dim, d),
+        _linear(f"{a}wo_a.weight", cfg.o_groups * cfg.o_lora_rank, cfg.n_heads * cfg.head_dim // cfg.o_groups),
+        _linear(f"{a}wo_b.weight", d, cfg.o_groups * cfg.o_lora_rank),
+    ]
+    if ratio > 0:
+        coff = 2 if ratio == 4 else 1
+        specs += _compressor_specs(f"{a}compressor.", ratio, coff * cfg.head_dim, cfg.head_dim, d)
+    if ratio == 4:
+        i = f"{a}indexer."
+        specs += [_linear(f"{i}wq_b.weight", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
+                  _linear(f"{i}weights_proj.weight", cfg.index_n_heads, d, "bf16")]
+        specs += _compressor_specs(f"{i}compressor.", ratio, 2 * cfg.index_head_dim, cfg.index_head_dim, d)
+    f = f"{prefix}ffn."
+    specs.append(_linear(f"{f}gate.weight", cfg.n_routed_experts, d, "bf16"))
+    if layer < cfg.n_hash_layers:
+        specs.append(WeightSpec(f"{f}gate.tid2eid", (cfg.vocab_size, cfg.n_activated_experts), "i64"))
+    else:
+        specs.append(WeightSpec(f"{f}gate.bias", (cfg.n_routed_experts,), "f32", 0.1))
+    inter, e = cfg.moe_inter_dim, cfg.n_routed_experts
+    specs += [_linear(f"{f}shared_experts.w1.weight", inter, d), _linear(f"{f}shared_experts.w3.weight", inter, d),
+              _linear(f"{f}shared_experts.w2.weight", d, inter),
+              WeightSpec(f"{f}experts.w1.weight", (e, inter, d), "fp4", d ** -0.5),
+              WeightSpec(f"{f}experts.w3.weight", (e, inter, d), "fp4", d ** -0.5),
+              WeightSpec(f"{f}experts.w2.weight", (e, d, inter), "fp4", inter ** -0.5)]
+    return specs
+
+
+def _compressor_specs(prefix, ratio, width, head_dim, d):
+    return [WeightSpec(f"{prefix}ape", (ratio, width), "f32", 0.1),
+            _linear(f"{prefix}wkv.weight", width, d, "bf16"),
+            _linear(f"{prefix}wgate.weight", width, d, "bf16"),
+            WeightSpec(f"{prefix}norm.weight", (head_dim,), "bf16")]
+
+
+def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
+    d = cfg.dim
+    specs = [WeightSpec("embed.weight", (cfg.vocab_size, d), "bf16", 1.0),
+             WeightSpec("head.weight", (cfg.vocab_size, d), "bf16", d ** -0.5),
+             WeightSpec("norm.weight", (d,), "bf16"),
+             WeightSpec("hc_head_fn", (cfg.hc_mult, cfg.hc_dim), "f32", 0.02 * cfg.hc_dim ** -0.5),
+             WeightSpec("hc_head_base", (cfg.hc_mult,), "f32", 0.1),
+             WeightSpec("hc_head_scale", (1,), "f32", 0.5)]
+    for layer in range(cfg.n_layers):
+        specs += _block_specs(cfg, f"layers.{layer}.", layer)
+    for k in range(cfg.n_mtp_layers):
+        p = f"mtp.{k}."
+        specs += _block_specs(cfg, p, cfg.n_layers + k)
+        specs += [_linear(f"{p}e_proj.weight", d, d), _linear(f"{p}h_proj.weight", d, d),
+                  WeightSpec(f"{p}enorm.weight", (d,), "bf16"), WeightSpec(f"{p}hnorm.weight", (d,), "bf16"),
+                  WeightSpec(f"{p}norm.weight", (d,), "bf16"),
+                  WeightSpec(f"{p}hc_head_fn", (cfg.hc_mult, cfg.hc_dim), "f32", 0.02 * cfg.hc_dim ** -0.5),
+                  WeightSpec(f"{p}hc_head_base", (cfg.hc_mult,), "f32", 0.1),
+                  WeightSpec(f"{p}hc_head_scale", (1,), "f32", 0.5)]
+    return specs
+
+
+# ---- on-disk view -----------------------------------------------------------------------------------------
+
+EXPERT_FORMATS = ("mxfp4", "nvfp4")
+
+
+def expert_disk_names(spec: WeightSpec, expert: int) -> str:
+    """'layers.L.ffn.experts.w1.weight' -> 'layers.L.ffn.experts.E.w1.weight'."""
+    head, proj = spec.name.rsplit(".experts.", 1)
+    return f"{head}.experts.{expert}.{proj}"
+
+
+def disk_tensor_specs(cfg: ModelConfig, expert_format: str = "mxfp4") -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor an official checkpoint holds: name -> (safetensors dtype, shape) (spec 6.2, 6.6).
+    `expert_format` "nvfp4" gives NVIDIA's layout for backbone experts (MTP experts stay MXFP4)."""
+    if expert_format not in EXPERT_FORMATS:
+        raise ValueError(f"expert_format must be one of {EXPERT_FORMATS}, got {expert_format!r}")
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    simple = {"bf16": "BF16", "f32": "F32", "i64": "I64"}
+    for spec in weight_specs(cfg):
+        if spec.fmt in simple:
+            out[spec.name] = (simple[spec.fmt], spec.shape)
+        elif spec.fmt == "fp8":
+            rows, cols = spec.shape
+            out[spec.name] = ("F8_E4M3", spec.shape)
+            out[spec.name[:-len("weight")] + "scale"] = ("F8_E8M0", (math.ceil(rows / FP8_BLOCK),
+                                                                     math.ceil(cols / FP8_BLOCK)))
+        else:
+            n_exp, rows, cols = spec.shape
+            nvfp4 = expert_format == "nvfp4" and not spec.name.startswith("mtp.")
+            for e in range(n_exp):
+                name = expert_disk_names(spec, e)
+                stem = name[:-len("weight")]
+                if nvfp4:
+                    out[name] = ("U8", (rows, cols // 2))
+                    out[stem + "weight_scale"] = ("F8_E4M3", (rows, cols // NVFP4_BLOCK))
+                    out[stem + "weight_scale_2"] = ("F32", ())
+                    out[stem + "input_scale"] = ("F32", ())
+                else:
+                    out[name] = ("I8", (rows, cols // 2))
+                    out[stem + "scale"] = ("F8_E8M0", (rows, cols // MXFP4_BLOCK))
+    return out
+
+
+# ---- in-memory tree ---------------------------------------------------------------------------------------
+
+def tree_set(tree: dict, name: str, value) -> None:
+    """Insert `value` at the dotted official name; numeric components index lists ('layers.3.attn' ...)."""
+    parts = name.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        nxt_is_index = parts[i + 1].isdigit()
+        if part.isdigit():
+            part = int(part)
+            while len(node) <= part:
+                node.append(None)
+            if node[part] is None:
+                node[part] = [] if nxt_is_index else {}
+            node = node[part]
+        else:
+            node = node.setdefault(part, [] if nxt_is_index else {})
+    node[parts[-1]] = value
+
+
+def tree_get(tree, name: str):
+    node = tree
+    for part in name.split("."):
+        node = node[int(part)] if part.isdigit() else node[part]
+    return node
+
+
+_DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+
+
+def _random_weight(spec: WeightSpec, key: jax.Array):
+    if spec.fmt in _DTYPES:
+        if spec.init_std == 0.0:   # norm weights
+            return jnp.ones(spec.shape, _DTYPES[spec.fmt])
+        return (spec.init_std * jax.random.normal(key, spec.shape, jnp.float32)).astype(_DTYPES[spec.fmt])
+    if spec.fmt == "i64":
+        # Distinct experts per token: the first K of a random permutation of the experts, per row.
+        n_exp = spec.shape[1]
+        ranks = jax.random.uniform(key, (spec.shape[0], 256 if n_exp <= 256 else n_exp)).argsort(axis=-1)
+        return ranks[:, :n_exp].astype(jnp.int32) % 1_000_000_000
+    if spec.fmt == "fp8":
+        rows, cols = spec.shape
+        # N(0,1) e4m3 values under one power-of-two scale close to the target std.
+        w = jax.random.normal(key, spec.shape, jnp.float32).astype(jnp.float8_e4m3fn)
+        exponent = 127 + round(math.log2(spec.init_std))
+        scale = jnp.full((math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK)), exponent, jnp.uint8)
+        return Fp8BlockWeight(w, scale)
+    n_exp, rows, cols = spec.shape
+    packed = jax.random.randint(key, (n_exp, rows, cols // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    # Uniform random e2m1 codes have std ~2.9; pick the power-of-two scale nearest init_std / 2.9.
+    exponent = 127 + round(math.log2(spec.init_std / 2.9))
+    return Mxfp4Weight(packed, jnp.full((n_exp, rows, cols // MXFP4_BLOCK), exponent, jnp.uint8))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
+    """Random weights in the stored formats (FP8 attention, MXFP4 experts, ...), as a parameter tree."""
+    specs = weight_specs(cfg)
+    keys = jax.random.split(key, len(specs))
+    tree: dict = {}
+    for spec, k in zip(specs, keys):
+        value = _random_weight(spec, k)
+        if spec.fmt == "i64":
+            n_exp = cfg.n_routed_experts
+            value = jax.random.permutation(k, n_exp, independent=False)[None, :].repeat(spec.shape[0], 0)
+            value = jnp.argsort(jax.random.uniform(k, (spec.shape[0], n_exp)), axis=-1)[:, :spec.shape[1]]
+            value = value.astype(jnp.int32)
+        tree_set(tree, spec.name, value)
+    return tree
+
+
+def logical_param_count(cfg: ModelConfig) -> int:
+    """Number of model parameters (FP4 and FP8 elements counted one each, block scales excluded)."""
+    return sum(math.prod(spec.shape) for spec in weight_specs(cfg) if spec.fmt != "i64")

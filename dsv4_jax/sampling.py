@@ -1,0 +1,25 @@
+"""On-device sampling: greedy, temperature, top-k, top-p, all from traced parameters (no recompiles)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array):
+    """logits [B, V] float32 -> token ids [B] int32. temperature 0 means greedy; top_k 0 and top_p 1 disable."""
+    vocab = logits.shape[-1]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    k = jnp.where(top_k > 0, top_k, vocab)
+    keep = rank < k
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    # Keep the smallest prefix whose probability reaches top_p (the top token always stays).
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep = keep & (before < top_p)
+    choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)

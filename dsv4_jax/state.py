@@ -1,0 +1,58 @@
+"""Decode state: fixed-shape buffers sized by (max_batch, max_seq_len) (spec 5.1).
+
+Per layer: the window ring [B, 128, head_dim] (slot = position mod 128); for compressed layers the compressed
+KV cache [B, max_seq_len // c, head_dim] and the compressor's pending tokens; for ratio-4 layers also the
+indexer key cache [B, max_seq_len // 4, index_head_dim] and the indexer compressor's pending tokens. The MTP
+block has its own caches. `positions[b]` is the number of tokens sequence b has consumed. Buffers are updated
+with scatters / dynamic slices at traced positions and the state is donated, so XLA updates it in place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+from .layers.compressor import init_compressor_state
+
+
+@flax.struct.dataclass
+class DecodeState:
+    layers: list            # one cache dict per backbone layer
+    mtp: list               # one cache dict per MTP layer
+    positions: jax.Array    # [B] int32: tokens consumed so far per sequence
+
+    @property
+    def max_batch(self) -> int:
+        return self.positions.shape[0]
+
+
+def init_layer_cache(cfg: ModelConfig, ratio: int, batch: int, max_seq_len: int, dtype) -> dict:
+    cache = {"window_kv": jnp.zeros((batch, cfg.window_size, cfg.head_dim), dtype)}
+    if ratio > 0:
+        cache["compressed_kv"] = jnp.zeros((batch, max_seq_len // ratio, cfg.head_dim), dtype)
+        cache["compressor"] = init_compressor_state(batch, ratio, cfg.head_dim)
+    if ratio == 4:
+        cache["index_keys"] = jnp.zeros((batch, max_seq_len // ratio, cfg.index_head_dim), dtype)
+        cache["indexer_compressor"] = init_compressor_state(batch, ratio, cfg.index_head_dim)
+    return cache
+
+
+def init_state(cfg: ModelConfig, batch: int, max_seq_len: int, dtype=jnp.bfloat16) -> DecodeState:
+    """A fresh state (every sequence at position 0, compressor logits -inf)."""
+    if batch < 1 or max_seq_len < 1:
+        raise ValueError(f"max_batch and max_seq_len must be >= 1, got {batch} and {max_seq_len}")
+    layers = [init_layer_cache(cfg, cfg.compress_ratios[i], batch, max_seq_len, dtype) for i in range(cfg.n_layers)]
+    mtp = [init_layer_cache(cfg, cfg.compress_ratios[cfg.n_layers + k], batch, max_seq_len, dtype)
+           for k in range(cfg.n_mtp_layers)]
+    return DecodeState(layers=layers, mtp=mtp, positions=jnp.zeros((batch,), jnp.int32))
+
+
+def state_bytes(cfg: ModelConfig, batch: int, max_seq_len: int, dtype="bfloat16") -> int:
+    """Bytes of the decode state for (batch, max_seq_len), computed with jax.eval_shape (nothing allocated)."""
+    jdtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype] if isinstance(dtype, str) else dtype
+    shapes = jax.eval_shape(lambda: init_state(cfg, batch, max_seq_len, jdtype))
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create .venv with Python >= 3.12 and install dsv4_jax (editable) with its test extra.
+set -euo pipefail
+cd "$(dirname "$0")"
+find_python() {
+    for cand in python3.12 python3.13 python3; do
+        if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null; then
+            echo "$cand"; return 0
+        fi
+    done
+    if command -v pyenv >/dev/null 2>&1; then
+        for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9])' | sort -rV); do
+            if PYENV_VERSION="$v" python3 -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null; then
+                echo "env PYENV_VERSION=$v python3"; return 0
+            fi
+        done
+    fi
+    return 1
+}
+PY=$(find_python) || { echo "setup.sh: no Python >= 3.12 found (tried python3.12, python3.13, python3, pyenv)" >&2; exit 1; }
+if [ ! -x .venv/bin/python ]; then
+    $PY -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[test]"
+echo "setup.sh: ready (.venv/bin/python $(.venv/bin/python -c 'import sys; print(sys.version.split()[0])'))"
