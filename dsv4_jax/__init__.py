@@ -24,7 +24,11 @@ def init_random(config: ModelConfig, seed: int = 0, **options) -> Model:
 def load(path, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int = 1, simulate_quant: bool = True,
          act_quant: str = "none", mesh=None, progress=None) -> Model:
     """Load an official DeepSeek-V4 checkpoint directory (config.json + safetensors), weights kept as stored."""
-    from .checkpoint import load_params
+    import os
+
+    from .checkpoint import CheckpointError, load_params
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not a directory (expected an official DeepSeek-V4 checkpoint)")
     if mesh is not None:
         raise NotImplementedError("multi-device loading (mesh=...) is not implemented yet")
     cfg, params = load_params(path, progress=progress)
