@@ -14,16 +14,22 @@ from .api import GenerationResult, Model  # noqa: F401
 from .config import ModelConfig, from_hf_config, load_hf_config  # noqa: F401
 
 
-def init_random(config: ModelConfig, seed: int = 0, **options) -> Model:
+def init_random(config: ModelConfig, seed: int = 0, quantize_head: bool = False, **options) -> Model:
     """A model with random weights in the stored formats; options as for `load`."""
     from .params import init_params
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(seed))
+    if quantize_head:
+        from .checkpoint import quantize_head_to_nvfp4
+        params = quantize_head_to_nvfp4(params)
     return Model(config, params, **options)
 
 
 def load(path, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int = 1, simulate_quant: bool = True,
-         act_quant: str = "none", mesh=None, progress=None) -> Model:
-    """Load an official DeepSeek-V4 checkpoint directory (config.json + safetensors), weights kept as stored."""
+         act_quant: str = "none", mesh=None, progress=None, prefill_chunk: int = 512,
+         quantize_head: bool = False) -> Model:
+    """Load an official DeepSeek-V4 checkpoint directory (config.json + safetensors), weights kept as stored
+    (MXFP4 or NVFP4 routed experts). `quantize_head=True` quantizes the bf16 lm_head to NVFP4 once at load (standard
+    recipe, on device) and frees the bf16 copy; the router gate is never quantized."""
     import os
 
     from .checkpoint import CheckpointError, load_params
@@ -31,6 +37,6 @@ def load(path, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int 
         raise CheckpointError(f"{path}: not a directory (expected an official DeepSeek-V4 checkpoint)")
     if mesh is not None:
         raise NotImplementedError("multi-device loading (mesh=...) is not implemented yet")
-    cfg, params = load_params(path, progress=progress)
+    cfg, params = load_params(path, progress=progress, quantize_head=quantize_head)
     return Model(cfg, params, dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant,
-                 max_seq_len=max_seq_len, max_batch=max_batch)
+                 max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk)

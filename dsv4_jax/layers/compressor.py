@@ -102,6 +102,10 @@ def compressor_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax
     batch_idx = jnp.broadcast_to(jnp.arange(batch)[:, None], target.shape)
     cache = cache.at[batch_idx, target].set(entries.astype(cache.dtype), mode="drop")
 
+    # Keep pending slots of positions not consumed yet empty, so padding tokens never linger in the state.
+    consumed = (slot_pos < (start + n_valid)[:, None])[..., None]
+    grid_kv = jnp.where(consumed, grid_kv, 0.0)
+    grid_score = jnp.where(consumed, grid_score, -jnp.inf)
     new_base = ((start + n_valid) // c) * c - (coff - 1) * c
     new_state = {"kv": _take_rows(grid_kv, new_base - base, coff * c),
                  "score": _take_rows(grid_score, new_base - base, coff * c)}

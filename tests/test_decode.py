@@ -1,0 +1,199 @@
+"""Decode engine: prefill + one-token steps reproduce the teacher-forced forward, chunked prefill, batches of
+different lengths, the on-device generation loop, no host transfers and no recompilation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv4_jax
+from dsv4_jax import engine, presets
+from dsv4_jax.state import state_bytes
+
+SEQ = 300
+
+
+@pytest.fixture(scope="module")
+def exact_model(tiny_checkpoint):
+    """float32 without the fake-quant roundings, so decode and forward can be compared at float32 precision."""
+    return dsv4_jax.load(tiny_checkpoint[0], dtype="float32", simulate_quant=False, max_seq_len=320, max_batch=2,
+                         prefill_chunk=64)
+
+
+@pytest.fixture(scope="module")
+def exact_forward(exact_model, tiny_tokens):
+    return np.asarray(exact_model.forward(tiny_tokens))[0]
+
+
+def _relative_error(a, b):
+    return np.abs(a - b).max() / np.abs(b).max()
+
+
+def _prefill_then_decode(model, tokens, prompt_len, steps_to):
+    logits, state = model.prefill(tokens[:, :prompt_len])
+    out = [np.asarray(logits)[0]]
+    for p in range(prompt_len, steps_to):
+        logits, state = model.decode(jnp.asarray(tokens[:, p]), state)
+        out.append(np.asarray(logits)[0])
+    return np.stack(out), state
+
+
+@pytest.mark.parametrize("prompt_len", [5, 130])
+def test_prefill_and_decode_match_forward(exact_model, exact_forward, tiny_tokens, prompt_len):
+    """Prompt below / across the 128 window; the steps then cross multiples of 4 and of 128 (HCA entries)."""
+    logits, state = _prefill_then_decode(exact_model, tiny_tokens, prompt_len, SEQ)
+    for i, row in enumerate(logits):
+        pos = prompt_len - 1 + i
+        err = _relative_error(row, exact_forward[pos])
+        assert err < 1e-4, f"position {pos}: relative error {err:.2e} (measured ~2e-6)"
+    assert int(state.positions[0]) == SEQ
+
+
+def test_decode_with_quant_simulation_tracks_forward(tiny_f32, tiny_tokens):
+    """With the FP8/FP4 fake-quant on, a float32 rounding difference can flip one quantization step; the bound
+    is looser (measured max 1.2e-4 relative)."""
+    full = np.asarray(tiny_f32.forward(tiny_tokens))[0]
+    logits, _ = _prefill_then_decode(tiny_f32, tiny_tokens, 64, 200)
+    errs = [_relative_error(row, full[63 + i]) for i, row in enumerate(logits)]
+    assert max(errs) < 2e-3, f"max relative error {max(errs):.2e}"
+    assert (logits.argmax(-1) == full[63:200].argmax(-1)).all()
+
+
+def test_chunked_prefill_equals_one_shot(tiny_checkpoint, exact_model, tiny_tokens):
+    one_shot = dsv4_jax.load(tiny_checkpoint[0], dtype="float32", simulate_quant=False, max_seq_len=320,
+                             prefill_chunk=512)
+    logits_a, state_a = one_shot.prefill(tiny_tokens[:, :200])
+    logits_b, state_b = exact_model.prefill(tiny_tokens[:, :200])          # internal chunks of 64
+    # and in uneven pieces given by the caller: 3 + 61 + 136 tokens
+    logits_c, state_c = exact_model.prefill(tiny_tokens[:, :3])
+    logits_c, state_c = exact_model.prefill(tiny_tokens[:, 3:64], state=state_c)
+    logits_c, state_c = exact_model.prefill(tiny_tokens[:, 64:200], state=state_c)
+    for logits, state in ((logits_b, state_b), (logits_c, state_c)):
+        assert _relative_error(np.asarray(logits), np.asarray(logits_a)) < 1e-5
+        for a, b in zip(jax.tree_util.tree_leaves(state_a), jax.tree_util.tree_leaves(state)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_of_different_lengths_equals_each_alone(exact_model, tiny_tokens):
+    rng = np.random.default_rng(7)
+    other = rng.integers(0, exact_model.config.vocab_size, (1, SEQ)).astype(np.int32)
+    lengths = [37, 150]
+    batch = np.zeros((2, 150), np.int32)
+    batch[0, :37] = tiny_tokens[0, :37]
+    batch[1] = other[0, :150]
+    logits, state = exact_model.prefill(batch, lengths=lengths)
+    together = [np.asarray(logits)]
+    for step in range(12):
+        nxt = np.array([tiny_tokens[0, 37 + step], other[0, 150 + step]], np.int32)
+        logits, state = exact_model.decode(jnp.asarray(nxt), state)
+        together.append(np.asarray(logits))
+    together = np.stack(together, axis=1)                              # [2, 13, V]
+    for b, (seq, length) in enumerate(((tiny_tokens, 37), (other, 150))):
+        alone, _ = _prefill_then_decode(exact_model, seq, length, length + 12)
+        assert _relative_error(together[b], alone) < 1e-5, f"sequence {b}"
+
+
+def test_greedy_generate_equals_stepwise_argmax(tiny_f32, tiny_tokens):
+    prompt = tiny_tokens[0, :20].tolist()
+    result = tiny_f32.generate([prompt], max_new_tokens=40, temperature=0.0, chunk=16)
+    logits, state = tiny_f32.prefill(np.array([prompt], np.int32))
+    expected = []
+    for _ in range(40):
+        token = int(np.argmax(np.asarray(logits)[0]))
+        expected.append(token)
+        if token == tiny_f32.config.eos_token_id:
+            break
+        logits, state = tiny_f32.decode(jnp.asarray([token], jnp.int32), state)
+    assert result.tokens[0] == expected
+    assert result.finish_reasons == ["length" if len(expected) == 40 else "stop"]
+
+
+def test_generate_streams_chunks_and_stops_on_stop_tokens(tiny_f32, tiny_tokens):
+    prompt = tiny_tokens[0, :20].tolist()
+    free = tiny_f32.generate([prompt], max_new_tokens=30, chunk=8).tokens[0]
+    stop = free[10]
+    seen = []
+    result = tiny_f32.generate([prompt], max_new_tokens=30, chunk=8, stop_tokens=[stop], stream=seen.append)
+    first = free.index(stop)
+    assert result.tokens[0] == free[:first + 1]
+    assert result.finish_reasons == ["stop"]
+    assert sum((chunk[0] for chunk in seen), []) == result.tokens[0]
+    assert len(seen) >= 2   # the first token, then chunks
+
+
+def test_sampling_options(tiny_f32, tiny_tokens):
+    prompt = [tiny_tokens[0, :10].tolist()]
+    greedy = tiny_f32.generate(prompt, max_new_tokens=12).tokens
+    assert tiny_f32.generate(prompt, max_new_tokens=12, temperature=0.8, top_k=1).tokens == greedy
+    a = tiny_f32.generate(prompt, max_new_tokens=12, temperature=1.0, seed=3).tokens
+    b = tiny_f32.generate(prompt, max_new_tokens=12, temperature=1.0, seed=3).tokens
+    c = tiny_f32.generate(prompt, max_new_tokens=12, temperature=1.0, seed=4).tokens
+    assert a == b and a != c
+
+
+def test_sample_respects_top_k_and_top_p():
+    from dsv4_jax.sampling import sample
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(1, 50)), jnp.float32)
+    order = np.argsort(-np.asarray(logits[0]))
+    probs = np.asarray(jax.nn.softmax(logits[0]))[order]
+    nucleus = order[: int(np.searchsorted(np.cumsum(probs), 0.5) + 1)]
+    top_k, top_p = set(), set()
+    for i in range(300):
+        key = jax.random.PRNGKey(i)
+        top_k.add(int(sample(logits, key, jnp.float32(1.0), jnp.int32(3), jnp.float32(1.0))[0]))
+        top_p.add(int(sample(logits, key, jnp.float32(1.0), jnp.int32(0), jnp.float32(0.5))[0]))
+    assert top_k == set(order[:3].tolist())
+    assert top_p == set(nucleus.tolist())
+
+
+def test_generate_rejects_bad_requests(tiny_f32):
+    with pytest.raises(ValueError, match="exceeds max_seq_len=320"):
+        tiny_f32.generate([[1] * 300], max_new_tokens=21)
+    with pytest.raises(ValueError, match="temperature"):
+        tiny_f32.generate([[1, 2]], temperature=float("nan"))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        tiny_f32.generate([[1, 2]], max_new_tokens=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        tiny_f32.generate([[1, 2]], top_p=0.0)
+    with pytest.raises(ValueError, match="token ids"):
+        tiny_f32.prefill(np.array([[1, 10**6]]))
+    with pytest.raises(ValueError, match="exceed max_seq_len"):
+        tiny_f32.prefill(np.ones((1, 321), np.int32))
+
+
+def test_decode_and_generate_never_touch_the_host(tiny_f32, tiny_tokens):
+    logits, state = tiny_f32.prefill(tiny_tokens[:, :9])
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    _, state = tiny_f32.decode(token, state)                     # compile outside the guard
+    sp = engine.SamplingParams(jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0), jnp.full((1,), 50, jnp.int32),
+                               jnp.asarray([1], jnp.int32))
+    kwargs = dict(cfg=tiny_f32.config, opts=tiny_f32.options, max_seq_len=tiny_f32.max_seq_len, chunk=8)
+    gen = engine.first_generation_state(tiny_f32.prefill(tiny_tokens[:, :9])[1], logits, jax.random.PRNGKey(0), sp)
+    out, gen = engine.generate_chunk(tiny_f32.params, gen, sp, **kwargs)
+    with jax.transfer_guard("disallow"):
+        for _ in range(3):
+            _, state = tiny_f32.decode(token, state)
+        out, gen = engine.generate_chunk(tiny_f32.params, gen, sp, **kwargs)
+        out, gen = engine.generate_chunk(tiny_f32.params, gen, sp, **kwargs)
+    assert out.shape == (1, 8)
+
+
+def test_decode_compiles_once(tiny_f32, tiny_tokens):
+    _, state = tiny_f32.prefill(tiny_tokens[:, :9])
+    token = jnp.asarray([5], jnp.int32)
+    _, state = tiny_f32.decode(token, state)
+    compiled = engine.decode_step._cache_size()
+    for _ in range(6):    # positions 10..15 cross a ratio-4 boundary
+        _, state = tiny_f32.decode(token, state)
+    assert engine.decode_step._cache_size() == compiled
+
+
+def test_state_bytes_flash_at_one_million_tokens():
+    """Spec 5.1: bf16 caches take 21 CSA x (512 + 128) x 2 / 4 + 20 HCA x 512 x 2 / 128 = 6,880 bytes per token;
+    the rings and compressor pending state add a constant."""
+    n = 1 << 20
+    total = state_bytes(presets.flash(), 1, n)
+    per_token = 21 * (512 + 128) * 2 / 4 + 20 * 512 * 2 / 128
+    assert per_token == 6880
+    constant = total - per_token * n
+    assert 0 < constant < 0.01 * total, f"{total / 2**30:.2f} GiB"
