@@ -19,6 +19,9 @@ from .model import RunOptions
 from .state import DecodeState, init_state, state_bytes
 
 
+_init_state_jit = jax.jit(init_state, static_argnums=(0, 1, 2, 3))   # one program instead of many small ops
+
+
 @dataclasses.dataclass
 class GenerationResult:
     tokens: list[list[int]]          # generated ids per prompt (stop token included when hit)
@@ -27,7 +30,8 @@ class GenerationResult:
 
 class Model:
     def __init__(self, cfg: ModelConfig, params, *, dtype: str = "bfloat16", simulate_quant: bool = True,
-                 act_quant: str = "none", max_seq_len: int = 4096, max_batch: int = 1, prefill_chunk: int = 512):
+                 act_quant: str = "none", max_seq_len: int = 4096, max_batch: int = 1, prefill_chunk: int = 512,
+                 track_mtp: bool = False):
         self.config = cfg
         self.params = params
         self.options = RunOptions(dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant)
@@ -37,6 +41,8 @@ class Model:
         self.max_seq_len = max_seq_len
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        # Keep the MTP block's window current during prefill/decode (one extra block per step), for drafts.
+        self.track_mtp = bool(track_mtp) and cfg.n_mtp_layers > 0
 
     # ---- validation ---------------------------------------------------------------------------------------
     def _check_tokens(self, tokens, ndim: int, what: str) -> np.ndarray:
@@ -71,7 +77,7 @@ class Model:
     def init_state(self, batch: int | None = None) -> DecodeState:
         batch = self.max_batch if batch is None else batch
         self._check_batch(batch)
-        return init_state(self.config, batch, self.max_seq_len, self.options.jnp_dtype)
+        return _init_state_jit(self.config, batch, self.max_seq_len, self.options.jnp_dtype)
 
     def state_bytes(self, batch: int | None = None) -> int:
         return state_bytes(self.config, self.max_batch if batch is None else batch, self.max_seq_len,
@@ -101,7 +107,8 @@ class Model:
             b = int(np.argmax(too_long))
             raise ValueError(f"sequence {b}: {int(consumed[b] + lengths[b])} tokens exceed max_seq_len="
                              f"{self.max_seq_len}")
-        chunk = min(self.prefill_chunk, seq) if seq else 1
+        # Chunks are padded to a power of two so prompts of many lengths share a few compiled programs.
+        chunk = min(self.prefill_chunk, 1 << max(seq - 1, 0).bit_length())
         n_chunks = max(1, -(-seq // chunk))
         padded = np.zeros((batch, n_chunks * chunk), np.int32)
         padded[:, :seq] = tokens
@@ -109,7 +116,8 @@ class Model:
         for k in range(n_chunks):
             n_valid = np.clip(lengths - k * chunk, 0, chunk).astype(np.int32)
             logits, state = engine.prefill_chunk(self.params, state, jnp.asarray(padded[:, k * chunk:(k + 1) * chunk]),
-                                                 jnp.asarray(n_valid), logits, cfg=self.config, opts=self.options)
+                                                 jnp.asarray(n_valid), logits, cfg=self.config, opts=self.options,
+                                                 track_mtp=self.track_mtp)
         return logits, state
 
     def decode(self, tokens, state: DecodeState):
@@ -117,7 +125,16 @@ class Model:
         if not isinstance(tokens, jax.Array):
             tokens = jnp.asarray(self._check_tokens(tokens, 1, "tokens"))
         return engine.decode_step(self.params, state, tokens, cfg=self.config, opts=self.options,
-                                  max_seq_len=self.max_seq_len)
+                                  max_seq_len=self.max_seq_len, track_mtp=self.track_mtp)
+
+    def mtp_draft(self, next_tokens, state: DecodeState) -> jax.Array:
+        """MTP draft logits [B, V] for the token after `next_tokens` [B] (the tokens following each sequence's last
+        consumed position); the state is not changed. Needs a model made with track_mtp=True."""
+        if not self.track_mtp:
+            raise ValueError("mtp_draft needs a model created with track_mtp=True (and a config with an MTP block)")
+        if not isinstance(next_tokens, jax.Array):
+            next_tokens = jnp.asarray(self._check_tokens(next_tokens, 1, "next_tokens"))
+        return engine.mtp_draft(self.params, state, next_tokens, cfg=self.config, opts=self.options)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_tokens: Sequence[int] | None = None,
@@ -170,7 +187,8 @@ class Model:
             out = None
             if not all(finished):
                 out, gen = engine.generate_chunk(self.params, gen, sp, cfg=self.config, opts=self.options,
-                                                 max_seq_len=self.max_seq_len, chunk=chunk)
+                                                 max_seq_len=self.max_seq_len, chunk=chunk,
+                                                 track_mtp=self.track_mtp)
             drain(pending)
             pending = out
         reasons = ["stop" if (o and o[-1] in stops) else "length" for o in outputs]

@@ -4,22 +4,31 @@ the weight description, and assembly of the parameter tree with every weight kep
 We parse safetensors ourselves because the format is tiny (8-byte header length, JSON header, raw bytes) and the
 stock numpy loader has no story for F8_E8M0 or packed FP4; E8M0 bytes stay uint8 and are decoded as 2^(b-127)
 only inside the matmul.
+
+Routed experts come in either of two layouts, detected per expert stack (one layer's w1, w2 or w3) from the tensors
+present: DeepSeek's MXFP4 (`weight` I8 + `scale` F8_E8M0 per 32) or NVIDIA's NVFP4 (spec 6.6: `weight` U8,
+`weight_scale` F8_E4M3 per 16, `weight_scale_2` F32 scalar, optional `input_scale` F32 scalar). An
+`hf_quant_config.json`, when present, is cross-checked against the tensors. Either way the bytes go to the
+device as stored (Mxfp4Weight / Nvfp4Weight); nothing is dequantized or requantized.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import struct
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig, load_hf_config
-from .params import disk_tensor_specs, expert_disk_names, tree_set, weight_specs
-from .quant.formats import Fp8BlockWeight, Mxfp4Weight
+from .params import WeightSpec, disk_tensor_specs, expert_disk_names, tree_set, weight_specs
+from .quant.formats import MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
 # safetensors dtype -> numpy dtype of the raw storage
 STORAGE_DTYPES = {
@@ -45,7 +54,7 @@ class SafetensorsFile:
         except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as err:
             raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from None
         self.data_start = 8 + header_len
-        header.pop("__metadata__", None)
+        self.metadata = header.pop("__metadata__", None)
         self.entries = header
         self._map = None
 
@@ -56,14 +65,22 @@ class SafetensorsFile:
         entry = self.entries[name]
         return entry["dtype"], tuple(entry["shape"])
 
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as stored (uint8, memory-mapped)."""
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        begin, end = self.entries[name]["data_offsets"]
+        return self._map[self.data_start + begin:self.data_start + end]
+
     def read(self, name: str) -> np.ndarray:
         dtype, shape = self.info(name)
         if dtype not in STORAGE_DTYPES:
             raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {dtype}")
-        if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        begin, end = self.entries[name]["data_offsets"]
-        raw = self._map[self.data_start + begin:self.data_start + end]
+        raw = self.raw(name)
+        expected = math.prod(shape) * np.dtype(STORAGE_DTYPES[dtype]).itemsize
+        if raw.size != expected:
+            raise CheckpointError(f"{self.path}: tensor {name} holds {raw.size} bytes, {dtype} {list(shape)} "
+                                  f"needs {expected}")
         return raw.view(STORAGE_DTYPES[dtype]).reshape(shape)
 
 
@@ -93,33 +110,187 @@ def open_checkpoint(directory: str) -> dict[str, SafetensorsFile]:
     return by_name
 
 
-def detect_expert_format(names) -> str:
-    return "nvfp4" if any(n.endswith(".weight_scale_2") for n in names) else "mxfp4"
+# ---- expert formats -----------------------------------------------------------------------------------------
+
+EXPERT_FORMATS = ("mxfp4", "nvfp4")
+QUANT_CONFIG = "hf_quant_config.json"
+_EXPERT_MODULE = re.compile(r"^(?:model\.)?((?:layers|mtp)\.\d+\.ffn\.experts)(?:\.(\d+)\.(w[123]))?$")
 
 
-def validate(cfg: ModelConfig, tensors: dict[str, SafetensorsFile], expert_format: str) -> None:
-    expected = disk_tensor_specs(cfg, expert_format)
+def _expert_stacks(cfg: ModelConfig) -> list[WeightSpec]:
+    return [spec for spec in weight_specs(cfg) if spec.fmt == "fp4"]
+
+
+def _stem(name: str) -> str:
+    return name[:-len("weight")]
+
+
+def _stack_format(spec: WeightSpec, tensors) -> str:
+    """'nvfp4' or 'mxfp4' for one stack, uniform over its experts (absent tensors count as MXFP4; validation
+    then names what is missing)."""
+    formats = []
+    for e in range(spec.shape[0]):
+        stem = _stem(expert_disk_names(spec, e))
+        formats.append("nvfp4" if (stem + "weight_scale_2") in tensors or (stem + "weight_scale") in tensors
+                       else "mxfp4")
+    if len(set(formats)) > 1:
+        odd = formats.index("nvfp4" if formats[0] == "mxfp4" else "mxfp4")
+        raise CheckpointError(f"{expert_disk_names(spec, odd)}: {formats[odd].upper()} tensors, but expert 0 of "
+                              f"this layer is {formats[0].upper()} (a layer's experts must share one format)")
+    return formats[0]
+
+
+def read_quant_config(directory: str) -> dict | None:
+    path = os.path.join(directory, QUANT_CONFIG)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            qc = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not readable JSON ({err})") from None
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return qc
+
+
+def _declared_nvfp4(qc: dict, directory: str) -> set[str]:
+    """Expert stacks ('layers.L.ffn.experts.w1.weight' ...) that hf_quant_config.json declares NVFP4. Rejects
+    algorithms and block sizes this loader cannot honour; keys it does not recognise are left to the tensors."""
+    where = os.path.join(directory, QUANT_CONFIG)
+    top = qc.get("quantization", qc)
+    algo = top.get("quant_algo")
+    if algo == "NVFP4":
+        group = top.get("group_size", NVFP4_BLOCK)
+        if group != NVFP4_BLOCK:
+            raise CheckpointError(f"{where}: NVFP4 group_size {group}, only {NVFP4_BLOCK} is supported")
+        return set()
+    if algo not in (None, "MIXED_PRECISION"):
+        raise CheckpointError(f"{where}: quant_algo {algo!r} is not supported (expected NVFP4 routed experts, "
+                              f"'MIXED_PRECISION' or 'NVFP4')")
+    declared = set()
+    for key, entry in (top.get("quantized_layers") or {}).items():
+        if not isinstance(entry, dict) or entry.get("quant_algo") != "NVFP4":
+            continue
+        group = entry.get("group_size", entry.get("awq_block_size", NVFP4_BLOCK))
+        if group != NVFP4_BLOCK:
+            raise CheckpointError(f"{where}: {key} has NVFP4 group size {group}, only {NVFP4_BLOCK} is supported")
+        match = _EXPERT_MODULE.match(key)
+        if match is None:
+            if re.match(r"^(?:model\.)?(?:layers|mtp)\.\d+\.", key):
+                raise CheckpointError(f"{where}: declares {key} NVFP4; only routed experts may be NVFP4")
+            continue
+        module, _, proj = match.groups()
+        for p in ((proj,) if proj else ("w1", "w2", "w3")):
+            declared.add(f"{module}.{p}.weight")
+    return declared
+
+
+def detect_expert_formats(cfg: ModelConfig, tensors, directory: str | None = None) -> dict[str, str]:
+    """Expert stack name ('layers.L.ffn.experts.wN.weight') -> 'mxfp4' or 'nvfp4', from the tensors present,
+    cross-checked against hf_quant_config.json when the directory has one."""
+    packed = [n for n in tensors if n.endswith((".weight_packed", ".weight_global_scale"))]
+    if packed:
+        raise CheckpointError(f"tensor {packed[0]}: compressed-tensors NVFP4 layout is not supported (expected "
+                              f"NVIDIA ModelOpt names weight / weight_scale / weight_scale_2)")
+    formats = {spec.name: _stack_format(spec, tensors) for spec in _expert_stacks(cfg)}
+    qc = read_quant_config(directory) if directory else None
+    if qc is not None:
+        for name in sorted(_declared_nvfp4(qc, directory)):
+            if formats.get(name, "nvfp4") != "nvfp4":
+                raise CheckpointError(f"{QUANT_CONFIG} declares {name.rsplit('.', 2)[0]} NVFP4 but the checkpoint "
+                                      f"stores MXFP4 tensors ({_stem(name.replace('.experts.', '.experts.0.'))}"
+                                      f"scale)")
+    return formats
+
+
+def expected_tensors(cfg: ModelConfig, formats: dict[str, str], tensors=()) -> dict[str, tuple[tuple, tuple]]:
+    """name -> (allowed safetensors dtypes, shape) for a checkpoint with the given per-stack expert formats.
+    An NVFP4 stack's `input_scale` is expected iff expert 0 of that stack has one."""
+    out = {name: ((dtype,), shape) for name, (dtype, shape) in disk_tensor_specs(cfg, "mxfp4").items()
+           if ".experts." not in name}
+    for spec in _expert_stacks(cfg):
+        n_exp, rows, cols = spec.shape
+        nvfp4 = formats[spec.name] == "nvfp4"
+        with_input_scale = nvfp4 and (_stem(expert_disk_names(spec, 0)) + "input_scale") in tensors
+        for e in range(n_exp):
+            name = expert_disk_names(spec, e)
+            stem = _stem(name)
+            if nvfp4:
+                out[name] = (("U8", "I8"), (rows, cols // 2))
+                out[stem + "weight_scale"] = (("F8_E4M3",), (rows, cols // NVFP4_BLOCK))
+                out[stem + "weight_scale_2"] = (("F32",), ())
+                if with_input_scale:
+                    out[stem + "input_scale"] = (("F32",), ())
+            else:
+                out[name] = (("I8",), (rows, cols // 2))
+                out[stem + "scale"] = (("F8_E8M0",), (rows, cols // MXFP4_BLOCK))
+    return out
+
+
+def validate(cfg: ModelConfig, tensors: dict[str, SafetensorsFile], formats: dict[str, str] | str) -> None:
+    if isinstance(formats, str):
+        formats = {spec.name: formats if not (formats == "nvfp4" and spec.name.startswith("mtp.")) else "mxfp4"
+                   for spec in _expert_stacks(cfg)}
+    expected = expected_tensors(cfg, formats, tensors)
     missing = sorted(set(expected) - set(tensors))
     if missing:
-        raise CheckpointError(f"missing tensor {missing[0]} (expected {expected[missing[0]][0]} "
-                              f"{list(expected[missing[0]][1])}; {len(missing)} missing in all)")
+        dtypes, shape = expected[missing[0]]
+        raise CheckpointError(f"missing tensor {missing[0]} (expected {dtypes[0]} {list(shape)}; "
+                              f"{len(missing)} missing in all)")
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise CheckpointError(f"unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected in all)")
-    for name, (dtype, shape) in expected.items():
-        found = tensors[name].info(name)
-        if found != (dtype, shape):
-            raise CheckpointError(f"tensor {name}: expected {dtype} {list(shape)}, found {found[0]} {list(found[1])}")
+    for name, (dtypes, shape) in expected.items():
+        found_dtype, found_shape = tensors[name].info(name)
+        if shape == () and found_shape == (1,):        # a scalar stored as [1] is the same value
+            found_shape = ()
+        if found_dtype not in dtypes or found_shape != shape:
+            raise CheckpointError(f"tensor {name}: expected {dtypes[0]} {list(shape)}, found {found_dtype} "
+                                  f"{list(found_shape)}")
 
 
-def load_params(directory: str, progress: Callable[[int, int], None] | None = None):
-    """Read an official checkpoint directory. Returns (config, parameter tree with stored formats)."""
+def _positive_scalars(names: list[str], read) -> np.ndarray:
+    values = np.array([float(read(n).reshape(())) for n in names], np.float32)
+    bad = np.flatnonzero(~(np.isfinite(values) & (values > 0)))
+    if bad.size:
+        raise CheckpointError(f"tensor {names[bad[0]]}: expected a finite positive scale, found {values[bad[0]]}")
+    return values
+
+
+def _read_experts(spec: WeightSpec, fmt: str, tensors, read):
+    names = [expert_disk_names(spec, e) for e in range(spec.shape[0])]
+    stems = [_stem(n) for n in names]
+    packed = jnp.asarray(np.stack([read(n).view(np.uint8) for n in names]))
+    if fmt == "mxfp4":
+        return Mxfp4Weight(packed, jnp.asarray(np.stack([read(s + "scale") for s in stems])))
+    input_scale = None
+    if stems[0] + "input_scale" in tensors:
+        input_scale = jnp.asarray(_positive_scalars([s + "input_scale" for s in stems], read))
+    return Nvfp4Weight(packed, jnp.asarray(np.stack([read(s + "weight_scale") for s in stems])),
+                       jnp.asarray(_positive_scalars([s + "weight_scale_2" for s in stems], read)), input_scale)
+
+
+def quantize_head_to_nvfp4(params: dict) -> dict:
+    """Replace the bf16 lm_head by NVFP4 (standard recipe, on device) and free the bf16 copy. The router gate
+    and every other weight are left alone. Returns the same tree."""
+    from .quant.nvfp4 import quantize_nvfp4
+    head = params["head"]["weight"]
+    if not isinstance(head, jax.Array | np.ndarray):
+        raise ValueError(f"quantize_head: the head is already {type(head).__name__}, expected a bf16 array")
+    head = jnp.asarray(head)
+    params["head"]["weight"] = jax.jit(quantize_nvfp4)(head)
+    head.delete()
+    return params
+
+
+def load_params(directory: str, progress: Callable[[int, int], None] | None = None, quantize_head: bool = False):
+    """Read an official checkpoint directory (MXFP4 or NVFP4 experts). Returns (config, parameter tree with
+    stored formats). `quantize_head` turns the bf16 lm_head into NVFP4 once, on device."""
     cfg = load_hf_config(directory)
     tensors = open_checkpoint(directory)
-    expert_format = detect_expert_format(tensors)
-    if expert_format == "nvfp4":
-        raise NotImplementedError("NVFP4 expert checkpoints are not supported yet")
-    validate(cfg, tensors, expert_format)
+    formats = detect_expert_formats(cfg, tensors, directory)
+    validate(cfg, tensors, formats)
 
     def read(name):
         return tensors[name].read(name)
@@ -137,10 +308,52 @@ def load_params(directory: str, progress: Callable[[int, int], None] | None = No
         elif spec.fmt == "fp8":
             value = Fp8BlockWeight(jnp.asarray(read(spec.name)), jnp.asarray(read(spec.name[:-6] + "scale")))
         else:
-            names = [expert_disk_names(spec, e) for e in range(spec.shape[0])]
-            value = Mxfp4Weight(jnp.asarray(np.stack([read(n) for n in names])),
-                                jnp.asarray(np.stack([read(n[:-6] + "scale") for n in names])))
+            value = _read_experts(spec, formats[spec.name], tensors, read)
         tree_set(tree, spec.name, value)
         if progress is not None:
             progress(done + 1, len(specs))
+    if quantize_head:
+        tree = quantize_head_to_nvfp4(tree)
     return cfg, tree
+
+
+# ---- writing ------------------------------------------------------------------------------------------------
+
+SAFETENSORS_DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                      "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "BOOL": 1}
+
+
+def write_safetensors(path: str, tensors: dict[str, tuple], metadata: dict | None = None) -> int:
+    """Write one .safetensors file, tensors in the given order, streaming each one's bytes (memory-mapped sources
+    are never loaded whole). Values are (safetensors dtype, array) -- the array gives shape and bytes, its itemsize
+    must match the dtype -- or (safetensors dtype, shape, raw uint8 bytes) for a byte-for-byte copy.
+    Returns the number of data bytes."""
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    blobs = []
+    for name, value in tensors.items():
+        dtype = value[0]
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name}: unknown safetensors dtype {dtype}")
+        if len(value) == 3:
+            shape, blob = tuple(value[1]), np.ascontiguousarray(value[2]).reshape(-1).view(np.uint8)
+        else:
+            arr = np.asarray(value[1])       # (np.ascontiguousarray would turn a scalar [] into [1])
+            if arr.dtype.itemsize != SAFETENSORS_DTYPES[dtype] or arr.dtype.byteorder == ">":
+                raise ValueError(f"tensor {name}: {arr.dtype} items cannot be stored as {dtype}")
+            shape, blob = arr.shape, np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        if blob.size != SAFETENSORS_DTYPES[dtype] * math.prod(shape):
+            raise ValueError(f"tensor {name}: {blob.size} bytes do not hold {dtype} {list(shape)}")
+        header[name] = {"dtype": dtype, "shape": [int(d) for d in shape], "data_offsets": [offset, offset + blob.size]}
+        offset += blob.size
+        blobs.append(blob)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)        # 8-byte aligned data section
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for blob in blobs:
+            f.write(blob.data)
+    return offset

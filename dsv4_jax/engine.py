@@ -13,15 +13,49 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .model import RunOptions, backbone, head_logits, mtp_block
+from .model import RunOptions, backbone, head_logits, mtp_block, mtp_streams
 from .sampling import sample
 from .state import DecodeState, init_state
 
 
-def _run_chunk(params, cfg: ModelConfig, opts: RunOptions, state: DecodeState, tokens, n_valid):
+def _run_chunk(params, cfg: ModelConfig, opts: RunOptions, state: DecodeState, tokens, n_valid,
+               track_mtp: bool = False):
+    """Consume tokens [B, S] (the first n_valid[b] real) at each sequence's position. Returns (final streams
+    X [B, S, n, D], state). With `track_mtp` the MTP block's window is updated too (see `_mtp_window_update`)."""
     start = state.positions
     X, layers = backbone(params, cfg, opts, tokens, start, n_valid, state.layers)
-    return X, state.replace(layers=layers, positions=start + n_valid)
+    new_state = state.replace(layers=layers, positions=start + n_valid)
+    if track_mtp and cfg.n_mtp_layers:
+        new_state = new_state.replace(mtp=[_mtp_window_update(params, cfg, opts, state, X, tokens, n_valid)])
+    last = jnp.take_along_axis(X, jnp.maximum(n_valid - 1, 0)[:, None, None, None], axis=1)[:, 0]
+    hidden = jnp.where((n_valid > 0)[:, None, None], last.astype(state.mtp_hidden.dtype), state.mtp_hidden)
+    return X, new_state.replace(mtp_hidden=hidden)
+
+
+def _mtp_window_update(params, cfg, opts, state, X, tokens, n_valid):
+    """The MTP block at position q reads the main streams of q and the token at q+1, so its window runs one
+    position behind the backbone: a chunk at positions start..start+S-1 feeds MTP positions start-1..start+S-2
+    (0..S-2 for a fresh sequence), using the streams saved from the previous chunk for position start-1."""
+    seq = tokens.shape[1]
+    fresh = (state.positions == 0).astype(jnp.int32)
+    idx = jnp.arange(seq, dtype=jnp.int32)[None, :] + fresh[:, None]       # element i -> position start-1+i+fresh
+    streams = jnp.concatenate([state.mtp_hidden[:, None].astype(X.dtype), X], axis=1)
+    mtp_X = jnp.take_along_axis(streams, idx[:, :, None, None], axis=1)
+    next_tokens = jnp.take_along_axis(tokens, jnp.minimum(idx, seq - 1), axis=1)
+    _, cache = mtp_streams(params, cfg, opts, mtp_X, next_tokens, state.positions - 1 + fresh,
+                           jnp.maximum(n_valid - fresh, 0), state.mtp[0])
+    return cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts"))
+def mtp_draft(params, state: DecodeState, next_tokens, *, cfg: ModelConfig, opts: RunOptions):
+    """Draft logits [B, V] for the token after `next_tokens` [B] (the tokens that follow each sequence's last
+    consumed position p): the MTP block at p reads the main streams of p and next_tokens and predicts p+2.
+    Needs a state built with track_mtp; the state itself is left unchanged."""
+    ones = jnp.ones_like(state.positions)
+    X, _ = mtp_streams(params, cfg, opts, state.mtp_hidden[:, None], next_tokens[:, None], state.positions - 1,
+                       ones, state.mtp[0])
+    return head_logits(params, params["mtp"][0], cfg, X)[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts"))
@@ -45,30 +79,31 @@ def forward_mtp(params, tokens, next_tokens, *, cfg: ModelConfig, opts: RunOptio
     return logits
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "track_mtp"), donate_argnames=("state",))
 def prefill_chunk(params, state: DecodeState, tokens, n_valid, last_logits, *, cfg: ModelConfig,
-                  opts: RunOptions):
+                  opts: RunOptions, track_mtp: bool = False):
     """Consume tokens [B, C] (the first n_valid[b] real) at each sequence's current position. Returns
     (logits of each row's last real token in this chunk, or `last_logits` where the row had none; state)."""
-    X, state = _run_chunk(params, cfg, opts, state, tokens, n_valid)
+    X, state = _run_chunk(params, cfg, opts, state, tokens, n_valid, track_mtp)
     last = jnp.maximum(n_valid - 1, 0)
     X_last = jnp.take_along_axis(X, last[:, None, None, None], axis=1)
     logits = head_logits(params, params, cfg, X_last)[:, 0]
     return jnp.where((n_valid > 0)[:, None], logits, last_logits), state
 
 
-def _decode(params, state, tokens, active, cfg, opts, max_seq_len):
-    X, new_state = _run_chunk(params, cfg, opts, state, tokens[:, None], active.astype(jnp.int32))
+def _decode(params, state, tokens, active, cfg, opts, max_seq_len, track_mtp):
+    X, new_state = _run_chunk(params, cfg, opts, state, tokens[:, None], active.astype(jnp.int32), track_mtp)
     logits = head_logits(params, params, cfg, X)[:, 0]
     # Past the buffers' capacity the caches would be wrong: say so with NaN rather than a plausible token.
     overflow = state.positions >= max_seq_len
     return jnp.where(overflow[:, None], jnp.nan, logits), new_state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "max_seq_len"), donate_argnames=("state",))
-def decode_step(params, state: DecodeState, tokens, *, cfg: ModelConfig, opts: RunOptions, max_seq_len: int):
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "max_seq_len", "track_mtp"), donate_argnames=("state",))
+def decode_step(params, state: DecodeState, tokens, *, cfg: ModelConfig, opts: RunOptions, max_seq_len: int,
+                track_mtp: bool = False):
     """One token per sequence: tokens [B] -> (logits [B, V] float32, state)."""
-    return _decode(params, state, tokens, jnp.ones(tokens.shape, bool), cfg, opts, max_seq_len)
+    return _decode(params, state, tokens, jnp.ones(tokens.shape, bool), cfg, opts, max_seq_len, track_mtp)
 
 
 @flax.struct.dataclass
@@ -89,6 +124,7 @@ class SamplingParams:
     stop_tokens: jax.Array      # [n_stop] int32 (padded with -1)
 
 
+@functools.partial(jax.jit, donate_argnames=("state",))
 def first_generation_state(state: DecodeState, logits, key, sp: SamplingParams) -> GenerationState:
     """Sample the first new token from the prefill logits."""
     key, sub = jax.random.split(key)
@@ -97,9 +133,10 @@ def first_generation_state(state: DecodeState, logits, key, sp: SamplingParams) 
     return GenerationState(state, token, jnp.ones_like(token), done, key)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "max_seq_len", "chunk"), donate_argnames=("gen",))
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "max_seq_len", "chunk", "track_mtp"),
+                   donate_argnames=("gen",))
 def generate_chunk(params, gen: GenerationState, sp: SamplingParams, *, cfg: ModelConfig, opts: RunOptions,
-                   max_seq_len: int, chunk: int):
+                   max_seq_len: int, chunk: int, track_mtp: bool = False):
     """Up to `chunk` decode steps in one `lax.while_loop`, stopping early once every sequence is done.
     Returns (tokens [B, chunk] with -1 where nothing was produced, gen)."""
     batch = gen.last_token.shape[0]
@@ -112,7 +149,7 @@ def generate_chunk(params, gen: GenerationState, sp: SamplingParams, *, cfg: Mod
     def body(carry):
         i, gen, out = carry
         active = ~gen.done
-        logits, decode = _decode(params, gen.decode, gen.last_token, active, cfg, opts, max_seq_len)
+        logits, decode = _decode(params, gen.decode, gen.last_token, active, cfg, opts, max_seq_len, track_mtp)
         key, sub = jax.random.split(gen.key)
         token = sample(logits, sub, sp.temperature, sp.top_k, sp.top_p)
         token = jnp.where(active, token, -1)

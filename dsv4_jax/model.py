@@ -19,9 +19,9 @@ from .layers.moe import moe
 from .layers.norm import rms_norm
 from .layers.rope import rope_inv_freq
 from .quant import linear
+from .quant.linear import ACT_QUANT_MODES
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-ACT_QUANT_MODES = ("none", "fp8", "nvfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +36,6 @@ class RunOptions:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.act_quant not in ACT_QUANT_MODES:
             raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, got {self.act_quant!r}")
-        if self.act_quant != "none":
-            raise NotImplementedError(f"act_quant={self.act_quant!r} is not implemented yet; use 'none'")
 
     @property
     def jnp_dtype(self):
@@ -51,11 +49,11 @@ def block(params: dict, cfg: ModelConfig, opts: RunOptions, layer: int, X: jax.A
     u, post, comb = hc_pre(X, params["hc_attn_fn"], params["hc_attn_base"], params["hc_attn_scale"], cfg)
     x = rms_norm(u, params["attn_norm"]["weight"], cfg.norm_eps)
     y, cache = attention(params["attn"], cfg, ratio, x, start, n_valid, cache, rope_inv_freq(cfg, ratio),
-                         opts.simulate_quant)
+                         opts.simulate_quant, act_quant=opts.act_quant)
     X = hc_post(y, X, post, comb)
     u, post, comb = hc_pre(X, params["hc_ffn_fn"], params["hc_ffn_base"], params["hc_ffn_scale"], cfg)
     x = rms_norm(u, params["ffn_norm"]["weight"], cfg.norm_eps)
-    y = moe(params["ffn"], cfg, x, token_ids, hash_routed=cfg.is_hash_layer(layer))
+    y = moe(params["ffn"], cfg, x, token_ids, hash_routed=cfg.is_hash_layer(layer), act_quant=opts.act_quant)
     return hc_post(y, X, post, comb), cache
 
 
@@ -84,14 +82,21 @@ def head_logits(params: dict, head_params: dict, cfg: ModelConfig, X: jax.Array)
     return linear(h.astype(jnp.float32), params["head"]["weight"], jnp.float32)
 
 
-def mtp_block(params: dict, cfg: ModelConfig, opts: RunOptions, X_main: jax.Array, next_tokens: jax.Array,
-              start: jax.Array, n_valid: jax.Array, cache: dict, k: int = 0):
-    """MTP block k (spec 4.8): at position i it reads the main streams of i and the embedding of token i+1
-    (`next_tokens`) and predicts token i+2. Returns (logits [B, S, V] float32, cache)."""
+def mtp_streams(params: dict, cfg: ModelConfig, opts: RunOptions, X_main: jax.Array, next_tokens: jax.Array,
+                start: jax.Array, n_valid: jax.Array, cache: dict, k: int = 0):
+    """MTP block k (spec 4.8) up to its residual streams: at position i it reads the main streams of i and the
+    embedding of token i+1 (`next_tokens`). Returns (streams [B, S, n, D], cache)."""
     p = params["mtp"][k]
     dtype = opts.jnp_dtype
     e = rms_norm(params["embed"]["weight"][next_tokens].astype(dtype), p["enorm"]["weight"], cfg.norm_eps)
-    h = rms_norm(X_main, p["hnorm"]["weight"], cfg.norm_eps)
-    X = linear(h, p["h_proj"]["weight"]) + linear(e, p["e_proj"]["weight"])[:, :, None, :]
-    X, cache = block(p, cfg, opts, cfg.n_layers + k, X, next_tokens, start, n_valid, cache)
-    return head_logits(params, p, cfg, X), cache
+    h = rms_norm(X_main.astype(dtype), p["hnorm"]["weight"], cfg.norm_eps)
+    X = (linear(h, p["h_proj"]["weight"], act_quant=opts.act_quant)
+         + linear(e, p["e_proj"]["weight"], act_quant=opts.act_quant)[:, :, None, :])
+    return block(p, cfg, opts, cfg.n_layers + k, X, next_tokens, start, n_valid, cache)
+
+
+def mtp_block(params: dict, cfg: ModelConfig, opts: RunOptions, X_main: jax.Array, next_tokens: jax.Array,
+              start: jax.Array, n_valid: jax.Array, cache: dict, k: int = 0):
+    """MTP block k with its head: logits [B, S, V] float32 predicting token i+2 at position i, and the cache."""
+    X, cache = mtp_streams(params, cfg, opts, X_main, next_tokens, start, n_valid, cache, k)
+    return head_logits(params, params["mtp"][k], cfg, X), cache

@@ -3,7 +3,8 @@
 Per layer: the window ring [B, 128, head_dim] (slot = position mod 128); for compressed layers the compressed
 KV cache [B, max_seq_len // c, head_dim] and the compressor's pending tokens; for ratio-4 layers also the
 indexer key cache [B, max_seq_len // 4, index_head_dim] and the indexer compressor's pending tokens. The MTP
-block has its own caches. `positions[b]` is the number of tokens sequence b has consumed. Buffers are updated
+block has its own window ring plus the main streams of the last position (its input for the next draft).
+`positions[b]` is the number of tokens sequence b has consumed. Buffers are updated
 with scatters / dynamic slices at traced positions and the state is donated, so XLA updates it in place.
 """
 
@@ -22,7 +23,8 @@ from .layers.compressor import init_compressor_state
 @flax.struct.dataclass
 class DecodeState:
     layers: list            # one cache dict per backbone layer
-    mtp: list               # one cache dict per MTP layer
+    mtp: list               # one cache dict per MTP layer (its window runs one position behind, see engine)
+    mtp_hidden: jax.Array   # [B, hc_mult, D]: main streams of each sequence's last consumed position
     positions: jax.Array    # [B] int32: tokens consumed so far per sequence
 
     @property
@@ -48,7 +50,8 @@ def init_state(cfg: ModelConfig, batch: int, max_seq_len: int, dtype=jnp.bfloat1
     layers = [init_layer_cache(cfg, cfg.compress_ratios[i], batch, max_seq_len, dtype) for i in range(cfg.n_layers)]
     mtp = [init_layer_cache(cfg, cfg.compress_ratios[cfg.n_layers + k], batch, max_seq_len, dtype)
            for k in range(cfg.n_mtp_layers)]
-    return DecodeState(layers=layers, mtp=mtp, positions=jnp.zeros((batch,), jnp.int32))
+    return DecodeState(layers=layers, mtp=mtp, mtp_hidden=jnp.zeros((batch, cfg.hc_mult, cfg.dim), dtype),
+                       positions=jnp.zeros((batch,), jnp.int32))
 
 
 def state_bytes(cfg: ModelConfig, batch: int, max_seq_len: int, dtype="bfloat16") -> int:

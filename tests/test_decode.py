@@ -38,15 +38,16 @@ def _prefill_then_decode(model, tokens, prompt_len, steps_to):
     return np.stack(out), state
 
 
-@pytest.mark.parametrize("prompt_len", [5, 130])
-def test_prefill_and_decode_match_forward(exact_model, exact_forward, tiny_tokens, prompt_len):
-    """Prompt below / across the 128 window; the steps then cross multiples of 4 and of 128 (HCA entries)."""
-    logits, state = _prefill_then_decode(exact_model, tiny_tokens, prompt_len, SEQ)
+@pytest.mark.parametrize("prompt_len, steps_to", [(5, 140), (130, SEQ)])
+def test_prefill_and_decode_match_forward(exact_model, exact_forward, tiny_tokens, prompt_len, steps_to):
+    """Prompt below / across the 128 window; the steps then cross multiples of 4 and of 128 (the window and
+    the HCA entries completed at positions 127 and 255)."""
+    logits, state = _prefill_then_decode(exact_model, tiny_tokens, prompt_len, steps_to)
     for i, row in enumerate(logits):
         pos = prompt_len - 1 + i
         err = _relative_error(row, exact_forward[pos])
         assert err < 1e-4, f"position {pos}: relative error {err:.2e} (measured ~2e-6)"
-    assert int(state.positions[0]) == SEQ
+    assert int(state.positions[0]) == steps_to
 
 
 def test_decode_with_quant_simulation_tracks_forward(tiny_f32, tiny_tokens):
@@ -197,3 +198,18 @@ def test_state_bytes_flash_at_one_million_tokens():
     assert per_token == 6880
     constant = total - per_token * n
     assert 0 < constant < 0.01 * total, f"{total / 2**30:.2f} GiB"
+
+
+def test_mtp_window_tracks_the_teacher_forced_mtp(tiny_checkpoint, tiny_tokens):
+    """With track_mtp the state keeps the MTP block's window; a draft at every step equals the teacher-forced
+    MTP logits (position p reads the main streams of p and token p+1)."""
+    model = dsv4_jax.load(tiny_checkpoint[0], dtype="float32", simulate_quant=False, max_seq_len=320,
+                          prefill_chunk=64, track_mtp=True)
+    seq = 136
+    tokens = tiny_tokens[:, :seq + 1]
+    expected = np.asarray(model.forward_mtp(tokens[:, :seq], tokens[:, 1:seq + 1]))[0]
+    _, state = model.prefill(tokens[:, :120])                  # internal chunks of 64: 64 + 56
+    for p in range(119, seq):                                  # the MTP window crosses 128
+        draft = np.asarray(model.mtp_draft(jnp.asarray(tokens[:, p + 1]), state))[0]
+        assert _relative_error(draft, expected[p]) < 1e-4, f"position {p}"
+        _, state = model.decode(jnp.asarray(tokens[:, p + 1]), state)

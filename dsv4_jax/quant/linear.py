@@ -1,22 +1,118 @@
-"""Matmuls against stored weights: the dispatcher between GPU kernels and the pure-jnp reference."""
+"""Matmuls against stored weights: the dispatcher between GPU kernels and the pure-jnp reference.
+
+Every function takes a weight in any stored format (bf16/fp32 array, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight)
+and an `act_quant` mode (design.md "Numerics modes"), passed explicitly by the caller:
+
+    act_quant   FP8 weight                      FP4 weight (MXFP4, NVFP4)            bf16 / fp32 weight
+    "none"      x.dtype activations (W8A16)     x.dtype activations (W4A16)          x.dtype activations
+    "fp8"       per-128 e4m3, ue8m0 (W8A8)      per-128 e4m3, ue8m0 (the reference's fp8 x fp4 GEMM)
+    "nvfp4"     per-128 e4m3, ue8m0 (W8A8)      NVFP4, runtime global scale (W4A4)   never quantized
+
+As in the reference (spec 3.1) only linears with FP8/FP4 weights quantize their input; bf16 weights (router gate,
+compressors, indexer weights_proj, the bf16 head) never do. Under "nvfp4" FP8 weights keep FP8 activations: there
+is no W8A4 GEMM anywhere, and it is how NVFP4-expert checkpoints are served (attention / shared experts W8A8).
+
+The reference math: the activation is quantized per row (activations.py) and dequantized to values that are exact
+in x.dtype, the weight is dequantized without its global scale (also exact in bf16), one GEMM accumulates in
+float32, and the output is multiplied by the NVFP4 activation global scale x the weight's global scale. Because
+every operand is exact this equals a tensor-core FP8 / FP4 GEMM with per-block rescaling up to float32 summation
+order.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from .formats import dequantize
+from .activations import fp8_activation, nvfp4_activation, nvfp4_global_scale
+from .formats import Fp8BlockWeight, check_weight, dequantize_blocks, is_quantized
+
+ACT_QUANT_MODES = ("none", "fp8", "nvfp4")
 
 
-def linear(x: jax.Array, weight, out_dtype=None) -> jax.Array:
-    """y = x @ W^T for W [out, in] in any stored format; activations in x.dtype, fp32 accumulation."""
-    w = dequantize(weight, x.dtype)
-    y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
-    return y.astype(out_dtype or x.dtype)
+def activation_quantizer(weight, act_quant: str) -> str:
+    """Which quantizer an activation meets on its way into `weight` under `act_quant` (table above)."""
+    if act_quant not in ACT_QUANT_MODES:
+        raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, got {act_quant!r}")
+    if act_quant == "none" or not is_quantized(weight):
+        return "none"
+    if isinstance(weight, Fp8BlockWeight):
+        return "fp8"
+    return act_quant
 
 
-def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array, out_dtype=None) -> jax.Array:
-    """Rows of x [m, in] sorted by group; group g multiplies W[g]^T (W [G, out, in]); returns [m, out]."""
-    w = jnp.swapaxes(dequantize(weight, x.dtype), -1, -2)
-    y = jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
-    return y.astype(out_dtype or x.dtype)
+def _nvfp4_activation_global_scale(x: jax.Array, weight, row_groups: jax.Array | None) -> jax.Array:
+    """The NVFP4 activation global scale [..., 1]: always the runtime per-row amax / (6 * 448). (A single seam so a
+    test can show what the checkpoint's static `input_scale` would do instead; `weight` and `row_groups`, the
+    expert of each row in grouped matmuls, exist for that.)"""
+    del weight, row_groups
+    return nvfp4_global_scale(x)
+
+
+def _quantize_input(x: jax.Array, weight, act_quant: str, row_groups=None):
+    """(GEMM operand exact in x.dtype, per-row output factor [..., 1] float32 or None)."""
+    kind = activation_quantizer(weight, act_quant)
+    if kind == "none":
+        return x, None
+    if kind == "fp8":
+        return fp8_activation(x), None
+    return nvfp4_activation(x, _nvfp4_activation_global_scale(x, weight, row_groups))
+
+
+def _rescale(y: jax.Array, row_scale, weight_scale) -> jax.Array:
+    """y x (activation global scale x weight global scale), the NVFP4 GEMM epilogue `alpha`."""
+    if row_scale is None and weight_scale is None:
+        return y
+    if row_scale is None:
+        return y * weight_scale
+    if weight_scale is None:
+        return y * row_scale
+    return y * (row_scale * weight_scale)
+
+
+def _check_in_features(x: jax.Array, shape, what: str, ndim: int):
+    if len(shape) != ndim:
+        raise ValueError(f"{what}: weight must have {ndim} dims, got shape {list(shape)}")
+    if x.shape[-1] != shape[-1]:
+        raise ValueError(f"{what}: input has {x.shape[-1]} features but the weight {list(shape)} expects {shape[-1]}")
+
+
+def linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none") -> jax.Array:
+    """y = x @ W^T for W [out, in] in any stored format; fp32 accumulation; returns out_dtype (default x.dtype)."""
+    check_weight(weight, "linear weight")
+    _check_in_features(x, weight.shape, "linear", 2)
+    xq, row_scale = _quantize_input(x, weight, act_quant)
+    w, weight_scale = dequantize_blocks(weight, x.dtype)
+    y = jnp.einsum("...i,oi->...o", xq, w, preferred_element_type=jnp.float32)
+    return _rescale(y, row_scale, weight_scale).astype(out_dtype or x.dtype)
+
+
+def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array, out_dtype=None, *,
+                   act_quant: str = "none") -> jax.Array:
+    """Rows of x [m, in] sorted by group; group g multiplies W[g]^T (W [G, out, in], e.g. stacked experts);
+    rows past sum(group_sizes) give zeros. Returns [m, out]."""
+    check_weight(weight, "grouped_linear weight")
+    _check_in_features(x, weight.shape, "grouped_linear", 3)
+    n_groups, m = weight.shape[0], x.shape[0]
+    row_groups = jnp.repeat(jnp.arange(n_groups, dtype=jnp.int32), group_sizes, total_repeat_length=m)
+    xq, row_scale = _quantize_input(x, weight, act_quant, row_groups)
+    w, weight_scale = dequantize_blocks(weight, x.dtype)
+    y = jax.lax.ragged_dot(xq, jnp.swapaxes(w, -1, -2), group_sizes, preferred_element_type=jnp.float32)
+    if weight_scale is not None:
+        weight_scale = weight_scale[row_groups][:, None]
+    return _rescale(y, row_scale, weight_scale).astype(out_dtype or x.dtype)
+
+
+def group_linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none") -> jax.Array:
+    """Block-diagonal linear (the grouped output projection wo_a): x [..., G, in], W [G * out, in]; group g
+    multiplies rows [g * out, (g + 1) * out) of W. Returns [..., G, out]."""
+    check_weight(weight, "group_linear weight")
+    _check_in_features(x, weight.shape, "group_linear", 2)
+    groups, (rows, cols) = x.shape[-2], weight.shape
+    if rows % groups:
+        raise ValueError(f"group_linear: {rows} weight rows do not split into {groups} groups")
+    xq, row_scale = _quantize_input(x, weight, act_quant)
+    w, weight_scale = dequantize_blocks(weight, x.dtype)
+    y = jnp.einsum("...gi,gri->...gr", xq, w.reshape(groups, rows // groups, cols),
+                   preferred_element_type=jnp.float32)
+    return _rescale(y, row_scale, weight_scale).astype(out_dtype or x.dtype)

@@ -1,0 +1,426 @@
+"""Generate text with a DeepSeek-V4 model: `python -m dsv4_jax.generate [options]`.
+
+Without arguments it loads the small model packaged in dsv4_jax/default_model
+(trained on the King James Bible) and continues a default prompt, streaming the
+text as it is produced. --checkpoint DIR runs an official DeepSeek-V4
+checkpoint directory (config.json, tokenizer.json, *.safetensors with
+model.safetensors.index.json).
+
+Prompts: a plain prompt is BOS + the prompt text. --chat builds the DeepSeek-V4
+chat prompt (dsv4_jax.chat.encode_messages): BOS, the optional --system text,
+<｜User｜>{prompt}<｜Assistant｜> and then </think> (chat mode) or <think>
+(--thinking).
+
+Output: in plain mode each prompt is echoed, followed by its continuation; in
+chat mode only the assistant's completion is printed (special tokens such as
+</think> included, the final end-of-sentence token left out). Statistics
+(prompt and generated tokens, load time, prefill time, decode tokens/s) go to
+stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+PROG = "python -m dsv4_jax.generate"
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
+DEFAULT_PROMPT = "And it came to pass, when the king"
+DEFAULT_CHAT_PROMPT = "Who was the first king of Israel?"
+PROGRESS_MIN_TENSORS = 500          # show the loading bar for checkpoints this large even when stderr is no TTY
+HEADER_PROMPT_CHARS = 60
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+EPILOG = """\
+batches:
+  --prompt-file runs all its prompts as one batch (max_batch = number of
+  prompts). With streaming on, the first prompt's text is streamed live and
+  the others are printed when the batch finishes. Each prompt's block starts
+  with a line "=== prompt i/N: <prompt> ===". --no-stream prints every block
+  at the end.
+
+--json:
+  prints one JSON object (one line) on stdout and nothing else:
+    {"checkpoint", "settings",
+     "results": [{"prompt", "prompt_text" (the encoded prompt string),
+                  "prompt_token_ids", "completion", "token_ids" (generated
+                  ids, the stop token included when hit), "finish_reason"
+                  ("stop" or "length")}, ...],
+     "timing": {"load_s", "prefill_s", "decode_s", "prompt_tokens",
+                "generated_tokens", "decode_tokens_per_s"}}
+
+timing:
+  prefill is the time to the first generated token, which includes compiling
+  the programs on first use; decode tokens/s counts the tokens after each
+  sequence's first, summed over the batch. Compiled programs are cached in
+  $DSV4_JAX_CACHE (default ~/.cache/dsv4_jax/jit) unless --no-compile-cache
+  is given or JAX_COMPILATION_CACHE_DIR is set.
+
+exit status:
+  0 success; 1 bad input (checkpoint, config, tokenizer, prompt file, prompt
+  too long); 2 bad command-line usage; 130 interrupted. Errors are one line on
+  stderr starting with "error: ".
+"""
+
+
+class CLIError(Exception):
+    """An expected failure: printed as one `error: ...` line, exit status `code`."""
+
+    def __init__(self, message: str, code: int = EXIT_ERROR):
+        super().__init__(message)
+        self.code = code
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+# ---- argument parsing ------------------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        raise CLIError(f"{message} (see {PROG} --help)", EXIT_USAGE)
+
+
+def _int_at_least(low: int, high: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value >= high):
+            allowed = f">= {low}" if high is None else f"in [{low}, {high})"
+            raise argparse.ArgumentTypeError(f"must be an integer {allowed}, got {value}")
+        return value
+    return parse
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n", 1)[1].rstrip(), epilog=EPILOG, allow_abbrev=False,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("model")
+    src.add_argument("--checkpoint", metavar="DIR",
+                     help="official DeepSeek-V4 checkpoint directory (config.json, tokenizer.json, safetensors); "
+                          "default: the packaged default model")
+    src.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                     help="activation dtype (default: bfloat16)")
+    src.add_argument("--act-quant", choices=("none", "fp8", "nvfp4"), default="none",
+                     help="how activations meet quantized weights: none (W4A16/W8A16), fp8 (official numerics), "
+                          "nvfp4 (W4A4) (default: none)")
+    src.add_argument("--no-simulate-quant", action="store_true",
+                     help="turn off the model's built-in FP8/FP4 fake-quantization of KV and indexer")
+    src.add_argument("--quantize-head", action="store_true", help="quantize the lm_head to NVFP4 at load")
+    src.add_argument("--max-seq-len", type=_int_at_least(1), default=4096, metavar="N",
+                     help="context size the caches are allocated for; prompt + new tokens must fit (default: 4096)")
+    src.add_argument("--prefill-chunk", type=_int_at_least(1), default=512, metavar="N",
+                     help="prompt tokens per prefill step; bounds prefill memory (default: 512)")
+    src.add_argument("--no-compile-cache", action="store_true",
+                     help="do not use the persistent compilation cache")
+
+    prm = p.add_argument_group("prompt")
+    one = prm.add_mutually_exclusive_group()
+    one.add_argument("--prompt", metavar="TEXT",
+                     help=f"prompt text (default: {DEFAULT_PROMPT!r}, with --chat {DEFAULT_CHAT_PROMPT!r})")
+    one.add_argument("--prompt-file", metavar="FILE",
+                     help="file with one prompt per line (blank lines skipped; '-' reads stdin), run as one batch")
+    prm.add_argument("--chat", action="store_true",
+                     help="encode each prompt as a user turn of the DeepSeek-V4 chat format")
+    prm.add_argument("--system", metavar="TEXT", help="system prompt (implies --chat)")
+    prm.add_argument("--thinking", action="store_true",
+                     help="thinking mode: the assistant turn opens with <think> instead of </think> (implies --chat)")
+    prm.add_argument("--reasoning-effort", choices=("high", "max"),
+                     help="reasoning effort in thinking mode ('max' adds the official prefix; needs --thinking)")
+
+    smp = p.add_argument_group("sampling")
+    smp.add_argument("--max-new-tokens", type=_int_at_least(1), default=100, metavar="N",
+                     help="tokens to generate per prompt at most (default: 100)")
+    smp.add_argument("--temperature", type=_temperature, default=0.6, metavar="T",
+                     help="sampling temperature, 0 = greedy (default: 0.6)")
+    smp.add_argument("--top-p", type=_top_p, default=0.95, metavar="P",
+                     help="nucleus sampling mass in (0, 1], 1 = off (default: 0.95)")
+    smp.add_argument("--top-k", type=_int_at_least(0), default=0, metavar="K",
+                     help="sample among the K most likely tokens, 0 = off (default: 0)")
+    smp.add_argument("--seed", type=_int_at_least(0, 2**32), default=0, metavar="S",
+                     help="random seed; the same seed and settings give the same text (default: 0)")
+
+    out = p.add_argument_group("output")
+    out.add_argument("--no-stream", action="store_true", help="print the text when generation ends")
+    out.add_argument("--json", action="store_true",
+                     help="print one machine-readable JSON object on stdout (see below); implies --no-stream")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.reasoning_effort is not None and not args.thinking:
+        raise CLIError(f"--reasoning-effort needs --thinking (see {PROG} --help)", EXIT_USAGE)
+    args.chat = args.chat or args.thinking or args.system is not None
+    return args
+
+
+# ---- prompts ---------------------------------------------------------------------------------------------------
+
+def read_prompts(args) -> list[str]:
+    """The user's prompt texts (before encoding)."""
+    if args.prompt_file is None:
+        prompt = args.prompt if args.prompt is not None else (DEFAULT_CHAT_PROMPT if args.chat else DEFAULT_PROMPT)
+        if not prompt.strip():
+            raise CLIError("--prompt is empty")
+        return [prompt]
+    name = "stdin" if args.prompt_file == "-" else args.prompt_file
+    try:
+        if args.prompt_file == "-":
+            text = sys.stdin.read()
+        else:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+    except UnicodeDecodeError as err:
+        raise CLIError(f"--prompt-file {name}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise CLIError(f"--prompt-file {name}: {err.strerror or _one_line(err)}") from None
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise CLIError(f"--prompt-file {name}: no prompts (expected one prompt per line)")
+    return prompts
+
+
+def encode_prompt(prompt: str, args) -> str:
+    """The prompt string fed to the tokenizer: BOS + text, or the DeepSeek-V4 chat encoding."""
+    from .chat import encode_messages
+    from .tokenizer import BOS
+    if not args.chat:
+        return BOS + prompt
+    messages = []
+    if args.system is not None:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": prompt})
+    return encode_messages(messages, thinking_mode="thinking" if args.thinking else "chat",
+                           reasoning_effort=args.reasoning_effort)
+
+
+# ---- loading ---------------------------------------------------------------------------------------------------
+
+def _setup_compile_cache(args):
+    import jax
+    if args.no_compile_cache or jax.config.jax_compilation_cache_dir:
+        return
+    cache = os.environ.get("DSV4_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dsv4_jax", "jit")
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+class _LoadProgress:
+    """tqdm bar on stderr for the weight loading; shown for large checkpoints or when stderr is a terminal."""
+
+    def __init__(self):
+        self.bar = None
+
+    def __call__(self, done: int, total: int):
+        if self.bar is None:
+            from tqdm import tqdm
+            tty = sys.stderr.isatty()
+            self.bar = tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr, leave=False,
+                            disable=not (tty or total >= PROGRESS_MIN_TENSORS), mininterval=0.1 if tty else 5.0)
+        self.bar.update(done - self.bar.n)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _check_checkpoint_dir(args) -> str:
+    directory = args.checkpoint if args.checkpoint is not None else DEFAULT_MODEL_DIR
+    if args.checkpoint is None and not os.path.isfile(os.path.join(directory, "model.safetensors")):
+        raise CLIError(f"the packaged default model is missing ({directory}/model.safetensors); "
+                       f"pass --checkpoint DIR")
+    if not os.path.exists(directory):
+        raise CLIError(f"--checkpoint {directory}: no such directory")
+    if not os.path.isdir(directory):
+        raise CLIError(f"--checkpoint {directory}: not a directory (expected an official DeepSeek-V4 checkpoint)")
+    return directory
+
+
+# ---- generation ------------------------------------------------------------------------------------------------
+
+def _header(index: int, count: int, prompt: str) -> str:
+    shown = prompt if len(prompt) <= HEADER_PROMPT_CHARS else prompt[:HEADER_PROMPT_CHARS - 1] + "…"
+    return f"=== prompt {index + 1}/{count}: {shown} ==="
+
+
+def _write(text: str):
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def run(args) -> int:
+    from .tokenizer import Tokenizer
+
+    directory = _check_checkpoint_dir(args)
+    # Everything that can be checked without reading weights is checked first, so bad input fails fast.
+    from .config import load_hf_config
+    try:
+        cfg = load_hf_config(directory)
+    except (ValueError, FileNotFoundError) as err:
+        raise CLIError(_one_line(err)) from None
+    if args.max_seq_len > cfg.max_position_embeddings:
+        raise CLIError(f"--max-seq-len {args.max_seq_len} exceeds the model's max_position_embeddings="
+                       f"{cfg.max_position_embeddings}", EXIT_USAGE)
+    try:
+        tokenizer = Tokenizer(directory)
+    except (ValueError, FileNotFoundError) as err:
+        raise CLIError(_one_line(err)) from None
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise CLIError(f"{tokenizer.path}: {tokenizer.vocab_size} tokens, but the model has only vocab_size="
+                       f"{cfg.vocab_size} (tokenizer and checkpoint do not match)")
+
+    prompts = read_prompts(args)
+    try:
+        prompt_texts = [encode_prompt(p, args) for p in prompts]
+    except ValueError as err:  # the chat encoder rejects malformed turns
+        raise CLIError(_one_line(err)) from None
+    prompt_ids = [tokenizer.encode(t) for t in prompt_texts]
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) + args.max_new_tokens > args.max_seq_len:
+            which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"
+            raise CLIError(f"{which} has {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} it needs "
+                           f"{len(ids) + args.max_new_tokens} positions, more than --max-seq-len {args.max_seq_len}")
+
+    import dsv4_jax
+    from .checkpoint import CheckpointError
+    _setup_compile_cache(args)
+    progress = _LoadProgress()
+    t_load = time.perf_counter()
+    try:
+        model = dsv4_jax.load(directory, dtype=args.dtype, max_seq_len=args.max_seq_len, max_batch=len(prompts),
+                              simulate_quant=not args.no_simulate_quant, act_quant=args.act_quant,
+                              prefill_chunk=args.prefill_chunk, progress=progress, quantize_head=args.quantize_head)
+    except (CheckpointError, OSError) as err:
+        raise CLIError(_one_line(err)) from None
+    finally:
+        progress.close()
+    load_s = time.perf_counter() - t_load
+
+    eos = tokenizer.eos_id
+    streaming = not (args.no_stream or args.json)
+    echo = not args.chat           # plain prompts are echoed before their continuation
+    batch = len(prompts)
+    decoder = tokenizer.stream_decoder()
+    first_token_at: list[float] = []
+
+    def on_tokens(new_tokens: list[list[int]]):
+        if not first_token_at:
+            first_token_at.append(time.perf_counter())
+        if streaming:
+            _write(decoder.push([t for t in new_tokens[0] if t != eos]))
+
+    if streaming:
+        if batch > 1:
+            _write(_header(0, batch, prompts[0]) + "\n")
+        if echo:
+            _write(prompts[0])
+    t_gen = time.perf_counter()
+    result = model.generate(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stream=on_tokens)
+    t_end = time.perf_counter()
+
+    completions = [tokenizer.decode(toks[:-1] if toks and toks[-1] == eos else toks) for toks in result.tokens]
+    if streaming:
+        _write(decoder.flush() + "\n")
+    if not args.json:
+        for i in range(0 if not streaming else 1, batch):
+            if batch > 1:
+                _write(("\n" if i else "") + _header(i, batch, prompts[i]) + "\n")
+            _write((prompts[i] if echo else "") + completions[i] + "\n")
+
+    prompt_tokens = sum(len(ids) for ids in prompt_ids)
+    generated = sum(len(t) for t in result.tokens)
+    prefill_s = (first_token_at[0] if first_token_at else t_end) - t_gen
+    decode_s = t_end - t_gen - prefill_s
+    decode_tokens = generated - sum(1 for t in result.tokens if t)
+    rate = decode_tokens / decode_s if decode_tokens and decode_s > 0 else None
+    timing = {"load_s": round(load_s, 4), "prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
+              "prompt_tokens": prompt_tokens, "generated_tokens": generated,
+              "decode_tokens_per_s": None if rate is None else round(rate, 2)}
+    if args.json:
+        doc = {
+            "checkpoint": os.path.abspath(directory),
+            "settings": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                         "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+                         "max_seq_len": args.max_seq_len, "prefill_chunk": args.prefill_chunk,
+                         "dtype": args.dtype, "act_quant": args.act_quant,
+                         "simulate_quant": not args.no_simulate_quant, "quantize_head": args.quantize_head,
+                         "chat": args.chat, "thinking": args.thinking, "system": args.system,
+                         "reasoning_effort": args.reasoning_effort},
+            "results": [{"prompt": p, "prompt_text": t, "prompt_token_ids": ids, "completion": c,
+                         "token_ids": toks, "finish_reason": r}
+                        for p, t, ids, c, toks, r in zip(prompts, prompt_texts, prompt_ids, completions,
+                                                         result.tokens, result.finish_reasons)],
+            "timing": timing,
+        }
+        _write(json.dumps(doc) + "\n")
+
+    rate_text = "n/a" if rate is None else f"{rate:.1f} tokens/s"
+    print(f"{'batch ' + str(batch) + ' | ' if batch > 1 else ''}prompt tokens: {prompt_tokens} | "
+          f"generated tokens: {generated} | load: {load_s:.2f} s | prefill: {prefill_s:.2f} s "
+          f"(to first token, incl. compilation) | decode: {decode_tokens} tokens in {decode_s:.2f} s, {rate_text}",
+          file=sys.stderr)
+    return EXIT_OK
+
+
+def main(argv=None) -> int:
+    try:
+        return run(parse_args(argv))
+    except CLIError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.code
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print("\nerror: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader of stdout went away (e.g. `| head`): stop quietly; point stdout at devnull so the
+        # interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_ERROR
+    except Exception as err:
+        if not _is_out_of_memory(err):
+            raise
+        print(f"error: out of memory: {_one_line(err)} (a smaller --max-seq-len or fewer prompts needs less)",
+              file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _is_out_of_memory(err: Exception) -> bool:
+    """XLA's allocation failure (device or host): an expected condition for big models, not a bug."""
+    return type(err).__name__ == "JaxRuntimeError" and _one_line(err).startswith("RESOURCE_EXHAUSTED")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,406 @@
+"""Decode matmuls (M <= 16 activation rows) that stream FP8-block / MXFP4 / NVFP4 weights as stored.
+
+    fp8_matmul(x, w: Fp8BlockWeight)   y = x @ dequant(W)^T     W e4m3 [N, K], E8M0 per 128x128 block
+    mxfp4_matmul(x, w: Mxfp4Weight)    y = x @ dequant(W)^T     W e2m1 pairs [N, K/2], E8M0 per 32 inputs
+    nvfp4_matmul(x, w: Nvfp4Weight)    y = x @ dequant(W)^T     W e2m1 pairs, e4m3 per 16 inputs, fp32 global
+
+x is [M, K] bf16 or float32 (M <= 16 for bf16, <= 8 for float32), accumulation is float32, the result is
+[M, N] in `out_dtype` (default x.dtype). The oracle is dsv4_jax.quant.linear(x, w) (act_quant="none").
+
+Backend: Pallas **Triton** (`pl.pallas_call` + `triton.CompilerParams`), not Mosaic GPU. Why: a decode GEMV has
+M <= 16 rows, and its hot loop is the FP4 nibble decode feeding the tensor cores from registers. Mosaic GPU's
+wgmma path wants 64-row tiles in SMEM and its FP4 converts are Blackwell `cvt`s; expressing a register-level
+nibble decode there needs the low-level `inline_mgpu` API. Triton lays out registers itself: the weights are the
+wgmma A operand (64-row tiles of output features, decoded in registers), the M <= 16 activation rows are the
+N = 16 B operand, and a custom inline-PTX primitive decodes two packed bytes at a time. (The Triton backend is
+deprecated in JAX 0.11 but present and working in the pinned 0.11.2.)
+
+Kernel design (see docs/performance.md for measurements):
+  * grid = (N / block_n, split_k): each program owns block_n output features and 1/split_k of K, loops over K
+    in steps of `unroll` scale blocks; Triton software-pipelines the weight loads (cp.async, num_stages deep).
+    Split-K partials (float32 [split_k, N, 16]) are summed in the wrapper's epilogue fusion.
+  * FP4 decode (MXFP4 and NVFP4 share it): the packed tile is viewed [block_n, blocks, bytes_per_block] so the
+    per-(row, block) scale broadcasts over the last axis. The PTX primitive takes 2 bytes (4 weights) and the
+    scale factor and returns (low nibbles, high nibbles) as bf16 pairs with, per pair of nibbles,
+        y   = prmt(bytes) -> byte 0 in bits 0-7, byte 1 in bits 16-23
+        lo  = ((y & 0x000F000F) * 0x1040) & 0x81C081C0     (sign -> bit 15, e2m1 exponent+mantissa -> bits 6-8)
+        hi  = ((y & 0x00F000F0) * 0x0104) & 0x81C081C0
+    which is the e2m1 value times 2^-126 as a bf16 (e = 0 codes land on bf16 subnormals), then one
+    mul.rn.bf16x2 by the block scale times 2^126 (exact: at most 6 significant bits). The low nibbles multiply
+    the even inputs of x, the high nibbles the odd ones: two dots, no interleave.
+  * E8M0 scale bytes become a bf16 exponent field directly (`(b + 126 - 32) << 7`, never a numeric copy of
+    the byte); 2^32 is taken back in the epilogue so scales from 2^-99 to 2^33 stay exact in bf16.
+    NVFP4's e4m3 block scale is converted exactly (e4m3 -> bf16) times 2^118; 2^8 and the fp32 global scale are
+    applied in the epilogue.
+  * FP8: Triton's native e4m3 -> f16 convert (cvt.rn.f16x2.e4m3x2) feeds f16 wgmma; x is turned into f16 after
+    a per-row power-of-two prescale (bf16 values are exact in f16 in range; the prescale is undone in the
+    epilogue), and the 128x128 block scale multiplies each 128-wide K step's float32 partial product.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core as jax_core
+from jax._src.interpreters import mlir
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from dsv4_jax.quant.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+
+MP = 16                 # activation rows per tensor-core dot (Triton's minimum dot width)
+MX_BLOCK, NV_BLOCK, FP8_BLOCK = 32, 16, 128
+MX_SHIFT = 32           # MXFP4 factors are 2^(scale - 1 - MX_SHIFT); the epilogue multiplies by 2^MX_SHIFT
+NV_SHIFT = 8            # NVFP4 factors are e4m3 scale * 2^(126 - NV_SHIFT)
+
+# ---- the FP4 decode: constants shared by the PTX and its numpy/jnp emulation ---------------------------------
+PRMT_SPREAD = 0x4140            # bytes (b0, b1) of a 16-bit value -> b0 in bits 0-7, b1 in bits 16-23
+LO_FIELD, LO_MUL = 0x000F000F, 0x1040
+HI_FIELD, HI_MUL = 0x00F000F0, 0x0104
+BF16_E2M1_MASK = 0x81C081C0
+
+FP4_DECODE_PTX = f"""{{
+.reg .b32 t, y, a;
+cvt.u32.u16 t, $2;
+prmt.b32 y, t, 0, {PRMT_SPREAD:#x};
+and.b32 a, y, {LO_FIELD:#x}; mul.lo.u32 a, a, {LO_MUL:#x}; and.b32 a, a, {BF16_E2M1_MASK:#x};
+mul.rn.bf16x2 $0, a, $3;
+and.b32 a, y, {HI_FIELD:#x}; mul.lo.u32 a, a, {HI_MUL:#x}; and.b32 a, a, {BF16_E2M1_MASK:#x};
+mul.rn.bf16x2 $1, a, $3;
+}}"""
+
+
+def fp4_decode_bits_np(two_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """numpy emulation of the integer part of FP4_DECODE_PTX: uint16 (b0 | b1 << 8) -> (lo, hi) uint32 bf16 pairs
+    (low half: byte 0's nibble, high half: byte 1's) holding e2m1 value * 2^-126. Used by the tests to check the
+    constants against the e2m1 table for every byte."""
+    t = two_bytes.astype(np.uint32)
+    y = (t & 0xFF) | ((t >> 8) & 0xFF) << 16                         # prmt 0x4140
+    lo = ((y & LO_FIELD) * LO_MUL & 0xFFFFFFFF) & BF16_E2M1_MASK
+    hi = ((y & HI_FIELD) * HI_MUL & 0xFFFFFFFF) & BF16_E2M1_MASK
+    return lo.astype(np.uint32), hi.astype(np.uint32)
+
+
+def _factor_exponent(f_bits: jax.Array) -> jax.Array:
+    return ((f_bits >> 7) & 0xFF).astype(jnp.int32)
+
+
+def _fp4_decode_emulated(w: jax.Array, f_bits: jax.Array):
+    """What the PTX computes, elementwise and exactly, in plain jnp (interpret mode and CPU)."""
+    table = jnp.asarray(E2M1_VALUES)
+    f = jax.lax.bitcast_convert_type((f_bits & 0xFFFF).astype(jnp.uint16), jnp.bfloat16).astype(jnp.float32)
+    # value * 2^-126 * f, computed without a float32 subnormal intermediate (XLA flushes those)
+    f = f * jnp.float32(2.0 ** -63) * jnp.float32(2.0 ** -63)
+    lo = table[(w & 0xF).astype(jnp.int32)] * f
+    hi = table[(w >> 4).astype(jnp.int32)] * f
+    return lo.astype(jnp.bfloat16), hi.astype(jnp.bfloat16)
+
+
+def _make_fp4_decode_primitive():
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering as triton_lowering
+    from jaxlib.triton import dialect as tt
+
+    prim = jax_core.Primitive("dsv4_fp4_decode")
+    prim.multiple_results = True
+
+    @prim.def_abstract_eval
+    def _abstract(w, f):
+        return [jax_core.ShapedArray(w.shape, jnp.bfloat16)] * 2
+
+    prim.def_impl(lambda w, f: _fp4_decode_emulated(w, f))
+    mlir.register_lowering(prim, mlir.lower_fun(_fp4_decode_emulated, multiple_results=True))
+
+    @triton_lowering.register_lowering(prim)
+    def _triton(ctx, w, f):
+        types = [ir.RankedTensorType.get(a.shape, mlir.dtype_to_ir_type(jnp.dtype(a.dtype))) for a in ctx.avals_out]
+        # pack=2: each instance sees two consecutive elements (one 16-bit register of bytes, two 32-bit factor
+        # registers) and writes two bf16 pairs; element order is preserved, so any Triton layout is correct.
+        res = tt.elementwise_inline_asm(types, FP4_DECODE_PTX, constraints="=r,=r,h,r,r", pure=True,
+                                        packed_element=2, args=[w, f])
+        return list(res)
+
+    return prim
+
+
+fp4_decode_p = _make_fp4_decode_primitive()
+
+
+def _make_dot_acc_primitive():
+    """acc + a @ b as one tensor-core op (Triton's tt.dot with its accumulator operand), so the running sum stays
+    in the wgmma accumulator registers instead of a separate float32 add per element per step."""
+    from jax._src.pallas.triton import lowering as triton_lowering
+    from jaxlib.triton import dialect as tt
+
+    prim = jax_core.Primitive("dsv4_dot_acc")
+
+    def _impl(a, b, acc):
+        return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+    prim.def_abstract_eval(lambda a, b, acc: jax_core.ShapedArray(acc.shape, jnp.float32))
+    prim.def_impl(_impl)
+    mlir.register_lowering(prim, mlir.lower_fun(_impl, multiple_results=False))
+    triton_lowering.register_lowering(prim)(lambda ctx, a, b, acc: tt.dot(a, b, acc))
+    return prim
+
+
+dot_acc_p = _make_dot_acc_primitive()
+
+
+# ---- scale factors (bf16 pairs as uint32 bits) ----------------------------------------------------------------
+def mx_factor_bits(scale: jax.Array) -> jax.Array:
+    """E8M0 byte b -> bf16 2^(b - 1 - MX_SHIFT) (times 2^126 this undoes the decode's 2^-126) in both halves.
+    Exact for b in [MX_SHIFT - 4, 128 + MX_SHIFT] (2^-99 .. 2^33: any real checkpoint). Not handled: the NaN
+    byte 0xFF (a per-element select here costs 0.25 instructions per weight in the hot loop)."""
+    e = scale.astype(jnp.uint32) + jnp.uint32(126 - MX_SHIFT)
+    return e * jnp.uint32(0x00800080)
+
+
+def nv_factor_bits(scale_bits: jax.Array) -> jax.Array:
+    """e4m3 block-scale bits -> bf16 s * 2^(126 - NV_SHIFT) in both halves with one integer multiply-add: the
+    e4m3 exponent and mantissa slide into the bf16 fields, (byte << 4) + ((238) << 7), replicated by * 0x10001.
+    Exact for every normal positive e4m3 scale (2^-6 .. 448). Subnormal scales (< 2^-6, blocks over 2^15 below
+    the matrix maximum) come out as 2^-6 * (1 + m/8) instead of m * 2^-9: `nvfp4_kernel_exact` tells whether a
+    weight has any (the exact conversion costs ~5 instructions per scale use in the hot loop)."""
+    return scale_bits.astype(jnp.uint32) * jnp.uint32(0x00100010) + jnp.uint32(0x77007700)
+
+
+def nvfp4_kernel_exact(w: Nvfp4Weight) -> jax.Array:
+    """True where the NVFP4 kernel reproduces dequantize(w) exactly: no block scale is an e4m3 subnormal, zero,
+    negative or NaN (check once at load time, not per step)."""
+    bits = jax.lax.bitcast_convert_type(w.scale, jnp.uint8)
+    return jnp.all((bits >= 0x08) & (bits < 0x7F))
+
+
+# ---- kernels ----------------------------------------------------------------------------------------------------
+def _store_cols(o_ref, acc, m_valid):
+    """acc [block_n, MP] -> o_ref, writing only the first m_valid activation columns."""
+    cols = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 1)
+    pltriton.store(o_ref, acc, mask=cols < m_valid)
+
+
+def _fp4_tile_loop(xlo_ref, xhi_ref, w_ref, s_ref, *, block_n, unroll, n_steps, bytes_per_block, factor_fn,
+                   w_index=(), row0=None, blk0=0):
+    """Sum over this program's K range of decode(W tile) @ x tiles -> float32 [block_n, MP]. Without w_index the
+    refs are this program's blocks; with it (stacked experts) they are whole arrays indexed at
+    [*w_index, row0:row0 + block_n, blk0 + ...]."""
+    step_k2 = unroll * bytes_per_block                 # packed bytes (= lo / hi elements) per step
+    rows = slice(None) if row0 is None else pl.ds(row0, block_n)
+
+    def body(i, acc):
+        blks = pl.ds(blk0 + i * unroll, unroll)
+        w = w_ref[(*w_index, rows, blks, slice(None))]                                  # [bn, unroll, B] u8
+        s = s_ref[(*w_index, rows, blks)]                                               # [bn, unroll]
+        f = jnp.broadcast_to(factor_fn(s)[:, :, None], w.shape)
+        lo, hi = fp4_decode_p.bind(w, f)
+        lo = lo.reshape(block_n, step_k2)
+        hi = hi.reshape(block_n, step_k2)
+        xl = xlo_ref[pl.ds(i * step_k2, step_k2), :]
+        xh = xhi_ref[pl.ds(i * step_k2, step_k2), :]
+        return dot_acc_p.bind(hi, xh, dot_acc_p.bind(lo, xl, acc))
+
+    return jax.lax.fori_loop(0, n_steps, body, jnp.zeros((block_n, MP), jnp.float32))
+
+
+def _fp4_kernel(xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *, m_valid, **kw):
+    _store_cols(o_ref, _fp4_tile_loop(xlo_ref, xhi_ref, w_ref, s_ref, **kw), m_valid)
+
+
+def _fp8_kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, n_steps, m_valid):
+    def body(i, acc):
+        w = w_ref[:, pl.ds(i * FP8_BLOCK, FP8_BLOCK)].astype(jnp.float16)          # [bn, 128]
+        x = x_ref[pl.ds(i * FP8_BLOCK, FP8_BLOCK), :]                                # [128, MP] f16
+        part = jnp.dot(w, x, preferred_element_type=jnp.float32)
+        b = s_ref[0, i].astype(jnp.uint32)
+        scale = jax.lax.bitcast_convert_type(b << 23, jnp.float32)                  # 2^(b-127)
+        return acc + part * scale
+
+    acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((block_n, MP), jnp.float32))
+    _store_cols(o_ref, acc, m_valid)
+
+
+# ---- wrappers ---------------------------------------------------------------------------------------------------
+def _params(num_warps, num_stages):
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _activation_columns(x: jax.Array, what: str):
+    """x [M, K] -> (bf16 operand [MP, K] of exact parts, number of rows used, how to fold rows back).
+    float32 x is split into bf16 hi + lo rows (x = hi + lo to 2^-16 relative), so its error stays near float32's."""
+    if x.ndim != 2:
+        raise ValueError(f"{what}: x must be [M, K], got shape {x.shape}")
+    m = x.shape[0]
+    if x.dtype == jnp.float32:
+        if 2 * m > MP:
+            raise ValueError(f"{what}: float32 x supports at most {MP // 2} rows, got {m}")
+        hi, lo = split_f32(x)
+        rows = jnp.concatenate([hi, lo], axis=0)
+        return rows, 2 * m, lambda y: y[:m] + y[m:2 * m]
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"{what}: x must be bfloat16 or float32, got {x.dtype}")
+    if m > MP:
+        raise ValueError(f"{what}: at most {MP} rows, got {m} (use the prefill path)")
+    return x.astype(jnp.bfloat16), m, lambda y: y[:m]
+
+
+def split_f32(x: jax.Array):
+    """float32 x -> bf16 (hi, lo) with x = hi + lo + O(2^-16 |x|). hi truncates through the bits: XLA on GPU
+    (excess precision allowed) folds x - f32(bf16(x)) to 0, which silently dropped lo."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    hi = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+    hi32 = jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)
+    return hi, (x - hi32).astype(jnp.bfloat16)
+
+
+def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
+    return jnp.pad(a, ((0, rows - a.shape[0]), (0, 0)))
+
+
+def _pick_split(n_tiles: int, k_steps: int, target_programs: int = 264) -> int:
+    split = 1
+    while n_tiles * split < target_programs and k_steps % (split * 2) == 0 and k_steps // (split * 2) >= 2:
+        split *= 2
+    return split
+
+
+def _check_fp4(w, what):
+    n, kh = w.packed.shape[-2:]
+    k = 2 * kh
+    block = MX_BLOCK if isinstance(w, Mxfp4Weight) else NV_BLOCK
+    if k % block or w.scale.shape[-1] != k // block or w.scale.shape[-2] != n:
+        raise ValueError(f"{what}: scale shape {w.scale.shape} does not match weight [{n}, {k}]")
+    return n, k, block
+
+
+def _fp4_config(n, k, block, block_n, unroll, split_k):
+    bytes_per_block = block // 2
+    if unroll is None:
+        unroll = max(1, 128 // bytes_per_block)          # 128 packed bytes (256 inputs) per row per step
+    blocks = k // block
+    if block_n is None:
+        block_n = 128 if n % 128 == 0 else 64
+    if n % block_n or blocks % unroll:
+        raise ValueError(f"FP4 matmul needs N % {block_n} == 0 and K % {block * unroll} == 0, got N={n}, K={k}")
+    steps = blocks // unroll
+    if split_k is None:
+        split_k = _pick_split(n // block_n, steps)
+    if steps % split_k:
+        raise ValueError(f"split_k={split_k} does not divide the {steps} K steps")
+    return block_n, unroll, split_k, bytes_per_block, blocks
+
+
+def _fp4_matmul(x, w, *, shift, factor_fn, global_scale, out_dtype, interpret, block_n, unroll, split_k,
+                num_warps, num_stages, what):
+    n, k, block = _check_fp4(w, what)
+    if x.shape[-1] != k:
+        raise ValueError(f"{what}: x has {x.shape[-1]} features, weight expects {k}")
+    rows, m_used, fold = _activation_columns(x, what)
+    block_n, unroll, split_k, bpb, blocks = _fp4_config(n, k, block, block_n, unroll, split_k)
+    xp = _pad_rows(rows, MP)
+    xlo = xp[:, 0::2].T                                   # [K/2, MP]: inputs that meet the low nibbles
+    xhi = xp[:, 1::2].T
+    w3 = w.packed.reshape(n, blocks, bpb)                 # free reshape: one row per (feature, scale block)
+    kh_split, blocks_split = k // 2 // split_k, blocks // split_k
+    kernel = functools.partial(_fp4_kernel, m_valid=m_used, block_n=block_n, unroll=unroll,
+                               n_steps=blocks_split // unroll, bytes_per_block=bpb, factor_fn=factor_fn)
+    part = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((split_k, n, MP), jnp.float32),
+        grid=(n // block_n, split_k),
+        in_specs=[pl.BlockSpec((kh_split, MP), lambda i, s: (s, 0)),
+                  pl.BlockSpec((kh_split, MP), lambda i, s: (s, 0)),
+                  pl.BlockSpec((block_n, blocks_split, bpb), lambda i, s: (i, s, 0)),
+                  pl.BlockSpec((block_n, blocks_split), lambda i, s: (i, s))],
+        out_specs=pl.BlockSpec((None, block_n, MP), lambda i, s: (s, i, 0)),
+        compiler_params=_params(num_warps, num_stages),
+        interpret=interpret,
+        name=f"dsv4_{what}",
+    )(xlo, xhi, w3, w.scale)
+    y = jnp.sum(part[:, :, :m_used], axis=0).T * jnp.float32(2.0 ** shift)     # [m_used, N]
+    if global_scale is not None:
+        y = y * global_scale.astype(jnp.float32)
+    return fold(y).astype(out_dtype or x.dtype)
+
+
+def mxfp4_matmul(x: jax.Array, w: Mxfp4Weight, out_dtype=None, *, interpret: bool = False, block_n=None,
+                 unroll=None, split_k=None, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+    """x [M, K] @ dequant(W [N, K])^T for an MXFP4 weight, float32 accumulation -> [M, N] out_dtype."""
+    return _fp4_matmul(x, w, shift=MX_SHIFT, factor_fn=mx_factor_bits, global_scale=None, out_dtype=out_dtype,
+                       interpret=interpret, block_n=block_n, unroll=unroll, split_k=split_k,
+                       num_warps=num_warps, num_stages=num_stages, what="mxfp4_matmul")
+
+
+def nvfp4_matmul(x: jax.Array, w: Nvfp4Weight, out_dtype=None, *, interpret: bool = False, block_n=None,
+                 unroll=None, split_k=None, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+    """x [M, K] @ dequant(W [N, K])^T for an NVFP4 weight (global scale included) -> [M, N] out_dtype."""
+    if jnp.ndim(w.global_scale) != 0:
+        raise ValueError("nvfp4_matmul: expected a single matrix (scalar global scale); use moe_matmul for stacks")
+    w = Nvfp4Weight(w.packed, jax.lax.bitcast_convert_type(w.scale, jnp.uint8), w.global_scale)
+    return _fp4_matmul(x, w, shift=NV_SHIFT, factor_fn=nv_factor_bits, global_scale=w.global_scale,
+                       out_dtype=out_dtype, interpret=interpret, block_n=block_n, unroll=unroll, split_k=split_k,
+                       num_warps=num_warps, num_stages=num_stages, what="nvfp4_matmul")
+
+
+def _f16_prescale(rows: jax.Array):
+    """Per-row power of two 2^p with max |row| * 2^p in [2^13, 2^14): bf16 values become exact f16 values
+    (anything below amax * 2^-27 would be an f16 subnormal; its contribution is under float32 rounding)."""
+    amax = jnp.max(jnp.abs(rows.astype(jnp.float32)), axis=-1, keepdims=True)
+    e = jnp.where(amax > 0, jnp.floor(jnp.log2(jnp.maximum(amax, 1e-30))), 0.0)
+    p = jnp.clip(13.0 - e, -100.0, 100.0)
+    return (rows.astype(jnp.float32) * jnp.exp2(p)).astype(jnp.float16), jnp.exp2(-p)
+
+
+def fp8_matmul(x: jax.Array, w: Fp8BlockWeight, out_dtype=None, *, interpret: bool = False, block_n=None,
+               split_k=None, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+    """x [M, K] @ dequant(W [N, K])^T for an FP8 weight with 128x128 E8M0 block scales -> [M, N] out_dtype."""
+    what = "fp8_matmul"
+    n, k = w.weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"{what}: x has {x.shape[-1]} features, weight expects {k}")
+    if k % FP8_BLOCK:
+        raise ValueError(f"{what}: K must be a multiple of {FP8_BLOCK}, got {k}")
+    if w.scale.shape != (math.ceil(n / FP8_BLOCK), k // FP8_BLOCK):
+        raise ValueError(f"{what}: scale shape {w.scale.shape} does not match weight [{n}, {k}]")
+    rows, m_used, fold = _activation_columns(x, what)
+    x16, unscale = _f16_prescale(_pad_rows(rows, MP))
+    if block_n is None:
+        block_n = 128 if n % 128 == 0 else 64
+    if FP8_BLOCK % block_n or n % block_n:
+        raise ValueError(f"{what}: block_n={block_n} must divide 128 and N={n}")
+    steps = k // FP8_BLOCK
+    if split_k is None:
+        split_k = _pick_split(n // block_n, steps)
+    if steps % split_k:
+        raise ValueError(f"{what}: split_k={split_k} does not divide the {steps} K steps")
+    k_split = k // split_k
+    tiles_per_block = FP8_BLOCK // block_n
+    kernel = functools.partial(_fp8_kernel, block_n=block_n, n_steps=steps // split_k, m_valid=m_used)
+    part = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((split_k, n, MP), jnp.float32),
+        grid=(n // block_n, split_k),
+        in_specs=[pl.BlockSpec((k_split, MP), lambda i, s: (s, 0)),
+                  pl.BlockSpec((block_n, k_split), lambda i, s: (i, s)),
+                  pl.BlockSpec((1, steps // split_k), lambda i, s: (i // tiles_per_block, s))],
+        out_specs=pl.BlockSpec((None, block_n, MP), lambda i, s: (s, i, 0)),
+        compiler_params=_params(num_warps, num_stages),
+        interpret=interpret,
+        name=f"dsv4_{what}",
+    )(x16.T, w.weight, w.scale)
+    y = jnp.sum(part[:, :, :m_used], axis=0).T * unscale[:m_used]
+    return fold(y).astype(out_dtype or x.dtype)
+
+
+def quantized_matmul(x: jax.Array, w, out_dtype=None, *, interpret: bool = False) -> jax.Array:
+    """Dispatch on the weight format (one entry point for the lead's dispatcher)."""
+    if isinstance(w, Mxfp4Weight):
+        return mxfp4_matmul(x, w, out_dtype, interpret=interpret)
+    if isinstance(w, Nvfp4Weight):
+        return nvfp4_matmul(x, w, out_dtype, interpret=interpret)
+    if isinstance(w, Fp8BlockWeight):
+        return fp8_matmul(x, w, out_dtype, interpret=interpret)
+    raise TypeError(f"quantized_matmul: unsupported weight {type(w).__name__}")

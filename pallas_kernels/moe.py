@@ -1,0 +1,117 @@
+"""Grouped decode matmul for the routed experts: each row of x times its own expert's FP4 weight.
+
+    moe_matmul(x_rows [R, K], w_stacked [E, N, K] (Mxfp4Weight / Nvfp4Weight), expert_ids [R]) -> [R, N]
+
+For decode R = tokens x top-k (6 of 256 experts, up to 8 tokens: R <= 48). Rows that share an expert are
+gathered into one "slot" (up to 16 bf16 rows, 8 float32 rows, per slot; more rows of one expert take more slots),
+so every touched expert's weight bytes are streamed once per call whatever the routing. The schedule (which slot
+holds which expert and rows) is a few tiny jnp ops on device, no host sync; there are at most R slots, and the
+programs of unused slots exit at once.
+
+Kernel: the FP4 GEMV of gemv.py (Pallas Triton, same nibble decode and tensor-core dots, see its docstring) with
+a leading grid axis over slots; each program reads its slot's expert id and indexes the stacked weight
+[E, N, K/block, bytes] at it. Oracle: dsv4_jax.quant.grouped_linear on rows sorted by expert.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from dsv4_jax.quant.formats import Mxfp4Weight, Nvfp4Weight
+
+from .gemv import (MP, MX_SHIFT, NV_SHIFT, _check_fp4, _fp4_config, _fp4_tile_loop, _params, mx_factor_bits,
+                   nv_factor_bits, split_f32)
+
+
+def moe_schedule(expert_ids: jax.Array, capacity: int):
+    """expert_ids [R] -> (slot_expert [R] int32, -1 for unused slots; slot_rows [R, capacity] int32, R for padding;
+    slot_of_row [R], pos_of_row [R]). Rows of one expert fill consecutive slots of `capacity` rows."""
+    r = expert_ids.shape[0]
+    ids = expert_ids.astype(jnp.int32)
+    order = jnp.argsort(ids, stable=True).astype(jnp.int32)
+    sorted_ids = ids[order]
+    idx = jnp.arange(r, dtype=jnp.int32)
+    is_start = jnp.concatenate([jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
+    group_start = jax.lax.cummax(jnp.where(is_start, idx, 0))
+    pos = idx - group_start
+    new_slot = is_start | (pos % capacity == 0)
+    slot = jnp.cumsum(new_slot.astype(jnp.int32)) - 1
+    slot_expert = jnp.full((r,), -1, jnp.int32).at[slot].set(sorted_ids)
+    slot_rows = jnp.full((r, capacity), r, jnp.int32).at[slot, pos % capacity].set(order)
+    slot_of_row = jnp.zeros((r,), jnp.int32).at[order].set(slot)
+    pos_of_row = jnp.zeros((r,), jnp.int32).at[order].set(pos % capacity)
+    return slot_expert, slot_rows, slot_of_row, pos_of_row
+
+
+def _moe_kernel(se_ref, xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *, block_n, blocks_split, **kw):
+    slot, tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    expert = se_ref[slot]
+
+    @pl.when(expert >= 0)
+    def _():
+        acc = _fp4_tile_loop(xlo_ref, xhi_ref, w_ref, s_ref, block_n=block_n, w_index=(expert,),
+                             row0=tile * block_n, blk0=split * blocks_split, **kw)
+        o_ref[...] = acc
+
+
+def moe_matmul(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=None, *, interpret: bool = False,
+               block_n=None, unroll=None, split_k=None, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+    """Row r of x_rows [R, K] times expert expert_ids[r] of w_stacked (Mxfp4Weight or Nvfp4Weight [E, N, K]),
+    float32 accumulation -> [R, N] out_dtype (default x_rows.dtype). Any expert ids in [0, E); any R."""
+    what = "moe_matmul"
+    if not isinstance(w_stacked, (Mxfp4Weight, Nvfp4Weight)) or w_stacked.packed.ndim != 3:
+        raise TypeError(f"{what}: w_stacked must be a stacked Mxfp4Weight / Nvfp4Weight [E, N, K]")
+    if x_rows.ndim != 2 or expert_ids.shape != x_rows.shape[:1]:
+        raise ValueError(f"{what}: x_rows [R, K] and expert_ids [R] expected, got {x_rows.shape}, {expert_ids.shape}")
+    n_exp = w_stacked.packed.shape[0]
+    n, k, block = _check_fp4(w_stacked, what)
+    if x_rows.shape[-1] != k:
+        raise ValueError(f"{what}: x has {x_rows.shape[-1]} features, weight expects {k}")
+    is_nv = isinstance(w_stacked, Nvfp4Weight)
+    f32 = x_rows.dtype == jnp.float32
+    capacity = MP // 2 if f32 else MP
+    r = x_rows.shape[0]
+    slot_expert, slot_rows, slot_of_row, pos_of_row = moe_schedule(expert_ids, capacity)
+    x_pad = jnp.concatenate([x_rows, jnp.zeros((1, k), x_rows.dtype)], axis=0)
+    xs = x_pad[slot_rows]                                            # [R, capacity, K]
+    if f32:
+        hi, lo = split_f32(xs)
+        xs = jnp.concatenate([hi, lo], axis=1)                       # [R, MP, K]
+    else:
+        xs = xs.astype(jnp.bfloat16)
+    xlo = jnp.swapaxes(xs[:, :, 0::2], 1, 2)                         # [R, K/2, MP]
+    xhi = jnp.swapaxes(xs[:, :, 1::2], 1, 2)
+
+    block_n, unroll, split_k, bpb, blocks = _fp4_config(n, k, block, block_n, unroll, split_k)
+    w4 = w_stacked.packed.reshape(n_exp, n, blocks, bpb)
+    scale = jax.lax.bitcast_convert_type(w_stacked.scale, jnp.uint8) if is_nv else w_stacked.scale
+    kh_split, blocks_split = k // 2 // split_k, blocks // split_k
+    kernel = functools.partial(_moe_kernel, block_n=block_n, blocks_split=blocks_split, unroll=unroll,
+                               n_steps=blocks_split // unroll, bytes_per_block=bpb,
+                               factor_fn=nv_factor_bits if is_nv else mx_factor_bits)
+    part = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((split_k, r, n, MP), jnp.float32),
+        grid=(r, n // block_n, split_k),
+        in_specs=[pl.BlockSpec((r,), lambda q, i, s: (0,)),
+                  pl.BlockSpec((None, kh_split, MP), lambda q, i, s: (q, s, 0)),
+                  pl.BlockSpec((None, kh_split, MP), lambda q, i, s: (q, s, 0)),
+                  pl.BlockSpec(w4.shape, lambda q, i, s: (0, 0, 0, 0)),
+                  pl.BlockSpec(scale.shape, lambda q, i, s: (0, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, block_n, MP), lambda q, i, s: (s, q, i, 0)),
+        compiler_params=_params(num_warps, num_stages),
+        interpret=interpret,
+        name="dsv4_moe_matmul",
+    )(slot_expert, xlo, xhi, w4, scale)
+    y_slots = jnp.sum(part, axis=0)                                  # [R, N, MP] (unused slots: garbage)
+    y = y_slots[slot_of_row, :, pos_of_row]                          # [R, N]
+    if f32:
+        y = y + y_slots[slot_of_row, :, pos_of_row + capacity]
+    y = y * jnp.float32(2.0 ** (NV_SHIFT if is_nv else MX_SHIFT))
+    if is_nv:
+        y = y * w_stacked.global_scale.astype(jnp.float32)[expert_ids][:, None]
+    return y.astype(out_dtype or x_rows.dtype)

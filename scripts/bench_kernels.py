@@ -1,0 +1,218 @@
+"""Decode-matmul benchmark on the GPU: our Pallas kernels vs XLA's bf16 dot, XLA's naive dequantize+dot and
+jax.lax.ragged_dot, on DeepSeek-V4-Flash decode shapes.
+
+    python3 scripts/bench_kernels.py --out $OUT/bench_kernels.json [--quick] [--budget-s 300]
+
+Method (shared/benchmarks.md): every case is checked against dsv4_jax.quant's reference on fresh random inputs
+before it is timed; time = one jitted program that calls the op on C different weight copies (C * bytes >= 256 MB,
+at most 48 copies; the 50 MB L2 cannot hold them) R times in a fori_loop, divided by C * R: in-program time per call, host
+dispatch excluded, launch gaps and the small epilogue fusion included. Median / min / max over 5 such programs.
+GB/s counts the bytes the call must read (stored weight bytes + activations); "% bf16 BW" compares with the
+XLA bf16 dot of the same logical matrix in the same run. Results stream to the JSON as they come.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dsv4_jax.quant.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, weight_bytes  # noqa: E402
+from dsv4_jax.quant.linear import linear  # noqa: E402
+from pallas_kernels import gemv, moe  # noqa: E402
+
+DENSE = [("wq_a", 1024, 4096), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096), ("wkv", 512, 4096),
+         ("wq_b", 32768, 1024), ("wo_a", 8192, 4096), ("shared_w1", 2048, 4096), ("shared_w2", 4096, 2048)]
+EXPERTS = [("experts_w1", 2048, 4096), ("experts_w2", 4096, 2048)]
+N_EXPERTS, TOP_K = 256, 6
+ROTATE_BYTES = 160 << 20
+MAX_COPIES = 48
+
+
+def make_weight(key, fmt, shape):
+    k1, k2, k3 = jax.random.split(key, 3)
+    *lead, n, k = shape
+    if fmt == "bf16":
+        return (jax.random.normal(k1, shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
+    if fmt == "fp8":
+        w = jnp.clip(jax.random.normal(k1, shape, jnp.float32) * 64, -448, 448).astype(jnp.float8_e4m3fn)
+        s = jax.random.randint(k2, (*lead, math.ceil(n / 128), k // 128), 112, 122).astype(jnp.uint8)
+        return Fp8BlockWeight(w, s)
+    packed = jax.random.bits(k1, (*lead, n, k // 2), jnp.uint8)
+    if fmt == "mxfp4":
+        return Mxfp4Weight(packed, jax.random.randint(k2, (*lead, n, k // 32), 115, 125).astype(jnp.uint8))
+    scale = jax.random.uniform(k2, (*lead, n, k // 16), jnp.float32, 0.02, 400).astype(jnp.float8_e4m3fn)
+    return Nvfp4Weight(packed, scale, jax.random.uniform(k3, tuple(lead), jnp.float32, 1e-4, 1e-3))
+
+
+def nbytes(tree):
+    return weight_bytes(tree) if not isinstance(tree, jax.Array) else tree.size * tree.dtype.itemsize
+
+
+def time_calls(fn, weights, x, reps, repeats=5):
+    """Median/min/max microseconds per call of fn(x, w) over the weight copies, in one jitted program."""
+    jfn = jax.jit(fn)                                             # traced once, called per copy
+
+    def program(x, *ws):
+        def body(_, acc):
+            for w in ws:
+                acc = acc + jfn(x + acc.astype(x.dtype) * 0, w)[..., :1].astype(jnp.float32).sum()
+            return acc
+        return jax.lax.fori_loop(0, reps, body, jnp.float32(0))
+    run = jax.jit(program)
+    jax.block_until_ready(run(x, *weights))                      # compile + warm up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(run(x, *weights))
+        times.append((time.perf_counter() - t) * 1e6 / (reps * len(weights)))
+    return statistics.median(times), min(times), max(times)
+
+
+def rel_err(y, ref):
+    y, ref = jnp.asarray(y, jnp.float32), jnp.asarray(ref, jnp.float32)
+    e = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+    return e if math.isfinite(e) else float("inf")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "bench_kernels.json"))
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and M values")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this")
+    ap.add_argument("--ms", default="1,4,16,64")
+    ap.add_argument("--smoke", action="store_true", help="CPU check of this script: tiny shapes, interpret mode")
+    args = ap.parse_args()
+    global DENSE, EXPERTS, N_EXPERTS, ROTATE_BYTES
+    if args.smoke:
+        import functools
+        DENSE, EXPERTS, N_EXPERTS, ROTATE_BYTES, args.ms = [("tiny", 128, 512)], [("tiny_e", 64, 256)], 8, 1, "1,4"
+        for mod, name in ((gemv, "fp8_matmul"), (gemv, "mxfp4_matmul"), (gemv, "nvfp4_matmul"), (moe, "moe_matmul")):
+            setattr(mod, name, functools.partial(getattr(mod, name), interpret=True))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    t_start = time.time()
+    dev = jax.devices()[0]
+    meta = dict(device=dev.device_kind, jax=jax.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
+                command=" ".join(sys.argv))
+    results = []
+
+    def emit(rec):
+        rec.update(meta)
+        results.append(rec)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(json.dumps({k: v for k, v in rec.items() if k not in meta}), flush=True)
+
+    ms = [int(m) for m in args.ms.split(",")]
+    dense = DENSE if not args.quick else [DENSE[0], DENSE[3], DENSE[7]]
+    key = jax.random.key(0)
+    kernels = {"fp8": gemv.fp8_matmul, "mxfp4": gemv.mxfp4_matmul, "nvfp4": gemv.nvfp4_matmul}
+
+    run_experts(args, key, ms, t_start, emit)
+    for name, n, k in dense:
+        bf16_bytes = n * k * 2
+        copies = {fmt: min(MAX_COPIES, max(2, math.ceil(ROTATE_BYTES / nbytes(jax.eval_shape(lambda: make_weight(key, fmt, (n, k)))))))
+                  for fmt in ("bf16", "fp8", "mxfp4", "nvfp4")}
+        ws = {fmt: [make_weight(jax.random.fold_in(key, i), fmt, (n, k)) for i in range(c)] for fmt, c in copies.items()}
+        for m in ms:
+            if time.time() - t_start > args.budget_s:
+                print("budget reached; stopping", flush=True)
+                return finish(results)
+            x = jax.random.normal(jax.random.fold_in(key, 1000 + m), (m, k), jnp.float32).astype(jnp.bfloat16)
+            reps = max(2, int(2000 / (len(ws["bf16"]) * max(1, n * k // (1 << 24)))))
+            base = time_calls(lambda x, w: x @ w.T, ws["bf16"], x, reps)
+            flops = 2 * m * n * k
+            emit(dict(name=name, shape=[m, n, k], fmt="bf16", impl="xla_dot", time_us=base[0], min_us=base[1],
+                      max_us=base[2], bytes=bf16_bytes, gbps=bf16_bytes / base[0] / 1e3, tflops=flops / base[0] / 1e6))
+            for fmt, fn in kernels.items():
+                w0 = ws[fmt][0]
+                wb = weight_bytes(w0) + m * k * 2
+                if m <= gemv.MP:
+                    err = rel_err(jax.jit(lambda x, w: fn(x, w, jnp.float32))(x, w0),
+                                  jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32))(x, w0))
+                    t = time_calls(fn, ws[fmt], x, reps) if err < 1e-3 else (float("nan"),) * 3
+                    emit(dict(name=name, shape=[m, n, k], fmt=fmt, impl="pallas", time_us=t[0], min_us=t[1],
+                              max_us=t[2], bytes=wb, gbps=wb / t[0] / 1e3, rel_err=err,
+                              pct_bf16_bw=100 * (wb / t[0]) / (bf16_bytes / base[0]), speedup_vs_bf16=base[0] / t[0],
+                              tflops=flops / t[0] / 1e6, floor_us=wb / (bf16_bytes / base[0])))
+                if m in (4, 64) or (m == ms[0] and fmt == "mxfp4"):
+                    t = time_calls(lambda x, w: linear(x, w), ws[fmt][:2], x, max(2, reps // 4), repeats=3)
+                    emit(dict(name=name, shape=[m, n, k], fmt=fmt, impl="xla_naive_dequant", time_us=t[0],
+                              min_us=t[1], max_us=t[2], bytes=wb, gbps=wb / t[0] / 1e3,
+                              speedup_vs_bf16=base[0] / t[0]))
+        del ws
+
+    finish(results)
+
+
+def run_experts(args, key, ms, t_start, emit):
+    for name, n, k in (EXPERTS if not args.quick else EXPERTS[:1]):
+        for fmt in ("mxfp4", "nvfp4", "bf16"):
+            # bf16 experts stored [E, K, N] so ragged_dot needs no transpose inside the timed program
+            w_all = make_weight(jax.random.fold_in(key, 77), fmt, (N_EXPERTS, k, n) if fmt == "bf16" else (N_EXPERTS, n, k))
+            for m in [mm for mm in ms if mm <= 8] or [1]:
+                if time.time() - t_start > args.budget_s / 2:
+                    return
+                rng = np.random.default_rng(m)
+                ids = jnp.asarray(np.stack([rng.choice(N_EXPERTS, TOP_K, replace=False) for _ in range(m)]).reshape(-1),
+                                  jnp.int32)
+                rows = ids.shape[0]
+                x = jax.random.normal(jax.random.fold_in(key, 5000 + m), (rows, k), jnp.float32).astype(jnp.bfloat16)
+                touched = len(set(np.asarray(ids).tolist()))
+                per_expert = weight_bytes(jax.tree_util.tree_map(lambda a: a[0], w_all)) if fmt != "bf16" else n * k * 2
+                wb = touched * per_expert + rows * k * 2
+                # rotate: distinct expert sets per call so no call re-reads another's experts from L2
+                sets = min(MAX_COPIES, max(2, math.ceil(ROTATE_BYTES / wb)))
+                id_sets = [jnp.asarray((np.asarray(ids) + 7 * j) % N_EXPERTS, jnp.int32) for j in range(sets)]
+                reps = max(2, int(400 / sets))
+                if fmt == "bf16":
+                    def ragged(x, i):
+                        o = jnp.argsort(i)
+                        return jax.lax.ragged_dot(x[o], w_all, jnp.bincount(i, length=N_EXPERTS).astype(jnp.int32))
+                    t = time_calls(ragged, id_sets, x, reps)
+                    emit(dict(name=name, shape=[rows, n, k], fmt=fmt, impl="ragged_dot", time_us=t[0], min_us=t[1],
+                              max_us=t[2], bytes=wb, gbps=wb / t[0] / 1e3, experts=touched))
+                    t = time_calls(lambda x, i: jnp.einsum("rk,rkn->rn", x, w_all[i]), id_sets, x, reps)
+                    emit(dict(name=name, shape=[rows, n, k], fmt=fmt, impl="xla_gather_einsum", time_us=t[0],
+                              min_us=t[1], max_us=t[2], bytes=wb, gbps=wb / t[0] / 1e3, experts=touched))
+                    dense_bf16 = [make_weight(jax.random.fold_in(key, 900 + j), "bf16", (touched, n, k))
+                                  for j in range(max(2, math.ceil(ROTATE_BYTES / (touched * n * k * 2))))]
+                    xe = x[:touched]
+                    t = time_calls(lambda x, w: jnp.einsum("ek,enk->en", x, w), dense_bf16, xe, reps)
+                    emit(dict(name=name, shape=[rows, n, k], fmt=fmt, impl="xla_bf16_per_expert_dot", time_us=t[0],
+                              min_us=t[1], max_us=t[2], bytes=touched * n * k * 2, experts=touched,
+                              gbps=touched * n * k * 2 / t[0] / 1e3))
+                    continue
+                sub = jax.tree_util.tree_map(lambda a: a[ids], w_all)
+                err = rel_err(jax.jit(lambda x, w, i: moe.moe_matmul(x, w, i, jnp.float32))(x, w_all, ids),
+                              jnp.einsum("rk,rnk->rn", x.astype(jnp.float32), sub.dequantize(jnp.float32)))
+                del sub
+                t = time_calls(lambda x, i: moe.moe_matmul(x, w_all, i), id_sets, x, reps) if err < 1e-3 \
+                    else (float("nan"),) * 3
+                emit(dict(name=name, shape=[rows, n, k], fmt=fmt, impl="pallas_moe", time_us=t[0], min_us=t[1],
+                          max_us=t[2], bytes=wb, gbps=wb / t[0] / 1e3, rel_err=err, experts=touched))
+            del w_all
+
+
+def finish(results):
+    """Short table: per shape and M, time and speedup of each implementation vs the bf16 baseline."""
+    print("\n| case | M | impl | fmt | us | GB/s | x bf16 | % bf16 BW |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['name']} | {r['shape'][0]} | {r['impl']} | {r['fmt']} | {r['time_us']:.1f} | {r['gbps']:.0f} | "
+              f"{r.get('speedup_vs_bf16', float('nan')):.2f} | {r.get('pct_bf16_bw', float('nan')):.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Pallas decode kernels (pallas_kernels/gemv.py, moe.py) against float64 dequantized math.
+
+CPU: the FP4 decode constants checked for every byte, the kernels in interpret mode (the inline-PTX decode is
+replaced by its exact jnp emulation there) on fresh random weights, and the CUDA lowering of every kernel for an
+abstract H200. GPU (`-m gpu`, scripts/gpu_check.sh): the compiled kernels against the same references.
+"""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from dsv4_jax.quant.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from pallas_kernels import gemv, moe
+
+HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
+
+
+# ---- random stored weights ------------------------------------------------------------------------------------
+def _mxfp4(rng, shape):
+    *lead, n, k = shape
+    return Mxfp4Weight(jnp.asarray(rng.integers(0, 256, (*lead, n, k // 2), dtype=np.uint8)),
+                       jnp.asarray(rng.integers(112, 132, (*lead, n, k // 32), dtype=np.uint8)))
+
+
+def _nvfp4(rng, shape):
+    *lead, n, k = shape
+    scale = jnp.asarray(rng.uniform(2.0 ** -6, 448, (*lead, n, k // 16)), jnp.float32).astype(jnp.float8_e4m3fn)
+    gs = jnp.asarray(rng.uniform(1e-4, 1e-2, tuple(lead)), jnp.float32)
+    return Nvfp4Weight(jnp.asarray(rng.integers(0, 256, (*lead, n, k // 2), dtype=np.uint8)), scale, gs)
+
+
+def _fp8(rng, shape):
+    n, k = shape
+    w = jnp.asarray(np.clip(rng.standard_normal((n, k)) * 64, -448, 448), jnp.float32).astype(jnp.float8_e4m3fn)
+    return Fp8BlockWeight(w, jnp.asarray(rng.integers(108, 124, (-(-n // 128), -(-k // 128))), jnp.uint8))
+
+
+def _dequant64(w) -> np.ndarray:
+    """float64 dense weight; every stored value and scale is exact in float32, so this is exact."""
+    return np.asarray(w.dequantize(jnp.float32), np.float64)
+
+
+def _check(y, x, w_dense, tol):
+    """y [M, N] vs float64 x @ W^T: relative Frobenius error, NaN never passes (unwritten outputs show up)."""
+    ref = np.asarray(x, np.float64) @ w_dense.T
+    y = np.asarray(y, np.float64)
+    assert y.shape == ref.shape
+    assert np.all(np.isfinite(y)), "non-finite output (unwritten or poisoned element)"
+    err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    assert err < tol, err
+
+
+def _x(rng, m, k, dtype):
+    return jnp.asarray(rng.standard_normal((m, k)), dtype)
+
+
+# ---- decode constants -----------------------------------------------------------------------------------------
+def test_fp4_decode_constants_every_byte():
+    pairs = np.arange(65536, dtype=np.uint32)
+    lo, hi = gemv.fp4_decode_bits_np(pairs)
+
+    def as_values(bits16):
+        return (bits16.astype(np.uint32) << 16).view(np.float32).astype(np.float64) * 2.0 ** 126
+
+    b0, b1 = pairs & 0xFF, pairs >> 8
+    np.testing.assert_array_equal(as_values(lo & 0xFFFF), E2M1_VALUES[b0 & 0xF])
+    np.testing.assert_array_equal(as_values(lo >> 16), E2M1_VALUES[b1 & 0xF])
+    np.testing.assert_array_equal(as_values(hi & 0xFFFF), E2M1_VALUES[b0 >> 4])
+    np.testing.assert_array_equal(as_values(hi >> 16), E2M1_VALUES[b1 >> 4])
+
+
+def test_scale_factor_bits():
+    b = np.arange(gemv.MX_SHIFT - 4, 129 + gemv.MX_SHIFT, dtype=np.uint8)
+    f = np.asarray(gemv.mx_factor_bits(jnp.asarray(b)))
+    assert np.all(f >> 16 == f & 0xFFFF)
+    got = ((f & 0xFFFF) << 16).view(np.float32).astype(np.float64) * 2.0 ** (gemv.MX_SHIFT - 126)
+    np.testing.assert_array_equal(got, 2.0 ** (b.astype(np.float64) - 127))
+    normal = np.arange(0x08, 0x7F, dtype=np.uint8)                       # every positive normal e4m3
+    f = np.asarray(gemv.nv_factor_bits(jnp.asarray(normal)))
+    assert np.all(f >> 16 == f & 0xFFFF)
+    got = ((f & 0xFFFF) << 16).view(np.float32).astype(np.float64) * 2.0 ** (gemv.NV_SHIFT - 126)
+    want = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(normal), jnp.float8_e4m3fn).astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)
+
+
+# ---- interpret mode -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8"])
+def test_dense_interpret(fmt):
+    rng = np.random.default_rng()
+    n, k = 128, 512
+    make, fn = {"mxfp4": (_mxfp4, gemv.mxfp4_matmul), "nvfp4": (_nvfp4, gemv.nvfp4_matmul),
+                "fp8": (_fp8, gemv.fp8_matmul)}[fmt]
+    w = make(rng, (n, k))
+    dense = _dequant64(w)
+    x = _x(rng, 5, k, jnp.bfloat16)
+    _check(fn(x, w, jnp.float32, interpret=True, block_n=64, split_k=2), x.astype(jnp.float32), dense, 1e-5)
+    x = _x(rng, 3, k, jnp.float32)                                        # float32: hi + lo bf16 rows
+    _check(fn(x, w, interpret=True, block_n=64, split_k=1), x, dense, 2e-5)
+
+
+def test_dense_interpret_rows_and_dtype():
+    rng = np.random.default_rng()
+    w = _mxfp4(rng, (64, 256))
+    x = _x(rng, 16, 256, jnp.bfloat16)
+    y = gemv.mxfp4_matmul(x, w, interpret=True, block_n=64, split_k=1)
+    assert y.dtype == jnp.bfloat16 and y.shape == (16, 64)
+    _check(y.astype(jnp.float32), x.astype(jnp.float32), _dequant64(w), 1e-2)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        gemv.mxfp4_matmul(_x(rng, 17, 256, jnp.bfloat16), w, interpret=True)
+
+
+@pytest.mark.parametrize("fmt,dtype", [("mxfp4", jnp.bfloat16), ("nvfp4", jnp.float32)])
+def test_moe_interpret(fmt, dtype):
+    rng = np.random.default_rng()
+    n_exp, n, k = 6, 64, 256
+    w = (_mxfp4 if fmt == "mxfp4" else _nvfp4)(rng, (n_exp, n, k))
+    dense = _dequant64(w)
+    rows = 9 if dtype == jnp.bfloat16 else 11                            # float32: > 8 rows of one expert split
+    ids = np.concatenate([rng.integers(0, n_exp, rows - 9), np.full(9, 2)]).astype(np.int32)
+    rng.shuffle(ids)
+    x = _x(rng, rows, k, dtype)
+    y = np.asarray(moe.moe_matmul(x, w, jnp.asarray(ids), jnp.float32, interpret=True), np.float64)
+    ref = np.einsum("rk,rnk->rn", np.asarray(x, np.float64), dense[ids])
+    assert np.all(np.isfinite(y))
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 2e-5
+
+
+def test_moe_schedule():
+    ids = jnp.asarray([3, 1, 3, 3, 0, 1, 3], jnp.int32)
+    slot_expert, slot_rows, slot_of_row, pos_of_row = moe.moe_schedule(ids, capacity=2)
+    se = np.asarray(slot_expert)
+    for r in range(7):
+        assert se[slot_of_row[r]] == ids[r]
+        assert slot_rows[slot_of_row[r], pos_of_row[r]] == r
+    assert sorted(se[se >= 0].tolist()) == [0, 1, 3, 3]
+    assert np.sum(np.asarray(slot_rows) < 7) == 7
+
+
+# ---- CUDA lowering on CPU -------------------------------------------------------------------------------------
+def _lower_for_h200(f, *args):
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_cuda_lowering():
+    sds = jax.ShapeDtypeStruct
+    n, k = 1024, 4096
+    x = sds((4, k), jnp.bfloat16)
+    cases = [
+        (gemv.mxfp4_matmul, (x, Mxfp4Weight(sds((n, k // 2), jnp.uint8), sds((n, k // 32), jnp.uint8)))),
+        (gemv.nvfp4_matmul, (x, Nvfp4Weight(sds((n, k // 2), jnp.uint8), sds((n, k // 16), jnp.float8_e4m3fn),
+                                            sds((), jnp.float32)))),
+        (gemv.fp8_matmul, (x, Fp8BlockWeight(sds((n, k), jnp.float8_e4m3fn), sds((n // 128, k // 128), jnp.uint8)))),
+        (moe.moe_matmul, (sds((12, k), jnp.bfloat16),
+                          Mxfp4Weight(sds((8, n, k // 2), jnp.uint8), sds((8, n, k // 32), jnp.uint8)),
+                          sds((12,), jnp.int32))),
+    ]
+    for fn, args in cases:
+        text = _lower_for_h200(fn, *args)
+        assert "__gpu$xla.gpu.triton" in text, fn.__name__
+
+
+# ---- on the GPU -----------------------------------------------------------------------------------------------
+gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8"])
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_dense_gpu(fmt, m):
+    rng = np.random.default_rng()
+    n, k = 2048, 4096
+    make, fn = {"mxfp4": (_mxfp4, gemv.mxfp4_matmul), "nvfp4": (_nvfp4, gemv.nvfp4_matmul),
+                "fp8": (_fp8, gemv.fp8_matmul)}[fmt]
+    w = make(rng, (n, k))
+    x = _x(rng, m, k, jnp.bfloat16)
+    _check(jax.jit(lambda x, w: fn(x, w, jnp.float32))(x, w), x.astype(jnp.float32), _dequant64(w), 1e-5)
+    if m <= 8:
+        x = _x(rng, m, k, jnp.float32)
+        _check(jax.jit(fn)(x, w), x, _dequant64(w), 2e-5)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_moe_gpu(fmt):
+    rng = np.random.default_rng()
+    n_exp, n, k = 32, 2048, 4096
+    w = (_mxfp4 if fmt == "mxfp4" else _nvfp4)(rng, (n_exp, n, k))
+    ids = jnp.asarray(np.stack([rng.choice(n_exp, 6, replace=False) for _ in range(8)]).reshape(-1), jnp.int32)
+    x = _x(rng, ids.shape[0], k, jnp.bfloat16)
+    y = np.asarray(jax.jit(lambda x, w, i: moe.moe_matmul(x, w, i, jnp.float32))(x, w, ids), np.float64)
+    dense = _dequant64(w)
+    ref = np.einsum("rk,rnk->rn", np.asarray(x.astype(jnp.float32), np.float64), dense[np.asarray(ids)])
+    assert np.all(np.isfinite(y))
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
