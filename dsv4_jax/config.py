@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from typing import Any
 
@@ -129,7 +128,7 @@ _HF_KEYS = {
     "moe_intermediate_size": "moe_inter_dim",
     "routed_scaling_factor": "route_scale",
     "swiglu_limit": "swiglu_limit",
-    "num_hash_layers": "num_hash_layers",
+    "num_hash_layers": "n_hash_layers",
     "hc_mult": "hc_mult",
     "hc_sinkhorn_iters": "hc_sinkhorn_iters",
     "hc_eps": "hc_eps",
@@ -138,7 +137,6 @@ _HF_KEYS = {
     "eos_token_id": "eos_token_id",
     "max_position_embeddings": "max_position_embeddings",
 }
-_HF_KEYS["num_hash_layers"] = "n_hash_layers"
 _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
                      "qk_rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "compress_ratios")
 
