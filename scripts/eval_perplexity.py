@@ -34,6 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import dsv4_jax  # noqa: E402
 from dsv4_jax.params import tree_set, weight_specs  # noqa: E402
+from train_tiny import eval_windows, token_stream  # noqa: E402  (same data pipeline as training)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CKPT = os.path.join(REPO, "dsv4_jax", "default_model")
@@ -46,32 +47,6 @@ PROMPTS = [
     "Matthew 5\nAnd seeing the multitudes, he went up into a mountain:",
     "And the LORD spake unto Moses, saying,",
 ]
-
-
-def read_documents(path: str) -> list[str]:
-    with open(path, encoding="utf-8") as f:
-        return [d + "\n" for d in f.read().split("\n\n") if d.strip()]
-
-
-def token_stream(tokenizer, path: str) -> np.ndarray:
-    docs = read_documents(path)
-    return np.concatenate([np.array([BOS] + e.ids + [EOS], np.int32) for e in tokenizer.encode_batch(docs)])
-
-
-def eval_windows(stream: np.ndarray, window: int):
-    """(inputs, targets, mask) [n_windows, window]: non-overlapping, the last one EOS-padded with mask 0."""
-    n_pred = len(stream) - 1
-    n_win = -(-n_pred // window)
-    inputs = np.full((n_win, window), EOS, np.int32)
-    targets = np.full((n_win, window), EOS, np.int32)
-    mask = np.zeros((n_win, window), np.float32)
-    for k in range(n_win):
-        a = k * window
-        m = min(window, n_pred - a)
-        inputs[k, :m] = stream[a:a + m]
-        targets[k, :m] = stream[a + 1:a + 1 + m]
-        mask[k, :m] = 1.0
-    return inputs, targets, mask
 
 
 @jax.jit
