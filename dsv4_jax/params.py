@@ -177,16 +177,15 @@ def tree_get(tree, name: str):
 _DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 
 
-def _random_weight(spec: WeightSpec, key: jax.Array):
+def _random_weight(spec: WeightSpec, key: jax.Array, n_experts: int):
     if spec.fmt in _DTYPES:
         if spec.init_std == 0.0:   # norm weights
             return jnp.ones(spec.shape, _DTYPES[spec.fmt])
         return (spec.init_std * jax.random.normal(key, spec.shape, jnp.float32)).astype(_DTYPES[spec.fmt])
     if spec.fmt == "i64":
         # Distinct experts per token: the first K of a random permutation of the experts, per row.
-        n_exp = spec.shape[1]
-        ranks = jax.random.uniform(key, (spec.shape[0], 256 if n_exp <= 256 else n_exp)).argsort(axis=-1)
-        return ranks[:, :n_exp].astype(jnp.int32) % 1_000_000_000
+        ranks = jnp.argsort(jax.random.uniform(key, (spec.shape[0], n_experts)), axis=-1)
+        return ranks[:, :spec.shape[1]].astype(jnp.int32)
     if spec.fmt == "fp8":
         rows, cols = spec.shape
         # N(0,1) e4m3 values under one power-of-two scale close to the target std.
@@ -207,13 +206,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
     keys = jax.random.split(key, len(specs))
     tree: dict = {}
     for spec, k in zip(specs, keys):
-        value = _random_weight(spec, k)
-        if spec.fmt == "i64":
-            n_exp = cfg.n_routed_experts
-            value = jax.random.permutation(k, n_exp, independent=False)[None, :].repeat(spec.shape[0], 0)
-            value = jnp.argsort(jax.random.uniform(k, (spec.shape[0], n_exp)), axis=-1)[:, :spec.shape[1]]
-            value = value.astype(jnp.int32)
-        tree_set(tree, spec.name, value)
+        tree_set(tree, spec.name, _random_weight(spec, k, cfg.n_routed_experts))
     return tree
 
 

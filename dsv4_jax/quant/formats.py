@@ -78,6 +78,12 @@ class Fp8BlockWeight:
     global_scale = None
 
 
+def _fp4_times_block_scales(packed: jax.Array, block_scales: jax.Array, block: int, dtype) -> jax.Array:
+    """Packed e2m1 pairs times float32 scales, one per `block` consecutive inputs (MXFP4 and NVFP4 share this)."""
+    values = fp4_codes_to_float(unpack_fp4_codes(packed))
+    return (values * jnp.repeat(block_scales, block, axis=-1)).astype(dtype)
+
+
 @flax.struct.dataclass
 class Mxfp4Weight:
     """OCP MXFP4: packed e2m1 pairs uint8 [..., out, in/2] (low nibble first), E8M0 bytes [..., out, in/32]."""
@@ -89,9 +95,7 @@ class Mxfp4Weight:
         return (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        values = fp4_codes_to_float(unpack_fp4_codes(self.packed))
-        scale = jnp.repeat(e8m0_to_float(self.scale), MXFP4_BLOCK, axis=-1)
-        return (values * scale).astype(dtype)
+        return _fp4_times_block_scales(self.packed, e8m0_to_float(self.scale), MXFP4_BLOCK, dtype)
 
     dequantize_blocks = dequantize
     global_scale = None
@@ -119,9 +123,7 @@ class Nvfp4Weight:
 
     def dequantize_blocks(self, dtype=jnp.float32) -> jax.Array:
         """e2m1 x e4m3 block scale, without the global scale (exact in bf16)."""
-        values = fp4_codes_to_float(unpack_fp4_codes(self.packed))
-        scale = jnp.repeat(e4m3_to_float(self.scale), NVFP4_BLOCK, axis=-1)
-        return (values * scale).astype(dtype)
+        return _fp4_times_block_scales(self.packed, e4m3_to_float(self.scale), NVFP4_BLOCK, dtype)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         gs = self.global_scale.astype(jnp.float32)[..., None, None]
