@@ -26,7 +26,7 @@ def init_random(config: ModelConfig, seed: int = 0, quantize_head: bool = False,
 
 def load(path, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int = 1, simulate_quant: bool = True,
          act_quant: str = "none", mesh=None, progress=None, prefill_chunk: int = 512,
-         quantize_head: bool = False, track_mtp: bool = False) -> Model:
+         quantize_head: bool = False, track_mtp: bool = False, kernels: str = "auto") -> Model:
     """Load an official DeepSeek-V4 checkpoint directory (config.json + safetensors), weights kept as stored
     (MXFP4 or NVFP4 routed experts). `quantize_head=True` quantizes the bf16 lm_head to NVFP4 once at load (standard
     recipe, on device) and frees the bf16 copy; the router gate is never quantized."""
@@ -39,4 +39,5 @@ def load(path, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int 
         raise NotImplementedError("multi-device loading (mesh=...) is not implemented yet")
     cfg, params = load_params(path, progress=progress, quantize_head=quantize_head)
     return Model(cfg, params, dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant,
-                 max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk, track_mtp=track_mtp)
+                 max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk, track_mtp=track_mtp,
+                 kernels=kernels)

@@ -31,10 +31,10 @@ class GenerationResult:
 class Model:
     def __init__(self, cfg: ModelConfig, params, *, dtype: str = "bfloat16", simulate_quant: bool = True,
                  act_quant: str = "none", max_seq_len: int = 4096, max_batch: int = 1, prefill_chunk: int = 512,
-                 track_mtp: bool = False):
+                 track_mtp: bool = False, kernels: str = "auto"):
         self.config = cfg
         self.params = params
-        self.options = RunOptions(dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant)
+        self.options = RunOptions(dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant, kernels=kernels)
         for name, value in (("max_seq_len", max_seq_len), ("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -55,7 +55,7 @@ def mtp_draft(params, state: DecodeState, next_tokens, *, cfg: ModelConfig, opts
     ones = jnp.ones_like(state.positions)
     X, _ = mtp_streams(params, cfg, opts, state.mtp_hidden[:, None], next_tokens[:, None], state.positions - 1,
                        ones, state.mtp[0])
-    return head_logits(params, params["mtp"][0], cfg, X)[:, 0]
+    return head_logits(params, params["mtp"][0], cfg, X, opts.kernels)[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts"))
@@ -64,7 +64,7 @@ def forward(params, tokens, *, cfg: ModelConfig, opts: RunOptions):
     batch, seq = tokens.shape
     state = init_state(cfg, batch, seq, opts.jnp_dtype)
     X, _ = _run_chunk(params, cfg, opts, state, tokens, jnp.full((batch,), seq, jnp.int32))
-    return head_logits(params, params, cfg, X)
+    return head_logits(params, params, cfg, X, opts.kernels)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "opts"))
@@ -87,13 +87,13 @@ def prefill_chunk(params, state: DecodeState, tokens, n_valid, last_logits, *, c
     X, state = _run_chunk(params, cfg, opts, state, tokens, n_valid, track_mtp)
     last = jnp.maximum(n_valid - 1, 0)
     X_last = jnp.take_along_axis(X, last[:, None, None, None], axis=1)
-    logits = head_logits(params, params, cfg, X_last)[:, 0]
+    logits = head_logits(params, params, cfg, X_last, opts.kernels)[:, 0]
     return jnp.where((n_valid > 0)[:, None], logits, last_logits), state
 
 
 def _decode(params, state, tokens, active, cfg, opts, max_seq_len, track_mtp):
     X, new_state = _run_chunk(params, cfg, opts, state, tokens[:, None], active.astype(jnp.int32), track_mtp)
-    logits = head_logits(params, params, cfg, X)[:, 0]
+    logits = head_logits(params, params, cfg, X, opts.kernels)[:, 0]
     # Past the buffers' capacity the caches would be wrong: say so with NaN rather than a plausible token.
     overflow = state.positions >= max_seq_len
     return jnp.where(overflow[:, None], jnp.nan, logits), new_state

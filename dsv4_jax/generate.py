@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--act-quant", choices=("none", "fp8", "nvfp4"), default="none",
                      help="how activations meet quantized weights: none (W4A16/W8A16), fp8 (official numerics), "
                           "nvfp4 (W4A4) (default: none)")
+    src.add_argument("--kernels", choices=("auto", "reference", "pallas", "interpret"), default="auto",
+                     help="quantized matmuls on the GPU kernels (auto: on a CUDA device) or the pure-JAX reference "
+                          "(default: auto)")
     src.add_argument("--no-simulate-quant", action="store_true",
                      help="turn off the model's built-in FP8/FP4 fake-quantization of KV and indexer")
     src.add_argument("--quantize-head", action="store_true", help="quantize the lm_head to NVFP4 at load")
@@ -319,7 +322,8 @@ def run(args) -> int:
     try:
         model = dsv4_jax.load(directory, dtype=args.dtype, max_seq_len=args.max_seq_len, max_batch=len(prompts),
                               simulate_quant=not args.no_simulate_quant, act_quant=args.act_quant,
-                              prefill_chunk=args.prefill_chunk, progress=progress, quantize_head=args.quantize_head)
+                              prefill_chunk=args.prefill_chunk, progress=progress, quantize_head=args.quantize_head,
+                              kernels=args.kernels)
     except (CheckpointError, OSError) as err:
         raise CLIError(_one_line(err)) from None
     finally:
@@ -373,7 +377,7 @@ def run(args) -> int:
             "settings": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                          "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
                          "max_seq_len": args.max_seq_len, "prefill_chunk": args.prefill_chunk,
-                         "dtype": args.dtype, "act_quant": args.act_quant,
+                         "dtype": args.dtype, "act_quant": args.act_quant, "kernels": args.kernels,
                          "simulate_quant": not args.no_simulate_quant, "quantize_head": args.quantize_head,
                          "chat": args.chat, "thinking": args.thinking, "system": args.system,
                          "reasoning_effort": args.reasoning_effort},

@@ -19,6 +19,7 @@ from .layers.moe import moe
 from .layers.norm import rms_norm
 from .layers.rope import rope_inv_freq
 from .quant import linear
+from .quant.kernel_dispatch import KERNEL_MODES
 from .quant.linear import ACT_QUANT_MODES
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -30,12 +31,15 @@ class RunOptions:
     dtype: str = "bfloat16"
     simulate_quant: bool = True
     act_quant: str = "none"
+    kernels: str = "auto"       # GPU kernels or the pure-jnp reference for quantized matmuls (quant/kernel_dispatch.py)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.act_quant not in ACT_QUANT_MODES:
             raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, got {self.act_quant!r}")
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
 
     @property
     def jnp_dtype(self):
@@ -49,11 +53,12 @@ def block(params: dict, cfg: ModelConfig, opts: RunOptions, layer: int, X: jax.A
     u, post, comb = hc_pre(X, params["hc_attn_fn"], params["hc_attn_base"], params["hc_attn_scale"], cfg)
     x = rms_norm(u, params["attn_norm"]["weight"], cfg.norm_eps)
     y, cache = attention(params["attn"], cfg, ratio, x, start, n_valid, cache, rope_inv_freq(cfg, ratio),
-                         opts.simulate_quant, act_quant=opts.act_quant)
+                         opts.simulate_quant, act_quant=opts.act_quant, kernels=opts.kernels)
     X = hc_post(y, X, post, comb)
     u, post, comb = hc_pre(X, params["hc_ffn_fn"], params["hc_ffn_base"], params["hc_ffn_scale"], cfg)
     x = rms_norm(u, params["ffn_norm"]["weight"], cfg.norm_eps)
-    y = moe(params["ffn"], cfg, x, token_ids, hash_routed=cfg.is_hash_layer(layer), act_quant=opts.act_quant)
+    y = moe(params["ffn"], cfg, x, token_ids, hash_routed=cfg.is_hash_layer(layer), act_quant=opts.act_quant,
+            kernels=opts.kernels)
     return hc_post(y, X, post, comb), cache
 
 
@@ -74,12 +79,12 @@ def backbone(params: dict, cfg: ModelConfig, opts: RunOptions, tokens: jax.Array
     return X, new_caches
 
 
-def head_logits(params: dict, head_params: dict, cfg: ModelConfig, X: jax.Array) -> jax.Array:
+def head_logits(params: dict, head_params: dict, cfg: ModelConfig, X: jax.Array, kernels: str = "auto") -> jax.Array:
     """hc head collapse -> final RMSNorm -> float32 logits. `head_params` holds hc_head_* and norm (the main
     model's or the MTP block's); the output matrix is always the shared `head`."""
     h = hc_head(X, head_params["hc_head_fn"], head_params["hc_head_base"], head_params["hc_head_scale"], cfg)
     h = rms_norm(h, head_params["norm"]["weight"], cfg.norm_eps)
-    return linear(h.astype(jnp.float32), params["head"]["weight"], jnp.float32)
+    return linear(h.astype(jnp.float32), params["head"]["weight"], jnp.float32, kernels=kernels)
 
 
 def mtp_streams(params: dict, cfg: ModelConfig, opts: RunOptions, X_main: jax.Array, next_tokens: jax.Array,
@@ -90,8 +95,8 @@ def mtp_streams(params: dict, cfg: ModelConfig, opts: RunOptions, X_main: jax.Ar
     dtype = opts.jnp_dtype
     e = rms_norm(params["embed"]["weight"][next_tokens].astype(dtype), p["enorm"]["weight"], cfg.norm_eps)
     h = rms_norm(X_main.astype(dtype), p["hnorm"]["weight"], cfg.norm_eps)
-    X = (linear(h, p["h_proj"]["weight"], act_quant=opts.act_quant)
-         + linear(e, p["e_proj"]["weight"], act_quant=opts.act_quant)[:, :, None, :])
+    mode = dict(act_quant=opts.act_quant, kernels=opts.kernels)
+    X = linear(h, p["h_proj"]["weight"], **mode) + linear(e, p["e_proj"]["weight"], **mode)[:, :, None, :]
     return block(p, cfg, opts, cfg.n_layers + k, X, next_tokens, start, n_valid, cache)
 
 
@@ -99,4 +104,4 @@ def mtp_block(params: dict, cfg: ModelConfig, opts: RunOptions, X_main: jax.Arra
               start: jax.Array, n_valid: jax.Array, cache: dict, k: int = 0):
     """MTP block k with its head: logits [B, S, V] float32 predicting token i+2 at position i, and the cache."""
     X, cache = mtp_streams(params, cfg, opts, X_main, next_tokens, start, n_valid, cache, k)
-    return head_logits(params, params["mtp"][k], cfg, X), cache
+    return head_logits(params, params["mtp"][k], cfg, X, opts.kernels), cache

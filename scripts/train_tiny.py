@@ -276,7 +276,7 @@ def capacity_routed_experts(capacity_factor: float):
     from dsv4_jax.layers.moe import clamped_swiglu
     from dsv4_jax.quant import dequantize
 
-    def routed_experts(params, cfg, x, expert_ids, weights, act_quant="none"):
+    def routed_experts(params, cfg, x, expert_ids, weights, act_quant="none", kernels="auto"):
         n_tokens, k = expert_ids.shape
         n_exp = cfg.n_routed_experts
         cap = max(1, math.ceil(capacity_factor * n_tokens * k / n_exp))
@@ -335,11 +335,13 @@ def install_training_hooks(moe_capacity: float = 0.0):
 
     orig_select = attn_mod.indexer_select
 
-    def indexer_select(params, cfg, x, q_latent, positions, index_keys, inv_freq, simulate_quant, act_quant="none"):
+    def indexer_select(params, cfg, x, q_latent, positions, index_keys, inv_freq, simulate_quant, act_quant="none",
+                       kernels="auto"):
         if _RECORD["active"]:
             _RECORD["indexer_kl"].append(_indexer_kl(params, _RECORD["attn"], cfg, x, q_latent, positions, inv_freq,
                                                      simulate_quant))
-        return orig_select(params, cfg, x, q_latent, positions, index_keys, inv_freq, simulate_quant, act_quant)
+        return orig_select(params, cfg, x, q_latent, positions, index_keys, inv_freq, simulate_quant, act_quant,
+                           kernels)
 
     moe_mod.route = route
     if moe_capacity > 0:

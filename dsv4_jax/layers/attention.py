@@ -48,16 +48,18 @@ def write_ring(ring: jax.Array, kv: jax.Array, start: jax.Array, n_valid: jax.Ar
 
 
 def indexer_select(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array, positions: jax.Array,
-                   index_keys: jax.Array, inv_freq: np.ndarray, simulate_quant: bool, act_quant: str = "none"):
+                   index_keys: jax.Array, inv_freq: np.ndarray, simulate_quant: bool, act_quant: str = "none",
+                   kernels: str = "auto"):
     """Lightning indexer: top-min(index_topk, N) compressed entries per query. Returns (idx, valid) [B, S, k];
     an entry is valid iff it is visible (j < (t+1)//4); invisible picks only fill the static k slots."""
     batch, seq, _ = x.shape
     n_heads, head_dim = cfg.index_n_heads, cfg.index_head_dim
-    q = linear(q_latent, params["wq_b"]["weight"], act_quant=act_quant).reshape(batch, seq, n_heads, head_dim)
+    q = linear(q_latent, params["wq_b"]["weight"], act_quant=act_quant, kernels=kernels).reshape(
+        batch, seq, n_heads, head_dim)
     q = apply_rope(q, positions[:, :, None], inv_freq)
     if simulate_quant:
         q = fp4_fake_quant(hadamard(q))
-    head_weights = linear(x, params["weights_proj"]["weight"], out_dtype=jnp.float32)
+    head_weights = linear(x, params["weights_proj"]["weight"], out_dtype=jnp.float32, kernels=kernels)
     head_weights = head_weights * (head_dim ** -0.5 * n_heads ** -0.5)
     scores = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), index_keys.astype(jnp.float32))
     scores = jnp.einsum("bshn,bsh->bsn", jax.nn.relu(scores), head_weights)
@@ -70,20 +72,22 @@ def indexer_select(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.A
 
 
 def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: jax.Array, n_valid: jax.Array,
-              cache: dict, inv_freq: np.ndarray, simulate_quant: bool, act_quant: str = "none"):
+              cache: dict, inv_freq: np.ndarray, simulate_quant: bool, act_quant: str = "none", kernels: str = "auto"):
     """x [B, S, D] (attn_norm'd) at positions start[b] + i. Returns (output [B, S, D], updated layer cache)."""
     batch, seq, _ = x.shape
     n_heads, head_dim, nope = cfg.n_heads, cfg.head_dim, cfg.nope_head_dim
     dtype = x.dtype
     positions = start[:, None] + jnp.arange(seq, dtype=jnp.int32)[None, :]
 
-    q_latent = rms_norm(linear(x, params["wq_a"]["weight"], act_quant=act_quant), params["q_norm"]["weight"],
-                        cfg.norm_eps)
-    q = linear(q_latent, params["wq_b"]["weight"], act_quant=act_quant).reshape(batch, seq, n_heads, head_dim)
+    q_latent = rms_norm(linear(x, params["wq_a"]["weight"], act_quant=act_quant, kernels=kernels),
+                        params["q_norm"]["weight"], cfg.norm_eps)
+    q = linear(q_latent, params["wq_b"]["weight"], act_quant=act_quant, kernels=kernels).reshape(
+        batch, seq, n_heads, head_dim)
     q = rms_norm(q, None, cfg.norm_eps)
     q = apply_rope(q, positions[:, :, None], inv_freq)
 
-    kv = rms_norm(linear(x, params["wkv"]["weight"], act_quant=act_quant), params["kv_norm"]["weight"], cfg.norm_eps)
+    kv = rms_norm(linear(x, params["wkv"]["weight"], act_quant=act_quant, kernels=kernels), params["kv_norm"]["weight"],
+                  cfg.norm_eps)
     kv = apply_rope(kv, positions, inv_freq)
     if simulate_quant:
         kv = _kv_fake_quant(kv, nope)
@@ -118,7 +122,7 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         has_entries = compressed.shape[1] > 0     # buffers shorter than c never complete an entry
         if has_entries and ratio == 4:
             idx, valid = indexer_select(params["indexer"], cfg, x, q_latent, positions, index_keys, inv_freq,
-                                        simulate_quant, act_quant)
+                                        simulate_quant, act_quant, kernels)
             selected = jax.vmap(lambda cache_b, idx_b: cache_b[idx_b])(compressed, idx)  # [B, S, k, hd]
             logits.append(jnp.einsum("bshd,bskd->bshk", q, selected, preferred_element_type=jnp.float32) * scale)
             masks.append(valid[:, :, None, :])
@@ -149,6 +153,6 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     groups = cfg.o_groups
     out = out.reshape(batch, seq, groups, (n_heads // groups) * head_dim)
     # wo_a: the reference multiplies it in bf16 (convert.py dequantizes it), so its input is never quantized.
-    z = group_linear(out, params["wo_a"]["weight"], act_quant="none")
+    z = group_linear(out, params["wo_a"]["weight"], act_quant="none", kernels=kernels)
     return linear(z.reshape(batch, seq, groups * cfg.o_lora_rank), params["wo_b"]["weight"],
-                  act_quant=act_quant), new_cache
+                  act_quant=act_quant, kernels=kernels), new_cache

@@ -35,14 +35,16 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def shared_expert(params: dict, cfg: ModelConfig, x: jax.Array, act_quant: str = "none") -> jax.Array:
-    h = clamped_swiglu(linear(x, params["w1"]["weight"], jnp.float32, act_quant=act_quant),
-                       linear(x, params["w3"]["weight"], jnp.float32, act_quant=act_quant), cfg.swiglu_limit)
-    return linear(h.astype(x.dtype), params["w2"]["weight"], jnp.float32, act_quant=act_quant)
+def shared_expert(params: dict, cfg: ModelConfig, x: jax.Array, act_quant: str = "none",
+                  kernels: str = "auto") -> jax.Array:
+    mode = dict(act_quant=act_quant, kernels=kernels)
+    h = clamped_swiglu(linear(x, params["w1"]["weight"], jnp.float32, **mode),
+                       linear(x, params["w3"]["weight"], jnp.float32, **mode), cfg.swiglu_limit)
+    return linear(h.astype(x.dtype), params["w2"]["weight"], jnp.float32, **mode)
 
 
 def routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
-                   act_quant: str = "none"):
+                   act_quant: str = "none", kernels: str = "auto"):
     """Sum over each token's K experts of weight * expert(x); tokens are grouped by expert for one grouped matmul
     per projection. Returns float32 [T, D]."""
     n_tokens, k = expert_ids.shape
@@ -51,19 +53,20 @@ def routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax
     token_of = order // k
     group_sizes = jnp.bincount(flat_ids, length=cfg.n_routed_experts).astype(jnp.int32)
     xs = x[token_of]
-    gate = grouped_linear(xs, params["w1"]["weight"], group_sizes, jnp.float32, act_quant=act_quant)
-    up = grouped_linear(xs, params["w3"]["weight"], group_sizes, jnp.float32, act_quant=act_quant)
+    mode = dict(act_quant=act_quant, kernels=kernels)
+    gate = grouped_linear(xs, params["w1"]["weight"], group_sizes, jnp.float32, **mode)
+    up = grouped_linear(xs, params["w3"]["weight"], group_sizes, jnp.float32, **mode)
     h = clamped_swiglu(gate, up, cfg.swiglu_limit) * weights.reshape(-1)[order][:, None]
-    y = grouped_linear(h.astype(x.dtype), params["w2"]["weight"], group_sizes, jnp.float32, act_quant=act_quant)
+    y = grouped_linear(h.astype(x.dtype), params["w2"]["weight"], group_sizes, jnp.float32, **mode)
     return jnp.zeros((n_tokens, x.shape[-1]), jnp.float32).at[token_of].add(y)
 
 
 def moe(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool,
-        act_quant: str = "none") -> jax.Array:
+        act_quant: str = "none", kernels: str = "auto") -> jax.Array:
     """x [..., D] (ffn_norm'd), token_ids [...] -> [..., D] in x.dtype."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     expert_ids, weights = route(params["gate"], cfg, x2, token_ids.reshape(-1), hash_routed)
-    y = routed_experts(params["experts"], cfg, x2, expert_ids, weights, act_quant)
-    y = y + shared_expert(params["shared_experts"], cfg, x2, act_quant)
+    y = routed_experts(params["experts"], cfg, x2, expert_ids, weights, act_quant, kernels)
+    y = y + shared_expert(params["shared_experts"], cfg, x2, act_quant, kernels)
     return y.astype(x.dtype).reshape(*lead, x.shape[-1])

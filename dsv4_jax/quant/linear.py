@@ -17,6 +17,10 @@ in x.dtype, the weight is dequantized without its global scale (also exact in bf
 float32, and the output is multiplied by the NVFP4 activation global scale x the weight's global scale. Because
 every operand is exact this equals a tensor-core FP8 / FP4 GEMM with per-block rescaling up to float32 summation
 order.
+
+`kernels` ("auto" | "reference" | "pallas" | "interpret") picks between that reference and the GPU kernels of
+pallas_kernels/ for the GEMM itself (kernel_dispatch.py says which calls have a kernel); activation quantization
+is the same jnp code on both paths, so the kernels see the same exact operands.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from . import kernel_dispatch
 from .activations import fp8_activation, nvfp4_activation, nvfp4_global_scale
 from .formats import Fp8BlockWeight, check_weight, dequantize_blocks, is_quantized
 
@@ -77,18 +82,22 @@ def _check_in_features(x: jax.Array, shape, what: str, ndim: int):
         raise ValueError(f"{what}: input has {x.shape[-1]} features but the weight {list(shape)} expects {shape[-1]}")
 
 
-def linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none") -> jax.Array:
+def linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none", kernels: str = "auto") -> jax.Array:
     """y = x @ W^T for W [out, in] in any stored format; fp32 accumulation; returns out_dtype (default x.dtype)."""
     check_weight(weight, "linear weight")
     _check_in_features(x, weight.shape, "linear", 2)
     xq, row_scale = _quantize_input(x, weight, act_quant)
+    y = kernel_dispatch.dense_matmul(xq.reshape(-1, x.shape[-1]), weight, kernels)
+    if y is not None:
+        y = y.reshape(*x.shape[:-1], weight.shape[0])
+        return _rescale(y, row_scale, None).astype(out_dtype or x.dtype)
     w, weight_scale = dequantize_blocks(weight, x.dtype)
     y = jnp.einsum("...i,oi->...o", xq, w, preferred_element_type=jnp.float32)
     return _rescale(y, row_scale, weight_scale).astype(out_dtype or x.dtype)
 
 
 def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array, out_dtype=None, *,
-                   act_quant: str = "none") -> jax.Array:
+                   act_quant: str = "none", kernels: str = "auto") -> jax.Array:
     """Rows of x [m, in] sorted by group; group g multiplies W[g]^T (W [G, out, in], e.g. stacked experts);
     rows past sum(group_sizes) give zeros. Returns [m, out]."""
     check_weight(weight, "grouped_linear weight")
@@ -96,6 +105,10 @@ def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array, out_dtype=None,
     n_groups, m = weight.shape[0], x.shape[0]
     row_groups = jnp.repeat(jnp.arange(n_groups, dtype=jnp.int32), group_sizes, total_repeat_length=m)
     xq, row_scale = _quantize_input(x, weight, act_quant, row_groups)
+    y = kernel_dispatch.expert_matmul(xq, weight, jnp.clip(row_groups, 0, n_groups - 1), kernels)
+    if y is not None:
+        real_row = jnp.arange(m) < jnp.sum(group_sizes)
+        return jnp.where(real_row[:, None], _rescale(y, row_scale, None), 0).astype(out_dtype or x.dtype)
     w, weight_scale = dequantize_blocks(weight, x.dtype)
     y = jax.lax.ragged_dot(xq, jnp.swapaxes(w, -1, -2), group_sizes, preferred_element_type=jnp.float32)
     if weight_scale is not None:
@@ -103,7 +116,8 @@ def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array, out_dtype=None,
     return _rescale(y, row_scale, weight_scale).astype(out_dtype or x.dtype)
 
 
-def group_linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none") -> jax.Array:
+def group_linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none",
+                 kernels: str = "auto") -> jax.Array:
     """Block-diagonal linear (the grouped output projection wo_a): x [..., G, in], W [G * out, in]; group g
     multiplies rows [g * out, (g + 1) * out) of W. Returns [..., G, out]."""
     check_weight(weight, "group_linear weight")
@@ -112,6 +126,10 @@ def group_linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none
     if rows % groups:
         raise ValueError(f"group_linear: {rows} weight rows do not split into {groups} groups")
     xq, row_scale = _quantize_input(x, weight, act_quant)
+    y = kernel_dispatch.group_matmul(xq.reshape(-1, groups, cols), weight, kernels)
+    if y is not None:
+        y = y.reshape(*x.shape[:-1], rows // groups)
+        return _rescale(y, row_scale, None).astype(out_dtype or x.dtype)
     w, weight_scale = dequantize_blocks(weight, x.dtype)
     y = jnp.einsum("...gi,gri->...gr", xq, w.reshape(groups, rows // groups, cols),
                    preferred_element_type=jnp.float32)

@@ -1,0 +1,184 @@
+"""Which matmuls run on the GPU kernels of `pallas_kernels/` and which on the pure-jnp reference.
+
+`kernels` (RunOptions.kernels, and a keyword of every function in quant/linear.py) picks the path:
+
+    "auto"       the kernels on a CUDA device, the reference elsewhere (the default)
+    "reference"  always the pure-jnp reference (dequantize + XLA dot / ragged_dot)
+    "pallas"     the compiled kernels wherever one applies (needs a CUDA device, or lowering for one)
+    "interpret"  the kernels in Pallas interpret mode: runs anywhere, slowly (tests and debugging)
+
+A kernel applies where one exists for the call; every other call takes the reference, whatever the mode:
+
+    call                                   kernel                         applies when
+    linear, FP8-block weight               gemv.fp8_matmul                rows <= 16 (bf16) / 8 (fp32), N % 64 == 0
+    linear, MXFP4 / NVFP4 weight           gemv.mxfp4_matmul / nvfp4_...  rows as above, N % 64 == 0, K % 32 == 0
+    group_linear (wo_a), FP8 / FP4 weight  the same, vmapped over groups  as above per group; FP8 groups need
+                                                                          out % 128 == 0 or 128 % out == 0
+    grouped_linear (experts), FP4 weight   moe.moe_matmul                 rows <= MAX_MOE_ROWS
+    bf16 / fp32 weights, larger batches    XLA dot (reference)            -
+
+"rows" are the flattened leading dimensions of x: batch x tokens in the chunk, so decode steps (and MTP drafts)
+of up to 16 sequences take the kernels, prefill chunks the reference. The choice is made while tracing, from
+static shapes only, so it never costs a host sync; `record_dispatch()` lists the choices of a trace (tests use
+it to prove the kernels were really taken).
+
+The NVFP4 kernels assume normal positive e4m3 block scales (what the NVFP4 recipe writes unless a block is
+2^15 below its matrix maximum); `pallas_kernels.gemv.nvfp4_kernel_exact(w)` checks a weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+
+KERNEL_MODES = ("auto", "reference", "pallas", "interpret")
+MAX_DECODE_ROWS = 16          # bf16 activation rows per decode kernel call (float32: half, split into hi + lo)
+MAX_MOE_ROWS = 128            # routed rows (tokens x top-k) up to which the MoE decode kernel is used
+
+_records: list | None = None
+
+
+@contextlib.contextmanager
+def record_dispatch():
+    """Collect (call, weight format, shape, path) for every dispatch made while tracing inside the block."""
+    global _records
+    previous, _records = _records, []
+    try:
+        yield _records
+    finally:
+        _records = previous
+
+
+def _record(call: str, weight, path: str) -> None:
+    if _records is not None:
+        _records.append((call, type(weight).__name__, tuple(weight.shape), path))
+
+
+@functools.cache
+def on_cuda() -> bool:
+    """True when JAX's default device is an NVIDIA GPU (the Pallas kernels here are CUDA-only)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and "nvidia" in device.device_kind.lower()
+
+
+def kernel_backend(kernels: str) -> str | None:
+    """None (reference), "pallas" or "interpret" for a `kernels` mode."""
+    if kernels not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
+    if kernels == "reference":
+        return None
+    if kernels == "auto":
+        return "pallas" if on_cuda() else None
+    return kernels
+
+
+def _rows_fit(x: jax.Array, rows: int) -> bool:
+    if x.dtype == jnp.float32:
+        return rows <= MAX_DECODE_ROWS // 2
+    return x.dtype == jnp.bfloat16 and rows <= MAX_DECODE_ROWS
+
+
+def _fp4_unroll(w, k: int) -> int | None:
+    """Scale blocks per kernel K step: the kernel's default (256 inputs) or the largest power of two below it
+    that divides K's blocks; None when no step holds the 16 inputs a tensor-core dot needs."""
+    block = 32 if isinstance(w, Mxfp4Weight) else 16
+    if k % block:
+        return None
+    blocks, unroll = k // block, 256 // block
+    while unroll > 1 and blocks % unroll:
+        unroll //= 2
+    return unroll if unroll * block // 2 >= 16 else None
+
+
+def _dense_kernel(w, n: int, k: int):
+    """A function (x [M, K], w, interpret) -> float32 [M, N] for 2-D weights of w's format and shape [n, k], or
+    None if no kernel applies."""
+    from pallas_kernels import gemv
+
+    if n % 64:
+        return None
+    if isinstance(w, Fp8BlockWeight):
+        if k % 128:
+            return None
+        return lambda x, w, interpret: gemv.fp8_matmul(x, w, jnp.float32, interpret=interpret)
+    if isinstance(w, (Mxfp4Weight, Nvfp4Weight)):
+        unroll = _fp4_unroll(w, k)
+        if unroll is None:
+            return None
+        kernel = gemv.mxfp4_matmul if isinstance(w, Mxfp4Weight) else gemv.nvfp4_matmul
+        return lambda x, w, interpret: kernel(x, w, jnp.float32, interpret=interpret, unroll=unroll)
+    return None
+
+
+def _is_quantized_matrix(weight, ndim: int) -> bool:
+    return isinstance(weight, (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight)) and len(weight.shape) == ndim
+
+
+def dense_matmul(x2: jax.Array, weight, kernels: str, call: str = "linear"):
+    """float32 x2 [M, K] @ dequant(W)^T (global scale included) through a kernel, or None: use the reference."""
+    backend = kernel_backend(kernels)
+    if not _is_quantized_matrix(weight, 2):
+        return None
+    kernel = _dense_kernel(weight, *weight.shape) if backend and _rows_fit(x2, x2.shape[0]) else None
+    _record(call, weight, backend if kernel else "reference")
+    return kernel(x2, weight, backend == "interpret") if kernel else None
+
+
+def _split_groups(w, groups: int):
+    """A [G * out, in] weight as G stacked [out, in] weights of its own format, or None if its scale blocks do
+    not split along the groups."""
+    rows, cols = w.shape
+    out = rows // groups
+    if isinstance(w, Fp8BlockWeight):
+        if out % 128 == 0:
+            scale = w.scale.reshape(groups, out // 128, -1)
+        elif 128 % out == 0:
+            scale = w.scale[(jnp.arange(groups) * out) // 128][:, None, :]
+        else:
+            return None
+        return Fp8BlockWeight(w.weight.reshape(groups, out, cols), scale)
+    if isinstance(w, Mxfp4Weight):
+        return Mxfp4Weight(w.packed.reshape(groups, out, -1), w.scale.reshape(groups, out, -1))
+    if isinstance(w, Nvfp4Weight):
+        return Nvfp4Weight(w.packed.reshape(groups, out, -1), w.scale.reshape(groups, out, -1), w.global_scale)
+    return None
+
+
+def group_matmul(x3: jax.Array, weight, kernels: str):
+    """Block-diagonal x3 [M, G, K] @ W [G * out, K]^T per group -> float32 [M, G, out], or None (reference)."""
+    backend = kernel_backend(kernels)
+    if not _is_quantized_matrix(weight, 2):
+        return None
+    stacked = _split_groups(weight, x3.shape[1]) if backend and _rows_fit(x3, x3.shape[0]) else None
+    kernel = _dense_kernel(weight, *stacked.shape[-2:]) if stacked is not None else None
+    _record("group_linear", weight, backend if kernel else "reference")
+    if not kernel:
+        return None
+    interpret = backend == "interpret"
+    weight_axes = jax.tree.map(lambda a: 0 if a.ndim > 0 else None, stacked)     # a global scale is shared
+    y = jax.vmap(lambda xg, wg: kernel(xg, wg, interpret), in_axes=(0, weight_axes))(
+        jnp.swapaxes(x3, 0, 1), stacked)                                          # [G, M, out]
+    return jnp.swapaxes(y, 0, 1)
+
+
+def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, kernels: str):
+    """Rows xs [R, K] each times its own expert of a stacked FP4 weight -> float32 [R, N], or None (reference)."""
+    from pallas_kernels import moe
+
+    backend = kernel_backend(kernels)
+    if not _is_quantized_matrix(weight, 3):
+        return None
+    n, k = weight.shape[-2:]
+    fits = (isinstance(weight, (Mxfp4Weight, Nvfp4Weight)) and n % 64 == 0 and xs.shape[0] <= MAX_MOE_ROWS
+            and xs.dtype in (jnp.bfloat16, jnp.float32))
+    unroll = _fp4_unroll(weight, k) if fits else None
+    use = backend is not None and unroll is not None
+    _record("grouped_linear", weight, backend if use else "reference")
+    if not use:
+        return None
+    return moe.moe_matmul(xs, weight, row_experts, jnp.float32, interpret=backend == "interpret", unroll=unroll)

@@ -1,0 +1,197 @@
+"""The dispatch between the GPU kernels and the pure-jnp reference (dsv4_jax/quant/kernel_dispatch.py).
+
+CPU: every dispatched call (linear, group_linear, grouped_linear) in Pallas interpret mode against float64 math,
+the fallbacks, the whole tiny model's decode step and generation loop with the kernels against the reference
+path, and the CUDA lowering of a decode step with every kernel in it. GPU (`-m gpu`): the same model comparison
+with the compiled kernels, under a transfer guard, compiling once.
+"""
+
+import collections
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import dsv4_jax
+from dsv4_jax import engine
+from dsv4_jax.model import RunOptions
+from dsv4_jax.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, group_linear, grouped_linear, linear
+from dsv4_jax.quant import kernel_dispatch
+from dsv4_jax.state import init_state
+
+HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
+DEFAULT_MODEL = dsv4_jax.__path__[0] + "/default_model"
+
+
+def _weight(rng, fmt, shape):
+    *lead, n, k = shape
+    if fmt == "fp8":
+        w = np.clip(rng.standard_normal(shape) * 64, -448, 448)
+        scale = rng.integers(108, 124, (*lead, -(-n // 128), k // 128))
+        return Fp8BlockWeight(jnp.asarray(w, jnp.float32).astype(jnp.float8_e4m3fn), jnp.asarray(scale, jnp.uint8))
+    packed = jnp.asarray(rng.integers(0, 256, (*lead, n, k // 2)), jnp.uint8)
+    if fmt == "mxfp4":
+        return Mxfp4Weight(packed, jnp.asarray(rng.integers(112, 132, (*lead, n, k // 32)), jnp.uint8))
+    scale = jnp.asarray(rng.uniform(2.0 ** -6, 448, (*lead, n, k // 16)), jnp.float32).astype(jnp.float8_e4m3fn)
+    return Nvfp4Weight(packed, scale, jnp.asarray(rng.uniform(1e-3, 1e-2, tuple(lead)), jnp.float32))
+
+
+def _dense64(w):
+    return np.asarray(w.dequantize(jnp.float32), np.float64)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), "non-finite output"
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def _paths(records):
+    return collections.Counter(r[3] for r in records)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_linear_takes_the_kernel(fmt, dtype):
+    rng = np.random.default_rng()
+    w = _weight(rng, fmt, (128, 256))
+    x = jnp.asarray(rng.standard_normal((2, 3, 256)), dtype)             # 6 rows: batch 2 x 3 tokens
+    with kernel_dispatch.record_dispatch() as rec:
+        y = linear(x, w, jnp.float32, kernels="interpret")
+    assert rec == [("linear", type(w).__name__, (128, 256), "interpret")]
+    assert y.shape == (2, 3, 128)
+    ref = np.asarray(x.astype(jnp.float32), np.float64) @ _dense64(w).T
+    assert _rel(y, ref) < (1e-5 if dtype == jnp.bfloat16 else 2e-5)
+
+
+@pytest.mark.parametrize("act_quant", ["fp8", "nvfp4"])
+def test_quantized_activations_meet_the_kernel_like_the_reference(act_quant):
+    rng = np.random.default_rng()
+    w = _weight(rng, "mxfp4", (64, 512))
+    x = jnp.asarray(rng.standard_normal((4, 512)) * np.exp(rng.uniform(-3, 3, (4, 1))), jnp.float32)
+    got = linear(x, w, act_quant=act_quant, kernels="interpret")
+    want = linear(x, w, act_quant=act_quant, kernels="reference")
+    assert _rel(got, want) < 2e-5
+
+
+@pytest.mark.parametrize("fmt,out", [("fp8", 64), ("fp8", 128), ("mxfp4", 64)])
+def test_group_linear_takes_the_kernel(fmt, out):
+    rng = np.random.default_rng()
+    groups, k = 4, 256
+    w = _weight(rng, fmt, (groups * out, k))
+    x = jnp.asarray(rng.standard_normal((3, 1, groups, k)), jnp.bfloat16)
+    with kernel_dispatch.record_dispatch() as rec:
+        y = group_linear(x, w, jnp.float32, kernels="interpret")
+    assert _paths(rec) == {"interpret": 1}
+    dense = _dense64(w).reshape(groups, out, k)
+    ref = np.einsum("bsgk,gok->bsgo", np.asarray(x.astype(jnp.float32), np.float64), dense)
+    assert y.shape == ref.shape and _rel(y, ref) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_grouped_linear_takes_the_moe_kernel(fmt):
+    rng = np.random.default_rng()
+    n_exp, n, k = 5, 64, 256
+    w = _weight(rng, fmt, (n_exp, n, k))
+    sizes = np.array([3, 0, 1, 4, 2])                                     # an empty expert; 2 padding rows
+    m = sizes.sum() + 2
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    with kernel_dispatch.record_dispatch() as rec:
+        y = grouped_linear(x, w, jnp.asarray(sizes, jnp.int32), jnp.float32, kernels="interpret")
+    assert _paths(rec) == {"interpret": 1}
+    experts = np.repeat(np.arange(n_exp), sizes)
+    xs = np.asarray(x.astype(jnp.float32), np.float64)
+    ref = np.zeros((m, n))
+    ref[:sizes.sum()] = np.einsum("rk,rnk->rn", xs[:sizes.sum()], _dense64(w)[experts])
+    assert _rel(y, ref) < 1e-5
+    assert np.all(np.asarray(y)[sizes.sum():] == 0)
+
+
+def test_fallbacks_and_modes():
+    rng = np.random.default_rng()
+    w = _weight(rng, "fp8", (128, 256))
+    odd = _weight(rng, "mxfp4", (96, 256))                                # N % 64 != 0: no kernel
+    x = jnp.asarray(rng.standard_normal((1, 256)), jnp.bfloat16)
+    with kernel_dispatch.record_dispatch() as rec:
+        linear(x, w, kernels="reference")
+        linear(x, w, kernels="auto")                                      # CPU: the reference
+        linear(jnp.tile(x, (17, 1)), w, kernels="interpret")              # > 16 rows: prefill, the reference
+        linear(jnp.tile(x, (9, 1)).astype(jnp.float32), w, kernels="interpret")   # > 8 float32 rows
+        linear(x, odd, kernels="interpret")
+        linear(x, jnp.ones((64, 256), jnp.bfloat16), kernels="interpret")  # bf16 weights: XLA's dot, unrecorded
+    expected_auto = "pallas" if kernel_dispatch.on_cuda() else "reference"
+    assert [r[3] for r in rec] == ["reference", expected_auto, "reference", "reference", "reference"]
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        linear(x, w, kernels="cuda")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        RunOptions(kernels="triton")
+
+
+def _prefill_decode_generate(model, prompt, steps, decode_step=True):
+    """(prefill logits, logits of one decode step after it or None, greedy generation of `steps` tokens)."""
+    logits, state = model.prefill(prompt)
+    step_logits = model.decode(jnp.asarray([3, 4], jnp.int32), state)[0] if decode_step else None
+    tokens = model.generate([list(p) for p in np.asarray(prompt)], max_new_tokens=steps).tokens
+    return np.asarray(logits), step_logits, tokens
+
+
+def test_model_decode_and_generation_loop_run_the_kernels(tiny_checkpoint):
+    """The tiny model with every decode matmul that has a kernel on it (interpret mode) equals the reference path:
+    the prefill (its MoE rows) and a greedy generation loop (the kernels inside lax.while_loop). float32 activations
+    meet the kernels as bf16 hi + lo parts (2^-17 relative per product), hence the 1e-4 tolerance."""
+    prompt = np.random.default_rng().integers(0, 512, (2, 6)).astype(np.int32)
+    kw = dict(dtype="float32", max_seq_len=32, max_batch=2)
+    ref = _prefill_decode_generate(dsv4_jax.load(tiny_checkpoint[0], kernels="reference", **kw), prompt, 4, False)
+    with kernel_dispatch.record_dispatch() as rec:
+        got = _prefill_decode_generate(dsv4_jax.load(tiny_checkpoint[0], kernels="interpret", **kw), prompt, 4,
+                                       False)
+    assert _paths(rec)["interpret"] >= 2 * 10                              # prefill, generation loop
+    assert _rel(got[0], ref[0]) < 1e-4
+    assert got[2] == ref[2]
+
+
+def test_decode_step_lowers_for_cuda_with_the_kernels():
+    """The default model's jitted decode step with kernels="pallas", lowered for an H200 on this CPU machine:
+    every quantized matmul of the step is a Triton kernel call inside the one program."""
+    model = dsv4_jax.load(DEFAULT_MODEL, kernels="pallas", max_seq_len=256, max_batch=2)
+    state = jax.eval_shape(lambda: init_state(model.config, 2, 256, jnp.bfloat16))
+    tokens = jax.ShapeDtypeStruct((2,), jnp.int32)
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with kernel_dispatch.record_dispatch() as rec:
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+            text = engine.decode_step.trace(model.params, state, tokens, cfg=model.config, opts=model.options,
+                                            max_seq_len=256).lower(lowering_platforms=("cuda",)).as_text()
+    kernel_calls = _paths(rec)["pallas"]
+    assert kernel_calls == len(rec) and kernel_calls >= 6 * 9              # 6 layers x 9 quantized matmuls
+    assert text.count("__gpu$xla.gpu.triton") >= kernel_calls
+
+
+# ---- on the GPU -----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_model_with_kernels_matches_reference_gpu(dtype):
+    prompt = np.random.default_rng().integers(0, 4096, (2, 12)).astype(np.int32)
+    kw = dict(dtype=dtype, max_seq_len=128, max_batch=2)
+    auto = dsv4_jax.load(DEFAULT_MODEL, **kw)
+    assert auto.options.kernels == "auto" and kernel_dispatch.kernel_backend("auto") == "pallas"
+    ref = _prefill_decode_generate(dsv4_jax.load(DEFAULT_MODEL, kernels="reference", **kw), prompt, 8)
+    with kernel_dispatch.record_dispatch() as rec:
+        got = _prefill_decode_generate(auto, prompt, 8)
+    assert _paths(rec)["pallas"] >= 6 * 9
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    assert _rel(got[0], ref[0]) < tol and _rel(got[1], ref[1]) < tol
+    if dtype == "float32":
+        assert got[2] == ref[2]
+    # no host transfer inside a step, and steps never recompile
+    _, state = auto.prefill(prompt)
+    tokens = jnp.asarray([1, 2], jnp.int32)
+    logits, state = auto.decode(tokens, state)
+    compiled = engine.decode_step._cache_size()
+    with jax.transfer_guard("disallow"):
+        for _ in range(3):
+            tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            logits, state = auto.decode(tokens, state)
+    assert engine.decode_step._cache_size() == compiled
