@@ -60,7 +60,7 @@ def test_linear_takes_the_kernel(fmt, dtype):
     x = jnp.asarray(rng.standard_normal((2, 3, 256)), dtype)             # 6 rows: batch 2 x 3 tokens
     with kernel_dispatch.record_dispatch() as rec:
         y = linear(x, w, jnp.float32, kernels="interpret")
-    assert rec == [("linear", type(w).__name__, (128, 256), "interpret")]
+    assert rec == [("linear", type(w).__name__, (128, 256), "interpret", "gemv")]
     assert y.shape == (2, 3, 128)
     ref = np.asarray(x.astype(jnp.float32), np.float64) @ _dense64(w).T
     assert _rel(y, ref) < (1e-5 if dtype == jnp.bfloat16 else 2e-5)
@@ -74,6 +74,49 @@ def test_quantized_activations_meet_the_kernel_like_the_reference(act_quant):
     got = linear(x, w, act_quant=act_quant, kernels="interpret")
     want = linear(x, w, act_quant=act_quant, kernels="reference")
     assert _rel(got, want) < 2e-5
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_prefill_linear_takes_the_fp8_tensor_core_kernel(fmt):
+    """More than 16 rows with FP8 activations: the FP8 block-scaled kernel, equal to the reference W8A8 / W4A8
+    math (both multiply the same exact e4m3 x power-of-two operands; only the float32 summation order differs)."""
+    rng = np.random.default_rng()
+    w = _weight(rng, fmt, (192, 384))
+    if fmt == "mxfp4":                                                   # exponents within 14 binades: exact
+        w = Mxfp4Weight(w.packed, jnp.clip(w.scale, 118, 131))
+    x = jnp.asarray(rng.standard_normal((2, 21, 384)) * np.exp(rng.uniform(-4, 4, (2, 21, 1))), jnp.bfloat16)
+    with kernel_dispatch.record_dispatch() as rec:
+        y = linear(x, w, jnp.float32, act_quant="fp8", kernels="interpret")
+    assert [r[3:] for r in rec] == [("interpret", "prefill_fp8")]
+    assert _rel(y, linear(x, w, jnp.float32, act_quant="fp8", kernels="reference")) < 1e-6
+    with kernel_dispatch.record_dispatch() as rec:                        # bf16 activations: the reference
+        linear(x, w, jnp.float32, act_quant="none", kernels="interpret")
+    assert [r[3] for r in rec] == ["reference"]
+
+
+def test_mxfp4_as_fp8_operand_exact_within_fourteen_binades():
+    """MXFP4 -> e4m3 per 128 block is exact while the block's four E8M0 exponents span <= 14; beyond, the small
+    block rounds (never the large one)."""
+    from pallas_kernels import prefill
+    rng = np.random.default_rng()
+    n, k = 64, 256
+    packed = jnp.asarray(rng.integers(0, 256, (n, k // 2)), jnp.uint8)
+    base = rng.integers(100, 140, (n, k // 128, 1))
+    spread = np.concatenate([np.zeros((n, k // 128, 1)), -rng.integers(0, 15, (n, k // 128, 3))], axis=-1)
+    w = Mxfp4Weight(packed, jnp.asarray((base + spread).reshape(n, k // 32), jnp.uint8))
+    wq, sw = prefill.mxfp4_weight_operand(w)
+    got = np.asarray(wq.astype(jnp.float32), np.float64) * np.repeat(np.asarray(sw, np.float64), 128, axis=1)
+    np.testing.assert_array_equal(got, _dense64(w))
+    spread[..., 1] = -20                                                  # one block 2^20 below the largest
+    w = Mxfp4Weight(packed, jnp.asarray((base + spread).reshape(n, k // 32), jnp.uint8))
+    wq, sw = prefill.mxfp4_weight_operand(w)
+    got = np.asarray(wq.astype(jnp.float32), np.float64) * np.repeat(np.asarray(sw, np.float64), 128, axis=1)
+    dense = _dense64(w)
+    small = np.zeros((n, k), bool).reshape(n, k // 128, 128)
+    small[:, :, 32:64] = True
+    small = small.reshape(n, k)
+    np.testing.assert_array_equal(got[~small], dense[~small])
+    assert np.max(np.abs(got - dense)) <= np.max(np.abs(dense)) * 2.0 ** -20
 
 
 @pytest.mark.parametrize("fmt,out", [("fp8", 64), ("fp8", 128), ("mxfp4", 64)])

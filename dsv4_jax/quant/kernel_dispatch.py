@@ -12,13 +12,18 @@ A kernel applies where one exists for the call; every other call takes the refer
     call                                   kernel                         applies when
     linear, FP8-block weight               gemv.fp8_matmul                rows <= 16 (bf16) / 8 (fp32), N % 64 == 0
     linear, MXFP4 / NVFP4 weight           gemv.mxfp4_matmul / nvfp4_...  rows as above, N % 64 == 0, K % 32 == 0
+    linear, FP8-block / MXFP4 weight,      prefill.fp8_block_matmul       rows > 16, N % 64 == 0, K % 128 == 0
+      FP8 activations (act_quant fp8,      (FP8 tensor cores)
+      or nvfp4 for FP8 weights)
     group_linear (wo_a), FP8 / FP4 weight  the same, vmapped over groups  as above per group; FP8 groups need
                                                                           out % 128 == 0 or 128 % out == 0
     grouped_linear (experts), FP4 weight   moe.moe_matmul                 rows <= MAX_MOE_ROWS
     bf16 / fp32 weights, larger batches    XLA dot (reference)            -
 
 "rows" are the flattened leading dimensions of x: batch x tokens in the chunk, so decode steps (and MTP drafts)
-of up to 16 sequences take the kernels, prefill chunks the reference. The choice is made while tracing, from
+of up to 16 sequences take the decode kernels, prefill chunks the FP8 tensor-core kernel where activations are
+FP8 and the reference otherwise (W8A16 / W4A16 prefill is XLA's bf16 dot on the dequantized weight; the routed
+experts' prefill is `ragged_dot`: no grouped prefill kernel yet). The choice is made while tracing, from
 static shapes only, so it never costs a host sync; `record_dispatch()` lists the choices of a trace (tests use
 it to prove the kernels were really taken).
 
@@ -45,7 +50,8 @@ _records: list | None = None
 
 @contextlib.contextmanager
 def record_dispatch():
-    """Collect (call, weight format, shape, path) for every dispatch made while tracing inside the block."""
+    """Collect (call, weight format, shape, path, kernel) for every dispatch made while tracing inside the block;
+    path is "reference", "pallas" or "interpret"."""
     global _records
     previous, _records = _records, []
     try:
@@ -54,9 +60,9 @@ def record_dispatch():
         _records = previous
 
 
-def _record(call: str, weight, path: str) -> None:
+def _record(call: str, weight, path: str, kernel: str | None = None) -> None:
     if _records is not None:
-        _records.append((call, type(weight).__name__, tuple(weight.shape), path))
+        _records.append((call, type(weight).__name__, tuple(weight.shape), path, kernel if path != "reference" else None))
 
 
 @functools.cache
@@ -125,8 +131,30 @@ def dense_matmul(x2: jax.Array, weight, kernels: str, call: str = "linear"):
     if not _is_quantized_matrix(weight, 2):
         return None
     kernel = _dense_kernel(weight, *weight.shape) if backend and _rows_fit(x2, x2.shape[0]) else None
-    _record(call, weight, backend if kernel else "reference")
+    _record(call, weight, backend if kernel else "reference", "gemv")
     return kernel(x2, weight, backend == "interpret") if kernel else None
+
+
+def prefill_matmul(x2: jax.Array, weight, activation_kind: str, kernels: str):
+    """float32 x2 [M, K] (M > 16 rows) @ dequant(W)^T on FP8 tensor cores with x2 quantized by the fp8 activation
+    quantizer (`activation_kind` == "fp8"), or None: another path applies."""
+    from pallas_kernels import prefill
+
+    from .activations import quantize_fp8
+
+    backend = kernel_backend(kernels)
+    if (backend is None or activation_kind != "fp8" or x2.shape[0] <= MAX_DECODE_ROWS
+            or not _is_quantized_matrix(weight, 2) or isinstance(weight, Nvfp4Weight)):
+        return None
+    n, k = weight.shape
+    if n % 64 or k % 128:
+        return None
+    _record("linear", weight, backend, "prefill_fp8")
+    operand = prefill.fp8_weight_operand if isinstance(weight, Fp8BlockWeight) else prefill.mxfp4_weight_operand
+    wq, sw = operand(weight)
+    xq, sx = quantize_fp8(x2)
+    return prefill.fp8_block_matmul(xq, sx, wq, sw, jnp.float32, block_n=128 if n % 128 == 0 else 64,
+                                    interpret=backend == "interpret")
 
 
 def _split_groups(w, groups: int):
@@ -156,7 +184,7 @@ def group_matmul(x3: jax.Array, weight, kernels: str):
         return None
     stacked = _split_groups(weight, x3.shape[1]) if backend and _rows_fit(x3, x3.shape[0]) else None
     kernel = _dense_kernel(weight, *stacked.shape[-2:]) if stacked is not None else None
-    _record("group_linear", weight, backend if kernel else "reference")
+    _record("group_linear", weight, backend if kernel else "reference", "gemv")
     if not kernel:
         return None
     interpret = backend == "interpret"
@@ -178,7 +206,7 @@ def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, kernels: str):
             and xs.dtype in (jnp.bfloat16, jnp.float32))
     unroll = _fp4_unroll(weight, k) if fits else None
     use = backend is not None and unroll is not None
-    _record("grouped_linear", weight, backend if use else "reference")
+    _record("grouped_linear", weight, backend if use else "reference", "moe")
     if not use:
         return None
     return moe.moe_matmul(xs, weight, row_experts, jnp.float32, interpret=backend == "interpret", unroll=unroll)

@@ -86,6 +86,10 @@ def linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none", ker
     """y = x @ W^T for W [out, in] in any stored format; fp32 accumulation; returns out_dtype (default x.dtype)."""
     check_weight(weight, "linear weight")
     _check_in_features(x, weight.shape, "linear", 2)
+    y = kernel_dispatch.prefill_matmul(x.reshape(-1, x.shape[-1]), weight, activation_quantizer(weight, act_quant),
+                                       kernels)
+    if y is not None:
+        return y.reshape(*x.shape[:-1], weight.shape[0]).astype(out_dtype or x.dtype)
     xq, row_scale = _quantize_input(x, weight, act_quant)
     y = kernel_dispatch.dense_matmul(xq.reshape(-1, x.shape[-1]), weight, kernels)
     if y is not None:
