@@ -47,7 +47,7 @@ def _kernel(x_ref, sx_ref, w_ref, sw_ref, o_ref, *, n_steps):
 
 
 def fp8_block_matmul(xq: jax.Array, sx: jax.Array, wq: jax.Array, sw: jax.Array, out_dtype=jnp.bfloat16, *,
-                     block_m: int = 128, block_n: int = 128, num_warps: int = 8, num_stages: int = 4,
+                     block_m: int = 128, block_n: int | None = None, num_warps: int = 8, num_stages: int = 4,
                      interpret: bool = False) -> jax.Array:
     """y [M, N] (out_dtype) from xq e4m3 [M, K], sx f32 [M, K/128], wq e4m3 [N, K], sw f32 [N, K/128]."""
     what = "fp8_block_matmul"
@@ -58,6 +58,7 @@ def fp8_block_matmul(xq: jax.Array, sx: jax.Array, wq: jax.Array, sw: jax.Array,
         raise ValueError(f"{what}: x [{m}, {k}] and w [{n}, {kw}] need the same K, a multiple of {BK}")
     if sx.shape != (m, k // BK) or sw.shape != (n, k // BK):
         raise ValueError(f"{what}: scales {sx.shape}, {sw.shape}; expected {(m, k // BK)} and {(n, k // BK)}")
+    block_n = block_n or (128 if n % 128 == 0 else 64)
     if n % block_n:
         raise ValueError(f"{what}: N={n} must be a multiple of block_n={block_n}")
     m_pad = -m % block_m

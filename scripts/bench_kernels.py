@@ -1,7 +1,7 @@
-"""Decode-matmul benchmark on the GPU: our Pallas kernels vs XLA's bf16 dot, XLA's naive dequantize+dot and
-jax.lax.ragged_dot, on DeepSeek-V4-Flash decode shapes.
+"""Matmul benchmark on the GPU: our Pallas kernels vs XLA's bf16 dot, XLA's FP8 dot, XLA's naive
+dequantize+dot and jax.lax.ragged_dot, on DeepSeek-V4-Flash decode (M = 1..64) and prefill (M = 4096) shapes.
 
-    python3 scripts/bench_kernels.py --out $OUT/bench_kernels.json [--quick] [--budget-s 300]
+    python3 scripts/bench_kernels.py --out $OUT/bench_kernels.json [--quick] [--budget-s 300] [--prefill-only]
 
 Method (shared/benchmarks.md): every case is checked against dsv4_jax.quant's reference on fresh random inputs
 before it is timed; time = one jitted program that calls the op on C different weight copies (C * bytes >= 256 MB,
@@ -9,6 +9,14 @@ at most 48 copies; the 50 MB L2 cannot hold them) R times in a fori_loop, divide
 dispatch excluded, launch gaps and the small epilogue fusion included. Median / min / max over 5 such programs.
 GB/s counts the bytes the call must read (stored weight bytes + activations); "% bf16 BW" compares with the
 XLA bf16 dot of the same logical matrix in the same run. Results stream to the JSON as they come.
+kernel_us (where present) is the profiler's view: the median over calls of the summed GPU kernel durations of
+one jitted call (jax.profiler trace, weights rotated), i.e. without launch gaps.
+
+Prefill (M = 4096, and M = 64 where decode kernels stop): XLA bf16 dot, XLA's own FP8 dot (e4m3 x e4m3 ->
+float32, per-tensor: the FP8 tensor-core rate XLA reaches on this machine, the yardstick), the naive
+dequantize + bf16 dot our reference takes for bf16 activations, our block-scaled FP8 kernel alone
+(pallas_prefill_fp8) and end to end as the model calls it (linear with act_quant="fp8": activation quantize +
+weight operand + kernel).
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ import numpy as np  # noqa: E402
 
 from dsv4_jax.quant.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, weight_bytes  # noqa: E402
 from dsv4_jax.quant.linear import linear  # noqa: E402
-from pallas_kernels import gemv, moe  # noqa: E402
+from dsv4_jax.quant.activations import quantize_fp8  # noqa: E402
+from pallas_kernels import gemv, moe, prefill  # noqa: E402
 
 DENSE = [("wq_a", 1024, 4096), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096), ("wkv", 512, 4096),
          ("wq_b", 32768, 1024), ("wo_a", 8192, 4096), ("shared_w1", 2048, 4096), ("shared_w2", 4096, 2048)]
@@ -80,6 +89,50 @@ def time_calls(fn, weights, x, reps, repeats=5):
     return statistics.median(times), min(times), max(times)
 
 
+_PROFILE_THREADS_SHOWN: list = []
+
+
+def profiled_kernel_us(fn, x, weights, calls=12):
+    """Median over calls of the summed GPU kernel time of jitted fn(x, w) (w rotating over `weights`), from a
+    jax.profiler perfetto trace; None if the trace has no GPU kernel events."""
+    import glob
+    import gzip
+    import tempfile
+    jfn = jax.jit(fn)
+    for w in weights[:2]:
+        jax.block_until_ready(jfn(x, w))
+    log_dir = tempfile.mkdtemp(prefix="bench_prof_")
+    try:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            for i in range(calls):
+                jax.block_until_ready(jfn(x, weights[i % len(weights)]))
+        files = sorted(glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True))   # xprof's view
+        with gzip.open(files[-1]) as f:
+            trace = json.load(f)
+    except Exception as err:  # noqa: BLE001 - the profiler is optional; the wall-clock numbers stand alone
+        print(f"profiler unavailable: {type(err).__name__}: {err}", flush=True)
+        return None
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    meta = [e for e in events if e.get("ph") == "M"]
+    gpu_pids = {e["pid"] for e in meta if e.get("name") == "process_name" and "gpu" in str(e["args"].get("name")).lower()}
+    threads = {(e["pid"], e["tid"]): str(e["args"].get("name")) for e in meta if e.get("name") == "thread_name"}
+    spans = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+    kernels = [e for e in spans if "stream" in threads.get((e["pid"], e["tid"]), "").lower()]
+    modules = sorted((e for e in spans if "module" in threads.get((e["pid"], e["tid"]), "").lower()),
+                     key=lambda e: e["ts"])
+    if not _PROFILE_THREADS_SHOWN:                 # once: which GPU lines the trace has (for whoever reads the log)
+        _PROFILE_THREADS_SHOWN.append(True)
+        print("profiler GPU lines:", sorted({threads.get((e["pid"], e["tid"]), "?") for e in spans}), flush=True)
+    if not kernels:
+        return None
+    if len(modules) >= calls:                    # per-call sums: kernels inside each module execution
+        per_call = [sum(k["dur"] for k in kernels if m["ts"] <= k["ts"] <= m["ts"] + m["dur"]) for m in modules]
+        per_call = [t for t in per_call if t > 0]
+        if per_call:
+            return statistics.median(per_call)
+    return sum(k["dur"] for k in kernels) / calls
+
+
 def rel_err(y, ref):
     y, ref = jnp.asarray(y, jnp.float32), jnp.asarray(ref, jnp.float32)
     e = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
@@ -93,12 +146,19 @@ def main():
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this")
     ap.add_argument("--ms", default="1,4,16,64")
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script: tiny shapes, interpret mode")
+    ap.add_argument("--prefill-ms", default="64,4096", help="rows for the prefill section ('' to skip)")
+    ap.add_argument("--prefill-only", action="store_true")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiler's kernel times")
     args = ap.parse_args()
     global DENSE, EXPERTS, N_EXPERTS, ROTATE_BYTES
     if args.smoke:
         import functools
         DENSE, EXPERTS, N_EXPERTS, ROTATE_BYTES, args.ms = [("tiny", 128, 512)], [("tiny_e", 64, 256)], 8, 1, "1,4"
-        for mod, name in ((gemv, "fp8_matmul"), (gemv, "mxfp4_matmul"), (gemv, "nvfp4_matmul"), (moe, "moe_matmul")):
+        args.prefill_ms, args.no_profile = "32", True
+        global KERNELS
+        KERNELS = "interpret"
+        for mod, name in ((gemv, "fp8_matmul"), (gemv, "mxfp4_matmul"), (gemv, "nvfp4_matmul"), (moe, "moe_matmul"),
+                          (prefill, "fp8_block_matmul")):
             setattr(mod, name, functools.partial(getattr(mod, name), interpret=True))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     t_start = time.time()
@@ -119,6 +179,12 @@ def main():
     key = jax.random.key(0)
     kernels = {"fp8": gemv.fp8_matmul, "mxfp4": gemv.mxfp4_matmul, "nvfp4": gemv.nvfp4_matmul}
 
+    global PROFILE
+    PROFILE = not args.no_profile
+    if args.prefill_ms:
+        run_prefill(args, key, [int(m) for m in args.prefill_ms.split(",")], t_start, emit)
+    if args.prefill_only:
+        return finish(results)
     run_experts(args, key, ms, t_start, emit)
     for name, n, k in dense:
         bf16_bytes = n * k * 2
@@ -132,9 +198,11 @@ def main():
             x = jax.random.normal(jax.random.fold_in(key, 1000 + m), (m, k), jnp.float32).astype(jnp.bfloat16)
             reps = max(2, int(2000 / (len(ws["bf16"]) * max(1, n * k // (1 << 24)))))
             base = time_calls(lambda x, w: x @ w.T, ws["bf16"], x, reps)
+            base_k = profiled_kernel_us(lambda x, w: x @ w.T, x, ws["bf16"]) if PROFILE else None
             flops = 2 * m * n * k
             emit(dict(name=name, shape=[m, n, k], fmt="bf16", impl="xla_dot", time_us=base[0], min_us=base[1],
-                      max_us=base[2], bytes=bf16_bytes, gbps=bf16_bytes / base[0] / 1e3, tflops=flops / base[0] / 1e6))
+                      max_us=base[2], kernel_us=base_k, bytes=bf16_bytes, gbps=bf16_bytes / base[0] / 1e3,
+                      tflops=flops / base[0] / 1e6))
             for fmt, fn in kernels.items():
                 w0 = ws[fmt][0]
                 wb = weight_bytes(w0) + m * k * 2
@@ -142,8 +210,10 @@ def main():
                     err = rel_err(jax.jit(lambda x, w: fn(x, w, jnp.float32))(x, w0),
                                   jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32))(x, w0))
                     t = time_calls(fn, ws[fmt], x, reps) if err < 1e-3 else (float("nan"),) * 3
+                    kt = profiled_kernel_us(fn, x, ws[fmt]) if PROFILE and err < 1e-3 else None
                     emit(dict(name=name, shape=[m, n, k], fmt=fmt, impl="pallas", time_us=t[0], min_us=t[1],
-                              max_us=t[2], bytes=wb, gbps=wb / t[0] / 1e3, rel_err=err,
+                              max_us=t[2], kernel_us=kt, bytes=wb, gbps=wb / t[0] / 1e3, rel_err=err,
+                              kernel_speedup_vs_bf16=base_k / kt if kt and base_k else None,
                               pct_bf16_bw=100 * (wb / t[0]) / (bf16_bytes / base[0]), speedup_vs_bf16=base[0] / t[0],
                               tflops=flops / t[0] / 1e6, floor_us=wb / (bf16_bytes / base[0])))
                 if m in (4, 64) or (m == ms[0] and fmt == "mxfp4"):
@@ -154,6 +224,78 @@ def main():
         del ws
 
     finish(results)
+
+
+PROFILE = True
+KERNELS = "pallas"          # "interpret" under --smoke
+PREFILL = ["wo_b", "wq_b", "shared_w1", "experts_w1", "wq_a", "wo_a"]     # experts_w1: one MXFP4 expert, dense
+SWEEP = "wo_b"              # the shape on which a few block configurations of the prefill kernel are compared
+
+
+def run_prefill(args, key, ms, t_start, emit):
+    """Many rows: tensor-core rates (TFLOP/s) of XLA's bf16 and FP8 dots, the naive path and our FP8 kernel."""
+    shapes = {name: (n, k) for name, n, k in DENSE + EXPERTS}
+    for name in (PREFILL if not args.smoke else list(shapes)):
+        n, k = shapes[name]
+        fmt = "mxfp4" if name.startswith("experts") else "fp8"
+        w = make_weight(jax.random.fold_in(key, 31), fmt, (n, k))
+        wb = make_weight(jax.random.fold_in(key, 32), "bf16", (n, k))
+        operand = prefill.mxfp4_weight_operand if fmt == "mxfp4" else prefill.fp8_weight_operand
+        wq, sw = jax.jit(operand)(w)
+        w8_plain = wq                                                        # per-tensor FP8 for XLA's FP8 dot
+        for m in ms:
+            if time.time() - t_start > args.budget_s:
+                print("budget reached; stopping prefill", flush=True)
+                return
+            x = jax.random.normal(jax.random.fold_in(key, 2000 + m), (m, k), jnp.float32).astype(jnp.bfloat16)
+            xq, sx = jax.jit(quantize_fp8)(x)
+            flops = 2 * m * n * k
+            reps = 2 if args.smoke else min(500, max(2, int(2e13 / flops)))
+
+            def run(impl, fn, xin, weights, **extra):
+                try:
+                    t = time_calls(fn, weights, xin, reps, repeats=3)
+                    kt = profiled_kernel_us(fn, xin, weights) if PROFILE else None
+                except Exception as err:  # noqa: BLE001 - report and go on with the other cases
+                    emit(dict(name=name, shape=[m, n, k], fmt=fmt, impl=impl, error=f"{type(err).__name__}: {err}"[:400]))
+                    return None
+                rec = dict(name=name, shape=[m, n, k], fmt=fmt if impl != "xla_dot" else "bf16", impl=impl,
+                           time_us=t[0], min_us=t[1], max_us=t[2], kernel_us=kt, tflops=flops / t[0] / 1e6,
+                           kernel_tflops=flops / kt / 1e6 if kt else None, gbps=float("nan"), **extra)
+                if impl.startswith("pallas") and base and fp8:
+                    rec.update(pct_of_xla_fp8=100 * fp8["time_us"] / rec["time_us"],
+                               kernel_pct_of_xla_fp8=(100 * fp8["kernel_us"] / kt if kt and fp8["kernel_us"] else None),
+                               speedup_vs_bf16=base["time_us"] / rec["time_us"])
+                emit(rec)
+                return rec
+
+            base = fp8 = None
+            base = run("xla_dot", lambda x, w: x @ w.T, x, [wb, wb])
+            fp8 = run("xla_fp8_dot", lambda x, w: jax.lax.dot_general(
+                x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(jnp.bfloat16),
+                xq, [w8_plain, w8_plain])
+            try:
+                ref = jax.jit(lambda x, w: linear(x, w, jnp.float32, act_quant="fp8", kernels="reference"))(x, w)
+                err = rel_err(jax.jit(lambda x: prefill.fp8_block_matmul(xq, sx, wq, sw, jnp.float32))(x), ref)
+            except Exception as e:  # noqa: BLE001
+                err, msg = float("inf"), f"{type(e).__name__}: {e}"[:400]
+            else:
+                msg = None
+            if err > 1e-3:
+                emit(dict(name=name, shape=[m, n, k], fmt=fmt, impl="pallas_prefill_fp8", rel_err=err, error=msg))
+                continue
+            configs = [dict()]
+            if m >= 4096 and name == SWEEP and not args.smoke:
+                configs += [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+                            for bm, bn, nw, ns in ((128, 128, 4, 3), (128, 256, 8, 3), (64, 128, 4, 4),
+                                                   (256, 128, 8, 3), (128, 128, 8, 3))]
+            for cfg in configs:
+                label = "pallas_prefill_fp8" + ("" if not cfg else "[" + ",".join(f"{v}" for v in cfg.values()) + "]")
+                run(label, lambda x, w, cfg=cfg: prefill.fp8_block_matmul(x, sx, w, sw, **cfg), xq, [wq, wq],
+                    rel_err=err, config=cfg)
+            run("linear_fp8_end_to_end", lambda x, w: linear(x, w, act_quant="fp8", kernels=KERNELS), x, [w, w])
+            run("xla_naive_dequant", lambda x, w: linear(x, w, kernels="reference"), x, [w, w])
+        del w, wb, wq, w8_plain
 
 
 def run_experts(args, key, ms, t_start, emit):
@@ -207,11 +349,14 @@ def run_experts(args, key, ms, t_start, emit):
 
 def finish(results):
     """Short table: per shape and M, time and speedup of each implementation vs the bf16 baseline."""
-    print("\n| case | M | impl | fmt | us | GB/s | x bf16 | % bf16 BW |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| case | M | impl | fmt | us | kernel us | GB/s | TFLOP/s | x bf16 | % bf16 BW | % XLA FP8 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
     for r in results:
-        print(f"| {r['name']} | {r['shape'][0]} | {r['impl']} | {r['fmt']} | {r['time_us']:.1f} | {r['gbps']:.0f} | "
-              f"{r.get('speedup_vs_bf16', float('nan')):.2f} | {r.get('pct_bf16_bw', float('nan')):.0f} |")
+        print(f"| {r['name']} | {r['shape'][0]} | {r['impl']} | {r['fmt']} | {r.get('time_us', nan):.1f} | "
+              f"{r.get('kernel_us') or nan:.1f} | {r.get('gbps', nan):.0f} | {r.get('tflops', nan):.1f} | "
+              f"{r.get('speedup_vs_bf16', nan):.2f} | {r.get('pct_bf16_bw', nan):.0f} | "
+              f"{r.get('pct_of_xla_fp8', nan):.0f} |")
 
 
 if __name__ == "__main__":

@@ -153,8 +153,7 @@ def prefill_matmul(x2: jax.Array, weight, activation_kind: str, kernels: str):
     operand = prefill.fp8_weight_operand if isinstance(weight, Fp8BlockWeight) else prefill.mxfp4_weight_operand
     wq, sw = operand(weight)
     xq, sx = quantize_fp8(x2)
-    return prefill.fp8_block_matmul(xq, sx, wq, sw, jnp.float32, block_n=128 if n % 128 == 0 else 64,
-                                    interpret=backend == "interpret")
+    return prefill.fp8_block_matmul(xq, sx, wq, sw, jnp.float32, interpret=backend == "interpret")
 
 
 def _split_groups(w, groups: int):
