@@ -19,6 +19,7 @@ from dsv4_jax import engine
 from dsv4_jax.model import RunOptions
 from dsv4_jax.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, group_linear, grouped_linear, linear
 from dsv4_jax.quant import kernel_dispatch
+from dsv4_jax.quant.activations import fp8_activation
 from dsv4_jax.state import init_state
 
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
@@ -214,16 +215,35 @@ def test_decode_step_lowers_for_cuda_with_the_kernels():
 # ---- on the GPU -----------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_default_model_with_kernels_matches_reference_gpu(dtype):
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_prefill_kernel_gpu(fmt):
+    rng = np.random.default_rng()
+    w = _weight(rng, fmt, (512, 1024))
+    if fmt == "mxfp4":
+        w = Mxfp4Weight(w.packed, jnp.clip(w.scale, 118, 131))
+    x = jnp.asarray(rng.standard_normal((300, 1024)) * np.exp(rng.uniform(-4, 4, (300, 1))), jnp.bfloat16)
+    with kernel_dispatch.record_dispatch() as rec:
+        y = jax.jit(lambda x, w: linear(x, w, jnp.float32, act_quant="fp8", kernels="pallas"))(x, w)
+    assert [r[3:] for r in rec] == [("pallas", "prefill_fp8")]
+    # the oracle: float64 products of the very e4m3 x 2^k activations the reference quantizer makes
+    xq = np.asarray(jax.jit(lambda x: fp8_activation(x).astype(jnp.float32))(x), np.float64)
+    assert _rel(y, xq @ _dense64(w).T) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,act_quant", [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "fp8")])
+def test_default_model_with_kernels_matches_reference_gpu(dtype, act_quant):
     prompt = np.random.default_rng().integers(0, 4096, (2, 12)).astype(np.int32)
-    kw = dict(dtype=dtype, max_seq_len=128, max_batch=2)
+    kw = dict(dtype=dtype, max_seq_len=128, max_batch=2, act_quant=act_quant)
     auto = dsv4_jax.load(DEFAULT_MODEL, **kw)
     assert auto.options.kernels == "auto" and kernel_dispatch.kernel_backend("auto") == "pallas"
     ref = _prefill_decode_generate(dsv4_jax.load(DEFAULT_MODEL, kernels="reference", **kw), prompt, 8)
     with kernel_dispatch.record_dispatch() as rec:
         got = _prefill_decode_generate(auto, prompt, 8)
     assert _paths(rec)["pallas"] >= 6 * 9
+    if act_quant == "fp8":                                               # 24 prompt rows: the FP8 prefill kernel
+        assert any(r[4] == "prefill_fp8" for r in rec)
     tol = 1e-4 if dtype == "float32" else 3e-2
     assert _rel(got[0], ref[0]) < tol and _rel(got[1], ref[1]) < tol
     if dtype == "float32":

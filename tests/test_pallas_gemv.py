@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax.quant.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
-from pallas_kernels import gemv, moe
+from pallas_kernels import gemv, moe, prefill
 
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 
@@ -158,6 +158,10 @@ def test_cuda_lowering():
                           Mxfp4Weight(sds((8, n, k // 2), jnp.uint8), sds((8, n, k // 32), jnp.uint8)),
                           sds((12,), jnp.int32))),
     ]
+    m, nb, kb = 512, n // 128, k // 128
+    xq, wq = sds((m, k), jnp.float8_e4m3fn), sds((n, k), jnp.float8_e4m3fn)
+    cases += [(prefill.fp8_block_matmul, (xq, sds((m, kb), jnp.float32), wq, sds((nb, kb), jnp.float32))),
+              (prefill.fp8_block_matmul, (xq, sds((m, kb), jnp.float32), wq, sds((n, kb), jnp.float32)))]
     for fn, args in cases:
         text = _lower_for_h200(fn, *args)
         assert "__gpu$xla.gpu.triton" in text, fn.__name__
