@@ -227,7 +227,8 @@ def test_prefill_kernel_gpu(fmt):
     assert [r[3:] for r in rec] == [("pallas", "prefill_fp8")]
     # the oracle: float64 products of the very e4m3 x 2^k activations the reference quantizer makes
     xq = np.asarray(jax.jit(lambda x: fp8_activation(x).astype(jnp.float32))(x), np.float64)
-    assert _rel(y, xq @ _dense64(w).T) < 1e-6
+    # Hopper's FP8 wgmma accumulates each 128-input block with ~14 significant bits (measured: 1.3e-4 relative)
+    assert _rel(y, xq @ _dense64(w).T) < 5e-4
 
 
 @pytest.mark.gpu
