@@ -185,8 +185,9 @@ def _store_cols(o_ref, acc, m_valid):
 
 def _fp4_tile_loop(xlo_ref, xhi_ref, w_ref, s_ref, *, block_n, unroll, n_steps, bytes_per_block, factor_fn,
                    w_index=(), row0=None, blk0=0):
-    """Sum over this program's K range of decode(W tile) @ x tiles -> float32 [block_n, MP]. Without w_index the
-    refs are this program's blocks; with it (stacked experts) they are whole arrays indexed at
+    """Sum over this program's K range of decode(W tile) @ x tiles -> float32 [block_n, cols] (cols = the x refs'
+    last dim: MP activation rows for decode, more for the MoE prefill). Without w_index the refs are this
+    program's blocks; with it (stacked experts) they are whole arrays indexed at
     [*w_index, row0:row0 + block_n, blk0 + ...]."""
     step_k2 = unroll * bytes_per_block                 # packed bytes (= lo / hi elements) per step
     rows = slice(None) if row0 is None else pl.ds(row0, block_n)
@@ -203,7 +204,7 @@ def _fp4_tile_loop(xlo_ref, xhi_ref, w_ref, s_ref, *, block_n, unroll, n_steps, 
         xh = xhi_ref[pl.ds(i * step_k2, step_k2), :]
         return dot_acc_p.bind(hi, xh, dot_acc_p.bind(lo, xl, acc))
 
-    return jax.lax.fori_loop(0, n_steps, body, jnp.zeros((block_n, MP), jnp.float32))
+    return jax.lax.fori_loop(0, n_steps, body, jnp.zeros((block_n, xlo_ref.shape[-1]), jnp.float32))
 
 
 def _fp4_kernel(xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *, m_valid, **kw):

@@ -1,12 +1,14 @@
-"""Grouped decode matmul for the routed experts: each row of x times its own expert's FP4 weight.
+"""Grouped matmul for the routed experts: each row of x times its own expert's FP4 weight.
 
     moe_matmul(x_rows [R, K], w_stacked [E, N, K] (Mxfp4Weight / Nvfp4Weight), expert_ids [R]) -> [R, N]
 
-For decode R = tokens x top-k (6 of 256 experts, up to 8 tokens: R <= 48). Rows that share an expert are
-gathered into one "slot" (up to 16 bf16 rows, 8 float32 rows, per slot; more rows of one expert take more slots),
-so every touched expert's weight bytes are streamed once per call whatever the routing. The schedule (which slot
-holds which expert and rows) is a few tiny jnp ops on device, no host sync; there are at most R slots, and the
-programs of unused slots exit at once.
+Rows that share an expert are gathered into "slots" of up to `slot_cols` rows (16 for decode; 64-128 for prefill;
+float32 rows take two columns, hi + lo), so every touched expert's weight bytes are streamed once per slot
+whatever the routing. For decode R = tokens x top-k (6 of 256 experts, up to 8 tokens: R <= 48): one slot per
+touched expert. For a prefill chunk R is large and an expert's rows fill several slots, each decoding the weight
+tile once for slot_cols rows (tensor-core bound rather than decode bound). The schedule (which slot holds which
+expert and rows) is a few jnp ops on device, no host sync, over a static number of slots (`slot_bound`:
+ceil(R / capacity) + min(R, E)); the programs of unused slots exit at once.
 
 Kernel: the FP4 GEMV of gemv.py (Pallas Triton, same nibble decode and tensor-core dots, see its docstring) with
 a leading grid axis over slots; each program reads its slot's expert id and indexes the stacked weight
@@ -27,10 +29,17 @@ from .gemv import (MP, MX_SHIFT, NV_SHIFT, _check_fp4, _fp4_config, _fp4_tile_lo
                    nv_factor_bits, split_f32)
 
 
-def moe_schedule(expert_ids: jax.Array, capacity: int):
-    """expert_ids [R] -> (slot_expert [R] int32, -1 for unused slots; slot_rows [R, capacity] int32, R for padding;
-    slot_of_row [R], pos_of_row [R]). Rows of one expert fill consecutive slots of `capacity` rows."""
+def slot_bound(rows: int, capacity: int, n_experts: int) -> int:
+    """Static number of slots that always suffices: each touched expert wastes at most one partly filled slot."""
+    return min(rows, -(-rows // capacity) + min(rows, n_experts))
+
+
+def moe_schedule(expert_ids: jax.Array, capacity: int, n_slots: int | None = None):
+    """expert_ids [R] -> (slot_expert [S] int32, -1 for unused slots; slot_rows [S, capacity] int32, R for padding;
+    slot_of_row [R], pos_of_row [R]), S = n_slots (default R; must be >= the slots needed, see slot_bound).
+    Rows of one expert fill consecutive slots of `capacity` rows."""
     r = expert_ids.shape[0]
+    n_slots = r if n_slots is None else n_slots
     ids = expert_ids.astype(jnp.int32)
     order = jnp.argsort(ids, stable=True).astype(jnp.int32)
     sorted_ids = ids[order]
@@ -40,8 +49,8 @@ def moe_schedule(expert_ids: jax.Array, capacity: int):
     pos = idx - group_start
     new_slot = is_start | (pos % capacity == 0)
     slot = jnp.cumsum(new_slot.astype(jnp.int32)) - 1
-    slot_expert = jnp.full((r,), -1, jnp.int32).at[slot].set(sorted_ids)
-    slot_rows = jnp.full((r, capacity), r, jnp.int32).at[slot, pos % capacity].set(order)
+    slot_expert = jnp.full((n_slots,), -1, jnp.int32).at[slot].set(sorted_ids)
+    slot_rows = jnp.full((n_slots, capacity), r, jnp.int32).at[slot, pos % capacity].set(order)
     slot_of_row = jnp.zeros((r,), jnp.int32).at[order].set(slot)
     pos_of_row = jnp.zeros((r,), jnp.int32).at[order].set(pos % capacity)
     return slot_expert, slot_rows, slot_of_row, pos_of_row
@@ -59,9 +68,14 @@ def _moe_kernel(se_ref, xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *, block_n, block
 
 
 def moe_matmul(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=None, *, interpret: bool = False,
-               block_n=None, unroll=None, split_k=None, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+               block_n=None, unroll=None, split_k=None, num_warps: int = 4, num_stages: int = 3,
+               slot_cols: int = MP) -> jax.Array:
     """Row r of x_rows [R, K] times expert expert_ids[r] of w_stacked (Mxfp4Weight or Nvfp4Weight [E, N, K]),
-    float32 accumulation -> [R, N] out_dtype (default x_rows.dtype). Any expert ids in [0, E); any R."""
+    float32 accumulation -> [R, N] out_dtype (default x_rows.dtype). Any expert ids in [0, E); any R.
+
+    `slot_cols` is the tensor-core dot width per slot: MP (16) for decode; for prefill (many rows per expert)
+    64-128, so each decoded weight tile is reused by that many rows (bf16: that many rows per slot, float32:
+    half, as hi + lo parts)."""
     what = "moe_matmul"
     if not isinstance(w_stacked, (Mxfp4Weight, Nvfp4Weight)) or w_stacked.packed.ndim != 3:
         raise TypeError(f"{what}: w_stacked must be a stacked Mxfp4Weight / Nvfp4Weight [E, N, K]")
@@ -73,17 +87,20 @@ def moe_matmul(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=No
         raise ValueError(f"{what}: x has {x_rows.shape[-1]} features, weight expects {k}")
     is_nv = isinstance(w_stacked, Nvfp4Weight)
     f32 = x_rows.dtype == jnp.float32
-    capacity = MP // 2 if f32 else MP
+    if slot_cols % MP:
+        raise ValueError(f"{what}: slot_cols must be a multiple of {MP}, got {slot_cols}")
+    capacity = slot_cols // 2 if f32 else slot_cols
     r = x_rows.shape[0]
-    slot_expert, slot_rows, slot_of_row, pos_of_row = moe_schedule(expert_ids, capacity)
+    n_slots = slot_bound(r, capacity, n_exp)
+    slot_expert, slot_rows, slot_of_row, pos_of_row = moe_schedule(expert_ids, capacity, n_slots)
     x_pad = jnp.concatenate([x_rows, jnp.zeros((1, k), x_rows.dtype)], axis=0)
-    xs = x_pad[slot_rows]                                            # [R, capacity, K]
+    xs = x_pad[slot_rows]                                            # [S, capacity, K]
     if f32:
         hi, lo = split_f32(xs)
-        xs = jnp.concatenate([hi, lo], axis=1)                       # [R, MP, K]
+        xs = jnp.concatenate([hi, lo], axis=1)                       # [S, slot_cols, K]
     else:
         xs = xs.astype(jnp.bfloat16)
-    xlo = jnp.swapaxes(xs[:, :, 0::2], 1, 2)                         # [R, K/2, MP]
+    xlo = jnp.swapaxes(xs[:, :, 0::2], 1, 2)                         # [S, K/2, slot_cols]
     xhi = jnp.swapaxes(xs[:, :, 1::2], 1, 2)
 
     block_n, unroll, split_k, bpb, blocks = _fp4_config(n, k, block, block_n, unroll, split_k)
@@ -95,19 +112,19 @@ def moe_matmul(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=No
                                factor_fn=nv_factor_bits if is_nv else mx_factor_bits)
     part = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((split_k, r, n, MP), jnp.float32),
-        grid=(r, n // block_n, split_k),
-        in_specs=[pl.BlockSpec((r,), lambda q, i, s: (0,)),
-                  pl.BlockSpec((None, kh_split, MP), lambda q, i, s: (q, s, 0)),
-                  pl.BlockSpec((None, kh_split, MP), lambda q, i, s: (q, s, 0)),
+        out_shape=jax.ShapeDtypeStruct((split_k, n_slots, n, slot_cols), jnp.float32),
+        grid=(n_slots, n // block_n, split_k),
+        in_specs=[pl.BlockSpec((n_slots,), lambda q, i, s: (0,)),
+                  pl.BlockSpec((None, kh_split, slot_cols), lambda q, i, s: (q, s, 0)),
+                  pl.BlockSpec((None, kh_split, slot_cols), lambda q, i, s: (q, s, 0)),
                   pl.BlockSpec(w4.shape, lambda q, i, s: (0, 0, 0, 0)),
                   pl.BlockSpec(scale.shape, lambda q, i, s: (0, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, block_n, MP), lambda q, i, s: (s, q, i, 0)),
+        out_specs=pl.BlockSpec((None, None, block_n, slot_cols), lambda q, i, s: (s, q, i, 0)),
         compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name="dsv4_moe_matmul",
     )(slot_expert, xlo, xhi, w4, scale)
-    y_slots = jnp.sum(part, axis=0)                                  # [R, N, MP] (unused slots: garbage)
+    y_slots = jnp.sum(part, axis=0)                                  # [S, N, slot_cols] (unused slots: garbage)
     y = y_slots[slot_of_row, :, pos_of_row]                          # [R, N]
     if f32:
         y = y + y_slots[slot_of_row, :, pos_of_row + capacity]

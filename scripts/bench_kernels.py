@@ -37,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dsv4_jax.quant.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, weight_bytes  # noqa: E402
-from dsv4_jax.quant.linear import linear  # noqa: E402
+from dsv4_jax.quant.linear import grouped_linear, linear  # noqa: E402
 from dsv4_jax.quant.activations import quantize_fp8  # noqa: E402
 from pallas_kernels import gemv, moe, prefill  # noqa: E402
 
@@ -148,6 +148,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script: tiny shapes, interpret mode")
     ap.add_argument("--prefill-ms", default="64,4096", help="rows for the prefill section ('' to skip)")
     ap.add_argument("--prefill-only", action="store_true")
+    ap.add_argument("--moe-prefill-rows", default="3072,24576",
+                    help="routed rows (tokens x 6) for the MoE prefill section ('' to skip)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiler's kernel times")
     args = ap.parse_args()
     global DENSE, EXPERTS, N_EXPERTS, ROTATE_BYTES
@@ -181,6 +183,8 @@ def main():
 
     global PROFILE
     PROFILE = not args.no_profile
+    if args.moe_prefill_rows:
+        run_moe_prefill(args, key, [int(r) for r in args.moe_prefill_rows.split(",")], emit)
     if args.prefill_ms:
         run_prefill(args, key, [int(m) for m in args.prefill_ms.split(",")], t_start, emit)
     if args.prefill_only:
@@ -296,6 +300,41 @@ def run_prefill(args, key, ms, t_start, emit):
             run("linear_fp8_end_to_end", lambda x, w: linear(x, w, act_quant="fp8", kernels=KERNELS), x, [w, w])
             run("xla_naive_dequant", lambda x, w: linear(x, w, kernels="reference"), x, [w, w])
         del w, wb, wq, w8_plain
+
+
+def run_moe_prefill(args, key, row_counts, emit):
+    """Routed experts of a prefill chunk (experts_w1 shape, 256 experts, 6 per token): our MoE kernel with wide
+    slots (grouped_linear as the model calls it) vs the reference (dequantize all experts + ragged_dot) and
+    ragged_dot on bf16 experts."""
+    name, n, k = EXPERTS[0]
+    n_exp = N_EXPERTS
+    w4 = make_weight(jax.random.fold_in(key, 41), "mxfp4", (n_exp, n, k))
+    wb = make_weight(jax.random.fold_in(key, 42), "bf16", (n_exp, k, n))
+    for rows in row_counts:
+        if args.smoke:
+            rows = min(rows, 160)
+        rng = np.random.default_rng(rows)
+        ids = np.sort(np.stack([rng.choice(n_exp, TOP_K, replace=False) for _ in range(rows // TOP_K)]).reshape(-1))
+        sizes = jnp.asarray(np.bincount(ids, minlength=n_exp), jnp.int32)
+        x = jax.random.normal(jax.random.fold_in(key, 7000 + rows), (len(ids), k), jnp.float32).astype(jnp.bfloat16)
+        flops = 2 * len(ids) * n * k
+        cases = [("pallas_moe_prefill", lambda x, w: grouped_linear(x, w, sizes, jnp.float32, kernels=KERNELS), w4),
+                 ("xla_dequant_ragged_dot", lambda x, w: grouped_linear(x, w, sizes, jnp.float32, kernels="reference"),
+                  w4),
+                 ("ragged_dot_bf16", lambda x, w: jax.lax.ragged_dot(x, w, sizes), wb)]
+        ref = jax.jit(cases[1][1])(x, w4).astype(jnp.float32)
+        for impl, fn, w in cases:
+            try:
+                err = rel_err(jax.jit(fn)(x, w), ref) if impl == "pallas_moe_prefill" else None
+                t = time_calls(fn, [w], x, 2 if args.smoke else 5, repeats=3)
+                kt = profiled_kernel_us(fn, x, [w], calls=4) if PROFILE else None
+            except Exception as e:  # noqa: BLE001
+                emit(dict(name=name, shape=[len(ids), n, k], fmt="mxfp4", impl=impl, error=f"{type(e).__name__}: {e}"[:400]))
+                continue
+            emit(dict(name=name, shape=[len(ids), n, k], fmt="bf16" if impl == "ragged_dot_bf16" else "mxfp4",
+                      impl=impl, time_us=t[0], min_us=t[1], max_us=t[2], kernel_us=kt, rel_err=err,
+                      tflops=flops / t[0] / 1e6, gbps=float("nan"), experts=n_exp))
+    del w4, wb
 
 
 def run_experts(args, key, ms, t_start, emit):

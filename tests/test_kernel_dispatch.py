@@ -153,6 +153,21 @@ def test_grouped_linear_takes_the_moe_kernel(fmt):
     assert np.all(np.asarray(y)[sizes.sum():] == 0)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_grouped_linear_prefill_rows_take_wide_slots(dtype):
+    """More routed rows than a decode step: the MoE kernel with slots of up to 128 rows per decoded tile."""
+    rng = np.random.default_rng()
+    n_exp, n, k = 4, 64, 256
+    w = _weight(rng, "mxfp4", (n_exp, n, k))
+    sizes = np.array([70, 0, 41, 29])                                     # 140 rows > MAX_MOE_ROWS
+    x = jnp.asarray(rng.standard_normal((sizes.sum(), k)), dtype)
+    assert kernel_dispatch._moe_schedule(x, n_exp)["slot_cols"] == (64 if dtype == jnp.bfloat16 else 128)
+    y = grouped_linear(x, w, jnp.asarray(sizes, jnp.int32), jnp.float32, kernels="interpret")
+    ref = np.einsum("rk,rnk->rn", np.asarray(x.astype(jnp.float32), np.float64),
+                    _dense64(w)[np.repeat(np.arange(n_exp), sizes)])
+    assert _rel(y, ref) < (1e-5 if dtype == jnp.bfloat16 else 2e-5)
+
+
 def test_fallbacks_and_modes():
     rng = np.random.default_rng()
     w = _weight(rng, "fp8", (128, 256))

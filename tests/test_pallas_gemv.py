@@ -5,6 +5,8 @@ replaced by its exact jnp emulation there) on fresh random weights, and the CUDA
 abstract H200. GPU (`-m gpu`, scripts/gpu_check.sh): the compiled kernels against the same references.
 """
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -158,6 +160,10 @@ def test_cuda_lowering():
                           Mxfp4Weight(sds((8, n, k // 2), jnp.uint8), sds((8, n, k // 32), jnp.uint8)),
                           sds((12,), jnp.int32))),
     ]
+    cases.append((functools.partial(moe.moe_matmul, slot_cols=64, split_k=1, block_n=64),      # prefill slots
+                  (sds((600, k), jnp.bfloat16),
+                   Mxfp4Weight(sds((8, n, k // 2), jnp.uint8), sds((8, n, k // 32), jnp.uint8)),
+                   sds((600,), jnp.int32))))
     m, nb, kb = 512, n // 128, k // 128
     xq, wq = sds((m, k), jnp.float8_e4m3fn), sds((n, k), jnp.float8_e4m3fn)
     cases += [(prefill.fp8_block_matmul, (xq, sds((m, kb), jnp.float32), wq, sds((nb, kb), jnp.float32))),

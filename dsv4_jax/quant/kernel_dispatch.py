@@ -17,13 +17,15 @@ A kernel applies where one exists for the call; every other call takes the refer
       or nvfp4 for FP8 weights)
     group_linear (wo_a), FP8 / FP4 weight  the same, vmapped over groups  as above per group; FP8 groups need
                                                                           out % 128 == 0 or 128 % out == 0
-    grouped_linear (experts), FP4 weight   moe.moe_matmul                 rows <= MAX_MOE_ROWS
+    grouped_linear (experts), FP4 weight   moe.moe_matmul                 N % 64 == 0, K % 32 == 0; slots of 16
+                                                                          rows (decode) or up to 128 (prefill:
+                                                                          about the rows per expert)
     bf16 / fp32 weights, larger batches    XLA dot (reference)            -
 
 "rows" are the flattened leading dimensions of x: batch x tokens in the chunk, so decode steps (and MTP drafts)
 of up to 16 sequences take the decode kernels, prefill chunks the FP8 tensor-core kernel where activations are
-FP8 and the reference otherwise (W8A16 / W4A16 prefill is XLA's bf16 dot on the dequantized weight; the routed
-experts' prefill is `ragged_dot`: no grouped prefill kernel yet). The choice is made while tracing, from
+FP8 and the reference otherwise (W8A16 / W4A16 prefill is XLA's bf16 dot on the dequantized weight); the routed
+experts always take the MoE kernel, with wider slots for prefill chunks. The choice is made while tracing, from
 static shapes only, so it never costs a host sync; `record_dispatch()` lists the choices of a trace (tests use
 it to prove the kernels were really taken).
 
@@ -43,7 +45,7 @@ from .formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
 KERNEL_MODES = ("auto", "reference", "pallas", "interpret")
 MAX_DECODE_ROWS = 16          # bf16 activation rows per decode kernel call (float32: half, split into hi + lo)
-MAX_MOE_ROWS = 128            # routed rows (tokens x top-k) up to which the MoE decode kernel is used
+MAX_MOE_ROWS = 128            # routed rows (tokens x top-k) up to which the MoE kernel keeps its decode schedule
 
 _records: list | None = None
 
@@ -200,12 +202,28 @@ def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, kernels: str):
     backend = kernel_backend(kernels)
     if not _is_quantized_matrix(weight, 3):
         return None
-    n, k = weight.shape[-2:]
-    fits = (isinstance(weight, (Mxfp4Weight, Nvfp4Weight)) and n % 64 == 0 and xs.shape[0] <= MAX_MOE_ROWS
+    n_experts, n, k = weight.shape
+    fits = (isinstance(weight, (Mxfp4Weight, Nvfp4Weight)) and n % 64 == 0
             and xs.dtype in (jnp.bfloat16, jnp.float32))
     unroll = _fp4_unroll(weight, k) if fits else None
     use = backend is not None and unroll is not None
     _record("grouped_linear", weight, backend if use else "reference", "moe")
     if not use:
         return None
-    return moe.moe_matmul(xs, weight, row_experts, jnp.float32, interpret=backend == "interpret", unroll=unroll)
+    return moe.moe_matmul(xs, weight, row_experts, jnp.float32, interpret=backend == "interpret", unroll=unroll,
+                          **_moe_schedule(xs, n_experts))
+
+
+def _moe_schedule(xs: jax.Array, n_experts: int) -> dict:
+    """Decode (<= MAX_MOE_ROWS rows): the kernel's defaults (16-column slots, split-K). Prefill: slots about as
+    wide as the rows an expert gets on average (16..128 columns), each decoded weight tile reused that often, and
+    no split-K (the slots fill the GPU)."""
+    rows = xs.shape[0]
+    if rows <= MAX_MOE_ROWS:
+        return {}
+    cols_per_row = 2 if xs.dtype == jnp.float32 else 1
+    want = cols_per_row * -(-rows // n_experts)
+    cols = 16
+    while cols < min(want, 128):
+        cols *= 2
+    return dict(slot_cols=cols, split_k=1, block_n=64 if cols >= 64 else None)
