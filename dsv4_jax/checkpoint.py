@@ -19,6 +19,7 @@ import math
 import os
 import re
 import struct
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -29,6 +30,7 @@ import numpy as np
 from .config import ModelConfig, load_hf_config
 from .params import WeightSpec, disk_tensor_specs, expert_disk_names, tree_set, weight_specs
 from .quant.formats import MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from .quant.kernel_dispatch import nvfp4_weights_kernels_approximate
 
 # safetensors dtype -> numpy dtype of the raw storage
 STORAGE_DTYPES = {
@@ -314,6 +316,11 @@ def load_params(directory: str, progress: Callable[[int, int], None] | None = No
             progress(done + 1, len(specs))
     if quantize_head:
         tree = quantize_head_to_nvfp4(tree)
+    approximate = nvfp4_weights_kernels_approximate(tree)
+    if approximate:
+        warnings.warn(f"{len(approximate)} NVFP4 weight(s) have subnormal or non-positive block scales (first: "
+                      f"{approximate[0]}); the GPU kernels approximate those blocks (kernels='reference' is exact)",
+                      stacklevel=2)
     return cfg, tree
 
 

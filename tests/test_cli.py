@@ -91,6 +91,7 @@ IN_PROCESS_ERROR_CASES = {
     "zero_max_new_tokens": (lambda d: ["--max-new-tokens", "0"], 2, "--max-new-tokens"),
     "non_integer_top_k": (lambda d: ["--top-k", "2.5"], 2, "--top-k"),
     "bad_act_quant": (lambda d: ["--act-quant", "int8"], 2, "--act-quant"),
+    "bad_kernels": (lambda d: ["--kernels", "cuda"], 2, "--kernels"),
     "prompt_and_file": (lambda d: ["--prompt", "a", "--prompt-file", d["prompts"]], 2,
                         "not allowed with argument"),
     "effort_without_thinking": (lambda d: ["--reasoning-effort", "max"], 2, "--thinking"),

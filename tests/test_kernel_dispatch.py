@@ -168,6 +168,17 @@ def test_grouped_linear_prefill_rows_take_wide_slots(dtype):
     assert _rel(y, ref) < (1e-5 if dtype == jnp.bfloat16 else 2e-5)
 
 
+def test_nvfp4_weights_the_kernels_would_approximate_are_listed():
+    rng = np.random.default_rng()
+    good = _weight(rng, "nvfp4", (64, 256))
+    bits = np.asarray(jax.lax.bitcast_convert_type(good.scale, jnp.uint8)).copy()
+    bits[3, 5] = 0x03                                                     # an e4m3 subnormal block scale
+    bad = Nvfp4Weight(good.packed, jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.float8_e4m3fn),
+                      good.global_scale)
+    tree = {"a": {"weight": good}, "b": [{"weight": bad}], "c": jnp.ones(3)}
+    assert kernel_dispatch.nvfp4_weights_kernels_approximate(tree) == ["['b'][0]['weight']"]
+
+
 def test_fallbacks_and_modes():
     rng = np.random.default_rng()
     w = _weight(rng, "fp8", (128, 256))

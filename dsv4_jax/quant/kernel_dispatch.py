@@ -30,7 +30,8 @@ static shapes only, so it never costs a host sync; `record_dispatch()` lists the
 it to prove the kernels were really taken).
 
 The NVFP4 kernels assume normal positive e4m3 block scales (what the NVFP4 recipe writes unless a block is
-2^15 below its matrix maximum); `pallas_kernels.gemv.nvfp4_kernel_exact(w)` checks a weight.
+2^15 below its matrix maximum); `nvfp4_weights_kernels_approximate(params)` lists the weights that break it
+(checkpoint loading warns about them).
 """
 
 from __future__ import annotations
@@ -83,6 +84,19 @@ def kernel_backend(kernels: str) -> str | None:
     if kernels == "auto":
         return "pallas" if on_cuda() else None
     return kernels
+
+
+def nvfp4_weights_kernels_approximate(params) -> list[str]:
+    """Paths of the NVFP4 weights in a parameter tree with a block scale the GPU kernels do not read exactly
+    (subnormal, zero, negative or NaN e4m3). One device reduction per weight and one host read in all."""
+    from pallas_kernels.gemv import nvfp4_kernel_exact
+
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda a: isinstance(a, Nvfp4Weight))
+    nvfp4 = [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves if isinstance(leaf, Nvfp4Weight)]
+    if not nvfp4:
+        return []
+    exact = jax.device_get([nvfp4_kernel_exact(w) for _, w in nvfp4])
+    return [name for (name, _), ok in zip(nvfp4, exact) if not ok]
 
 
 def _rows_fit(x: jax.Array, rows: int) -> bool:
