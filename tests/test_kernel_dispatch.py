@@ -210,9 +210,10 @@ def _prefill_decode_generate(model, prompt, steps, decode_step=True):
 def test_model_decode_and_generation_loop_run_the_kernels(tiny_checkpoint):
     """The tiny model with every decode matmul that has a kernel on it (interpret mode) equals the reference path:
     the prefill (its MoE rows) and a greedy generation loop (the kernels inside lax.while_loop). float32 activations
-    meet the kernels as bf16 hi + lo parts (2^-17 relative per product), hence the 1e-4 tolerance."""
+    meet the kernels as bf16 hi + lo parts (2^-17 relative per product), hence the 1e-4 tolerance; the model's
+    fake-quant roundings are off so that such differences cannot flip an e4m3 rounding and grow."""
     prompt = np.random.default_rng().integers(0, 512, (2, 6)).astype(np.int32)
-    kw = dict(dtype="float32", max_seq_len=32, max_batch=2)
+    kw = dict(dtype="float32", max_seq_len=32, max_batch=2, simulate_quant=False)
     ref = _prefill_decode_generate(dsv4_jax.load(tiny_checkpoint[0], kernels="reference", **kw), prompt, 4, False)
     with kernel_dispatch.record_dispatch() as rec:
         got = _prefill_decode_generate(dsv4_jax.load(tiny_checkpoint[0], kernels="interpret", **kw), prompt, 4,
