@@ -19,7 +19,8 @@ Backend: Pallas Triton (as gemv.py, whose docstring says why): tt.dot on e4m3 op
 (see fp8_dot_nt_p for the attribute that takes), Triton pipelines the [BM, 128] / [BN, 128] tile loads
 (cp.async, num_stages deep). Each 128-wide K step's float32 product is scaled by sx[:, j] x sw[:, j] and added
 to the float32 accumulator ("promotion" every block, as DeepGEMM does): one FMA per output element per 128 MACs
-with block scales (the tile's weight scale is a scalar), two multiplies and an add with per-row scales. The oracle is dsv4_jax.quant.linear(x, w, act_quant="fp8") on the dequantized parts.
+with block scales (the tile's weight scale is a scalar), two multiplies and an add with per-row scales.
+The oracle is dsv4_jax.quant.linear(x, w, act_quant="fp8") on the dequantized parts.
 """
 
 from __future__ import annotations
@@ -28,11 +29,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
-
 from jax._src import core as jax_core
 from jax._src.interpreters import mlir
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from dsv4_jax.quant.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, e8m0_to_float, unpack_fp4_codes
 

@@ -65,7 +65,8 @@ def record_dispatch():
 
 def _record(call: str, weight, path: str, kernel: str | None = None) -> None:
     if _records is not None:
-        _records.append((call, type(weight).__name__, tuple(weight.shape), path, kernel if path != "reference" else None))
+        used = kernel if path != "reference" else None
+        _records.append((call, type(weight).__name__, tuple(weight.shape), path, used))
 
 
 @functools.cache
