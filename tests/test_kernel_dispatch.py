@@ -153,12 +153,12 @@ def test_grouped_linear_takes_the_moe_kernel(fmt):
     assert np.all(np.asarray(y)[sizes.sum():] == 0)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_grouped_linear_prefill_rows_take_wide_slots(dtype):
+@pytest.mark.parametrize("fmt,dtype", [("mxfp4", jnp.bfloat16), ("mxfp4", jnp.float32), ("nvfp4", jnp.bfloat16)])
+def test_grouped_linear_prefill_rows_take_wide_slots(fmt, dtype):
     """More routed rows than a decode step: the MoE kernel with slots of up to 128 rows per decoded tile."""
     rng = np.random.default_rng()
     n_exp, n, k = 4, 64, 256
-    w = _weight(rng, "mxfp4", (n_exp, n, k))
+    w = _weight(rng, fmt, (n_exp, n, k))
     sizes = np.array([70, 0, 41, 29])                                     # 140 rows > MAX_MOE_ROWS
     x = jnp.asarray(rng.standard_normal((sizes.sum(), k)), dtype)
     assert kernel_dispatch._moe_schedule(x, n_exp)["slot_cols"] == (64 if dtype == jnp.bfloat16 else 128)
