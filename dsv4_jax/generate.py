@@ -101,24 +101,21 @@ def _int_at_least(low: int, high: int | None = None):
     return parse
 
 
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+def _float_where(valid, requirement: str):
+    """argparse type: a float for which valid(value) holds; otherwise 'must <requirement>, got ...'."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"must {requirement}, got {text}")
+        return value
+    return parse
 
 
-def _top_p(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and 0 < value <= 1):
-        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}")
-    return value
+_temperature = _float_where(lambda v: math.isfinite(v) and v >= 0, "be a finite number >= 0")
+_top_p = _float_where(lambda v: math.isfinite(v) and 0 < v <= 1, "lie in (0, 1]")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -268,6 +268,19 @@ def _pick_split(n_tiles: int, k_steps: int, target_programs: int = 264) -> int:
     return split
 
 
+def _default_block_n(n: int) -> int:
+    return 128 if n % 128 == 0 else 64
+
+
+def _split_k(split_k, n_tiles: int, steps: int, what: str) -> int:
+    """The requested split of the K steps, or enough of one to fill the GPU; it must divide the steps."""
+    if split_k is None:
+        split_k = _pick_split(n_tiles, steps)
+    if steps % split_k:
+        raise ValueError(f"{what}: split_k={split_k} does not divide the {steps} K steps")
+    return split_k
+
+
 def _check_fp4(w, what):
     n, kh = w.packed.shape[-2:]
     k = 2 * kh
@@ -282,15 +295,10 @@ def _fp4_config(n, k, block, block_n, unroll, split_k):
     if unroll is None:
         unroll = max(1, 128 // bytes_per_block)          # 128 packed bytes (256 inputs) per row per step
     blocks = k // block
-    if block_n is None:
-        block_n = 128 if n % 128 == 0 else 64
+    block_n = block_n or _default_block_n(n)
     if n % block_n or blocks % unroll:
         raise ValueError(f"FP4 matmul needs N % {block_n} == 0 and K % {block * unroll} == 0, got N={n}, K={k}")
-    steps = blocks // unroll
-    if split_k is None:
-        split_k = _pick_split(n // block_n, steps)
-    if steps % split_k:
-        raise ValueError(f"split_k={split_k} does not divide the {steps} K steps")
+    split_k = _split_k(split_k, n // block_n, blocks // unroll, "FP4 matmul")
     return block_n, unroll, split_k, bytes_per_block, blocks
 
 
@@ -368,15 +376,11 @@ def fp8_matmul(x: jax.Array, w: Fp8BlockWeight, out_dtype=None, *, interpret: bo
         raise ValueError(f"{what}: scale shape {w.scale.shape} does not match weight [{n}, {k}]")
     rows, m_used, fold = _activation_columns(x, what)
     x16, unscale = _f16_prescale(_pad_rows(rows, MP))
-    if block_n is None:
-        block_n = 128 if n % 128 == 0 else 64
+    block_n = block_n or _default_block_n(n)
     if FP8_BLOCK % block_n or n % block_n:
         raise ValueError(f"{what}: block_n={block_n} must divide 128 and N={n}")
     steps = k // FP8_BLOCK
-    if split_k is None:
-        split_k = _pick_split(n // block_n, steps)
-    if steps % split_k:
-        raise ValueError(f"{what}: split_k={split_k} does not divide the {steps} K steps")
+    split_k = _split_k(split_k, n // block_n, steps, what)
     k_split = k // split_k
     tiles_per_block = FP8_BLOCK // block_n
     kernel = functools.partial(_fp8_kernel, block_n=block_n, n_steps=steps // split_k, m_valid=m_used)

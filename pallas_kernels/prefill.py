@@ -132,10 +132,9 @@ def fp8_block_matmul(xq: jax.Array, sx: jax.Array, wq: jax.Array, sw: jax.Array,
 
 
 def _pow2(p: jax.Array) -> jax.Array:
-    """2^p for integer p as float32 built from the exponent field (exact on every backend; p clipped to the
-    normal range, where the callers' values are either exact or far below anything that matters)."""
-    biased = (jnp.clip(p, -126, 127) + 127).astype(jnp.uint32)
-    return jax.lax.bitcast_convert_type(biased << 23, jnp.float32)
+    """2^p for integer p, exact on every backend: the E8M0 decode of p + 127, p clipped to the normal range
+    (where the callers' values are either exact or far below anything that matters)."""
+    return e8m0_to_float(jnp.clip(p + 127, 1, 254))
 
 
 def fp8_weight_operand(w: Fp8BlockWeight):
