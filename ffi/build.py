@@ -1,7 +1,7 @@
-"""Build the CUDA sources of ffi/ once per (source hash, GPU architecture, nvcc) and register their XLA FFI handlers.
+"""Build the CUDA sources of ffi/ once per (source + header hash, GPU architecture, nvcc) and register their XLA FFI handlers.
 
-    library = build_library("mxfp4_gemv.cu", arch="sm_90a")     # path of the cached .so (compiles on first use)
-    register("mxfp4_gemv.cu", {"dsv4_mxfp4_gemv": "DSV4Mxfp4Gemv"})
+    library = build_library("fp4_gemv.cu", arch="sm_90a")       # path of the cached .so (compiles on first use)
+    register("fp4_gemv.cu", {"dsv4_mxfp4_gemv": "DSV4Mxfp4Gemv"})
 
 The cache lives in $DSV4_JAX_FFI_CACHE (default ~/.cache/dsv4_jax/ffi); a finished library is renamed into place
 atomically, so concurrent builders never load a half-written file. Libraries are built where they run (a library
@@ -45,8 +45,10 @@ def build_library(source: str, arch: str | None = None, cache_dir: str | None = 
     """Path of the shared library for ffi/<source> on `arch`, compiling it if this exact build is not cached."""
     arch = arch or device_arch()
     path = os.path.join(SOURCE_DIR, source)
-    with open(path, "rb") as f:
-        code = f.read()
+    code = b""
+    for name in [source] + sorted(f for f in os.listdir(SOURCE_DIR) if f.endswith(".cuh")):   # source + headers
+        with open(os.path.join(SOURCE_DIR, name), "rb") as f:
+            code += f.read()
     nvcc = _nvcc()
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(code + arch.encode() + version.encode() + jax.ffi.include_dir().encode()).hexdigest()[:16]

@@ -1,5 +1,6 @@
-"""The XLA FFI CUDA kernels of ffi/: the build (CPU, where nvcc exists: the source compiles for sm_90a, the
-cache is keyed by content) and, on the GPU (`-m gpu`), each kernel against float64 math."""
+"""The XLA FFI CUDA kernels of ffi/: the build (CPU, where nvcc exists: the sources compile for sm_90a, the cache
+is keyed by content), argument checks, and on the GPU (`-m gpu`) every format, dense and routed, against float64
+math on fresh random inputs."""
 
 import os
 import shutil
@@ -12,42 +13,107 @@ import jax.numpy as jnp
 
 import ffi
 from ffi import build
-from dsv4_jax.quant import Mxfp4Weight
+from dsv4_jax.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compile only)")
-def test_sources_compile_for_hopper_and_are_cached(tmp_path):
-    path = build.build_library("mxfp4_gemv.cu", arch="sm_90a", cache_dir=str(tmp_path))
+@pytest.mark.parametrize("source", ["fp4_gemv.cu", "fp8_gemv.cu"])
+def test_sources_compile_for_hopper_and_are_cached(tmp_path, source):
+    path = build.build_library(source, arch="sm_90a", cache_dir=str(tmp_path))
     assert os.path.getsize(path) > 0 and path.startswith(str(tmp_path))
     stamp = os.path.getmtime(path)
-    assert build.build_library("mxfp4_gemv.cu", arch="sm_90a", cache_dir=str(tmp_path)) == path
+    assert build.build_library(source, arch="sm_90a", cache_dir=str(tmp_path)) == path
     assert os.path.getmtime(path) == stamp                                # not rebuilt
 
 
-def _mxfp4(rng, n, k):
-    return Mxfp4Weight(jnp.asarray(rng.integers(0, 256, (n, k // 2)), jnp.uint8),
-                       jnp.asarray(rng.integers(112, 132, (n, k // 32)), jnp.uint8))
+def _weight(rng, fmt, n, k, experts=None):
+    lead = () if experts is None else (experts,)
+    if fmt == "fp8":
+        w = np.clip(rng.standard_normal((*lead, n, k)) * 64, -448, 448)
+        return Fp8BlockWeight(jnp.asarray(w, jnp.float8_e4m3fn),
+                              jnp.asarray(rng.integers(100, 135, (*lead, -(-n // 128), k // 128)), jnp.uint8))
+    packed = jnp.asarray(rng.integers(0, 256, (*lead, n, k // 2)), jnp.uint8)
+    if fmt == "mxfp4":
+        return Mxfp4Weight(packed, jnp.asarray(rng.integers(100, 140, (*lead, n, k // 32)), jnp.uint8))
+    # e4m3 block scales over their whole range, subnormals included (the kernel reads them exactly)
+    scale = np.exp2(rng.uniform(-9, 8.8, (*lead, n, k // 16))) * rng.choice([-1, 1], (*lead, n, k // 16))
+    return Nvfp4Weight(packed, jnp.asarray(scale, jnp.float8_e4m3fn),
+                       jnp.asarray(rng.uniform(1e-4, 1e-2, lead), jnp.float32))
 
 
-def test_bad_shapes_are_rejected_before_any_build():
+def test_bad_arguments_are_rejected_before_any_build():
     rng = np.random.default_rng()
-    w = _mxfp4(rng, 64, 256)
-    with pytest.raises(ValueError, match="1..8 rows"):
-        ffi.mxfp4_gemv(jnp.ones((9, 256), jnp.bfloat16), w)
+    w = _weight(rng, "mxfp4", 64, 256)
+    with pytest.raises(ValueError, match="1..8"):
+        ffi.gemv(jnp.ones((9, 256), jnp.bfloat16), w)
+    with pytest.raises(ValueError, match="1..4"):
+        ffi.gemv(jnp.ones((5, 256), jnp.float32), w)
     with pytest.raises(ValueError, match="K % 128"):
-        ffi.mxfp4_gemv(jnp.ones((2, 192), jnp.bfloat16), _mxfp4(rng, 64, 192))
+        ffi.gemv(jnp.ones((2, 192), jnp.bfloat16), _weight(rng, "mxfp4", 64, 192))
+    with pytest.raises(TypeError, match="unsupported weight"):
+        ffi.moe_gemv(jnp.ones((2, 256), jnp.bfloat16), _weight(rng, "fp8", 64, 256, experts=2), jnp.zeros(2, jnp.int32))
+    assert ffi.supports((8, 256), jnp.bfloat16, w) and not ffi.supports((5, 256), jnp.float32, w)
+
+
+def _f64(a):
+    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def _dequant64(w):
+    return _f64(w.dequantize(jnp.float32))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
-@pytest.mark.parametrize("n,k,m", [(2048, 4096, 1), (2048, 4096, 8), (1024, 7168, 3), (4096, 1024, 5)])
-def test_mxfp4_gemv_gpu(n, k, m):
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8"])
+@pytest.mark.parametrize("n,k,m,dtype,schedule", [
+    (2048, 4096, 1, jnp.bfloat16, 0), (1024, 7168, 8, jnp.bfloat16, 0), (4096, 1024, 5, jnp.bfloat16, 822),
+    (512, 2048, 3, jnp.float32, 0), (2080, 1536, 4, jnp.bfloat16, 414), (1024, 2048, 8, jnp.bfloat16, 424)])
+def test_gemv_gpu(fmt, n, k, m, dtype, schedule):
+    if n % (16 * (schedule // 10 % 10 or 1)):
+        pytest.skip("N does not fit the schedule's tile")
     rng = np.random.default_rng()
-    w = _mxfp4(rng, n, k)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    y = np.asarray(jax.jit(ffi.mxfp4_gemv)(x, w), np.float64)
-    ref = np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(w.dequantize(jnp.float32), np.float64).T
+    w = _weight(rng, fmt, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    y = jax.jit(lambda x, w: ffi.gemv(x, w, jnp.float32, schedule=schedule))(x, w)
+    ref = _f64(x) @ _dequant64(w).T
+    y = np.asarray(y, np.float64)
     assert y.shape == (m, n) and np.all(np.isfinite(y))
-    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
+    tol = 2e-5 if dtype == jnp.float32 else 1e-5        # float32 rows: hi + lo bf16 parts (~2^-16 relative)
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < tol
+    assert np.max(np.abs(y - ref)) < 1e-4 * np.max(np.abs(ref))          # no single output wrong
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("rows,dtype", [(6, jnp.bfloat16), (48, jnp.bfloat16), (24, jnp.float32), (40, jnp.bfloat16)])
+def test_moe_gemv_gpu(fmt, rows, dtype):
+    rng = np.random.default_rng()
+    n_exp, n, k = 16, 256, 512
+    w = _weight(rng, fmt, n, k, experts=n_exp)
+    # few experts, so several rows share one (slots fill up, and some experts get more than 8 rows)
+    ids = jnp.asarray(rng.integers(0, 5 if rows == 40 else n_exp, rows), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+    y = np.asarray(jax.jit(lambda x, w, i: ffi.moe_gemv(x, w, i, jnp.float32))(x, w, ids), np.float64)
+    wd = _dequant64(w)
+    ref = np.einsum("rk,rnk->rn", _f64(x), wd[np.asarray(ids)])
+    assert y.shape == (rows, n) and np.all(np.isfinite(y))
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < (2e-5 if dtype == jnp.float32 else 1e-5)
+    assert np.max(np.abs(y - ref)) < 1e-4 * np.max(np.abs(ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+def test_gemv_gpu_no_host_sync_and_no_retrace():
+    rng = np.random.default_rng()
+    w = _weight(rng, "mxfp4", 1024, 2048)
+    f = jax.jit(lambda x, w: ffi.gemv(x, w))
+    xs = [jnp.asarray(rng.standard_normal((4, 2048)), jnp.bfloat16) for _ in range(3)]
+    jax.block_until_ready(f(xs[0], w))
+    with jax.transfer_guard("disallow"):
+        for x in xs:
+            jax.block_until_ready(f(x, w))
+    assert f._cache_size() == 1

@@ -1,0 +1,203 @@
+// MXFP4 and NVFP4 decode GEMV (and routed-expert GEMV) through XLA FFI; skeleton in gemv_kernel.cuh.
+//
+//   x       bf16 [S, M, K]        activations (dense: S = 1; routed experts: M rows per slot), M <= 8
+//   packed  u8   [E, N, K / 2]    e2m1 pairs, low nibble = even k (the checkpoint layout, read as stored)
+//   scale   u8   [E, N, K / B]    MXFP4: E8M0 exponents, B = 32; NVFP4: e4m3 bytes, B = 16
+//   global  f32  [E]              NVFP4 only: the per-matrix global scale
+//   experts s32  [S]              expert of each slot (-1: unused slot); dense: [0]
+//   y       f32  [S, M, N]
+//
+// Each thread owns 32 consecutive inputs of rows g and g + 8 per step (16 bytes per row: one 128-bit load).
+// Per 32-bit word of packed weights (8 nibbles, inputs 8t .. 8t + 7 of the thread's run):
+//
+//   r0 = ((w      & 0x000F000F) * 0x1040) & 0x81C081C0     nibbles 0 and 4 as a bf16 pair (value * 2^-126)
+//   r1 = ((w      & 0x00F000F0) * 0x0104) & 0x81C081C0     nibbles 1 and 5
+//   r2 = (((w>>8) & 0x000F000F) * 0x1040) & 0x81C081C0     nibbles 2 and 6
+//   r3 = (((w>>8) & 0x00F000F0) * 0x0104) & 0x81C081C0     nibbles 3 and 7
+//
+// (the constants of pallas_kernels/gemv.py, checked there for every byte; e2m1 0.5 lands on a bf16 subnormal),
+// each times the bf16 block factor (exact: at most 2 significant bits times a power of two):
+//   MXFP4: 2^(s - 1 - 32) built in the exponent field; the epilogue multiplies by 2^32 (scales 2^-99 .. 2^33
+//          exact, which covers every real checkpoint; the 0xFF NaN scale is not handled);
+//   NVFP4: the e4m3 scale placed in bf16 bits (sign, then its 7 bits at bits 4-10: value * 2^-120, subnormal
+//          scales included), times 2^119 twice (exact) = scale * 2^118; the epilogue multiplies by 2^8 and the
+//          global scale.
+// Word t feeds MMA 2t with (r0, r1) and MMA 2t + 1 with (r2, r3); the B pairs are (x[8t], x[8t + 4]),
+// (x[8t + 1], x[8t + 5]), (x[8t + 2], x[8t + 6]), (x[8t + 3], x[8t + 7]).
+
+#include "gemv_kernel.cuh"
+
+namespace ffi = xla::ffi;
+
+namespace dsv4 {
+namespace {
+
+constexpr int kMxShift = 32;
+constexpr int kNvShift = 8;
+constexpr uint32_t kBf16TwoPow119 = 0x7B007B00u;            // (2^119, 2^119)
+
+__device__ __forceinline__ void decode_fp4_word(uint32_t w, uint32_t factor, uint32_t (&r)[4]) {
+  const uint32_t mask = 0x81C081C0u;
+  const uint32_t v = w >> 8;
+  r[0] = bf16x2_mul(((w & 0x000F000Fu) * 0x1040u) & mask, factor);
+  r[1] = bf16x2_mul(((w & 0x00F000F0u) * 0x0104u) & mask, factor);
+  r[2] = bf16x2_mul(((v & 0x000F000Fu) * 0x1040u) & mask, factor);
+  r[3] = bf16x2_mul(((v & 0x00F000F0u) * 0x0104u) & mask, factor);
+}
+
+// Two words of packed nibbles (rows g and g + 8) and their factors -> two MMAs into c.
+__device__ __forceinline__ void fp4_word_mma(uint32_t wa, uint32_t fa, uint32_t wb, uint32_t fb, const uint32_t* xw,
+                                             float (&c)[4]) {
+  uint32_t ra[4], rb[4];
+  decode_fp4_word(wa, fa, ra);
+  decode_fp4_word(wb, fb, rb);
+  const uint32_t x01 = xw[0], x23 = xw[1], x45 = xw[2], x67 = xw[3];
+  const uint32_t b04 = __byte_perm(x01, x45, 0x5410), b15 = __byte_perm(x01, x45, 0x7632);
+  const uint32_t b26 = __byte_perm(x23, x67, 0x5410), b37 = __byte_perm(x23, x67, 0x7632);
+  mma_bf16(c, ra[0], rb[0], ra[1], rb[1], b04, b15);
+  mma_bf16(c, ra[2], rb[2], ra[3], rb[3], b26, b37);
+}
+
+struct Fp4Tile {
+  uint4 w0, w1;        // rows g and g + 8: 32 nibbles each
+  uint32_t f0, f1;     // MXFP4: bf16x2 factor per row; NVFP4: the two 16-blocks' e4m3 bytes (byte 0 | byte 1 << 8)
+};
+
+struct Mxfp4 {
+  struct Weights { const uint8_t* packed; const uint8_t* scale; };
+  using Tile = Fp4Tile;
+
+  // E8M0 byte s -> bf16 2^(s - 1 - kMxShift) in both halves (times the decode's 2^-126: 2^(s - 127 - 32)).
+  static __device__ __forceinline__ uint32_t factor(uint32_t s) { return (s + 126u - kMxShift) * 0x00800080u; }
+
+  static __device__ __forceinline__ Tile load(const Weights& w, int expert, int row, int k0, int n, int k) {
+    const size_t r0 = static_cast<size_t>(expert) * n + row;
+    Tile t;
+    t.w0 = load16(w.packed + r0 * (k / 2) + k0 / 2);
+    t.w1 = load16(w.packed + (r0 + 8) * (k / 2) + k0 / 2);
+    t.f0 = factor(__ldg(w.scale + r0 * (k / 32) + k0 / 32));
+    t.f1 = factor(__ldg(w.scale + (r0 + 8) * (k / 32) + k0 / 32));
+    return t;
+  }
+
+  static __device__ __forceinline__ void mma(const Tile& t, const uint32_t (&x)[16], float (&c)[4]) {
+    const uint32_t wa[4] = {t.w0.x, t.w0.y, t.w0.z, t.w0.w}, wb[4] = {t.w1.x, t.w1.y, t.w1.z, t.w1.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) fp4_word_mma(wa[j], t.f0, wb[j], t.f1, x + 4 * j, c);
+  }
+
+  static __device__ __forceinline__ float epilogue(const Weights&, int) { return 4294967296.0f; }   // 2^32
+};
+
+struct Nvfp4 {
+  struct Weights { const uint8_t* packed; const uint8_t* scale; const float* global; };
+  using Tile = Fp4Tile;
+
+  // Two e4m3 bytes (b0 | b1 << 8) -> bf16 pairs (b0 * 2^118, b0 * 2^118) and (b1 * 2^118, b1 * 2^118), exact.
+  static __device__ __forceinline__ void factors(uint32_t two, uint32_t& f_lo, uint32_t& f_hi) {
+    const uint32_t spread = __byte_perm(two, 0, 0x4140);               // b0 -> bits 0-7, b1 -> bits 16-23
+    const uint32_t bits = ((spread & 0x007F007Fu) << 4) | ((spread & 0x00800080u) << 8);   // b * 2^-120
+    const uint32_t pair = bf16x2_mul(bf16x2_mul(bits, kBf16TwoPow119), kBf16TwoPow119);   // b * 2^118
+    f_lo = __byte_perm(pair, 0, 0x1010);
+    f_hi = __byte_perm(pair, 0, 0x3232);
+  }
+
+  static __device__ __forceinline__ Tile load(const Weights& w, int expert, int row, int k0, int n, int k) {
+    const size_t r0 = static_cast<size_t>(expert) * n + row;
+    Tile t;
+    t.w0 = load16(w.packed + r0 * (k / 2) + k0 / 2);
+    t.w1 = load16(w.packed + (r0 + 8) * (k / 2) + k0 / 2);
+    t.f0 = __ldg(reinterpret_cast<const uint16_t*>(w.scale + r0 * (k / 16) + k0 / 16));
+    t.f1 = __ldg(reinterpret_cast<const uint16_t*>(w.scale + (r0 + 8) * (k / 16) + k0 / 16));
+    return t;
+  }
+
+  static __device__ __forceinline__ void mma(const Tile& t, const uint32_t (&x)[16], float (&c)[4]) {
+    uint32_t fa[2], fb[2];                                             // [first 16-block, second 16-block]
+    factors(t.f0, fa[0], fa[1]);
+    factors(t.f1, fb[0], fb[1]);
+    const uint32_t wa[4] = {t.w0.x, t.w0.y, t.w0.z, t.w0.w}, wb[4] = {t.w1.x, t.w1.y, t.w1.z, t.w1.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) fp4_word_mma(wa[j], fa[j / 2], wb[j], fb[j / 2], x + 4 * j, c);
+  }
+
+  static __device__ __forceinline__ float epilogue(const Weights& w, int expert) {
+    return static_cast<float>(1 << kNvShift) * w.global[expert];
+  }
+};
+
+// Shapes shared by both formats; returns an error message or "".
+std::string check_fp4(const char* name, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi::U8>& packed,
+                      ffi::Buffer<ffi::U8>& scale, int block, ffi::Buffer<ffi::S32>& experts,
+                      ffi::ResultBuffer<ffi::F32>& y) {
+  const auto xd = x.dimensions(), pd = packed.dimensions(), sd = scale.dimensions();
+  const auto ed = experts.dimensions(), yd = y->dimensions();
+  const std::string who(name);
+  if (xd.size() != 3 || pd.size() != 3 || sd.size() != 3 || ed.size() != 1 || yd.size() != 3) {
+    return who + ": x [S, M, K], packed [E, N, K/2], scale [E, N, K/B], experts [S], y [S, M, N] expected";
+  }
+  const int64_t slots = xd[0], m = xd[1], k = xd[2], n = pd[1];
+  if (m < 1 || m > kMaxRows) return who + ": 1 <= M <= 8 activation rows per slot";
+  if (k % kStep != 0 || pd[2] * 2 != k || sd[0] != pd[0] || sd[1] != n || sd[2] * block != k) {
+    return who + ": need packed [E, N, K/2], scale [E, N, K/" + std::to_string(block) + "], K % 128 == 0";
+  }
+  if (ed[0] != slots || yd[0] != slots || yd[1] != m || yd[2] != n) return who + ": experts [S], y [S, M, N]";
+  return "";
+}
+
+ffi::Error Mxfp4GemvImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> packed,
+                         ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y,
+                         int32_t schedule) {
+  const char* name = "dsv4_mxfp4_gemv";
+  if (auto msg = check_fp4(name, x, packed, scale, 32, experts, y); !msg.empty()) {
+    return ffi::Error::InvalidArgument(msg);
+  }
+  const auto xd = x.dimensions();
+  return launch_gemv<Mxfp4>(stream, schedule, reinterpret_cast<const uint16_t*>(x.typed_data()),
+                            Mxfp4::Weights{packed.typed_data(), scale.typed_data()}, experts.typed_data(),
+                            static_cast<int>(xd[0]), y->typed_data(), static_cast<int>(xd[1]),
+                            static_cast<int>(packed.dimensions()[1]), static_cast<int>(xd[2]), name);
+}
+
+ffi::Error Nvfp4GemvImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> packed,
+                         ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global, ffi::Buffer<ffi::S32> experts,
+                         ffi::ResultBuffer<ffi::F32> y, int32_t schedule) {
+  const char* name = "dsv4_nvfp4_gemv";
+  if (auto msg = check_fp4(name, x, packed, scale, 16, experts, y); !msg.empty()) {
+    return ffi::Error::InvalidArgument(msg);
+  }
+  if (global.dimensions().size() != 1 || global.dimensions()[0] != packed.dimensions()[0]) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": global scale [E] expected");
+  }
+  const auto xd = x.dimensions();
+  return launch_gemv<Nvfp4>(stream, schedule, reinterpret_cast<const uint16_t*>(x.typed_data()),
+                            Nvfp4::Weights{packed.typed_data(), scale.typed_data(), global.typed_data()},
+                            experts.typed_data(), static_cast<int>(xd[0]), y->typed_data(), static_cast<int>(xd[1]),
+                            static_cast<int>(packed.dimensions()[1]), static_cast<int>(xd[2]), name);
+}
+
+}  // namespace
+}  // namespace dsv4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DSV4Mxfp4Gemv, dsv4::Mxfp4GemvImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("schedule"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DSV4Nvfp4Gemv, dsv4::Nvfp4GemvImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("schedule"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,145 @@
+"""Schedule sweep of the FFI CUDA decode GEMVs (ffi/) on the GPU, with XLA's bf16 dot and the Pallas GEMV of the
+same matrix side by side in the same process.
+
+    python3 scripts/bench_ffi.py --out $OUT/bench_ffi.json [--budget-s 300]
+
+Method as scripts/bench_kernels.py (its time_calls / profiled_kernel_us): every case is checked against the
+reference first; wall time per call in one jitted program over weight copies that L2 cannot hold; kernel time
+from the profiler for the bf16 dot and the default schedule. A schedule is 100 x warps + 10 x tiles + unroll
+(ffi/gemv_kernel.cuh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import ffi  # noqa: E402
+from dsv4_jax.quant.formats import weight_bytes  # noqa: E402
+from dsv4_jax.quant.linear import linear  # noqa: E402
+from pallas_kernels import gemv, moe  # noqa: E402
+from scripts.bench_kernels import (MAX_COPIES, ROTATE_BYTES, make_weight, nbytes, profiled_kernel_us,  # noqa: E402
+                                   rel_err, time_calls)
+
+SHAPES = [("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096), ("wo_a", 8192, 4096),
+          ("w_18432x7168", 18432, 7168), ("wq_a", 1024, 4096)]
+SCHEDULES = [811, 812, 821, 822, 814, 414, 422, 424]
+PALLAS = {"fp8": gemv.fp8_matmul, "mxfp4": gemv.mxfp4_matmul, "nvfp4": gemv.nvfp4_matmul}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "bench_ffi.json"))
+    ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--ms", default="1,8")
+    ap.add_argument("--formats", default="mxfp4,nvfp4,fp8")
+    ap.add_argument("--schedules", default=",".join(map(str, SCHEDULES)))
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--experts", action="store_true", help="also the routed-expert GEMV (6 of 256 experts)")
+    args = ap.parse_args()
+    t0 = time.time()
+    results = []
+
+    def emit(rec):
+        results.append(rec)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(json.dumps(rec), flush=True)
+
+    key = jax.random.key(0)
+    schedules = [int(s) for s in args.schedules.split(",")]
+    for name, n, k in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
+        bf16_bytes = n * k * 2
+        ws = {}
+        for fmt in ["bf16"] + args.formats.split(","):
+            c = min(MAX_COPIES, max(2, math.ceil(ROTATE_BYTES / nbytes(jax.eval_shape(lambda: make_weight(key, fmt, (n, k)))))))
+            ws[fmt] = [make_weight(jax.random.fold_in(key, i), fmt, (n, k)) for i in range(c)]
+        for m in [int(v) for v in args.ms.split(",")]:
+            if time.time() - t0 > args.budget_s:
+                print("budget reached", flush=True)
+                return summary(results)
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.float32).astype(jnp.bfloat16)
+            reps = max(2, int(2000 / (len(ws["bf16"]) * max(1, n * k // (1 << 24)))))
+            base = time_calls(lambda x, w: x @ w.T, ws["bf16"], x, reps)
+            base_k = profiled_kernel_us(lambda x, w: x @ w.T, x, ws["bf16"])
+            emit(dict(name=name, m=m, n=n, k=k, fmt="bf16", impl="xla_dot", us=base[0], kernel_us=base_k,
+                      gbps=bf16_bytes / base[0] / 1e3))
+            for fmt in args.formats.split(","):
+                wb = weight_bytes(ws[fmt][0]) + m * k * 2
+                ref = jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32, kernels="reference"))(x, ws[fmt][0])
+                swept = schedules if fmt == "mxfp4" else schedules[:3]         # the full sweep on MXFP4 only
+                cases = [("pallas", 0, PALLAS[fmt])] + [("ffi", s, lambda x, w, s=s: ffi.gemv(x, w, schedule=s))
+                                                        for s in swept]
+                for impl, sched, fn in cases:
+                    if impl == "ffi" and n % (16 * (sched // 10 % 10)):
+                        continue
+                    try:
+                        err = rel_err(jax.jit(fn)(x, ws[fmt][0]), ref)
+                        if err > 1e-2:
+                            raise RuntimeError(f"wrong result: rel. err {err:.3g}")
+                        t = time_calls(fn, ws[fmt], x, reps, repeats=3)
+                        kt = profiled_kernel_us(fn, x, ws[fmt]) if sched in (0, 811) else None
+                    except Exception as e:  # noqa: BLE001
+                        emit(dict(name=name, m=m, fmt=fmt, impl=impl, schedule=sched, error=f"{type(e).__name__}: {e}"[:300]))
+                        continue
+                    emit(dict(name=name, m=m, n=n, k=k, fmt=fmt, impl=impl, schedule=sched, us=t[0], kernel_us=kt,
+                              rel_err=err, gbps=wb / t[0] / 1e3, speedup_vs_bf16=base[0] / t[0],
+                              kernel_speedup_vs_bf16=base_k / kt if kt and base_k else None))
+        del ws
+    if args.experts:
+        run_experts(args, key, schedules, emit)
+    summary(results)
+
+
+def run_experts(args, key, schedules, emit):
+    n_exp, top_k = 256, 6
+    for name, n, k in [("experts_w1", 2048, 4096), ("experts_w2", 4096, 2048)]:
+        for fmt in ("mxfp4", "nvfp4"):
+            w_all = make_weight(jax.random.fold_in(key, 77), fmt, (n_exp, n, k))
+            for m in [int(v) for v in args.ms.split(",")]:
+                rng = np.random.default_rng(m)
+                ids = np.stack([rng.choice(n_exp, top_k, replace=False) for _ in range(m)]).reshape(-1)
+                x = jax.random.normal(jax.random.fold_in(key, 5000 + m), (len(ids), k), jnp.float32).astype(jnp.bfloat16)
+                sets = [jnp.asarray((ids + 7 * j) % n_exp, jnp.int32) for j in range(24)]
+                ref = jax.jit(lambda x, i: moe.moe_matmul(x, w_all, i, jnp.float32))(x, sets[0])
+                touched = len(set(ids.tolist()))
+                per_expert = weight_bytes(jax.tree_util.tree_map(lambda a: a[0], w_all))
+                wb = touched * per_expert + x.size * 2
+                for impl, sched, fn in [("pallas_moe", 0, lambda x, i: moe.moe_matmul(x, w_all, i))] + [
+                        ("ffi_moe", s, lambda x, i, s=s: ffi.moe_gemv(x, w_all, i, schedule=s))
+                        for s in schedules if s % 100 // 10 == 1]:
+                    try:
+                        err = rel_err(jax.jit(fn)(x, sets[0]), ref)
+                        t = time_calls(fn, sets, x, 20, repeats=3)
+                        kt = profiled_kernel_us(fn, x, sets) if sched in (0, 811) else None
+                    except Exception as e:  # noqa: BLE001
+                        emit(dict(name=name, m=m, fmt=fmt, impl=impl, schedule=sched, error=f"{type(e).__name__}: {e}"[:300]))
+                        continue
+                    emit(dict(name=name, m=m, rows=len(ids), n=n, k=k, fmt=fmt, impl=impl, schedule=sched, us=t[0],
+                              kernel_us=kt, rel_err=err, gbps=wb / t[0] / 1e3, experts=touched))
+            del w_all
+
+
+def summary(results):
+    print("\n| case | M | fmt | impl | schedule | us | kernel us | GB/s | x bf16 (wall) | x bf16 (kernel) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
+    for r in results:
+        if "us" in r:
+            print(f"| {r['name']} | {r['m']} | {r['fmt']} | {r['impl']} | {r.get('schedule', '')} | {r['us']:.1f} | "
+                  f"{r.get('kernel_us') or nan:.1f} | {r['gbps']:.0f} | {r.get('speedup_vs_bf16') or nan:.2f} | "
+                  f"{r.get('kernel_speedup_vs_bf16') or nan:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
