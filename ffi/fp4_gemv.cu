@@ -87,6 +87,13 @@ struct Mxfp4 {
   }
 
   static __device__ __forceinline__ float epilogue(const Weights&, int) { return 4294967296.0f; }   // 2^32
+
+  static __device__ __forceinline__ void prefetch(const Weights& w, int expert, int row, int rows, int n, int k,
+                                                  int part, int parts) {
+    const size_t r0 = static_cast<size_t>(expert) * n + row;
+    prefetch_part(w.packed + r0 * (k / 2), static_cast<size_t>(rows) * (k / 2), part, parts);
+    prefetch_part(w.scale + r0 * (k / 32), static_cast<size_t>(rows) * (k / 32), part, parts);
+  }
 };
 
 struct Nvfp4 {
@@ -123,6 +130,13 @@ struct Nvfp4 {
 
   static __device__ __forceinline__ float epilogue(const Weights& w, int expert) {
     return static_cast<float>(1 << kNvShift) * w.global[expert];
+  }
+
+  static __device__ __forceinline__ void prefetch(const Weights& w, int expert, int row, int rows, int n, int k,
+                                                  int part, int parts) {
+    const size_t r0 = static_cast<size_t>(expert) * n + row;
+    prefetch_part(w.packed + r0 * (k / 2), static_cast<size_t>(rows) * (k / 2), part, parts);
+    prefetch_part(w.scale + r0 * (k / 16), static_cast<size_t>(rows) * (k / 16), part, parts);
   }
 };
 

@@ -67,6 +67,12 @@ struct Fp8Block {
   }
 
   static __device__ __forceinline__ float epilogue(const Weights&, int) { return 4294967296.0f; }   // 2^32
+
+  // The weight bytes only: a tile's block scales are one byte per step.
+  static __device__ __forceinline__ void prefetch(const Weights& w, int expert, int row, int rows, int n, int k,
+                                                  int part, int parts) {
+    prefetch_part(w.weight + (static_cast<size_t>(expert) * n + row) * k, static_cast<size_t>(rows) * k, part, parts);
+  }
 };
 
 ffi::Error Fp8GemvImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> weight,

@@ -7,11 +7,12 @@
 // each 16-row tile; the format decodes its bytes into bf16 pairs in whatever order is cheapest and builds the
 // matching B pairs from the same 32 activations (Format::mma below).
 //
-// Schedule: one CTA of kWarps warps per kTiles x 16 output rows; warp w takes the 128-input steps
-// w, w + kWarps, ...; kUnroll steps' loads are issued before any of them is consumed (bytes in flight hide DRAM
-// latency); the kWarps partial tiles are summed through shared memory. kTiles > 1 shares each activation load
-// and B fragment between tiles. One launch, no atomics (deterministic), no allocation, no host sync:
-// command-buffer compatible.
+// Schedule: a CTA of kWarps warps computes kTiles x 16 output rows at a time; warp w takes the 128-input steps
+// w, w + kWarps, ...; kUnroll steps' loads are issued before any of them is consumed; the kWarps partial tiles
+// are summed through shared memory. kTiles > 1 shares each activation load and B fragment between tiles.
+// Persistent schedules (kPrefetch) run as many CTAs as fit, each looping over tiles and bulk-prefetching the
+// next tile's weight bytes into L2 while it computes the current one. One launch, no atomics (deterministic),
+// no allocation, no host sync: command-buffer compatible.
 //
 // Routed experts (MoE decode): a second grid axis over slots; slot s multiplies its M activation rows
 // x[s, 0:M, :] by expert slot_expert[s] of the stacked weight [E, N, K] and writes y[s, 0:M, :]; slots with
@@ -23,6 +24,8 @@
 //   static Tile load(const Weights&, int expert, int row, int k0, int n, int k)   rows `row` and `row + 8`
 //   static void mma(const Tile&, const uint32_t (&x)[16], float (&c)[4])          x: the thread's 32 inputs
 //   static float epilogue(const Weights&, int expert)                              factor applied to each sum
+//   static void prefetch(const Weights&, int expert, int row, int rows, int n, int k, int part, int parts)
+//                                                 L2 prefetch of part `part` / `parts` of rows row .. row + rows
 #pragma once
 
 #include <cstdint>
@@ -53,72 +56,116 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 
 __device__ __forceinline__ uint4 load16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
-template <class Format, int kWarps, int kTiles, int kUnroll>
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" : : "l"(p), "r"(bytes) : "memory");
+}
+
+// Bulk L2 prefetch (no registers, no shared memory) of part `part` of `parts` of a 16-byte aligned region.
+__device__ __forceinline__ void prefetch_part(const uint8_t* base, size_t bytes, int part, int parts) {
+  const size_t chunk = (bytes / parts + 15) / 16 * 16;
+  const size_t begin = chunk * part;
+  if (begin < bytes) prefetch_l2(base + begin, static_cast<uint32_t>(bytes - begin < chunk ? bytes - begin : chunk));
+}
+
+// One work item = one (slot, tile of kRows output rows); CTAs loop over items (a grid smaller than the work is a
+// persistent schedule). kPrefetch: each warp bulk-prefetches its share of the next item's weight bytes into L2
+// before computing the current one, so DRAM keeps a deep queue without registers held for loads in flight.
+template <class Format, int kWarps, int kTiles, int kUnroll, bool kPrefetch>
 __global__ void __launch_bounds__(kWarps * 32)
 gemv_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const int32_t* __restrict__ slot_expert,
-            float* __restrict__ y, int m_rows, int n, int k) {
+            float* __restrict__ y, int m_rows, int n, int k, int items) {
   constexpr int kRows = 16 * kTiles;
   __shared__ float partial[kWarps][kRows][kMaxRows];
-  const int expert = slot_expert[blockIdx.y];              // dense: one slot, expert 0
-  if (expert < 0) return;                                  // unused slot (uniform over the CTA)
-  x += static_cast<size_t>(blockIdx.y) * m_rows * k;
-  y += static_cast<size_t>(blockIdx.y) * m_rows * n;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;                    // fragment row group, quad lane
-  const int row_base = blockIdx.x * kRows;
+  const int tiles = n / kRows, steps = k / kStep;
   const bool has_x = g < m_rows;                           // B column g is activation row g
-  const uint16_t* x_row = x + static_cast<size_t>(has_x ? g : 0) * k;
-  const int steps = k / kStep;
+  if (kPrefetch && lane == 0 && slot_expert[blockIdx.x / tiles] >= 0) {
+    Format::prefetch(w, slot_expert[blockIdx.x / tiles], blockIdx.x % tiles * kRows, kRows, n, k, warp, kWarps);
+  }
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int slot = item / tiles, row_base = item % tiles * kRows;
+    const int expert = slot_expert[slot];                  // dense: one slot, expert 0
+    if (kPrefetch && lane == 0 && item + gridDim.x < items) {
+      const int next = item + gridDim.x, next_expert = slot_expert[next / tiles];
+      if (next_expert >= 0) Format::prefetch(w, next_expert, next % tiles * kRows, kRows, n, k, warp, kWarps);
+    }
+    if (expert < 0) continue;                              // unused slot (uniform over the CTA)
+    const uint16_t* x_row = x + (static_cast<size_t>(slot) * m_rows + (has_x ? g : 0)) * k;
 
-  float c[kTiles][4] = {};
-  for (int base = warp; base < steps; base += kWarps * kUnroll) {
-    typename Format::Tile tile[kUnroll][kTiles];
-    uint32_t xs[kUnroll][16];
+    float c[kTiles][4] = {};
+    for (int base = warp; base < steps; base += kWarps * kUnroll) {
+      typename Format::Tile tile[kUnroll][kTiles];
+      uint32_t xs[kUnroll][16];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int step = base + u * kWarps;
-      if (step < steps) {
-        const int k0 = step * kStep + q * 32;
+      for (int u = 0; u < kUnroll; ++u) {
+        const int step = base + u * kWarps;
+        if (step < steps) {
+          const int k0 = step * kStep + q * 32;
 #pragma unroll
-        for (int t = 0; t < kTiles; ++t) tile[u][t] = Format::load(w, expert, row_base + 16 * t + g, k0, n, k);
+          for (int t = 0; t < kTiles; ++t) tile[u][t] = Format::load(w, expert, row_base + 16 * t + g, k0, n, k);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint4 v = has_x ? load16(x_row + k0 + 8 * i) : make_uint4(0, 0, 0, 0);
-          xs[u][4 * i] = v.x, xs[u][4 * i + 1] = v.y, xs[u][4 * i + 2] = v.z, xs[u][4 * i + 3] = v.w;
+          for (int i = 0; i < 4; ++i) {
+            const uint4 v = has_x ? load16(x_row + k0 + 8 * i) : make_uint4(0, 0, 0, 0);
+            xs[u][4 * i] = v.x, xs[u][4 * i + 1] = v.y, xs[u][4 * i + 2] = v.z, xs[u][4 * i + 3] = v.w;
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base + u * kWarps < steps) {
+#pragma unroll
+          for (int t = 0; t < kTiles; ++t) Format::mma(tile[u][t], xs[u], c[t]);
         }
       }
     }
+    // c[t][0], c[t][1]: weight row 16t + g, activation rows 2q, 2q + 1; c[t][2], c[t][3]: row 16t + g + 8.
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (base + u * kWarps < steps) {
+    for (int t = 0; t < kTiles; ++t) {
+      partial[warp][16 * t + g][2 * q] = c[t][0];
+      partial[warp][16 * t + g][2 * q + 1] = c[t][1];
+      partial[warp][16 * t + g + 8][2 * q] = c[t][2];
+      partial[warp][16 * t + g + 8][2 * q + 1] = c[t][3];
+    }
+    __syncthreads();
+    const float factor = Format::epilogue(w, expert);
+    float* y_slot = y + static_cast<size_t>(slot) * m_rows * n;
+    for (int e = threadIdx.x; e < kRows * kMaxRows; e += kWarps * 32) {
+      const int r = e % kRows, mcol = e / kRows;           // consecutive threads: consecutive outputs
+      if (mcol < m_rows) {
+        float sum = 0.f;
 #pragma unroll
-        for (int t = 0; t < kTiles; ++t) Format::mma(tile[u][t], xs[u], c[t]);
+        for (int v = 0; v < kWarps; ++v) sum += partial[v][r][mcol];
+        y_slot[static_cast<size_t>(mcol) * n + row_base + r] = sum * factor;
       }
     }
-  }
-  // c[t][0], c[t][1]: weight row 16t + g, activation rows 2q, 2q + 1; c[t][2], c[t][3]: weight row 16t + g + 8.
-#pragma unroll
-  for (int t = 0; t < kTiles; ++t) {
-    partial[warp][16 * t + g][2 * q] = c[t][0];
-    partial[warp][16 * t + g][2 * q + 1] = c[t][1];
-    partial[warp][16 * t + g + 8][2 * q] = c[t][2];
-    partial[warp][16 * t + g + 8][2 * q + 1] = c[t][3];
-  }
-  __syncthreads();
-  const float factor = Format::epilogue(w, expert);
-  for (int e = threadIdx.x; e < kRows * kMaxRows; e += kWarps * 32) {
-    const int r = e % kRows, mcol = e / kRows;             // consecutive threads: consecutive outputs
-    if (mcol < m_rows) {
-      float sum = 0.f;
-#pragma unroll
-      for (int v = 0; v < kWarps; ++v) sum += partial[v][r][mcol];
-      y[static_cast<size_t>(mcol) * n + row_base + r] = sum * factor;
-    }
+    __syncthreads();                                       // partial is rewritten by the next item
   }
 }
 
-// Schedules the benchmarks compare (ffi attribute `schedule` = 100 warps + 10 tiles + unroll); 0 = the default.
-constexpr int kDefaultSchedule = 811;
+// Schedules (ffi attribute `schedule` = 1000 persistent+prefetch + 100 warps + 10 tiles + unroll); 0 = default.
+constexpr int kDefaultSchedule = 1811;
+
+template <class Format, int W, int T, int U, bool P>
+xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const typename Format::Weights& w,
+                           const int32_t* slot_expert, int slots, float* y, int m_rows, int n, int k) {
+  auto kernel = gemv_kernel<Format, W, T, U, P>;
+  const int items = slots * (n / (16 * T));
+  int grid = items;
+  if (P) {                                                 // persistent: as many CTAs as fit at once
+    static int resident = 0;                               // per instantiation, computed once per process
+    if (resident == 0) {
+      int device = 0, sms = 0, per_sm = 0;
+      cudaGetDevice(&device);
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, W * 32, 0);
+      resident = sms * (per_sm > 0 ? per_sm : 1);
+    }
+    grid = items < resident ? items : resident;
+  }
+  kernel<<<grid, W * 32, 0, stream>>>(x, w, slot_expert, y, m_rows, n, k, items);
+  return xla::ffi::Error::Success();
+}
 
 template <class Format>
 xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x, const typename Format::Weights& w,
@@ -130,24 +177,26 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
   if (tiles < 1 || n % (16 * tiles) != 0) {
     return Error::InvalidArgument(std::string(name) + ": N must be a multiple of 16 x tiles of the schedule");
   }
-  const dim3 grid(static_cast<unsigned>(n / (16 * tiles)), static_cast<unsigned>(slots));
+  Error launched = Error::InvalidArgument(std::string(name) + ": unknown schedule " + std::to_string(schedule));
   switch (schedule) {
-#define DSV4_SCHEDULE(W, T, U)                                                                          \
-  case W * 100 + T * 10 + U:                                                                            \
-    gemv_kernel<Format, W, T, U><<<grid, W * 32, 0, stream>>>(x, w, slot_expert, y, m_rows, n, k);     \
+#define DSV4_SCHEDULE(P, W, T, U)                                                                         \
+  case P * 1000 + W * 100 + T * 10 + U:                                                                   \
+    launched = launch_one<Format, W, T, U, P == 1>(stream, x, w, slot_expert, slots, y, m_rows, n, k);    \
     break;
-    DSV4_SCHEDULE(8, 1, 1)
-    DSV4_SCHEDULE(8, 1, 2)
-    DSV4_SCHEDULE(8, 1, 4)
-    DSV4_SCHEDULE(8, 2, 1)
-    DSV4_SCHEDULE(8, 2, 2)
-    DSV4_SCHEDULE(4, 1, 4)
-    DSV4_SCHEDULE(4, 2, 2)
-    DSV4_SCHEDULE(4, 2, 4)
+    DSV4_SCHEDULE(0, 8, 1, 1)
+    DSV4_SCHEDULE(0, 8, 2, 1)
+    DSV4_SCHEDULE(0, 4, 1, 1)
+    DSV4_SCHEDULE(0, 4, 2, 2)
+    DSV4_SCHEDULE(1, 8, 1, 1)
+    DSV4_SCHEDULE(1, 8, 2, 1)
+    DSV4_SCHEDULE(1, 4, 1, 1)
+    DSV4_SCHEDULE(1, 4, 2, 1)
+    DSV4_SCHEDULE(1, 4, 2, 2)
 #undef DSV4_SCHEDULE
     default:
-      return Error::InvalidArgument(std::string(name) + ": unknown schedule " + std::to_string(schedule));
+      break;
   }
+  if (launched.failure()) return launched;
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return Error::Internal(std::string(name) + ": " + cudaGetErrorString(err));
   return Error::Success();

@@ -69,8 +69,9 @@ def _dequant64(w):
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8"])
 @pytest.mark.parametrize("n,k,m,dtype,schedule", [
-    (2048, 4096, 1, jnp.bfloat16, 0), (1024, 7168, 8, jnp.bfloat16, 0), (4096, 1024, 5, jnp.bfloat16, 822),
-    (512, 2048, 3, jnp.float32, 0), (2080, 1536, 4, jnp.bfloat16, 414), (1024, 2048, 8, jnp.bfloat16, 424)])
+    (2048, 4096, 1, jnp.bfloat16, 0), (1024, 7168, 8, jnp.bfloat16, 0), (4096, 1024, 5, jnp.bfloat16, 821),
+    (512, 2048, 3, jnp.float32, 0), (2080, 1536, 4, jnp.bfloat16, 411), (1024, 2048, 8, jnp.bfloat16, 1422),
+    (8192, 1024, 2, jnp.bfloat16, 1421)])
 def test_gemv_gpu(fmt, n, k, m, dtype, schedule):
     if n % (16 * (schedule // 10 % 10 or 1)):
         pytest.skip("N does not fit the schedule's tile")
@@ -89,15 +90,16 @@ def test_gemv_gpu(fmt, n, k, m, dtype, schedule):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("rows,dtype", [(6, jnp.bfloat16), (48, jnp.bfloat16), (24, jnp.float32), (40, jnp.bfloat16)])
-def test_moe_gemv_gpu(fmt, rows, dtype):
+@pytest.mark.parametrize("rows,dtype,schedule", [(6, jnp.bfloat16, 0), (48, jnp.bfloat16, 0), (24, jnp.float32, 0),
+                                                 (40, jnp.bfloat16, 0), (40, jnp.bfloat16, 811), (48, jnp.bfloat16, 1421)])
+def test_moe_gemv_gpu(fmt, rows, dtype, schedule):
     rng = np.random.default_rng()
     n_exp, n, k = 16, 256, 512
     w = _weight(rng, fmt, n, k, experts=n_exp)
     # few experts, so several rows share one (slots fill up, and some experts get more than 8 rows)
     ids = jnp.asarray(rng.integers(0, 5 if rows == 40 else n_exp, rows), jnp.int32)
     x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
-    y = np.asarray(jax.jit(lambda x, w, i: ffi.moe_gemv(x, w, i, jnp.float32))(x, w, ids), np.float64)
+    y = np.asarray(jax.jit(lambda x, w, i: ffi.moe_gemv(x, w, i, jnp.float32, schedule=schedule))(x, w, ids), np.float64)
     wd = _dequant64(w)
     ref = np.einsum("rk,rnk->rn", _f64(x), wd[np.asarray(ids)])
     assert y.shape == (rows, n) and np.all(np.isfinite(y))
