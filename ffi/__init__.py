@@ -1,10 +1,11 @@
 """CUDA C++ decode kernels called through XLA FFI (built on first use by ffi/build.py, cached by source hash).
 
-    gemv(x [M, K], w) -> [M, N]                 w: Fp8BlockWeight / Mxfp4Weight / Nvfp4Weight [N, K]
-    moe_gemv(x_rows [R, K], w [E, N, K], expert_ids [R]) -> [R, N]     w: Mxfp4Weight / Nvfp4Weight
+    gemv(x [M, K], w [N, K]) -> [M, N]
+    grouped_gemv(x [S, M, K], w [E, N, K], experts [S]) -> [S, M, N]     slot s times expert experts[s]
+    moe_gemv(x_rows [R, K], w [E, N, K], expert_ids [R]) -> [R, N]       row r times expert expert_ids[r]
 
-M <= 8 bf16 rows (<= 4 float32 rows, split into bf16 hi + lo), float32 accumulation, one launch each (plus a
-few small XLA ops for the routed-expert schedule). Kernels: ffi/gemv_kernel.cuh (schedule), fp4_gemv.cu,
+w: Fp8BlockWeight / Mxfp4Weight / Nvfp4Weight. M <= 8 bf16 rows (<= 4 float32 rows, split into bf16 hi + lo),
+float32 accumulation, one launch each. Kernels: ffi/gemv_kernel.cuh (schedule), fp4_gemv.cu,
 fp8_gemv.cu. Oracle: dsv4_jax.quant.linear / grouped_linear. Status and measurements: ffi/README.md.
 """
 
@@ -29,14 +30,6 @@ def max_rows(dtype) -> int:
     return MAX_ROWS // 2 if jnp.dtype(dtype) == jnp.float32 else MAX_ROWS
 
 
-def supports(x_shape, x_dtype, w) -> bool:
-    """Whether gemv(x, w) applies: rows, format and N % 16, K % 128."""
-    rows, k = x_shape
-    n = w.shape[-2]
-    return (type(w) in _TARGETS and len(w.shape) == 2 and 1 <= rows <= max_rows(x_dtype) and n % 16 == 0
-            and k % 128 == 0 and k == w.shape[-1])
-
-
 def _split_rows(x: jax.Array) -> jax.Array:
     """[..., M, K] -> bf16 [..., M, K] (bf16 input) or [..., 2M, K] float32 hi rows then lo rows."""
     if x.dtype != jnp.float32:
@@ -46,26 +39,25 @@ def _split_rows(x: jax.Array) -> jax.Array:
     return jnp.concatenate([hi, lo], axis=-2)
 
 
-def _weight_operands(w, stacked: bool):
-    """Kernel operands of a weight: (bytes, scales[, global scale]) with a leading expert axis."""
-    lead = (lambda a: a) if stacked else (lambda a: a[None])
+def _weight_operands(w):
+    """Kernel operands of a stacked weight [E, N, K]: bytes, scales (uint8) [, global scale float32 [E]]."""
     if isinstance(w, Fp8BlockWeight):
-        return [lead(jax.lax.bitcast_convert_type(w.weight, jnp.uint8)), lead(w.scale)]
-    ops = [lead(w.packed), lead(jax.lax.bitcast_convert_type(w.scale, jnp.uint8))]
+        return [jax.lax.bitcast_convert_type(w.weight, jnp.uint8), w.scale]
+    ops = [w.packed, jax.lax.bitcast_convert_type(w.scale, jnp.uint8)]
     if isinstance(w, Nvfp4Weight):
-        ops.append(lead(w.global_scale.astype(jnp.float32)))
+        ops.append(jnp.broadcast_to(w.global_scale.astype(jnp.float32), w.shape[:1]))
     return ops
 
 
-def _call(x3: jax.Array, w, experts: jax.Array, n: int, schedule: int, stacked: bool) -> jax.Array:
+def _call(x3: jax.Array, w, experts: jax.Array, n: int, schedule: int) -> jax.Array:
     source, target, symbol = _TARGETS[type(w)]
     register(source, {target: symbol})
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x3.shape[:2], n), jnp.float32))
-    return call(x3, *_weight_operands(w, stacked), experts, schedule=np.int32(schedule))
+    return call(x3, *_weight_operands(w), experts, schedule=np.int32(schedule))
 
 
 def _check_weight(w, x_k: int, what: str, stacked: bool):
-    if type(w) not in _TARGETS or (stacked and isinstance(w, Fp8BlockWeight)):
+    if type(w) not in _TARGETS:
         raise TypeError(f"{what}: unsupported weight {type(w).__name__}")
     if len(w.shape) != (3 if stacked else 2):
         raise ValueError(f"{what}: weight must be {'[E, N, K]' if stacked else '[N, K]'}, got {w.shape}")
@@ -75,35 +67,37 @@ def _check_weight(w, x_k: int, what: str, stacked: bool):
     return n
 
 
+def grouped_gemv(x3: jax.Array, w_stacked, experts: jax.Array, out_dtype=None, *, schedule: int = 0) -> jax.Array:
+    """Slot s of x3 [S, M, K] (M <= 8 bf16 / <= 4 float32 rows) times expert experts[s] of w_stacked [E, N, K]
+    (any format) -> [S, M, N] out_dtype (default x3.dtype). One launch; `schedule` picks a compiled tiling
+    (gemv_kernel.cuh; 0 = default)."""
+    what = "ffi.grouped_gemv"
+    if x3.ndim != 3 or not 1 <= x3.shape[1] <= max_rows(x3.dtype) or experts.shape != x3.shape[:1]:
+        raise ValueError(f"{what}: x [S, M, K] with 1..{max_rows(x3.dtype)} {x3.dtype} rows per slot and experts "
+                         f"[S] expected, got {x3.shape}, {experts.shape}")
+    n = _check_weight(w_stacked, x3.shape[2], what, stacked=True)
+    m = x3.shape[1]
+    y = _call(_split_rows(x3), w_stacked, experts.astype(jnp.int32), n, schedule)
+    if x3.dtype == jnp.float32:
+        y = y[:, :m] + y[:, m:]
+    return y.astype(out_dtype or x3.dtype)
+
+
 def gemv(x: jax.Array, w, out_dtype=None, *, schedule: int = 0) -> jax.Array:
     """x [M, K] (M <= 8 bf16 / <= 4 float32 rows) @ dequant(W [N, K])^T, float32 accumulation -> [M, N] out_dtype
-    (default x.dtype). `schedule` picks a compiled tiling (gemv_kernel.cuh; 0 = default)."""
+    (default x.dtype)."""
     if x.ndim != 2 or not 1 <= x.shape[0] <= max_rows(x.dtype):
         raise ValueError(f"ffi.gemv: x must be [M, K] with 1..{max_rows(x.dtype)} {x.dtype} rows, got {x.shape}")
-    n = _check_weight(w, x.shape[1], "ffi.gemv", stacked=False)
-    m = x.shape[0]
-    y = _call(_split_rows(x)[None], w, jnp.zeros((1,), jnp.int32), n, schedule, stacked=False)[0]
-    if x.dtype == jnp.float32:
-        y = y[:m] + y[m:]
-    return y.astype(out_dtype or x.dtype)
+    _check_weight(w, x.shape[1], "ffi.gemv", stacked=False)
+    w_stacked = jax.tree.map(lambda a: a[None], w)
+    return grouped_gemv(x[None], w_stacked, jnp.zeros((1,), jnp.int32), out_dtype, schedule=schedule)[0]
 
 
 def moe_gemv(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=None, *, schedule: int = 0) -> jax.Array:
-    """Row r of x_rows [R, K] times expert expert_ids[r] of w_stacked (Mxfp4Weight / Nvfp4Weight [E, N, K]) ->
-    [R, N] out_dtype (default x_rows.dtype). Rows sharing an expert are gathered into slots of up to 8 bf16
-    (4 float32) rows so each touched expert is streamed once per slot (pallas_kernels.moe's schedule)."""
-    from pallas_kernels.moe import moe_schedule, slot_bound
+    """Row r of x_rows [R, K] times expert expert_ids[r] of w_stacked [E, N, K] -> [R, N] out_dtype (default
+    x_rows.dtype): one slot per row, so no sort or gather on the way (decode: R = tokens x top-k <= 48); a row
+    whose expert another row also uses reads it again (often from L2)."""
     if x_rows.ndim != 2 or expert_ids.shape != x_rows.shape[:1]:
         raise ValueError(f"ffi.moe_gemv: x_rows [R, K] and expert_ids [R] expected, got {x_rows.shape}, "
                          f"{expert_ids.shape}")
-    n = _check_weight(w_stacked, x_rows.shape[1], "ffi.moe_gemv", stacked=True)
-    r, k = x_rows.shape
-    capacity = max_rows(x_rows.dtype)
-    n_slots = slot_bound(r, capacity, w_stacked.shape[0])
-    slot_expert, slot_rows, slot_of_row, pos_of_row = moe_schedule(expert_ids, capacity, n_slots)
-    x_slots = jnp.concatenate([x_rows, jnp.zeros((1, k), x_rows.dtype)])[slot_rows]     # [S, capacity, K]
-    y_slots = _call(_split_rows(x_slots), w_stacked, slot_expert, n, schedule, stacked=True)   # [S, 8, N]
-    y = y_slots[slot_of_row, pos_of_row]
-    if x_rows.dtype == jnp.float32:
-        y = y + y_slots[slot_of_row, pos_of_row + capacity]
-    return y.astype(out_dtype or x_rows.dtype)
+    return grouped_gemv(x_rows[:, None], w_stacked, expert_ids, out_dtype, schedule=schedule)[:, 0]

@@ -191,7 +191,7 @@ def test_fallbacks_and_modes():
         linear(jnp.tile(x, (9, 1)).astype(jnp.float32), w, kernels="interpret")   # > 8 float32 rows
         linear(x, odd, kernels="interpret")
         linear(x, jnp.ones((64, 256), jnp.bfloat16), kernels="interpret")  # bf16 weights: XLA's dot, unrecorded
-    expected_auto = "pallas" if kernel_dispatch.on_cuda() else "reference"
+    expected_auto = "cuda" if kernel_dispatch.on_cuda() else "reference"
     assert [r[3] for r in rec] == ["reference", expected_auto, "reference", "reference", "reference"]
     with pytest.raises(ValueError, match="kernels must be one of"):
         linear(x, w, kernels="cuda")
@@ -265,11 +265,13 @@ def test_default_model_with_kernels_matches_reference_gpu(dtype, act_quant):
     prompt = np.random.default_rng().integers(0, 4096, (2, 12)).astype(np.int32)
     kw = dict(dtype=dtype, max_seq_len=128, max_batch=2, act_quant=act_quant)
     auto = dsv4_jax.load(DEFAULT_MODEL, **kw)
-    assert auto.options.kernels == "auto" and kernel_dispatch.kernel_backend("auto") == "pallas"
+    assert auto.options.kernels == "auto" and kernel_dispatch.kernel_backend("auto") == "cuda"
     ref = _prefill_decode_generate(dsv4_jax.load(DEFAULT_MODEL, kernels="reference", **kw), prompt, 8)
     with kernel_dispatch.record_dispatch() as rec:
         got = _prefill_decode_generate(auto, prompt, 8)
-    assert _paths(rec)["pallas"] >= 6 * 9
+    assert _paths(rec)["cuda"] >= 6 * 9
+    used = {r[4] for r in rec}                                           # the CUDA GEMVs of ffi/ took decode
+    assert {"ffi_gemv", "ffi_grouped_gemv", "ffi_moe_gemv"} <= used, used
     if act_quant == "fp8":                                               # 24 prompt rows: the FP8 prefill kernel
         assert any(r[4] == "prefill_fp8" for r in rec)
     tol = 1e-4 if dtype == "float32" else 3e-2

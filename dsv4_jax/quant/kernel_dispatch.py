@@ -1,15 +1,20 @@
-"""Which matmuls run on the GPU kernels of `pallas_kernels/` and which on the pure-jnp reference.
+"""Which matmuls run on the GPU kernels (`ffi/` CUDA, `pallas_kernels/`) and which on the pure-jnp reference.
 
 `kernels` (RunOptions.kernels, and a keyword of every function in quant/linear.py) picks the path:
 
-    "auto"       the kernels on a CUDA device, the reference elsewhere (the default)
+    "auto"       on a CUDA device the fastest kernels: the CUDA decode GEMVs of ffi/ where they apply (built with
+                 nvcc on first use; without nvcc, a warning and the Pallas kernels), the Pallas kernels for the
+                 rest; the reference elsewhere (the default)
     "reference"  always the pure-jnp reference (dequantize + XLA dot / ragged_dot)
-    "pallas"     the compiled kernels wherever one applies (needs a CUDA device, or lowering for one)
-    "interpret"  the kernels in Pallas interpret mode: runs anywhere, slowly (tests and debugging)
+    "pallas"     the Pallas kernels only, wherever one applies (needs a CUDA device, or lowering for one)
+    "interpret"  the Pallas kernels in interpret mode: runs anywhere, slowly (tests and debugging)
 
 A kernel applies where one exists for the call; every other call takes the reference, whatever the mode:
 
     call                                   kernel                         applies when
+    linear / group_linear (wo_a) /         ffi.gemv / grouped_gemv /      "auto" on CUDA; rows (per group) <= 8
+      routed experts (decode),             moe_gemv (CUDA, one launch)    bf16 / 4 fp32, N % 16, K % 128; routed
+      FP8-block / MXFP4 / NVFP4 weight                                    rows <= 128 (one slot per row)
     linear, FP8-block weight               gemv.fp8_matmul                rows <= 16 (bf16) / 8 (fp32), N % 64 == 0
     linear, MXFP4 / NVFP4 weight           gemv.mxfp4_matmul / nvfp4_...  rows as above, N % 64 == 0, K % 32 == 0
     linear, FP8-block / MXFP4 weight,      prefill.fp8_block_matmul       rows > 16, N % 64 == 0, K % 128 == 0
@@ -29,7 +34,7 @@ experts always take the MoE kernel, with wider slots for prefill chunks. The cho
 static shapes only, so it never costs a host sync; `record_dispatch()` lists the choices of a trace (tests use
 it to prove the kernels were really taken).
 
-The NVFP4 kernels assume normal positive e4m3 block scales (what the NVFP4 recipe writes unless a block is
+The NVFP4 Pallas kernels assume normal positive e4m3 block scales (the CUDA ones read any finite scale exactly) (what the NVFP4 recipe writes unless a block is
 2^15 below its matrix maximum); `nvfp4_weights_kernels_approximate(params)` lists the weights that break it
 (checkpoint loading warns about them).
 """
@@ -54,7 +59,7 @@ _records: list | None = None
 @contextlib.contextmanager
 def record_dispatch():
     """Collect (call, weight format, shape, path, kernel) for every dispatch made while tracing inside the block;
-    path is "reference", "pallas" or "interpret"."""
+    path is "reference" or a backend ("cuda", "pallas", "interpret"), kernel e.g. "ffi_gemv", "gemv", "moe"."""
     global _records
     previous, _records = _records, []
     try:
@@ -77,14 +82,37 @@ def on_cuda() -> bool:
 
 
 def kernel_backend(kernels: str) -> str | None:
-    """None (reference), "pallas" or "interpret" for a `kernels` mode."""
+    """None (reference), "cuda" (ffi/ kernels, then Pallas), "pallas" or "interpret" for a `kernels` mode."""
     if kernels not in KERNEL_MODES:
         raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
     if kernels == "reference":
         return None
     if kernels == "auto":
-        return "pallas" if on_cuda() else None
+        return "cuda" if on_cuda() else None
     return kernels
+
+
+@functools.cache
+def ffi_available() -> bool:
+    """Whether the CUDA kernels of ffi/ are built (or build now) for this GPU; warns once and returns False when
+    nvcc is missing or the build fails (the Pallas kernels then take their calls)."""
+    import warnings
+
+    import ffi
+    try:
+        for source in ("fp4_gemv.cu", "fp8_gemv.cu"):
+            ffi.build.build_library(source)
+    except ffi.FfiBuildError as err:
+        warnings.warn(f"CUDA decode kernels of ffi/ unavailable, using the Pallas kernels: {err}", stacklevel=2)
+        return False
+    return True
+
+
+def _ffi_fits(rows: int, dtype, n: int, k: int) -> bool:
+    """Shapes the ffi/ GEMV takes: <= 8 bf16 rows (4 float32) per slot, N % 16 == 0, K % 128 == 0."""
+    import ffi
+
+    return dtype in (jnp.bfloat16, jnp.float32) and rows <= ffi.max_rows(dtype) and n % 16 == 0 and k % 128 == 0
 
 
 def nvfp4_weights_kernels_approximate(params) -> list[str]:
@@ -147,6 +175,10 @@ def dense_matmul(x2: jax.Array, weight, kernels: str, call: str = "linear"):
     backend = kernel_backend(kernels)
     if not _is_quantized_matrix(weight, 2):
         return None
+    if backend == "cuda" and _ffi_fits(x2.shape[0], x2.dtype, *weight.shape) and ffi_available():
+        import ffi
+        _record(call, weight, backend, "ffi_gemv")
+        return ffi.gemv(x2, weight, jnp.float32)
     kernel = _dense_kernel(weight, *weight.shape) if backend and _rows_fit(x2, x2.shape[0]) else None
     _record(call, weight, backend if kernel else "reference", "gemv")
     return kernel(x2, weight, backend == "interpret") if kernel else None
@@ -199,6 +231,13 @@ def group_matmul(x3: jax.Array, weight, kernels: str):
     if not _is_quantized_matrix(weight, 2):
         return None
     stacked = _split_groups(weight, x3.shape[1]) if backend and _rows_fit(x3, x3.shape[0]) else None
+    if (backend == "cuda" and stacked is not None and _ffi_fits(x3.shape[0], x3.dtype, *stacked.shape[-2:])
+            and ffi_available()):
+        import ffi
+        _record("group_linear", weight, backend, "ffi_grouped_gemv")
+        groups = jnp.arange(x3.shape[1], dtype=jnp.int32)                # slot g = group g's rows
+        y = ffi.grouped_gemv(jnp.swapaxes(x3, 0, 1), stacked, groups, jnp.float32)
+        return jnp.swapaxes(y, 0, 1)                                      # [M, G, out]
     kernel = _dense_kernel(weight, *stacked.shape[-2:]) if stacked is not None else None
     _record("group_linear", weight, backend if kernel else "reference", "gemv")
     if not kernel:
@@ -218,6 +257,11 @@ def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, kernels: str):
     if not _is_quantized_matrix(weight, 3):
         return None
     n_experts, n, k = weight.shape
+    if (backend == "cuda" and xs.shape[0] <= MAX_MOE_ROWS and _ffi_fits(1, xs.dtype, n, k)
+            and isinstance(weight, (Mxfp4Weight, Nvfp4Weight)) and ffi_available()):
+        import ffi
+        _record("grouped_linear", weight, backend, "ffi_moe_gemv")
+        return ffi.moe_gemv(xs, weight, row_experts, jnp.float32)
     fits = (isinstance(weight, (Mxfp4Weight, Nvfp4Weight)) and n % 64 == 0
             and xs.dtype in (jnp.bfloat16, jnp.float32))
     unroll = _fp4_unroll(weight, k) if fits else None
