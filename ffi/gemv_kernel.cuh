@@ -144,7 +144,9 @@ gemv_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const in
 }
 
 // Schedules (ffi attribute `schedule` = 1000 persistent+prefetch + 100 warps + 10 tiles + unroll); 0 = default.
-constexpr int kDefaultSchedule = 1811;
+// Measured on the H200 (docs/performance.md, scripts/bench_ffi.py): 811 is the fastest or within 5% on every
+// shape; the persistent + L2-prefetch schedules are 5-35% slower, unroll > 1 costs occupancy (registers).
+constexpr int kDefaultSchedule = 811;
 
 template <class Format, int W, int T, int U, bool P>
 xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const typename Format::Weights& w,

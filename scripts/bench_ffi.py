@@ -33,7 +33,7 @@ from scripts.bench_kernels import (MAX_COPIES, ROTATE_BYTES, make_weight, nbytes
 
 SHAPES = [("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096), ("wo_a", 8192, 4096),
           ("w_18432x7168", 18432, 7168), ("wq_a", 1024, 4096)]
-SCHEDULES = [1811, 1821, 811, 821, 411, 1411, 1421, 1422]
+SCHEDULES = [811, 821, 411, 1811, 1421, 1411]
 PALLAS = {"fp8": gemv.fp8_matmul, "mxfp4": gemv.mxfp4_matmul, "nvfp4": gemv.nvfp4_matmul}
 
 
@@ -90,7 +90,7 @@ def main():
                         if err > 1e-2:
                             raise RuntimeError(f"wrong result: rel. err {err:.3g}")
                         t = time_calls(fn, ws[fmt], x, reps, repeats=3)
-                        kt = profiled_kernel_us(fn, x, ws[fmt]) if sched in (0, 811, 1811, 1821) else None
+                        kt = profiled_kernel_us(fn, x, ws[fmt]) if sched in (0, 811, 1811) else None
                     except Exception as e:  # noqa: BLE001
                         emit(dict(name=name, m=m, fmt=fmt, impl=impl, schedule=sched, error=f"{type(e).__name__}: {e}"[:300]))
                         continue
@@ -104,6 +104,8 @@ def main():
 
 
 def run_experts(args, key, schedules, emit, t0):
+    """6 of 256 experts per token, M tokens: one routed row per (token, expert). The stacked weight is an
+    argument of the timed program (a closure would make it a 1 GB constant that XLA folds for minutes)."""
     n_exp, top_k = 256, 6
     for name, n, k in [("experts_w1", 2048, 4096), ("experts_w2", 4096, 2048)]:
         for fmt in ("mxfp4", "nvfp4"):
@@ -114,8 +116,11 @@ def run_experts(args, key, schedules, emit, t0):
                 rng = np.random.default_rng(m)
                 ids = np.stack([rng.choice(n_exp, top_k, replace=False) for _ in range(m)]).reshape(-1)
                 x = jax.random.normal(jax.random.fold_in(key, 5000 + m), (len(ids), k), jnp.float32).astype(jnp.bfloat16)
-                sets = [jnp.asarray((ids + 7 * j) % n_exp, jnp.int32) for j in range(24)]
-                ref = jax.jit(lambda x, i: moe.moe_matmul(x, w_all, i, jnp.float32))(x, sets[0])
+                # rotate expert sets so no call re-reads another's experts from L2
+                sets = [(w_all, jnp.asarray((ids + 7 * j) % n_exp, jnp.int32)) for j in range(24)]
+                sub = jax.tree_util.tree_map(lambda a: a[sets[0][1]], w_all)
+                ref = jnp.einsum("rk,rnk->rn", x.astype(jnp.float32), sub.dequantize(jnp.float32))
+                del sub
                 touched = len(set(ids.tolist()))
                 per_expert = weight_bytes(jax.tree_util.tree_map(lambda a: a[0], w_all))
                 wb = touched * per_expert + x.size * 2
@@ -126,9 +131,9 @@ def run_experts(args, key, schedules, emit, t0):
                 emit(dict(name=name, m=m, rows=len(ids), n=n, k=k, fmt="bf16", impl="xla_bf16_per_expert_dot",
                           us=base[0], kernel_us=base_k, gbps=touched * n * k * 2 / base[0] / 1e3, experts=touched))
                 del dense
-                for impl, sched, fn in [("pallas_moe", 0, lambda x, i: moe.moe_matmul(x, w_all, i))] + [
-                        ("ffi_moe", s, lambda x, i, s=s: ffi.moe_gemv(x, w_all, i, schedule=s))
-                        for s in schedules[:3]]:
+                cases = [("pallas_moe", 0, lambda x, wi: moe.moe_matmul(x, *wi))] + [
+                    ("ffi_moe", s, lambda x, wi, s=s: ffi.moe_gemv(x, *wi, schedule=s)) for s in schedules[:3]]
+                for impl, sched, fn in cases:
                     try:
                         err = rel_err(jax.jit(fn)(x, sets[0]), ref)
                         t = time_calls(fn, sets, x, 20, repeats=3)

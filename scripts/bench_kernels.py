@@ -220,7 +220,7 @@ def main():
                               kernel_speedup_vs_bf16=base_k / kt if kt and base_k else None,
                               pct_bf16_bw=100 * (wb / t[0]) / (bf16_bytes / base[0]), speedup_vs_bf16=base[0] / t[0],
                               tflops=flops / t[0] / 1e6, floor_us=wb / (bf16_bytes / base[0])))
-                if fmt == "mxfp4" and m <= 8 and not args.smoke:
+                if m <= 8 and not args.smoke:
                     run_ffi_gemv(name, n, k, m, x, ws[fmt], base, base_k, bf16_bytes, emit)
                 if m in (4, 64) or (m == ms[0] and fmt == "mxfp4"):
                     t = time_calls(lambda x, w: linear(x, w), ws[fmt][:2], x, max(2, reps // 4), repeats=3)
@@ -236,25 +236,47 @@ PROFILE = True
 
 
 def run_ffi_gemv(name, n, k, m, x, weights, base, base_k, bf16_bytes, emit):
-    """The FFI CUDA MXFP4 GEMV (ffi/mxfp4_gemv.cu), checked against the reference first; errors are reported."""
+    """The CUDA decode GEMV of ffi/ (default schedule), checked against the reference first; errors are
+    reported."""
+    fmt = {"Fp8BlockWeight": "fp8", "Mxfp4Weight": "mxfp4", "Nvfp4Weight": "nvfp4"}[type(weights[0]).__name__]
     try:
         import ffi
         w0 = weights[0]
-        err = rel_err(jax.jit(ffi.mxfp4_gemv)(x, w0),
+        err = rel_err(jax.jit(lambda x, w: ffi.gemv(x, w, jnp.float32))(x, w0),
                       jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32, kernels="reference"))(x, w0))
         if err > 1e-3:
             raise RuntimeError(f"wrong result: rel. err {err:.3g}")
         reps = max(2, int(2000 / (len(weights) * max(1, n * k // (1 << 24)))))
-        t = time_calls(ffi.mxfp4_gemv, weights, x, reps)
-        kt = profiled_kernel_us(ffi.mxfp4_gemv, x, weights) if PROFILE else None
+        t = time_calls(ffi.gemv, weights, x, reps)
+        kt = profiled_kernel_us(ffi.gemv, x, weights) if PROFILE else None
     except Exception as e:  # noqa: BLE001 - report and go on
-        emit(dict(name=name, shape=[m, n, k], fmt="mxfp4", impl="ffi_cuda", error=f"{type(e).__name__}: {e}"[:400]))
+        emit(dict(name=name, shape=[m, n, k], fmt=fmt, impl="ffi_cuda", error=f"{type(e).__name__}: {e}"[:400]))
         return
     wb = weight_bytes(weights[0]) + m * k * 2
-    emit(dict(name=name, shape=[m, n, k], fmt="mxfp4", impl="ffi_cuda", time_us=t[0], min_us=t[1], max_us=t[2],
+    emit(dict(name=name, shape=[m, n, k], fmt=fmt, impl="ffi_cuda", time_us=t[0], min_us=t[1], max_us=t[2],
               kernel_us=kt, bytes=wb, gbps=wb / t[0] / 1e3, rel_err=err,
               pct_bf16_bw=100 * (wb / t[0]) / (bf16_bytes / base[0]), speedup_vs_bf16=base[0] / t[0],
               kernel_speedup_vs_bf16=base_k / kt if kt and base_k else None))
+def run_ffi_moe(name, n, k, fmt, x, ids, w_all, w_sets, reps, wb, touched, emit):
+    """The routed-expert CUDA GEMV of ffi/ (one slot per row), checked against the reference first."""
+    rows = x.shape[0]
+    try:
+        import ffi
+        sub = jax.tree_util.tree_map(lambda a: a[ids], w_all)
+        err = rel_err(jax.jit(lambda x, wi: ffi.moe_gemv(x, *wi, jnp.float32))(x, w_sets[0]),
+                      jnp.einsum("rk,rnk->rn", x.astype(jnp.float32), sub.dequantize(jnp.float32)))
+        del sub
+        if err > 1e-3:
+            raise RuntimeError(f"wrong result: rel. err {err:.3g}")
+        t = time_calls(lambda x, wi: ffi.moe_gemv(x, *wi), w_sets, x, reps)
+        kt = profiled_kernel_us(lambda x, wi: ffi.moe_gemv(x, *wi), x, w_sets) if PROFILE else None
+    except Exception as e:  # noqa: BLE001 - report and go on
+        emit(dict(name=name, shape=[rows, n, k], fmt=fmt, impl="ffi_moe", error=f"{type(e).__name__}: {e}"[:400]))
+        return
+    emit(dict(name=name, shape=[rows, n, k], fmt=fmt, impl="ffi_moe", time_us=t[0], min_us=t[1], max_us=t[2],
+              kernel_us=kt, bytes=wb, gbps=wb / t[0] / 1e3, rel_err=err, experts=touched))
+
+
 KERNELS = "pallas"          # "interpret" under --smoke
 PREFILL = ["wo_b", "wq_b", "shared_w1", "experts_w1", "wq_a", "wo_a"]     # experts_w1: one MXFP4 expert, dense
 SWEEP = "wo_b"              # the shape on which a few block configurations of the prefill kernel are compared
@@ -403,10 +425,14 @@ def run_experts(args, key, ms, t_start, emit):
                 err = rel_err(jax.jit(lambda x, w, i: moe.moe_matmul(x, w, i, jnp.float32))(x, w_all, ids),
                               jnp.einsum("rk,rnk->rn", x.astype(jnp.float32), sub.dequantize(jnp.float32)))
                 del sub
-                t = time_calls(lambda x, i: moe.moe_matmul(x, w_all, i), id_sets, x, reps) if err < 1e-3 \
+                # the stacked weight is an argument (a closure would make it a constant XLA folds for minutes)
+                w_sets = [(w_all, i) for i in id_sets]
+                t = time_calls(lambda x, wi: moe.moe_matmul(x, *wi), w_sets, x, reps) if err < 1e-3 \
                     else (float("nan"),) * 3
                 emit(dict(name=name, shape=[rows, n, k], fmt=fmt, impl="pallas_moe", time_us=t[0], min_us=t[1],
                           max_us=t[2], bytes=wb, gbps=wb / t[0] / 1e3, rel_err=err, experts=touched))
+                if not args.smoke:
+                    run_ffi_moe(name, n, k, fmt, x, ids, w_all, w_sets, reps, wb, touched, emit)
             del w_all
 
 

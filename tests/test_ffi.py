@@ -72,7 +72,7 @@ def _dequant64(w):
 @pytest.mark.parametrize("n,k,m,dtype,schedule", [
     (2048, 4096, 1, jnp.bfloat16, 0), (1024, 7168, 8, jnp.bfloat16, 0), (4096, 1024, 5, jnp.bfloat16, 821),
     (512, 2048, 3, jnp.float32, 0), (2080, 1536, 4, jnp.bfloat16, 411), (1024, 2048, 8, jnp.bfloat16, 1422),
-    (8192, 1024, 2, jnp.bfloat16, 1421)])
+    (8192, 1024, 2, jnp.bfloat16, 1421), (1024, 4096, 6, jnp.bfloat16, 1811)])
 def test_gemv_gpu(fmt, n, k, m, dtype, schedule):
     if n % (16 * (schedule // 10 % 10 or 1)):
         pytest.skip("N does not fit the schedule's tile")

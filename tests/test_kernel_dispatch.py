@@ -239,6 +239,27 @@ def test_decode_step_lowers_for_cuda_with_the_kernels():
     assert text.count("__gpu$xla.gpu.triton") >= kernel_calls
 
 
+def test_decode_step_lowers_for_cuda_with_the_ffi_kernels(monkeypatch):
+    """kernels="auto" on a CUDA device (simulated here: the step is only lowered, not built or run): every
+    quantized matmul of the decode step is one XLA FFI call of ffi/ in the program."""
+    import ffi
+    monkeypatch.setattr(kernel_dispatch, "on_cuda", lambda: True)
+    monkeypatch.setattr(kernel_dispatch, "ffi_available", lambda: True)
+    monkeypatch.setattr(ffi, "register", lambda *args: None)               # lowering needs no library
+    model = dsv4_jax.load(DEFAULT_MODEL, max_seq_len=256, max_batch=2)
+    state = jax.eval_shape(lambda: init_state(model.config, 2, 256, jnp.bfloat16))
+    tokens = jax.ShapeDtypeStruct((2,), jnp.int32)
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with kernel_dispatch.record_dispatch() as rec:
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+            text = engine.decode_step.trace(model.params, state, tokens, cfg=model.config, opts=model.options,
+                                            max_seq_len=256).lower(lowering_platforms=("cuda",)).as_text()
+    assert {r[3] for r in rec} == {"cuda"} and len(rec) >= 6 * 9
+    assert {r[4] for r in rec} == {"ffi_gemv", "ffi_grouped_gemv", "ffi_moe_gemv"}
+    calls = sum(text.count(f"custom_call @dsv4_{fmt}_gemv") for fmt in ("fp8", "mxfp4", "nvfp4"))
+    assert calls >= len(rec)
+
+
 # ---- on the GPU -----------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
