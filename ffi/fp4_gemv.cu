@@ -86,6 +86,23 @@ struct Mxfp4 {
     for (int j = 0; j < 4; ++j) fp4_word_mma(wa[j], t.f0, wb[j], t.f1, x + 4 * j, c);
   }
 
+  struct Raw { uint4 w0, w1; uint32_t s0, s1, unused[2]; };   // s: the step's 4 scale bytes of a row (1 per lane)
+
+  static __device__ __forceinline__ void copy_async(const Weights& w, int expert, int row, int k0, int n, int k,
+                                                    Raw* dst) {
+    const size_t r0 = static_cast<size_t>(expert) * n + row;
+    const int step_scales = k0 / kStep * 4;
+    cp_async<16>(&dst->w0, w.packed + r0 * (k / 2) + k0 / 2);
+    cp_async<16>(&dst->w1, w.packed + (r0 + 8) * (k / 2) + k0 / 2);
+    cp_async<4>(&dst->s0, w.scale + r0 * (k / 32) + step_scales);
+    cp_async<4>(&dst->s1, w.scale + (r0 + 8) * (k / 32) + step_scales);
+  }
+
+  static __device__ __forceinline__ Tile from_raw(const Raw& r, const Weights&, int, int, int k0, int, int) {
+    const int shift = k0 % kStep / 32 * 8;                 // this lane's byte of the scale word
+    return Tile{r.w0, r.w1, factor(r.s0 >> shift & 0xFFu), factor(r.s1 >> shift & 0xFFu)};
+  }
+
   static __device__ __forceinline__ float epilogue(const Weights&, int) { return 4294967296.0f; }   // 2^32
 
   static __device__ __forceinline__ void prefetch(const Weights& w, int expert, int row, int rows, int n, int k,
@@ -130,6 +147,25 @@ struct Nvfp4 {
 
   static __device__ __forceinline__ float epilogue(const Weights& w, int expert) {
     return static_cast<float>(1 << kNvShift) * w.global[expert];
+  }
+
+  struct Raw { uint4 w0, w1; uint2 s0, s1; };             // s: the step's 8 scale bytes of a row (2 per lane)
+
+  static __device__ __forceinline__ void copy_async(const Weights& w, int expert, int row, int k0, int n, int k,
+                                                    Raw* dst) {
+    const size_t r0 = static_cast<size_t>(expert) * n + row;
+    const int step_scales = k0 / kStep * 8;
+    cp_async<16>(&dst->w0, w.packed + r0 * (k / 2) + k0 / 2);
+    cp_async<16>(&dst->w1, w.packed + (r0 + 8) * (k / 2) + k0 / 2);
+    cp_async<8>(&dst->s0, w.scale + r0 * (k / 16) + step_scales);
+    cp_async<8>(&dst->s1, w.scale + (r0 + 8) * (k / 16) + step_scales);
+  }
+
+  static __device__ __forceinline__ Tile from_raw(const Raw& r, const Weights&, int, int, int k0, int, int) {
+    const int lane_q = k0 % kStep / 32;                    // this lane's 2 bytes of the 8
+    const uint32_t a = lane_q < 2 ? r.s0.x : r.s0.y, b = lane_q < 2 ? r.s1.x : r.s1.y;
+    const int shift = lane_q % 2 * 16;
+    return Tile{r.w0, r.w1, a >> shift & 0xFFFFu, b >> shift & 0xFFFFu};
   }
 
   static __device__ __forceinline__ void prefetch(const Weights& w, int expert, int row, int rows, int n, int k,

@@ -41,10 +41,30 @@ struct Fp8Block {
     Tile t;
     t.a[0] = load16(pa), t.a[1] = load16(pa + 16);
     t.b[0] = load16(pb), t.b[1] = load16(pb + 16);
+    t.factor = block_factor(w, expert, row, k0, n, k);
+    return t;
+  }
+
+  // bf16 pair 2^(s - 7 - kFp8Shift) of the tile's 128 x 128 block scale s
+  static __device__ __forceinline__ uint32_t block_factor(const Weights& w, int expert, int row, int k0, int n, int k) {
     const int row_blocks = (n + 127) / 128;
     const uint32_t s = __ldg(w.scale + (static_cast<size_t>(expert) * row_blocks + row / 128) * (k / 128) + k0 / 128);
-    t.factor = (s + 127u - 7u - kFp8Shift) * 0x00800080u;
-    return t;
+    return (s + 127u - 7u - kFp8Shift) * 0x00800080u;
+  }
+
+  struct Raw { uint4 a[2], b[2]; };                       // the block scale byte is read when the tile is used
+
+  static __device__ __forceinline__ void copy_async(const Weights& w, int expert, int row, int k0, int n, int k,
+                                                    Raw* dst) {
+    const uint8_t* pa = w.weight + (static_cast<size_t>(expert) * n + row) * k + k0;
+    const uint8_t* pb = pa + 8 * static_cast<size_t>(k);
+    cp_async<16>(&dst->a[0], pa), cp_async<16>(&dst->a[1], pa + 16);
+    cp_async<16>(&dst->b[0], pb), cp_async<16>(&dst->b[1], pb + 16);
+  }
+
+  static __device__ __forceinline__ Tile from_raw(const Raw& r, const Weights& w, int expert, int row, int k0, int n,
+                                                  int k) {
+    return Tile{{r.a[0], r.a[1]}, {r.b[0], r.b[1]}, block_factor(w, expert, row, k0, n, k)};
   }
 
   static __device__ __forceinline__ uint32_t pair02(uint32_t w) {

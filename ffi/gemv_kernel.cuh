@@ -26,6 +26,9 @@
 //   static float epilogue(const Weights&, int expert)                              factor applied to each sum
 //   static void prefetch(const Weights&, int expert, int row, int rows, int n, int k, int part, int parts)
 //                                                 L2 prefetch of part `part` / `parts` of rows row .. row + rows
+//   struct Raw                                    the bytes of one Tile as copied (16-byte aligned size)
+//   static void copy_async(const Weights&, int expert, int row, int k0, int n, int k, Raw* dst)
+//   static Tile from_raw(const Raw&, const Weights&, int expert, int row, int k0, int n, int k)
 #pragma once
 
 #include <cstdint>
@@ -67,6 +70,59 @@ __device__ __forceinline__ void prefetch_part(const uint8_t* base, size_t bytes,
   if (begin < bytes) prefetch_l2(base + begin, static_cast<uint32_t>(bytes - begin < chunk ? bytes - begin : chunk));
 }
 
+// cp.async (Ampere+): a global -> shared copy that holds no registers while in flight. 16-byte copies bypass L1.
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" : : "r"(dst), "l"(gmem) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" : : "r"(dst), "l"(gmem), "n"(kBytes) : "memory");
+  }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" : : : "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" : : "n"(kPending) : "memory"); }
+
+// Sums the kWarps partial tiles of a CTA through shared memory and writes rows row_base .. row_base + 16 kTiles
+// of y_slot [m_rows, n], times the format's epilogue factor. Ends with a barrier: `partial` is free again.
+template <class Format, int kWarps, int kTiles>
+__device__ __forceinline__ void store_tiles(float (&partial)[kWarps][16 * kTiles][kMaxRows], const float (&c)[kTiles][4],
+                                            const typename Format::Weights& w, int expert, float* y_slot, int m_rows,
+                                            int n, int row_base) {
+  constexpr int kRows = 16 * kTiles;
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+  // c[t][0], c[t][1]: weight row 16t + g, activation rows 2q, 2q + 1; c[t][2], c[t][3]: row 16t + g + 8.
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+    partial[warp][16 * t + g][2 * q] = c[t][0];
+    partial[warp][16 * t + g][2 * q + 1] = c[t][1];
+    partial[warp][16 * t + g + 8][2 * q] = c[t][2];
+    partial[warp][16 * t + g + 8][2 * q + 1] = c[t][3];
+  }
+  __syncthreads();
+  const float factor = Format::epilogue(w, expert);
+  for (int e = threadIdx.x; e < kRows * kMaxRows; e += kWarps * 32) {
+    const int r = e % kRows, mcol = e / kRows;             // consecutive threads: consecutive outputs
+    if (mcol < m_rows) {
+      float sum = 0.f;
+#pragma unroll
+      for (int v = 0; v < kWarps; ++v) sum += partial[v][r][mcol];
+      y_slot[static_cast<size_t>(mcol) * n + row_base + r] = sum * factor;
+    }
+  }
+  __syncthreads();
+}
+
+// The thread's 32 activations of one step (zeros for lanes whose B column has no activation row).
+__device__ __forceinline__ void load_x(const uint16_t* x_row, bool has_x, int k0, uint32_t (&xs)[16]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint4 v = has_x ? load16(x_row + k0 + 8 * i) : make_uint4(0, 0, 0, 0);
+    xs[4 * i] = v.x, xs[4 * i + 1] = v.y, xs[4 * i + 2] = v.z, xs[4 * i + 3] = v.w;
+  }
+}
+
 // One work item = one (slot, tile of kRows output rows); CTAs loop over items (a grid smaller than the work is a
 // persistent schedule). kPrefetch: each warp bulk-prefetches its share of the next item's weight bytes into L2
 // before computing the current one, so DRAM keeps a deep queue without registers held for loads in flight.
@@ -104,11 +160,7 @@ gemv_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const in
           const int k0 = step * kStep + q * 32;
 #pragma unroll
           for (int t = 0; t < kTiles; ++t) tile[u][t] = Format::load(w, expert, row_base + 16 * t + g, k0, n, k);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const uint4 v = has_x ? load16(x_row + k0 + 8 * i) : make_uint4(0, 0, 0, 0);
-            xs[u][4 * i] = v.x, xs[u][4 * i + 1] = v.y, xs[u][4 * i + 2] = v.z, xs[u][4 * i + 3] = v.w;
-          }
+          load_x(x_row, has_x, k0, xs[u]);
         }
       }
 #pragma unroll
@@ -119,31 +171,57 @@ gemv_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const in
         }
       }
     }
-    // c[t][0], c[t][1]: weight row 16t + g, activation rows 2q, 2q + 1; c[t][2], c[t][3]: row 16t + g + 8.
-#pragma unroll
-    for (int t = 0; t < kTiles; ++t) {
-      partial[warp][16 * t + g][2 * q] = c[t][0];
-      partial[warp][16 * t + g][2 * q + 1] = c[t][1];
-      partial[warp][16 * t + g + 8][2 * q] = c[t][2];
-      partial[warp][16 * t + g + 8][2 * q + 1] = c[t][3];
-    }
-    __syncthreads();
-    const float factor = Format::epilogue(w, expert);
-    float* y_slot = y + static_cast<size_t>(slot) * m_rows * n;
-    for (int e = threadIdx.x; e < kRows * kMaxRows; e += kWarps * 32) {
-      const int r = e % kRows, mcol = e / kRows;           // consecutive threads: consecutive outputs
-      if (mcol < m_rows) {
-        float sum = 0.f;
-#pragma unroll
-        for (int v = 0; v < kWarps; ++v) sum += partial[v][r][mcol];
-        y_slot[static_cast<size_t>(mcol) * n + row_base + r] = sum * factor;
-      }
-    }
-    __syncthreads();                                       // partial is rewritten by the next item
+    store_tiles<Format, kWarps, kTiles>(partial, c, w, expert, y + static_cast<size_t>(slot) * m_rows * n, m_rows, n,
+                                        row_base);
   }
 }
 
-// Schedules (ffi attribute `schedule` = 1000 persistent+prefetch + 100 warps + 10 tiles + unroll); 0 = default.
+// The same GEMV with the weight bytes staged through shared memory: each thread cp.async-copies its own bytes
+// (Format::Raw: the weights and scale words of one step) kStages - 1 steps ahead into a private ring slot, so
+// every warp keeps kStages - 1 steps of weights in flight without holding registers for them. A thread only reads
+// the slots it wrote: cp.async.wait_group orders them, no barrier is needed. One 16-row tile per CTA.
+template <class Format, int kWarps, int kStages>
+__global__ void __launch_bounds__(kWarps * 32)
+gemv_ring_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const int32_t* __restrict__ slot_expert,
+                 float* __restrict__ y, int m_rows, int n, int k) {
+  extern __shared__ __align__(16) uint8_t ring_bytes[];
+  __shared__ float partial[kWarps][16][kMaxRows];
+  using Raw = typename Format::Raw;
+  Raw* ring = reinterpret_cast<Raw*>(ring_bytes) + threadIdx.x;     // stage s: ring[s * kWarps * 32]
+  const int tiles = n / 16, slot = blockIdx.x / tiles, row_base = blockIdx.x % tiles * 16;
+  const int expert = slot_expert[slot];
+  if (expert < 0) return;                                  // unused slot (uniform over the CTA)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int steps = k / kStep, my_steps = warp < steps ? (steps - warp + kWarps - 1) / kWarps : 0;
+  const bool has_x = g < m_rows;
+  const uint16_t* x_row = x + (static_cast<size_t>(slot) * m_rows + (has_x ? g : 0)) * k;
+  const int row = row_base + g;
+  auto k0_of = [&](int j) { return (warp + j * kWarps) * kStep + q * 32; };
+  auto stage = [&](int j) { return ring + (j % kStages) * (kWarps * 32); };
+
+#pragma unroll
+  for (int j = 0; j < kStages - 1; ++j) {                  // prologue: kStages - 1 steps in flight
+    if (j < my_steps) Format::copy_async(w, expert, row, k0_of(j), n, k, stage(j));
+    cp_async_commit();                                   // (empty groups keep the count uniform)
+  }
+  float c[1][4] = {};
+  for (int j = 0; j < my_steps; ++j) {
+    cp_async_wait<kStages - 2>();                        // step j's group has landed
+    uint32_t xs[16];
+    load_x(x_row, has_x, k0_of(j), xs);
+    const typename Format::Tile t = Format::from_raw(*stage(j), w, expert, row, k0_of(j), n, k);
+    const int next = j + kStages - 1;                      // refills the slot step j - 1 used
+    if (next < my_steps) Format::copy_async(w, expert, row, k0_of(next), n, k, stage(next));
+    cp_async_commit();
+    Format::mma(t, xs, c[0]);
+  }
+  cp_async_wait<0>();
+  store_tiles<Format, kWarps, 1>(partial, c, w, expert, y + static_cast<size_t>(slot) * m_rows * n, m_rows, n,
+                                 row_base);
+}
+
+// Schedules (ffi attribute `schedule` = 1000 P + 100 warps + 10 tiles + unroll; P = 0: direct loads, 1: persistent
+// + L2 prefetch, 3..6: cp.async ring of P stages (gemv_ring_kernel, tiles = unroll = 1)); 0 = the default.
 // Measured on the H200 (docs/performance.md, scripts/bench_ffi.py): 811 is the fastest or within 5% on every
 // shape; the persistent + L2-prefetch schedules are 5-35% slower, unroll > 1 costs occupancy (registers).
 constexpr int kDefaultSchedule = 811;
@@ -166,6 +244,20 @@ xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const typenam
     grid = items < resident ? items : resident;
   }
   kernel<<<grid, W * 32, 0, stream>>>(x, w, slot_expert, y, m_rows, n, k, items);
+  return xla::ffi::Error::Success();
+}
+
+template <class Format, int W, int S>
+xla::ffi::Error launch_ring(cudaStream_t stream, const uint16_t* x, const typename Format::Weights& w,
+                            const int32_t* slot_expert, int slots, float* y, int m_rows, int n, int k) {
+  auto kernel = gemv_ring_kernel<Format, W, S>;
+  const int ring_bytes = S * W * 32 * static_cast<int>(sizeof(typename Format::Raw));
+  static bool configured = false;                          // per instantiation, once per process
+  if (!configured) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ring_bytes);
+    configured = true;
+  }
+  kernel<<<slots * (n / 16), W * 32, ring_bytes, stream>>>(x, w, slot_expert, y, m_rows, n, k);
   return xla::ffi::Error::Success();
 }
 
@@ -195,6 +287,15 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
     DSV4_SCHEDULE(1, 4, 2, 1)
     DSV4_SCHEDULE(1, 4, 2, 2)
 #undef DSV4_SCHEDULE
+#define DSV4_RING(S, W)                                                                                   \
+  case S * 1000 + W * 100 + 11:                                                                           \
+    launched = launch_ring<Format, W, S>(stream, x, w, slot_expert, slots, y, m_rows, n, k);              \
+    break;
+    DSV4_RING(3, 8)
+    DSV4_RING(4, 8)
+    DSV4_RING(4, 4)
+    DSV4_RING(6, 4)
+#undef DSV4_RING
     default:
       break;
   }

@@ -72,7 +72,10 @@ def _dequant64(w):
 @pytest.mark.parametrize("n,k,m,dtype,schedule", [
     (2048, 4096, 1, jnp.bfloat16, 0), (1024, 7168, 8, jnp.bfloat16, 0), (4096, 1024, 5, jnp.bfloat16, 821),
     (512, 2048, 3, jnp.float32, 0), (2080, 1536, 4, jnp.bfloat16, 411), (1024, 2048, 8, jnp.bfloat16, 1422),
-    (8192, 1024, 2, jnp.bfloat16, 1421), (1024, 4096, 6, jnp.bfloat16, 1811)])
+    (8192, 1024, 2, jnp.bfloat16, 1421), (1024, 4096, 6, jnp.bfloat16, 1811),
+    # the cp.async ring schedules: steps per warp below, equal to and above the ring depth
+    (1024, 4096, 8, jnp.bfloat16, 4811), (2048, 7168, 3, jnp.bfloat16, 3811), (512, 1024, 1, jnp.bfloat16, 4411),
+    (1024, 2048, 4, jnp.float32, 6411)])
 def test_gemv_gpu(fmt, n, k, m, dtype, schedule):
     if n % (16 * (schedule // 10 % 10 or 1)):
         pytest.skip("N does not fit the schedule's tile")
@@ -92,7 +95,8 @@ def test_gemv_gpu(fmt, n, k, m, dtype, schedule):
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("rows,dtype,schedule", [(6, jnp.bfloat16, 0), (48, jnp.bfloat16, 0), (24, jnp.float32, 0),
-                                                 (40, jnp.bfloat16, 0), (40, jnp.bfloat16, 811), (48, jnp.bfloat16, 1421)])
+                                                 (40, jnp.bfloat16, 0), (40, jnp.bfloat16, 811), (48, jnp.bfloat16, 1421),
+                                                 (48, jnp.bfloat16, 4811)])
 def test_moe_gemv_gpu(fmt, rows, dtype, schedule):
     rng = np.random.default_rng()
     n_exp, n, k = 16, 256, 512
