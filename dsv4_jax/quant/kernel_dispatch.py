@@ -34,9 +34,9 @@ experts always take the MoE kernel, with wider slots for prefill chunks. The cho
 static shapes only, so it never costs a host sync; `record_dispatch()` lists the choices of a trace (tests use
 it to prove the kernels were really taken).
 
-The NVFP4 Pallas kernels assume normal positive e4m3 block scales (the CUDA ones read any finite scale exactly) (what the NVFP4 recipe writes unless a block is
-2^15 below its matrix maximum); `nvfp4_weights_kernels_approximate(params)` lists the weights that break it
-(checkpoint loading warns about them).
+The NVFP4 Pallas kernels assume normal positive e4m3 block scales (what the NVFP4 recipe writes unless a block
+is 2^15 below its matrix maximum; the ffi/ kernels read any finite scale exactly);
+`nvfp4_weights_kernels_approximate(params)` lists the weights that break it (checkpoint loading warns about them).
 """
 
 from __future__ import annotations
