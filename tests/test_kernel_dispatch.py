@@ -309,3 +309,23 @@ def test_default_model_with_kernels_matches_reference_gpu(dtype, act_quant):
             tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             logits, state = auto.decode(tokens, state)
     assert engine.decode_step._cache_size() == compiled
+
+
+def test_activation_quantization_takes_the_quantize_kernels():
+    """act_quant fp8 / nvfp4 on a kernel backend: the Pallas quantize kernels (interpret mode here), whose
+    dequantized operand is bit-identical to the reference quantizer's, so the linear output matches the reference
+    path up to the GEMM's summation order."""
+    from dsv4_jax.quant import activations
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((3, 320)) * np.exp(rng.uniform(-6, 6, (3, 1))), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(kernel_dispatch.fp8_activation(x, "interpret"), np.float32),
+                                  np.asarray(activations.fp8_activation(x), np.float32))
+    values, gsa = kernel_dispatch.nvfp4_activation(x, "interpret")
+    ref_values, ref_gsa = activations.nvfp4_activation(x)
+    np.testing.assert_array_equal(np.asarray(values, np.float32), np.asarray(ref_values, np.float32))
+    np.testing.assert_array_equal(np.asarray(gsa), np.asarray(ref_gsa))
+    assert kernel_dispatch.nvfp4_activation(x, "reference") is None
+    w = _weight(rng, "nvfp4", (128, 320))
+    for mode in ("fp8", "nvfp4"):
+        got = linear(x, w, jnp.float32, act_quant=mode, kernels="interpret")
+        assert _rel(got, linear(x, w, jnp.float32, act_quant=mode, kernels="reference")) < 1e-5

@@ -27,6 +27,10 @@ A kernel applies where one exists for the call; every other call takes the refer
                                                                           about the rows per expert)
     bf16 / fp32 weights, larger batches    XLA dot (reference)            -
 
+Activation quantization (act_quant fp8 / nvfp4) runs the Pallas quantize kernels of pallas_kernels/quantize.py
+on every kernel backend (`quantize_fp8`, `fp8_activation`, `nvfp4_activation` below): bit-identical to the
+reference definition, which XLA:GPU's own run of the jnp reference is not (docs/kernels_quantize.md).
+
 "rows" are the flattened leading dimensions of x: batch x tokens in the chunk, so decode steps (and MTP drafts)
 of up to 16 sequences take the decode kernels, prefill chunks the FP8 tensor-core kernel where activations are
 FP8 and the reference otherwise (W8A16 / W4A16 prefill is XLA's bf16 dot on the dequantized weight); the routed
@@ -115,6 +119,46 @@ def _ffi_fits(rows: int, dtype, n: int, k: int) -> bool:
     return dtype in (jnp.bfloat16, jnp.float32) and rows <= ffi.max_rows(dtype) and n % 16 == 0 and k % 128 == 0
 
 
+def quantize_fp8(x: jax.Array, kernels: str) -> tuple[jax.Array, jax.Array]:
+    """FP8 per-128 activation quantization (e4m3 [..., K], power-of-two float32 scales [..., K/128]): the Pallas
+    quantize kernel on a kernel backend (bit-identical to the reference, pallas_kernels/quantize.py), else the
+    reference (activations.quantize_fp8)."""
+    from . import activations
+
+    backend = kernel_backend(kernels)
+    if backend is None:
+        return activations.quantize_fp8(x)
+    from pallas_kernels.quantize import quantize_fp8_kernel
+    return quantize_fp8_kernel(x, interpret=backend == "interpret")
+
+
+def fp8_activation(x: jax.Array, kernels: str) -> jax.Array:
+    """The FP8-quantized activation as exact x.dtype values (activations.fp8_activation), quantized by the kernel
+    on a kernel backend."""
+    from . import activations
+
+    if kernel_backend(kernels) is None:
+        return activations.fp8_activation(x)
+    q, scale = quantize_fp8(x, kernels)
+    scale = jnp.repeat(scale, activations.FP8_ACT_BLOCK, axis=-1)[..., :x.shape[-1]]
+    return (q.astype(jnp.float32) * scale).astype(x.dtype)
+
+
+def nvfp4_activation(x: jax.Array, kernels: str) -> tuple[jax.Array, jax.Array] | None:
+    """(NVFP4-quantized activation as exact x.dtype values, runtime per-row global scale [..., 1]) from the Pallas
+    quantize kernel on a kernel backend (the same amax / (6 * 448) rule, computed in the kernel); None on the
+    reference path (the caller quantizes with activations.nvfp4_activation)."""
+    from .formats import e4m3_to_float, fp4_codes_to_float, unpack_fp4_codes
+
+    backend = kernel_backend(kernels)
+    if backend is None:
+        return None
+    from pallas_kernels.quantize import quantize_nvfp4_kernel
+    packed, scale, gsa = quantize_nvfp4_kernel(x, interpret=backend == "interpret")
+    scale = jnp.repeat(e4m3_to_float(scale), 16, axis=-1)[..., :x.shape[-1]]
+    return (fp4_codes_to_float(unpack_fp4_codes(packed)) * scale).astype(x.dtype), gsa
+
+
 def nvfp4_weights_kernels_approximate(params) -> list[str]:
     """Paths of the NVFP4 weights in a parameter tree with a block scale the GPU kernels do not read exactly
     (subnormal, zero, negative or NaN e4m3). One device reduction per weight and one host read in all."""
@@ -189,8 +233,6 @@ def prefill_matmul(x2: jax.Array, weight, activation_kind: str, kernels: str):
     quantizer (`activation_kind` == "fp8"), or None: another path applies."""
     from pallas_kernels import prefill
 
-    from .activations import quantize_fp8
-
     backend = kernel_backend(kernels)
     if (backend is None or activation_kind != "fp8" or x2.shape[0] <= MAX_DECODE_ROWS
             or not _is_quantized_matrix(weight, 2) or isinstance(weight, Nvfp4Weight)):
@@ -201,7 +243,7 @@ def prefill_matmul(x2: jax.Array, weight, activation_kind: str, kernels: str):
     _record("linear", weight, backend, "prefill_fp8")
     operand = prefill.fp8_weight_operand if isinstance(weight, Fp8BlockWeight) else prefill.mxfp4_weight_operand
     wq, sw = operand(weight)
-    xq, sx = quantize_fp8(x2)
+    xq, sx = quantize_fp8(x2, kernels)                                    # the FP8 quantize kernel
     return prefill.fp8_block_matmul(xq, sx, wq, sw, jnp.float32, interpret=backend == "interpret")
 
 

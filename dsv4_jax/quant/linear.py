@@ -19,8 +19,9 @@ every operand is exact this equals a tensor-core FP8 / FP4 GEMM with per-block r
 order.
 
 `kernels` ("auto" | "reference" | "pallas" | "interpret") picks between that reference and the GPU kernels of
-pallas_kernels/ for the GEMM itself (kernel_dispatch.py says which calls have a kernel); activation quantization
-is the same jnp code on both paths, so the kernels see the same exact operands.
+ffi/ and pallas_kernels/ (kernel_dispatch.py says which calls have a kernel). Activation quantization takes the
+Pallas quantize kernels on a kernel backend; they are bit-identical to the jnp definition, so both paths see the
+same exact operands.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from . import kernel_dispatch
-from .activations import fp8_activation, nvfp4_activation, nvfp4_global_scale
+from .activations import nvfp4_activation, nvfp4_global_scale
 from .formats import Fp8BlockWeight, check_weight, dequantize_blocks, is_quantized
 
 ACT_QUANT_MODES = ("none", "fp8", "nvfp4")
@@ -54,13 +55,17 @@ def _nvfp4_activation_global_scale(x: jax.Array, weight, row_groups: jax.Array |
     return nvfp4_global_scale(x)
 
 
-def _quantize_input(x: jax.Array, weight, act_quant: str, row_groups=None):
-    """(GEMM operand exact in x.dtype, per-row output factor [..., 1] float32 or None)."""
+def _quantize_input(x: jax.Array, weight, act_quant: str, kernels: str, row_groups=None):
+    """(GEMM operand exact in x.dtype, per-row output factor [..., 1] float32 or None); the quantize kernels on a
+    kernel backend (bit-identical), the jnp reference otherwise."""
     kind = activation_quantizer(weight, act_quant)
     if kind == "none":
         return x, None
     if kind == "fp8":
-        return fp8_activation(x), None
+        return kernel_dispatch.fp8_activation(x, kernels), None
+    quantized = kernel_dispatch.nvfp4_activation(x, kernels)
+    if quantized is not None:
+        return quantized
     return nvfp4_activation(x, _nvfp4_activation_global_scale(x, weight, row_groups))
 
 
@@ -90,7 +95,7 @@ def linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none", ker
                                        kernels)
     if y is not None:
         return y.reshape(*x.shape[:-1], weight.shape[0]).astype(out_dtype or x.dtype)
-    xq, row_scale = _quantize_input(x, weight, act_quant)
+    xq, row_scale = _quantize_input(x, weight, act_quant, kernels)
     y = kernel_dispatch.dense_matmul(xq.reshape(-1, x.shape[-1]), weight, kernels)
     if y is not None:
         y = y.reshape(*x.shape[:-1], weight.shape[0])
@@ -108,7 +113,7 @@ def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array, out_dtype=None,
     _check_in_features(x, weight.shape, "grouped_linear", 3)
     n_groups, m = weight.shape[0], x.shape[0]
     row_groups = jnp.repeat(jnp.arange(n_groups, dtype=jnp.int32), group_sizes, total_repeat_length=m)
-    xq, row_scale = _quantize_input(x, weight, act_quant, row_groups)
+    xq, row_scale = _quantize_input(x, weight, act_quant, kernels, row_groups)
     y = kernel_dispatch.expert_matmul(xq, weight, jnp.clip(row_groups, 0, n_groups - 1), kernels)
     if y is not None:
         real_row = jnp.arange(m) < jnp.sum(group_sizes)
@@ -129,7 +134,7 @@ def group_linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none
     groups, (rows, cols) = x.shape[-2], weight.shape
     if rows % groups:
         raise ValueError(f"group_linear: {rows} weight rows do not split into {groups} groups")
-    xq, row_scale = _quantize_input(x, weight, act_quant)
+    xq, row_scale = _quantize_input(x, weight, act_quant, kernels)
     y = kernel_dispatch.group_matmul(xq.reshape(-1, groups, cols), weight, kernels)
     if y is not None:
         y = y.reshape(*x.shape[:-1], rows // groups)
