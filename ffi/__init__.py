@@ -25,6 +25,12 @@ _TARGETS = {Mxfp4Weight: ("fp4_gemv.cu", "dsv4_mxfp4_gemv", "DSV4Mxfp4Gemv"),
             Fp8BlockWeight: ("fp8_gemv.cu", "dsv4_fp8_gemv", "DSV4Fp8Gemv")}
 
 
+def register_all() -> None:
+    """Build (if needed), load and register every kernel of ffi/ for this GPU; raises FfiBuildError / OSError."""
+    for source, target, symbol in _TARGETS.values():
+        register(source, {target: symbol})
+
+
 def max_rows(dtype) -> int:
     """Activation rows one call takes: 8 bf16 rows, 4 float32 rows (each becomes a bf16 hi and lo row)."""
     return MAX_ROWS // 2 if jnp.dtype(dtype) == jnp.float32 else MAX_ROWS

@@ -98,15 +98,15 @@ def kernel_backend(kernels: str) -> str | None:
 
 @functools.cache
 def ffi_available() -> bool:
-    """Whether the CUDA kernels of ffi/ are built (or build now) for this GPU; warns once and returns False when
-    nvcc is missing or the build fails (the Pallas kernels then take their calls)."""
+    """Whether the CUDA kernels of ffi/ are built and registered (building them now if needed) for this GPU; warns
+    once and returns False when nvcc is missing or the build or the library load fails (the Pallas kernels then
+    take their calls)."""
     import warnings
 
     import ffi
     try:
-        for source in ("fp4_gemv.cu", "fp8_gemv.cu"):
-            ffi.build.build_library(source)
-    except ffi.FfiBuildError as err:
+        ffi.register_all()
+    except (ffi.FfiBuildError, OSError) as err:
         warnings.warn(f"CUDA decode kernels of ffi/ unavailable, using the Pallas kernels: {err}", stacklevel=2)
         return False
     return True
