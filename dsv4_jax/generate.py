@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how activations meet quantized weights: none (W4A16/W8A16), fp8 (official numerics), "
                           "nvfp4 (W4A4) (default: none)")
     src.add_argument("--kernels", choices=("auto", "reference", "pallas", "interpret"), default="auto",
-                     help="quantized matmuls on the GPU kernels (auto: on a CUDA device) or the pure-JAX reference "
+                     help="quantized matmuls on the GPU kernels or the pure-JAX reference: auto = on a CUDA device "
+                          "the CUDA (ffi/) and Pallas kernels, elsewhere the reference; pallas = Pallas kernels only "
                           "(default: auto)")
     src.add_argument("--no-simulate-quant", action="store_true",
                      help="turn off the model's built-in FP8/FP4 fake-quantization of KV and indexer")
