@@ -11,12 +11,13 @@
 // w, w + kWarps, ...; kUnroll steps' loads are issued before any of them is consumed; the kWarps partial tiles
 // are summed through shared memory. kTiles > 1 shares each activation load and B fragment between tiles.
 // Persistent schedules (kPrefetch) run as many CTAs as fit, each looping over tiles and bulk-prefetching the
-// next tile's weight bytes into L2 while it computes the current one. One launch, no atomics (deterministic),
-// no allocation, no host sync: command-buffer compatible.
+// next tile's weight bytes into L2 while it computes the current one. Ring schedules (gemv_ring_kernel) stage
+// each thread's weight bytes through shared memory with cp.async, several steps ahead. One launch, no atomics
+// (deterministic), no allocation, no host sync: command-buffer compatible.
 //
-// Routed experts (MoE decode): a second grid axis over slots; slot s multiplies its M activation rows
-// x[s, 0:M, :] by expert slot_expert[s] of the stacked weight [E, N, K] and writes y[s, 0:M, :]; slots with
-// expert -1 write nothing. A dense matmul is one slot with expert 0.
+// Slots (grouped matmuls, routed experts): the work items are (slot, 16 kTiles-row tile) pairs; slot s
+// multiplies its M activation rows x[s, 0:M, :] by expert slot_expert[s] of the stacked weight [E, N, K] and
+// writes y[s, 0:M, :]; slots with expert -1 write nothing. A dense matmul is one slot with expert 0.
 //
 // A Format provides:
 //   struct Weights                                device pointers of one [E or 1, N, K] weight (+ scales)
