@@ -223,10 +223,10 @@ def test_model_decode_and_generation_loop_run_the_kernels(tiny_checkpoint):
     assert got[2] == ref[2]
 
 
-def test_decode_step_lowers_for_cuda_with_the_kernels():
-    """The default model's jitted decode step with kernels="pallas", lowered for an H200 on this CPU machine:
-    every quantized matmul of the step is a Triton kernel call inside the one program."""
-    model = dsv4_jax.load(DEFAULT_MODEL, kernels="pallas", max_seq_len=256, max_batch=2)
+def _decode_step_lowered_for_h200(kernels: str):
+    """(dispatch records, StableHLO text) of the default model's jitted decode step (batch 2), lowered for an H200
+    on this CPU machine with the given kernels mode."""
+    model = dsv4_jax.load(DEFAULT_MODEL, kernels=kernels, max_seq_len=256, max_batch=2)
     state = jax.eval_shape(lambda: init_state(model.config, 2, 256, jnp.bfloat16))
     tokens = jax.ShapeDtypeStruct((2,), jnp.int32)
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
@@ -234,6 +234,13 @@ def test_decode_step_lowers_for_cuda_with_the_kernels():
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
             text = engine.decode_step.trace(model.params, state, tokens, cfg=model.config, opts=model.options,
                                             max_seq_len=256).lower(lowering_platforms=("cuda",)).as_text()
+    return rec, text
+
+
+def test_decode_step_lowers_for_cuda_with_the_kernels():
+    """The default model's jitted decode step with kernels="pallas", lowered for an H200 on this CPU machine:
+    every quantized matmul of the step is a Triton kernel call inside the one program."""
+    rec, text = _decode_step_lowered_for_h200(kernels="pallas")
     kernel_calls = _paths(rec)["pallas"]
     assert kernel_calls == len(rec) and kernel_calls >= 6 * 9              # 6 layers x 9 quantized matmuls
     assert text.count("__gpu$xla.gpu.triton") >= kernel_calls
@@ -246,14 +253,7 @@ def test_decode_step_lowers_for_cuda_with_the_ffi_kernels(monkeypatch):
     monkeypatch.setattr(kernel_dispatch, "on_cuda", lambda: True)
     monkeypatch.setattr(kernel_dispatch, "ffi_available", lambda: True)
     monkeypatch.setattr(ffi, "register", lambda *args: None)               # lowering needs no library
-    model = dsv4_jax.load(DEFAULT_MODEL, max_seq_len=256, max_batch=2)
-    state = jax.eval_shape(lambda: init_state(model.config, 2, 256, jnp.bfloat16))
-    tokens = jax.ShapeDtypeStruct((2,), jnp.int32)
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    with kernel_dispatch.record_dispatch() as rec:
-        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
-            text = engine.decode_step.trace(model.params, state, tokens, cfg=model.config, opts=model.options,
-                                            max_seq_len=256).lower(lowering_platforms=("cuda",)).as_text()
+    rec, text = _decode_step_lowered_for_h200(kernels="auto")
     assert {r[3] for r in rec} == {"cuda"} and len(rec) >= 6 * 9
     assert {r[4] for r in rec} == {"ffi_gemv", "ffi_grouped_gemv", "ffi_moe_gemv"}
     calls = sum(text.count(f"custom_call @dsv4_{fmt}_gemv") for fmt in ("fp8", "mxfp4", "nvfp4"))
