@@ -257,15 +257,13 @@ def run_ffi_gemv(name, n, k, m, x, weights, base, base_k, bf16_bytes, emit):
               kernel_us=kt, bytes=wb, gbps=wb / t[0] / 1e3, rel_err=err,
               pct_bf16_bw=100 * (wb / t[0]) / (bf16_bytes / base[0]), speedup_vs_bf16=base[0] / t[0],
               kernel_speedup_vs_bf16=base_k / kt if kt and base_k else None))
-def run_ffi_moe(name, n, k, fmt, x, ids, w_all, w_sets, reps, wb, touched, emit):
-    """The routed-expert CUDA GEMV of ffi/ (one slot per row), checked against the reference first."""
+def run_ffi_moe(name, n, k, fmt, x, ref, w_sets, reps, wb, touched, emit):
+    """The routed-expert CUDA GEMV of ffi/ (one slot per row), checked against the reference (`ref`: float32
+    products with w_sets[0]'s experts) first."""
     rows = x.shape[0]
     try:
         import ffi
-        sub = jax.tree_util.tree_map(lambda a: a[ids], w_all)
-        err = rel_err(jax.jit(lambda x, wi: ffi.moe_gemv(x, *wi, jnp.float32))(x, w_sets[0]),
-                      jnp.einsum("rk,rnk->rn", x.astype(jnp.float32), sub.dequantize(jnp.float32)))
-        del sub
+        err = rel_err(jax.jit(lambda x, wi: ffi.moe_gemv(x, *wi, jnp.float32))(x, w_sets[0]), ref)
         if err > 1e-3:
             raise RuntimeError(f"wrong result: rel. err {err:.3g}")
         t = time_calls(lambda x, wi: ffi.moe_gemv(x, *wi), w_sets, x, reps)
@@ -422,9 +420,9 @@ def run_experts(args, key, ms, t_start, emit):
                               gbps=touched * n * k * 2 / t[0] / 1e3))
                     continue
                 sub = jax.tree_util.tree_map(lambda a: a[ids], w_all)
-                err = rel_err(jax.jit(lambda x, w, i: moe.moe_matmul(x, w, i, jnp.float32))(x, w_all, ids),
-                              jnp.einsum("rk,rnk->rn", x.astype(jnp.float32), sub.dequantize(jnp.float32)))
+                ref = jnp.einsum("rk,rnk->rn", x.astype(jnp.float32), sub.dequantize(jnp.float32))
                 del sub
+                err = rel_err(jax.jit(lambda x, w, i: moe.moe_matmul(x, w, i, jnp.float32))(x, w_all, ids), ref)
                 # the stacked weight is an argument (a closure would make it a constant XLA folds for minutes)
                 w_sets = [(w_all, i) for i in id_sets]
                 t = time_calls(lambda x, wi: moe.moe_matmul(x, *wi), w_sets, x, reps) if err < 1e-3 \
@@ -432,7 +430,7 @@ def run_experts(args, key, ms, t_start, emit):
                 emit(dict(name=name, shape=[rows, n, k], fmt=fmt, impl="pallas_moe", time_us=t[0], min_us=t[1],
                           max_us=t[2], bytes=wb, gbps=wb / t[0] / 1e3, rel_err=err, experts=touched))
                 if not args.smoke:
-                    run_ffi_moe(name, n, k, fmt, x, ids, w_all, w_sets, reps, wb, touched, emit)
+                    run_ffi_moe(name, n, k, fmt, x, ref, w_sets, reps, wb, touched, emit)
             del w_all
 
 
