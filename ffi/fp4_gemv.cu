@@ -63,20 +63,55 @@ struct Fp4Tile {
   uint32_t f0, f1;     // MXFP4: bf16x2 factor per row; NVFP4: the two 16-blocks' e4m3 bytes (byte 0 | byte 1 << 8)
 };
 
+// Where both FP4 formats keep their bytes: e2m1 pairs [E, N, K/2] and one scale byte per kBlock inputs
+// [E, N, K/kBlock] (MXFP4: 32, NVFP4: 16). Row r0 below is the flat row expert * N + row.
+template <int kBlock>
+struct Fp4Layout {
+  static constexpr int kStepScaleBytes = kStep / kBlock;     // a row's scale bytes for one 128-input step
+
+  static __device__ __forceinline__ size_t flat_row(int expert, int row, int n) {
+    return static_cast<size_t>(expert) * n + row;
+  }
+  static __device__ __forceinline__ const uint8_t* pairs(const uint8_t* packed, size_t r0, int k0, int k) {
+    return packed + r0 * (k / 2) + k0 / 2;
+  }
+  static __device__ __forceinline__ const uint8_t* scales(const uint8_t* scale, size_t r0, int k0, int k) {
+    return scale + r0 * (k / kBlock) + k0 / kBlock;
+  }
+
+  // Rows r0 and r0 + 8: the thread's 16 bytes of pairs each, and the whole step's scale bytes of each row.
+  template <class Raw>
+  static __device__ __forceinline__ void copy_async(const uint8_t* packed, const uint8_t* scale, size_t r0, int k0,
+                                                    int k, Raw* dst) {
+    const int step0 = k0 - k0 % kStep;
+    cp_async<16>(&dst->w0, pairs(packed, r0, k0, k));
+    cp_async<16>(&dst->w1, pairs(packed, r0 + 8, k0, k));
+    cp_async<kStepScaleBytes>(&dst->s0, scales(scale, r0, step0, k));
+    cp_async<kStepScaleBytes>(&dst->s1, scales(scale, r0 + 8, step0, k));
+  }
+
+  static __device__ __forceinline__ void prefetch(const uint8_t* packed, const uint8_t* scale, size_t r0, int rows,
+                                                  int k, int part, int parts) {
+    prefetch_part(pairs(packed, r0, 0, k), static_cast<size_t>(rows) * (k / 2), part, parts);
+    prefetch_part(scales(scale, r0, 0, k), static_cast<size_t>(rows) * (k / kBlock), part, parts);
+  }
+};
+
 struct Mxfp4 {
   struct Weights { const uint8_t* packed; const uint8_t* scale; };
+  using Layout = Fp4Layout<32>;
   using Tile = Fp4Tile;
 
   // E8M0 byte s -> bf16 2^(s - 1 - kMxShift) in both halves (times the decode's 2^-126: 2^(s - 127 - 32)).
   static __device__ __forceinline__ uint32_t factor(uint32_t s) { return (s + 126u - kMxShift) * 0x00800080u; }
 
   static __device__ __forceinline__ Tile load(const Weights& w, int expert, int row, int k0, int n, int k) {
-    const size_t r0 = static_cast<size_t>(expert) * n + row;
+    const size_t r0 = Layout::flat_row(expert, row, n);
     Tile t;
-    t.w0 = load16(w.packed + r0 * (k / 2) + k0 / 2);
-    t.w1 = load16(w.packed + (r0 + 8) * (k / 2) + k0 / 2);
-    t.f0 = factor(__ldg(w.scale + r0 * (k / 32) + k0 / 32));
-    t.f1 = factor(__ldg(w.scale + (r0 + 8) * (k / 32) + k0 / 32));
+    t.w0 = load16(Layout::pairs(w.packed, r0, k0, k));
+    t.w1 = load16(Layout::pairs(w.packed, r0 + 8, k0, k));
+    t.f0 = factor(__ldg(Layout::scales(w.scale, r0, k0, k)));
+    t.f1 = factor(__ldg(Layout::scales(w.scale, r0 + 8, k0, k)));
     return t;
   }
 
@@ -90,12 +125,7 @@ struct Mxfp4 {
 
   static __device__ __forceinline__ void copy_async(const Weights& w, int expert, int row, int k0, int n, int k,
                                                     Raw* dst) {
-    const size_t r0 = static_cast<size_t>(expert) * n + row;
-    const int step_scales = k0 / kStep * 4;
-    cp_async<16>(&dst->w0, w.packed + r0 * (k / 2) + k0 / 2);
-    cp_async<16>(&dst->w1, w.packed + (r0 + 8) * (k / 2) + k0 / 2);
-    cp_async<4>(&dst->s0, w.scale + r0 * (k / 32) + step_scales);
-    cp_async<4>(&dst->s1, w.scale + (r0 + 8) * (k / 32) + step_scales);
+    Layout::copy_async(w.packed, w.scale, Layout::flat_row(expert, row, n), k0, k, dst);
   }
 
   static __device__ __forceinline__ Tile from_raw(const Raw& r, const Weights&, int, int, int k0, int, int) {
@@ -107,14 +137,13 @@ struct Mxfp4 {
 
   static __device__ __forceinline__ void prefetch(const Weights& w, int expert, int row, int rows, int n, int k,
                                                   int part, int parts) {
-    const size_t r0 = static_cast<size_t>(expert) * n + row;
-    prefetch_part(w.packed + r0 * (k / 2), static_cast<size_t>(rows) * (k / 2), part, parts);
-    prefetch_part(w.scale + r0 * (k / 32), static_cast<size_t>(rows) * (k / 32), part, parts);
+    Layout::prefetch(w.packed, w.scale, Layout::flat_row(expert, row, n), rows, k, part, parts);
   }
 };
 
 struct Nvfp4 {
   struct Weights { const uint8_t* packed; const uint8_t* scale; const float* global; };
+  using Layout = Fp4Layout<16>;
   using Tile = Fp4Tile;
 
   // Two e4m3 bytes (b0 | b1 << 8) -> bf16 pairs (b0 * 2^118, b0 * 2^118) and (b1 * 2^118, b1 * 2^118), exact.
@@ -127,12 +156,12 @@ struct Nvfp4 {
   }
 
   static __device__ __forceinline__ Tile load(const Weights& w, int expert, int row, int k0, int n, int k) {
-    const size_t r0 = static_cast<size_t>(expert) * n + row;
+    const size_t r0 = Layout::flat_row(expert, row, n);
     Tile t;
-    t.w0 = load16(w.packed + r0 * (k / 2) + k0 / 2);
-    t.w1 = load16(w.packed + (r0 + 8) * (k / 2) + k0 / 2);
-    t.f0 = __ldg(reinterpret_cast<const uint16_t*>(w.scale + r0 * (k / 16) + k0 / 16));
-    t.f1 = __ldg(reinterpret_cast<const uint16_t*>(w.scale + (r0 + 8) * (k / 16) + k0 / 16));
+    t.w0 = load16(Layout::pairs(w.packed, r0, k0, k));
+    t.w1 = load16(Layout::pairs(w.packed, r0 + 8, k0, k));
+    t.f0 = __ldg(reinterpret_cast<const uint16_t*>(Layout::scales(w.scale, r0, k0, k)));
+    t.f1 = __ldg(reinterpret_cast<const uint16_t*>(Layout::scales(w.scale, r0 + 8, k0, k)));
     return t;
   }
 
@@ -153,12 +182,7 @@ struct Nvfp4 {
 
   static __device__ __forceinline__ void copy_async(const Weights& w, int expert, int row, int k0, int n, int k,
                                                     Raw* dst) {
-    const size_t r0 = static_cast<size_t>(expert) * n + row;
-    const int step_scales = k0 / kStep * 8;
-    cp_async<16>(&dst->w0, w.packed + r0 * (k / 2) + k0 / 2);
-    cp_async<16>(&dst->w1, w.packed + (r0 + 8) * (k / 2) + k0 / 2);
-    cp_async<8>(&dst->s0, w.scale + r0 * (k / 16) + step_scales);
-    cp_async<8>(&dst->s1, w.scale + (r0 + 8) * (k / 16) + step_scales);
+    Layout::copy_async(w.packed, w.scale, Layout::flat_row(expert, row, n), k0, k, dst);
   }
 
   static __device__ __forceinline__ Tile from_raw(const Raw& r, const Weights&, int, int, int k0, int, int) {
@@ -170,9 +194,7 @@ struct Nvfp4 {
 
   static __device__ __forceinline__ void prefetch(const Weights& w, int expert, int row, int rows, int n, int k,
                                                   int part, int parts) {
-    const size_t r0 = static_cast<size_t>(expert) * n + row;
-    prefetch_part(w.packed + r0 * (k / 2), static_cast<size_t>(rows) * (k / 2), part, parts);
-    prefetch_part(w.scale + r0 * (k / 16), static_cast<size_t>(rows) * (k / 16), part, parts);
+    Layout::prefetch(w.packed, w.scale, Layout::flat_row(expert, row, n), rows, k, part, parts);
   }
 };
 
