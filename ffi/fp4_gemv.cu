@@ -67,8 +67,6 @@ struct Fp4Tile {
 // [E, N, K/kBlock] (MXFP4: 32, NVFP4: 16). Row r0 below is the flat row expert * N + row.
 template <int kBlock>
 struct Fp4Layout {
-  static constexpr int kStepScaleBytes = kStep / kBlock;     // a row's scale bytes for one 128-input step
-
   static __device__ __forceinline__ size_t flat_row(int expert, int row, int n) {
     return static_cast<size_t>(expert) * n + row;
   }
@@ -77,17 +75,6 @@ struct Fp4Layout {
   }
   static __device__ __forceinline__ const uint8_t* scales(const uint8_t* scale, size_t r0, int k0, int k) {
     return scale + r0 * (k / kBlock) + k0 / kBlock;
-  }
-
-  // Rows r0 and r0 + 8: the thread's 16 bytes of pairs each, and the whole step's scale bytes of each row.
-  template <class Raw>
-  static __device__ __forceinline__ void copy_async(const uint8_t* packed, const uint8_t* scale, size_t r0, int k0,
-                                                    int k, Raw* dst) {
-    const int step0 = k0 - k0 % kStep;
-    cp_async<16>(&dst->w0, pairs(packed, r0, k0, k));
-    cp_async<16>(&dst->w1, pairs(packed, r0 + 8, k0, k));
-    cp_async<kStepScaleBytes>(&dst->s0, scales(scale, r0, step0, k));
-    cp_async<kStepScaleBytes>(&dst->s1, scales(scale, r0 + 8, step0, k));
   }
 
   static __device__ __forceinline__ void prefetch(const uint8_t* packed, const uint8_t* scale, size_t r0, int rows,
@@ -105,11 +92,12 @@ struct Mxfp4 {
   // E8M0 byte s -> bf16 2^(s - 1 - kMxShift) in both halves (times the decode's 2^-126: 2^(s - 127 - 32)).
   static __device__ __forceinline__ uint32_t factor(uint32_t s) { return (s + 126u - kMxShift) * 0x00800080u; }
 
+  template <bool kStream>
   static __device__ __forceinline__ Tile load(const Weights& w, int expert, int row, int k0, int n, int k) {
     const size_t r0 = Layout::flat_row(expert, row, n);
     Tile t;
-    t.w0 = load16(Layout::pairs(w.packed, r0, k0, k));
-    t.w1 = load16(Layout::pairs(w.packed, r0 + 8, k0, k));
+    t.w0 = load_weight16<kStream>(Layout::pairs(w.packed, r0, k0, k));
+    t.w1 = load_weight16<kStream>(Layout::pairs(w.packed, r0 + 8, k0, k));
     t.f0 = factor(__ldg(Layout::scales(w.scale, r0, k0, k)));
     t.f1 = factor(__ldg(Layout::scales(w.scale, r0 + 8, k0, k)));
     return t;
@@ -119,18 +107,6 @@ struct Mxfp4 {
     const uint32_t wa[4] = {t.w0.x, t.w0.y, t.w0.z, t.w0.w}, wb[4] = {t.w1.x, t.w1.y, t.w1.z, t.w1.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) fp4_word_mma(wa[j], t.f0, wb[j], t.f1, x + 4 * j, c);
-  }
-
-  struct Raw { uint4 w0, w1; uint32_t s0, s1, unused[2]; };   // s: the step's 4 scale bytes of a row (1 per lane)
-
-  static __device__ __forceinline__ void copy_async(const Weights& w, int expert, int row, int k0, int n, int k,
-                                                    Raw* dst) {
-    Layout::copy_async(w.packed, w.scale, Layout::flat_row(expert, row, n), k0, k, dst);
-  }
-
-  static __device__ __forceinline__ Tile from_raw(const Raw& r, const Weights&, int, int, int k0, int, int) {
-    const int shift = k0 % kStep / 32 * 8;                 // this lane's byte of the scale word
-    return Tile{r.w0, r.w1, factor(r.s0 >> shift & 0xFFu), factor(r.s1 >> shift & 0xFFu)};
   }
 
   static __device__ __forceinline__ float epilogue(const Weights&, int) { return 4294967296.0f; }   // 2^32
@@ -155,11 +131,12 @@ struct Nvfp4 {
     f_hi = __byte_perm(pair, 0, 0x3232);
   }
 
+  template <bool kStream>
   static __device__ __forceinline__ Tile load(const Weights& w, int expert, int row, int k0, int n, int k) {
     const size_t r0 = Layout::flat_row(expert, row, n);
     Tile t;
-    t.w0 = load16(Layout::pairs(w.packed, r0, k0, k));
-    t.w1 = load16(Layout::pairs(w.packed, r0 + 8, k0, k));
+    t.w0 = load_weight16<kStream>(Layout::pairs(w.packed, r0, k0, k));
+    t.w1 = load_weight16<kStream>(Layout::pairs(w.packed, r0 + 8, k0, k));
     t.f0 = __ldg(reinterpret_cast<const uint16_t*>(Layout::scales(w.scale, r0, k0, k)));
     t.f1 = __ldg(reinterpret_cast<const uint16_t*>(Layout::scales(w.scale, r0 + 8, k0, k)));
     return t;
@@ -176,20 +153,6 @@ struct Nvfp4 {
 
   static __device__ __forceinline__ float epilogue(const Weights& w, int expert) {
     return static_cast<float>(1 << kNvShift) * w.global[expert];
-  }
-
-  struct Raw { uint4 w0, w1; uint2 s0, s1; };             // s: the step's 8 scale bytes of a row (2 per lane)
-
-  static __device__ __forceinline__ void copy_async(const Weights& w, int expert, int row, int k0, int n, int k,
-                                                    Raw* dst) {
-    Layout::copy_async(w.packed, w.scale, Layout::flat_row(expert, row, n), k0, k, dst);
-  }
-
-  static __device__ __forceinline__ Tile from_raw(const Raw& r, const Weights&, int, int, int k0, int, int) {
-    const int lane_q = k0 % kStep / 32;                    // this lane's 2 bytes of the 8
-    const uint32_t a = lane_q < 2 ? r.s0.x : r.s0.y, b = lane_q < 2 ? r.s1.x : r.s1.y;
-    const int shift = lane_q % 2 * 16;
-    return Tile{r.w0, r.w1, a >> shift & 0xFFFFu, b >> shift & 0xFFFFu};
   }
 
   static __device__ __forceinline__ void prefetch(const Weights& w, int expert, int row, int rows, int n, int k,

@@ -34,13 +34,14 @@ struct Fp8Block {
     uint32_t factor;   // bf16x2 block factor (same for both rows)
   };
 
+  template <bool kStream>
   static __device__ __forceinline__ Tile load(const Weights& w, int expert, int row, int k0, int n, int k) {
     const size_t r0 = static_cast<size_t>(expert) * n + row;
     const uint8_t* pa = w.weight + r0 * k + k0;
     const uint8_t* pb = pa + 8 * static_cast<size_t>(k);
     Tile t;
-    t.a[0] = load16(pa), t.a[1] = load16(pa + 16);
-    t.b[0] = load16(pb), t.b[1] = load16(pb + 16);
+    t.a[0] = load_weight16<kStream>(pa), t.a[1] = load_weight16<kStream>(pa + 16);
+    t.b[0] = load_weight16<kStream>(pb), t.b[1] = load_weight16<kStream>(pb + 16);
     t.factor = block_factor(w, expert, row, k0, n, k);
     return t;
   }
@@ -50,21 +51,6 @@ struct Fp8Block {
     const int row_blocks = (n + 127) / 128;
     const uint32_t s = __ldg(w.scale + (static_cast<size_t>(expert) * row_blocks + row / 128) * (k / 128) + k0 / 128);
     return (s + 127u - 7u - kFp8Shift) * 0x00800080u;
-  }
-
-  struct Raw { uint4 a[2], b[2]; };                       // the block scale byte is read when the tile is used
-
-  static __device__ __forceinline__ void copy_async(const Weights& w, int expert, int row, int k0, int n, int k,
-                                                    Raw* dst) {
-    const uint8_t* pa = w.weight + (static_cast<size_t>(expert) * n + row) * k + k0;
-    const uint8_t* pb = pa + 8 * static_cast<size_t>(k);
-    cp_async<16>(&dst->a[0], pa), cp_async<16>(&dst->a[1], pa + 16);
-    cp_async<16>(&dst->b[0], pb), cp_async<16>(&dst->b[1], pb + 16);
-  }
-
-  static __device__ __forceinline__ Tile from_raw(const Raw& r, const Weights& w, int expert, int row, int k0, int n,
-                                                  int k) {
-    return Tile{{r.a[0], r.a[1]}, {r.b[0], r.b[1]}, block_factor(w, expert, row, k0, n, k)};
   }
 
   static __device__ __forceinline__ uint32_t pair02(uint32_t w) {

@@ -10,10 +10,10 @@
 // Schedule: a CTA of kWarps warps computes kTiles x 16 output rows at a time; warp w takes the 128-input steps
 // w, w + kWarps, ...; kUnroll steps' loads are issued before any of them is consumed; the kWarps partial tiles
 // are summed through shared memory. kTiles > 1 shares each activation load and B fragment between tiles.
-// Persistent schedules (kPrefetch) run as many CTAs as fit, each looping over tiles and bulk-prefetching the
-// next tile's weight bytes into L2 while it computes the current one. Ring schedules (gemv_ring_kernel) stage
-// each thread's weight bytes through shared memory with cp.async, several steps ahead. One launch, no atomics
-// (deterministic), no allocation, no host sync: command-buffer compatible.
+// Persistent schedules run as many CTAs as fit, each looping over tiles and bulk-prefetching the next tile's
+// weight bytes into L2 while it computes the current one; streamed schedules give each warp a contiguous run of
+// steps and load with an L2::256B hint (enum Mode). One launch, no atomics (deterministic), no allocation, no host
+// sync: command-buffer compatible.
 //
 // Slots (grouped matmuls, routed experts): the work items are (slot, 16 kTiles-row tile) pairs; slot s
 // multiplies its M activation rows x[s, 0:M, :] by expert slot_expert[s] of the stacked weight [E, N, K] and
@@ -22,14 +22,12 @@
 // A Format provides:
 //   struct Weights                                device pointers of one [E or 1, N, K] weight (+ scales)
 //   struct Tile                                   registers of one step of one 16-row tile for one thread
-//   static Tile load(const Weights&, int expert, int row, int k0, int n, int k)   rows `row` and `row + 8`
+//   template <bool kStream>                       rows `row` and `row + 8`, weight bytes through load_weight16
+//   static Tile load(const Weights&, int expert, int row, int k0, int n, int k)
 //   static void mma(const Tile&, const uint32_t (&x)[16], float (&c)[4])          x: the thread's 32 inputs
 //   static float epilogue(const Weights&, int expert)                              factor applied to each sum
 //   static void prefetch(const Weights&, int expert, int row, int rows, int n, int k, int part, int parts)
 //                                                 L2 prefetch of part `part` / `parts` of rows row .. row + rows
-//   struct Raw                                    the bytes of one Tile as copied (16-byte aligned size)
-//   static void copy_async(const Weights&, int expert, int row, int k0, int n, int k, Raw* dst)
-//   static Tile from_raw(const Raw&, const Weights&, int expert, int row, int k0, int n, int k)
 #pragma once
 
 #include <cstdint>
@@ -60,6 +58,23 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 
 __device__ __forceinline__ uint4 load16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
+// A weight load of the streamed schedules: read once, so not kept in L1 (where the activations are re-read by the
+// other tiles' CTAs), and the whole 256-byte L2 sector group around it fetched from DRAM at once: a warp that walks
+// its own contiguous run of a row finds its next steps already in L2, which puts more bytes in flight than the
+// registers of the loads themselves could hold.
+template <bool kStream>
+__device__ __forceinline__ uint4 load_weight16(const void* p) {
+  if constexpr (kStream) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+  } else {
+    return load16(p);
+  }
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" : : "l"(p), "r"(bytes) : "memory");
 }
@@ -70,20 +85,6 @@ __device__ __forceinline__ void prefetch_part(const uint8_t* base, size_t bytes,
   const size_t begin = chunk * part;
   if (begin < bytes) prefetch_l2(base + begin, static_cast<uint32_t>(bytes - begin < chunk ? bytes - begin : chunk));
 }
-
-// cp.async (Ampere+): a global -> shared copy that holds no registers while in flight. 16-byte copies bypass L1.
-template <int kBytes>
-__device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  if constexpr (kBytes == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" : : "r"(dst), "l"(gmem) : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" : : "r"(dst), "l"(gmem), "n"(kBytes) : "memory");
-  }
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" : : : "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" : : "n"(kPending) : "memory"); }
 
 // Sums the kWarps partial tiles of a CTA through shared memory and writes rows row_base .. row_base + 16 kTiles
 // of y_slot [m_rows, n], times the format's epilogue factor. Ends with a barrier: `partial` is free again.
@@ -124,19 +125,37 @@ __device__ __forceinline__ void load_x(const uint16_t* x_row, bool has_x, int k0
   }
 }
 
+// How a CTA walks its work (the P digit of a schedule).
+enum Mode : int {
+  kDirect = 0,       // one item per CTA; warp w takes the steps w, w + kWarps, ... (the CTA reads a row's bytes
+                     // in one sweep of kWarps x 64 contiguous bytes)
+  kPersistent = 1,   // CTAs loop over items and bulk-prefetch the next item's weight bytes into L2
+  kStreamed = 2,     // one item per CTA; warp w takes its own contiguous run of steps, weight loads carry the
+                     // L2::256B hint (load_weight16) so each warp's next steps are on their way to L2
+  kPipelined = 3,    // as kDirect, but each warp loads the weights of its next step before it computes the
+                     // current one (one step of weights in registers while waiting: the DRAM latency is hidden
+                     // behind the previous step's math instead of the other warps' alone)
+};
+
 // One work item = one (slot, tile of kRows output rows); CTAs loop over items (a grid smaller than the work is a
-// persistent schedule). kPrefetch: each warp bulk-prefetches its share of the next item's weight bytes into L2
+// persistent schedule). kPersistent: each warp bulk-prefetches its share of the next item's weight bytes into L2
 // before computing the current one, so DRAM keeps a deep queue without registers held for loads in flight.
-template <class Format, int kWarps, int kTiles, int kUnroll, bool kPrefetch>
-__global__ void __launch_bounds__(kWarps * 32)
+// kMinBlocks > 1 caps the registers so that many CTAs fit on an SM (more loads in flight; may spill).
+template <class Format, int kWarps, int kTiles, int kUnroll, int kMode, int kMinBlocks>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 gemv_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const int32_t* __restrict__ slot_expert,
             float* __restrict__ y, int m_rows, int n, int k, int items) {
   constexpr int kRows = 16 * kTiles;
+  constexpr bool kPrefetch = kMode == kPersistent, kStream = kMode == kStreamed;
   __shared__ float partial[kWarps][kRows][kMaxRows];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;                    // fragment row group, quad lane
   const int tiles = n / kRows, steps = k / kStep;
   const bool has_x = g < m_rows;                           // B column g is activation row g
+  // this warp's steps: first, first + stride, ... < last
+  const int per_warp = (steps + kWarps - 1) / kWarps;
+  const int first = kStream ? warp * per_warp : warp, stride = kStream ? 1 : kWarps;
+  const int last = kStream ? min(steps, first + per_warp) : steps;
   if (kPrefetch && lane == 0 && slot_expert[blockIdx.x / tiles] >= 0) {
     Format::prefetch(w, slot_expert[blockIdx.x / tiles], blockIdx.x % tiles * kRows, kRows, n, k, warp, kWarps);
   }
@@ -151,89 +170,74 @@ gemv_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const in
     const uint16_t* x_row = x + (static_cast<size_t>(slot) * m_rows + (has_x ? g : 0)) * k;
 
     float c[kTiles][4] = {};
-    for (int base = warp; base < steps; base += kWarps * kUnroll) {
+    if constexpr (kMode == kPipelined) {
+      static_assert(kUnroll == 1, "pipelined schedules prefetch one step instead of unrolling");
+      // two tiles in turn (no register copies): load step s + 1 into one while computing step s from the other
+      typename Format::Tile even[kTiles], odd[kTiles];
+      auto load_step = [&](typename Format::Tile (&tile)[kTiles], int step) {
+#pragma unroll
+        for (int t = 0; t < kTiles; ++t) {
+          tile[t] = Format::template load<false>(w, expert, row_base + 16 * t + g, step * kStep + q * 32, n, k);
+        }
+      };
+      auto compute_step = [&](const typename Format::Tile (&tile)[kTiles], int step) {
+        uint32_t xs[16];
+        load_x(x_row, has_x, step * kStep + q * 32, xs);
+#pragma unroll
+        for (int t = 0; t < kTiles; ++t) Format::mma(tile[t], xs, c[t]);
+      };
+      if (first < last) load_step(even, first);
+      for (int step = first; step < last; step += 2 * stride) {
+        if (step + stride < last) load_step(odd, step + stride);
+        compute_step(even, step);
+        if (step + stride >= last) break;
+        if (step + 2 * stride < last) load_step(even, step + 2 * stride);
+        compute_step(odd, step + stride);
+      }
+    } else {
+    for (int base = first; base < last; base += stride * kUnroll) {
       typename Format::Tile tile[kUnroll][kTiles];
       uint32_t xs[kUnroll][16];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int step = base + u * kWarps;
-        if (step < steps) {
+        const int step = base + u * stride;
+        if (step < last) {
           const int k0 = step * kStep + q * 32;
 #pragma unroll
-          for (int t = 0; t < kTiles; ++t) tile[u][t] = Format::load(w, expert, row_base + 16 * t + g, k0, n, k);
+          for (int t = 0; t < kTiles; ++t) {
+            tile[u][t] = Format::template load<kStream>(w, expert, row_base + 16 * t + g, k0, n, k);
+          }
           load_x(x_row, has_x, k0, xs[u]);
         }
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * kWarps < steps) {
+        if (base + u * stride < last) {
 #pragma unroll
           for (int t = 0; t < kTiles; ++t) Format::mma(tile[u][t], xs[u], c[t]);
         }
       }
+    }
     }
     store_tiles<Format, kWarps, kTiles>(partial, c, w, expert, y + static_cast<size_t>(slot) * m_rows * n, m_rows, n,
                                         row_base);
   }
 }
 
-// The same GEMV with the weight bytes staged through shared memory: each thread cp.async-copies its own bytes
-// (Format::Raw: the weights and scale words of one step) kStages - 1 steps ahead into a private ring slot, so
-// every warp keeps kStages - 1 steps of weights in flight without holding registers for them. A thread only reads
-// the slots it wrote: cp.async.wait_group orders them, no barrier is needed. One 16-row tile per CTA.
-template <class Format, int kWarps, int kStages>
-__global__ void __launch_bounds__(kWarps * 32)
-gemv_ring_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const int32_t* __restrict__ slot_expert,
-                 float* __restrict__ y, int m_rows, int n, int k) {
-  extern __shared__ __align__(16) uint8_t ring_bytes[];
-  __shared__ float partial[kWarps][16][kMaxRows];
-  using Raw = typename Format::Raw;
-  Raw* ring = reinterpret_cast<Raw*>(ring_bytes) + threadIdx.x;     // stage s: ring[s * kWarps * 32]
-  const int tiles = n / 16, slot = blockIdx.x / tiles, row_base = blockIdx.x % tiles * 16;
-  const int expert = slot_expert[slot];
-  if (expert < 0) return;                                  // unused slot (uniform over the CTA)
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int steps = k / kStep, my_steps = warp < steps ? (steps - warp + kWarps - 1) / kWarps : 0;
-  const bool has_x = g < m_rows;
-  const uint16_t* x_row = x + (static_cast<size_t>(slot) * m_rows + (has_x ? g : 0)) * k;
-  const int row = row_base + g;
-  auto k0_of = [&](int j) { return (warp + j * kWarps) * kStep + q * 32; };
-  auto stage = [&](int j) { return ring + (j % kStages) * (kWarps * 32); };
-
-#pragma unroll
-  for (int j = 0; j < kStages - 1; ++j) {                  // prologue: kStages - 1 steps in flight
-    if (j < my_steps) Format::copy_async(w, expert, row, k0_of(j), n, k, stage(j));
-    cp_async_commit();                                   // (empty groups keep the count uniform)
-  }
-  float c[1][4] = {};
-  for (int j = 0; j < my_steps; ++j) {
-    cp_async_wait<kStages - 2>();                        // step j's group has landed
-    uint32_t xs[16];
-    load_x(x_row, has_x, k0_of(j), xs);
-    const typename Format::Tile t = Format::from_raw(*stage(j), w, expert, row, k0_of(j), n, k);
-    const int next = j + kStages - 1;                      // refills the slot step j - 1 used
-    if (next < my_steps) Format::copy_async(w, expert, row, k0_of(next), n, k, stage(next));
-    cp_async_commit();
-    Format::mma(t, xs, c[0]);
-  }
-  cp_async_wait<0>();
-  store_tiles<Format, kWarps, 1>(partial, c, w, expert, y + static_cast<size_t>(slot) * m_rows * n, m_rows, n,
-                                 row_base);
-}
-
-// Schedules (ffi attribute `schedule` = 1000 P + 100 warps + 10 tiles + unroll; P = 0: direct loads, 1: persistent
-// + L2 prefetch, 3..6: cp.async ring of P stages (gemv_ring_kernel, tiles = unroll = 1)); 0 = the default.
+// Schedules (ffi attribute `schedule` = 10000 B + 1000 P + 100 warps + 10 tiles + unroll; P: the Mode, B: the
+// minimum CTAs per SM the registers are capped for (0: the compiler's choice)); 0 = the default.
 // Measured on the H200 (docs/performance.md, scripts/bench_ffi.py): 811 is the fastest or within 5% on every
-// shape; the persistent + L2-prefetch schedules are 5-35% slower, unroll > 1 costs occupancy (registers).
+// shape; the persistent + L2-prefetch schedules are 5-35% slower, unroll > 1 costs occupancy (registers), and a
+// per-thread cp.async shared-memory ring (3-6 stages, since removed) was 10-90% slower.
 constexpr int kDefaultSchedule = 811;
 
-template <class Format, int W, int T, int U, bool P>
+template <class Format, int W, int T, int U, int P, int B>
 xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const typename Format::Weights& w,
                            const int32_t* slot_expert, int slots, float* y, int m_rows, int n, int k) {
-  auto kernel = gemv_kernel<Format, W, T, U, P>;
+  auto kernel = gemv_kernel<Format, W, T, U, P, B>;
   const int items = slots * (n / (16 * T));
   int grid = items;
-  if (P) {                                                 // persistent: as many CTAs as fit at once
+  if (P == kPersistent) {                                  // as many CTAs as fit at once
     static int resident = 0;                               // per instantiation, computed once per process
     if (resident == 0) {
       int device = 0, sms = 0, per_sm = 0;
@@ -245,20 +249,6 @@ xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const typenam
     grid = items < resident ? items : resident;
   }
   kernel<<<grid, W * 32, 0, stream>>>(x, w, slot_expert, y, m_rows, n, k, items);
-  return xla::ffi::Error::Success();
-}
-
-template <class Format, int W, int S>
-xla::ffi::Error launch_ring(cudaStream_t stream, const uint16_t* x, const typename Format::Weights& w,
-                            const int32_t* slot_expert, int slots, float* y, int m_rows, int n, int k) {
-  auto kernel = gemv_ring_kernel<Format, W, S>;
-  const int ring_bytes = S * W * 32 * static_cast<int>(sizeof(typename Format::Raw));
-  static bool configured = false;                          // per instantiation, once per process
-  if (!configured) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ring_bytes);
-    configured = true;
-  }
-  kernel<<<slots * (n / 16), W * 32, ring_bytes, stream>>>(x, w, slot_expert, y, m_rows, n, k);
   return xla::ffi::Error::Success();
 }
 
@@ -274,29 +264,26 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
   }
   Error launched = Error::InvalidArgument(std::string(name) + ": unknown schedule " + std::to_string(schedule));
   switch (schedule) {
-#define DSV4_SCHEDULE(P, W, T, U)                                                                         \
-  case P * 1000 + W * 100 + T * 10 + U:                                                                   \
-    launched = launch_one<Format, W, T, U, P == 1>(stream, x, w, slot_expert, slots, y, m_rows, n, k);    \
+#define DSV4_SCHEDULE(B, P, W, T, U)                                                                      \
+  case B * 10000 + P * 1000 + W * 100 + T * 10 + U:                                                       \
+    launched = launch_one<Format, W, T, U, P, B>(stream, x, w, slot_expert, slots, y, m_rows, n, k); \
     break;
-    DSV4_SCHEDULE(0, 8, 1, 1)
-    DSV4_SCHEDULE(0, 8, 2, 1)
-    DSV4_SCHEDULE(0, 4, 1, 1)
-    DSV4_SCHEDULE(0, 4, 2, 2)
-    DSV4_SCHEDULE(1, 8, 1, 1)
-    DSV4_SCHEDULE(1, 8, 2, 1)
-    DSV4_SCHEDULE(1, 4, 1, 1)
-    DSV4_SCHEDULE(1, 4, 2, 1)
-    DSV4_SCHEDULE(1, 4, 2, 2)
+    DSV4_SCHEDULE(0, 0, 8, 1, 1)
+    DSV4_SCHEDULE(0, 0, 8, 2, 1)
+    DSV4_SCHEDULE(0, 0, 4, 1, 1)
+    DSV4_SCHEDULE(0, 1, 8, 1, 1)
+    DSV4_SCHEDULE(0, 2, 8, 1, 1)
+    DSV4_SCHEDULE(0, 2, 4, 1, 1)
+    DSV4_SCHEDULE(5, 0, 8, 1, 1)
+    DSV4_SCHEDULE(5, 2, 8, 1, 1)
+    DSV4_SCHEDULE(6, 0, 8, 1, 1)
+    DSV4_SCHEDULE(6, 2, 8, 1, 1)
+    DSV4_SCHEDULE(10, 2, 4, 1, 1)
+    DSV4_SCHEDULE(0, 3, 8, 1, 1)
+    DSV4_SCHEDULE(4, 3, 8, 1, 1)
+    DSV4_SCHEDULE(0, 3, 4, 1, 1)
+    DSV4_SCHEDULE(8, 3, 4, 1, 1)
 #undef DSV4_SCHEDULE
-#define DSV4_RING(S, W)                                                                                   \
-  case S * 1000 + W * 100 + 11:                                                                           \
-    launched = launch_ring<Format, W, S>(stream, x, w, slot_expert, slots, y, m_rows, n, k);              \
-    break;
-    DSV4_RING(3, 8)
-    DSV4_RING(4, 8)
-    DSV4_RING(4, 4)
-    DSV4_RING(6, 4)
-#undef DSV4_RING
     default:
       break;
   }

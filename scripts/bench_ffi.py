@@ -5,9 +5,10 @@ same matrix side by side in the same process.
 
 Method as scripts/bench_kernels.py (its time_calls / profiled_kernel_us): every case is checked against the
 reference first; wall time per call in one jitted program over weight copies that L2 cannot hold; kernel time
-from the profiler for the bf16 dot and the schedules 811 (default) and 4811. A schedule is 1000 x P + 100 x warps
-+ 10 x tiles + unroll, P = 0 direct loads, 1 persistent + L2 prefetch, 3..6 a cp.async ring of P stages
-(ffi/gemv_kernel.cuh).
+from the profiler for the bf16 dot and the schedules in PROFILED. A schedule is 10000 x B + 1000 x P + 100 x warps
++ 10 x tiles + unroll: P = 0 direct loads, 1 persistent + L2 prefetch, 2 streamed (contiguous steps per warp,
+L2::256B load hint), 3 pipelined (each warp loads its next step's weights before computing the current one);
+B = the CTAs per SM the registers are capped for (ffi/gemv_kernel.cuh).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from scripts.bench_kernels import (MAX_COPIES, ROTATE_BYTES, make_weight, nbytes
 
 SHAPES = [("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096), ("wo_a", 8192, 4096),
           ("w_18432x7168", 18432, 7168), ("wq_a", 1024, 4096)]
-SCHEDULES = [811, 4811, 3811, 4411, 6411, 821, 1811]
+SCHEDULES = [811, 43811, 3811, 50811, 83411, 3411, 2811, 52811, 821, 1811]
+PROFILED = (0, 811, 43811, 3811)              # schedules whose kernel time the profiler also reports
 PALLAS = {"fp8": gemv.fp8_matmul, "mxfp4": gemv.mxfp4_matmul, "nvfp4": gemv.nvfp4_matmul}
 
 
@@ -80,7 +82,7 @@ def main():
             for fmt in args.formats.split(","):
                 wb = weight_bytes(ws[fmt][0]) + m * k * 2
                 ref = jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32, kernels="reference"))(x, ws[fmt][0])
-                swept = schedules if fmt == "mxfp4" else schedules[:3]         # the full sweep on MXFP4 only
+                swept = schedules if fmt == "mxfp4" else schedules[:4]         # the full sweep on MXFP4 only
                 cases = [("pallas", 0, PALLAS[fmt])] + [
                     ("ffi", s, lambda x, w, out=None, s=s: ffi.gemv(x, w, out, schedule=s)) for s in swept]
                 for impl, sched, fn in cases:
@@ -91,7 +93,7 @@ def main():
                         if err > 1e-4:
                             raise RuntimeError(f"wrong result: rel. err {err:.3g}")
                         t = time_calls(fn, ws[fmt], x, reps, repeats=3)
-                        kt = profiled_kernel_us(fn, x, ws[fmt]) if sched in (0, 811, 4811) else None
+                        kt = profiled_kernel_us(fn, x, ws[fmt]) if sched in PROFILED else None
                     except Exception as e:  # noqa: BLE001
                         emit(dict(name=name, m=m, fmt=fmt, impl=impl, schedule=sched, error=f"{type(e).__name__}: {e}"[:300]))
                         continue
@@ -133,12 +135,12 @@ def run_experts(args, key, schedules, emit, t0):
                           us=base[0], kernel_us=base_k, gbps=touched * n * k * 2 / base[0] / 1e3, experts=touched))
                 del dense
                 cases = [("pallas_moe", 0, lambda x, wi: moe.moe_matmul(x, *wi))] + [
-                    ("ffi_moe", s, lambda x, wi, s=s: ffi.moe_gemv(x, *wi, schedule=s)) for s in schedules[:3]]
+                    ("ffi_moe", s, lambda x, wi, s=s: ffi.moe_gemv(x, *wi, schedule=s)) for s in schedules[:4]]
                 for impl, sched, fn in cases:
                     try:
                         err = rel_err(jax.jit(fn)(x, sets[0]), ref)
                         t = time_calls(fn, sets, x, 20, repeats=3)
-                        kt = profiled_kernel_us(fn, x, sets) if sched in (0, 811, 4811) else None
+                        kt = profiled_kernel_us(fn, x, sets) if sched in PROFILED else None
                     except Exception as e:  # noqa: BLE001
                         emit(dict(name=name, m=m, fmt=fmt, impl=impl, schedule=sched, error=f"{type(e).__name__}: {e}"[:300]))
                         continue
