@@ -145,6 +145,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer shapes and M values")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this")
     ap.add_argument("--ms", default="1,4,16,64")
+    ap.add_argument("--skip-experts", action="store_true", help="dense decode shapes only (no routed experts)")
+    ap.add_argument("--shapes", default="", help="dense decode shapes, comma-separated, in the order to run them "
+                    "(the budget may stop before the last); default: all")
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script: tiny shapes, interpret mode")
     ap.add_argument("--prefill-ms", default="64,4096", help="rows for the prefill section ('' to skip)")
     ap.add_argument("--prefill-only", action="store_true")
@@ -177,7 +180,12 @@ def main():
         print(json.dumps({k: v for k, v in rec.items() if k not in meta}), flush=True)
 
     ms = [int(m) for m in args.ms.split(",")]
-    dense = DENSE if not args.quick else [DENSE[0], DENSE[3], DENSE[7]]
+    by_name = {d[0]: d for d in DENSE}
+    names = args.shapes.split(",") if args.shapes else list(by_name)
+    unknown = [s for s in names if s not in by_name]
+    if unknown:
+        ap.error(f"unknown --shapes {unknown}; expected some of {list(by_name)}")
+    dense = [by_name[s] for s in names] if not args.quick else [DENSE[0], DENSE[3], DENSE[7]]
     key = jax.random.key(0)
     kernels = {"fp8": gemv.fp8_matmul, "mxfp4": gemv.mxfp4_matmul, "nvfp4": gemv.nvfp4_matmul}
 
@@ -189,7 +197,8 @@ def main():
         run_prefill(args, key, [int(m) for m in args.prefill_ms.split(",")], t_start, emit)
     if args.prefill_only:
         return finish(results)
-    run_experts(args, key, ms, t_start, emit)
+    if not args.skip_experts:
+        run_experts(args, key, ms, t_start, emit)
     for name, n, k in dense:
         bf16_bytes = n * k * 2
         copies = {fmt: min(MAX_COPIES, max(2, math.ceil(ROTATE_BYTES / nbytes(jax.eval_shape(lambda: make_weight(key, fmt, (n, k)))))))
