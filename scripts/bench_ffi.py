@@ -34,9 +34,11 @@ from scripts.bench_kernels import (MAX_COPIES, ROTATE_BYTES, make_weight, nbytes
                                    rel_err, time_calls)
 
 SHAPES = [("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096), ("wo_a", 8192, 4096),
-          ("w_18432x7168", 18432, 7168), ("wq_a", 1024, 4096)]
-SCHEDULES = [811, 43811, 3811, 50811, 83411, 3411, 2811, 52811, 821, 1811]
-PROFILED = (0, 811, 43811, 3811)              # schedules whose kernel time the profiler also reports
+          ("w_18432x7168", 18432, 7168), ("wq_a", 1024, 4096), ("wkv", 512, 4096), ("shared_w1", 2048, 4096),
+          ("shared_w2", 4096, 2048)]
+SCHEDULES = [811, 43811, 2811, 50811, 83411, 3411, 2411, 411, 821, 1811]
+MOE_SCHEDULES = [811, 411, 43811, 2811, 50811]
+PROFILED = (0, 811, 43811, 2811)              # schedules whose kernel time the profiler also reports
 PALLAS = {"fp8": gemv.fp8_matmul, "mxfp4": gemv.mxfp4_matmul, "nvfp4": gemv.nvfp4_matmul}
 
 
@@ -102,11 +104,11 @@ def main():
                               kernel_speedup_vs_bf16=base_k / kt if kt and base_k else None))
         del ws
     if args.experts:
-        run_experts(args, key, schedules, emit, t0)
+        run_experts(args, key, emit, t0)
     summary(results)
 
 
-def run_experts(args, key, schedules, emit, t0):
+def run_experts(args, key, emit, t0):
     """6 of 256 experts per token, M tokens: one routed row per (token, expert). The stacked weight is an
     argument of the timed program (a closure would make it a 1 GB constant that XLA folds for minutes)."""
     n_exp, top_k = 256, 6
@@ -135,7 +137,7 @@ def run_experts(args, key, schedules, emit, t0):
                           us=base[0], kernel_us=base_k, gbps=touched * n * k * 2 / base[0] / 1e3, experts=touched))
                 del dense
                 cases = [("pallas_moe", 0, lambda x, wi: moe.moe_matmul(x, *wi))] + [
-                    ("ffi_moe", s, lambda x, wi, s=s: ffi.moe_gemv(x, *wi, schedule=s)) for s in schedules[:4]]
+                    ("ffi_moe", s, lambda x, wi, s=s: ffi.moe_gemv(x, *wi, schedule=s)) for s in MOE_SCHEDULES]
                 for impl, sched, fn in cases:
                     try:
                         err = rel_err(jax.jit(fn)(x, sets[0]), ref)

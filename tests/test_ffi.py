@@ -74,11 +74,10 @@ def _dequant64(w):
     (512, 2048, 3, jnp.float32, 0), (2080, 1536, 4, jnp.bfloat16, 411), (1024, 4096, 6, jnp.bfloat16, 1811),
     # streamed schedules (contiguous steps per warp; some warps get fewer or no steps) and register caps
     (1024, 2048, 8, jnp.bfloat16, 2811), (2080, 1536, 4, jnp.bfloat16, 2811), (2048, 7168, 3, jnp.bfloat16, 2411),
-    (8192, 1024, 2, jnp.bfloat16, 50811), (1024, 4096, 8, jnp.bfloat16, 52811), (1024, 2048, 4, jnp.float32, 62811),
-    (512, 1024, 1, jnp.bfloat16, 60811), (2048, 7168, 7, jnp.bfloat16, 102411),
+    (8192, 1024, 2, jnp.bfloat16, 50811), (1024, 4096, 8, jnp.bfloat16, 2411), (1024, 2048, 4, jnp.float32, 50811),
     # pipelined schedules: odd and even step counts per warp, warps without steps
     (2080, 1536, 4, jnp.bfloat16, 43811), (1024, 1408, 8, jnp.bfloat16, 3411), (512, 7168, 2, jnp.float32, 83411),
-    (1024, 4096, 1, jnp.bfloat16, 3811)])
+    (512, 1024, 1, jnp.bfloat16, 43811), (2048, 7168, 7, jnp.bfloat16, 83411)])
 def test_gemv_gpu(fmt, n, k, m, dtype, schedule):
     if n % (16 * (schedule // 10 % 10 or 1)):
         pytest.skip("N does not fit the schedule's tile")
@@ -99,7 +98,7 @@ def test_gemv_gpu(fmt, n, k, m, dtype, schedule):
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("rows,dtype,schedule", [(6, jnp.bfloat16, 0), (48, jnp.bfloat16, 0), (24, jnp.float32, 0),
                                                  (40, jnp.bfloat16, 0), (40, jnp.bfloat16, 811), (48, jnp.bfloat16, 1811),
-                                                 (48, jnp.bfloat16, 2811), (40, jnp.bfloat16, 52811),
+                                                 (48, jnp.bfloat16, 2811), (40, jnp.bfloat16, 50811),
                                                  (40, jnp.bfloat16, 43811)])
 def test_moe_gemv_gpu(fmt, rows, dtype, schedule):
     rng = np.random.default_rng()
