@@ -226,9 +226,10 @@ gemv_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const in
 
 // Schedules (ffi attribute `schedule` = 10000 B + 1000 P + 100 warps + 10 tiles + unroll; P: the Mode, B: the
 // minimum CTAs per SM the registers are capped for (0: the compiler's choice)); 0 = the default.
-// Measured on the H200 (docs/performance.md, scripts/bench_ffi.py): 811 is the fastest or within 5% on every
-// shape; the persistent + L2-prefetch schedules are 5-35% slower, unroll > 1 costs occupancy (registers), and a
-// per-thread cp.async shared-memory ring (3-6 stages, since removed) was 10-90% slower.
+// Measured on the H200 (docs/performance.md, scripts/bench_ffi.py): 811 is the fastest or within ~5-10% on every
+// large shape; the persistent, streamed, register-capped and pipelined schedules win a few percent on one shape
+// and lose as much or more on another; unroll > 1 costs occupancy (registers); a per-thread cp.async
+// shared-memory ring (3-6 stages, since removed) was 11% to 2.5x slower.
 constexpr int kDefaultSchedule = 811;
 
 template <class Format, int W, int T, int U, int P, int B>

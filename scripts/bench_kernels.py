@@ -410,14 +410,17 @@ def run_experts(args, key, ms, t_start, emit):
                 sets = min(MAX_COPIES, max(2, math.ceil(ROTATE_BYTES / wb)))
                 id_sets = [jnp.asarray((np.asarray(ids) + 7 * j) % N_EXPERTS, jnp.int32) for j in range(sets)]
                 reps = max(2, int(400 / sets))
+                # the stacked weight is an argument (a closure would make it a constant XLA folds for minutes)
+                w_sets = [(w_all, i) for i in id_sets]
                 if fmt == "bf16":
-                    def ragged(x, i):
+                    def ragged(x, wi):
+                        w, i = wi
                         o = jnp.argsort(i)
-                        return jax.lax.ragged_dot(x[o], w_all, jnp.bincount(i, length=N_EXPERTS).astype(jnp.int32))
-                    t = time_calls(ragged, id_sets, x, reps)
+                        return jax.lax.ragged_dot(x[o], w, jnp.bincount(i, length=N_EXPERTS).astype(jnp.int32))
+                    t = time_calls(ragged, w_sets, x, reps)
                     emit(dict(name=name, shape=[rows, n, k], fmt=fmt, impl="ragged_dot", time_us=t[0], min_us=t[1],
                               max_us=t[2], bytes=wb, gbps=wb / t[0] / 1e3, experts=touched))
-                    t = time_calls(lambda x, i: jnp.einsum("rk,rkn->rn", x, w_all[i]), id_sets, x, reps)
+                    t = time_calls(lambda x, wi: jnp.einsum("rk,rkn->rn", x, wi[0][wi[1]]), w_sets, x, reps)
                     emit(dict(name=name, shape=[rows, n, k], fmt=fmt, impl="xla_gather_einsum", time_us=t[0],
                               min_us=t[1], max_us=t[2], bytes=wb, gbps=wb / t[0] / 1e3, experts=touched))
                     dense_bf16 = [make_weight(jax.random.fold_in(key, 900 + j), "bf16", (touched, n, k))
@@ -432,8 +435,6 @@ def run_experts(args, key, ms, t_start, emit):
                 ref = jnp.einsum("rk,rnk->rn", x.astype(jnp.float32), sub.dequantize(jnp.float32))
                 del sub
                 err = rel_err(jax.jit(lambda x, w, i: moe.moe_matmul(x, w, i, jnp.float32))(x, w_all, ids), ref)
-                # the stacked weight is an argument (a closure would make it a constant XLA folds for minutes)
-                w_sets = [(w_all, i) for i in id_sets]
                 t = time_calls(lambda x, wi: moe.moe_matmul(x, *wi), w_sets, x, reps) if err < 1e-3 \
                     else (float("nan"),) * 3
                 emit(dict(name=name, shape=[rows, n, k], fmt=fmt, impl="pallas_moe", time_us=t[0], min_us=t[1],
