@@ -195,29 +195,29 @@ gemv_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const in
         compute_step(odd, step + stride);
       }
     } else {
-    for (int base = first; base < last; base += stride * kUnroll) {
-      typename Format::Tile tile[kUnroll][kTiles];
-      uint32_t xs[kUnroll][16];
+      for (int base = first; base < last; base += stride * kUnroll) {
+        typename Format::Tile tile[kUnroll][kTiles];
+        uint32_t xs[kUnroll][16];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int step = base + u * stride;
-        if (step < last) {
-          const int k0 = step * kStep + q * 32;
+        for (int u = 0; u < kUnroll; ++u) {
+          const int step = base + u * stride;
+          if (step < last) {
+            const int k0 = step * kStep + q * 32;
 #pragma unroll
-          for (int t = 0; t < kTiles; ++t) {
-            tile[u][t] = Format::template load<kStream>(w, expert, row_base + 16 * t + g, k0, n, k);
+            for (int t = 0; t < kTiles; ++t) {
+              tile[u][t] = Format::template load<kStream>(w, expert, row_base + 16 * t + g, k0, n, k);
+            }
+            load_x(x_row, has_x, k0, xs[u]);
           }
-          load_x(x_row, has_x, k0, xs[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (base + u * stride < last) {
+#pragma unroll
+            for (int t = 0; t < kTiles; ++t) Format::mma(tile[u][t], xs[u], c[t]);
+          }
         }
       }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * stride < last) {
-#pragma unroll
-          for (int t = 0; t < kTiles; ++t) Format::mma(tile[u][t], xs[u], c[t]);
-        }
-      }
-    }
     }
     store_tiles<Format, kWarps, kTiles>(partial, c, w, expert, y + static_cast<size_t>(slot) * m_rows * n, m_rows, n,
                                         row_base);
@@ -267,11 +267,14 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
   switch (schedule) {
 #define DSV4_SCHEDULE(B, P, W, T, U)                                                                      \
   case B * 10000 + P * 1000 + W * 100 + T * 10 + U:                                                       \
-    launched = launch_one<Format, W, T, U, P, B>(stream, x, w, slot_expert, slots, y, m_rows, n, k); \
+    launched = launch_one<Format, W, T, U, P, B>(stream, x, w, slot_expert, slots, y, m_rows, n, k);      \
     break;
     DSV4_SCHEDULE(0, 0, 8, 1, 1)
     DSV4_SCHEDULE(0, 0, 8, 2, 1)
     DSV4_SCHEDULE(0, 0, 4, 1, 1)
+    DSV4_SCHEDULE(0, 0, 8, 1, 2)
+    DSV4_SCHEDULE(0, 0, 8, 1, 4)
+    DSV4_SCHEDULE(0, 0, 4, 1, 4)
     DSV4_SCHEDULE(0, 1, 8, 1, 1)
     DSV4_SCHEDULE(0, 2, 8, 1, 1)
     DSV4_SCHEDULE(0, 2, 4, 1, 1)

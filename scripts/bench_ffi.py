@@ -36,7 +36,7 @@ from scripts.bench_kernels import (MAX_COPIES, ROTATE_BYTES, make_weight, nbytes
 SHAPES = [("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096), ("wo_a", 8192, 4096),
           ("w_18432x7168", 18432, 7168), ("wq_a", 1024, 4096), ("wkv", 512, 4096), ("shared_w1", 2048, 4096),
           ("shared_w2", 4096, 2048)]
-SCHEDULES = [811, 43811, 2811, 50811, 83411, 3411, 2411, 411, 821, 1811]
+SCHEDULES = [811, 43811, 2811, 50811, 83411, 3411, 2411, 411, 814, 812, 414, 821, 1811]
 MOE_SCHEDULES = [811, 411, 43811, 2811, 50811]
 PROFILED = (0, 811, 43811, 2811)              # schedules whose kernel time the profiler also reports
 PALLAS = {"fp8": gemv.fp8_matmul, "mxfp4": gemv.mxfp4_matmul, "nvfp4": gemv.nvfp4_matmul}
