@@ -10,10 +10,11 @@
 // Schedule: a CTA of kWarps warps computes kTiles x 16 output rows at a time; warp w takes the 128-input steps
 // w, w + kWarps, ...; kUnroll steps' loads are issued before any of them is consumed; the kWarps partial tiles
 // are summed through shared memory. kTiles > 1 shares each activation load and B fragment between tiles.
-// Persistent schedules run as many CTAs as fit, each looping over tiles and bulk-prefetching the next tile's
-// weight bytes into L2 while it computes the current one; streamed schedules give each warp a contiguous run of
-// steps and load with an L2::256B hint (enum Mode). One launch, no atomics (deterministic), no allocation, no host
-// sync: command-buffer compatible.
+// Other walks (enum Mode): persistent schedules run as many CTAs as fit, each looping over tiles and
+// bulk-prefetching the next tile's weight bytes into L2 while it computes the current one; streamed schedules give
+// each warp a contiguous run of steps and load with an L2::256B hint; pipelined schedules load a warp's next step
+// before computing the current one. kMinBlocks caps the registers for that many CTAs per SM. One launch, no atomics
+// (deterministic), no allocation, no host sync: command-buffer compatible.
 //
 // Slots (grouped matmuls, routed experts): the work items are (slot, 16 kTiles-row tile) pairs; slot s
 // multiplies its M activation rows x[s, 0:M, :] by expert slot_expert[s] of the stacked weight [E, N, K] and
@@ -127,8 +128,8 @@ __device__ __forceinline__ void load_x(const uint16_t* x_row, bool has_x, int k0
 
 // How a CTA walks its work (the P digit of a schedule).
 enum Mode : int {
-  kDirect = 0,       // one item per CTA; warp w takes the steps w, w + kWarps, ... (the CTA reads a row's bytes
-                     // in one sweep of kWarps x 64 contiguous bytes)
+  kDirect = 0,       // one item per CTA; warp w takes the steps w, w + kWarps, ... (the CTA reads each row in
+                     // sweeps of kWarps consecutive steps: kWarps x 64 contiguous bytes for FP4, x 128 for FP8)
   kPersistent = 1,   // CTAs loop over items and bulk-prefetch the next item's weight bytes into L2
   kStreamed = 2,     // one item per CTA; warp w takes its own contiguous run of steps, weight loads carry the
                      // L2::256B hint (load_weight16) so each warp's next steps are on their way to L2

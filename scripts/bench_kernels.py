@@ -147,7 +147,7 @@ def main():
     ap.add_argument("--ms", default="1,4,16,64")
     ap.add_argument("--skip-experts", action="store_true", help="dense decode shapes only (no routed experts)")
     ap.add_argument("--shapes", default="", help="dense decode shapes, comma-separated, in the order to run them "
-                    "(the budget may stop before the last); default: all")
+                    "(the budget may stop before the last); default: all (--quick: its own three, --smoke: 'tiny')")
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script: tiny shapes, interpret mode")
     ap.add_argument("--prefill-ms", default="64,4096", help="rows for the prefill section ('' to skip)")
     ap.add_argument("--prefill-only", action="store_true")

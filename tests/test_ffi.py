@@ -72,14 +72,16 @@ def _dequant64(w):
 @pytest.mark.parametrize("n,k,m,dtype,schedule", [
     (2048, 4096, 1, jnp.bfloat16, 0), (1024, 7168, 8, jnp.bfloat16, 0), (4096, 1024, 5, jnp.bfloat16, 821),
     (512, 2048, 3, jnp.float32, 0), (2080, 1536, 4, jnp.bfloat16, 411), (1024, 4096, 6, jnp.bfloat16, 1811),
-    # streamed schedules (contiguous steps per warp; some warps get fewer or no steps) and register caps
+    # streamed schedules (contiguous steps per warp; some warps get none) and register caps
     (1024, 2048, 8, jnp.bfloat16, 2811), (2080, 1536, 4, jnp.bfloat16, 2811), (2048, 7168, 3, jnp.bfloat16, 2411),
     (8192, 1024, 2, jnp.bfloat16, 50811), (1024, 4096, 8, jnp.bfloat16, 2411), (1024, 2048, 4, jnp.float32, 50811),
     # pipelined schedules: odd and even step counts per warp, warps without steps
     (2080, 1536, 4, jnp.bfloat16, 43811), (1024, 1408, 8, jnp.bfloat16, 3411), (512, 7168, 2, jnp.float32, 83411),
     (512, 1024, 1, jnp.bfloat16, 43811), (2048, 7168, 7, jnp.bfloat16, 83411),
     # unrolled (a warp's steps loaded together; partial last group)
-    (512, 4096, 1, jnp.bfloat16, 814), (1024, 2048, 3, jnp.float32, 812), (2048, 1408, 5, jnp.bfloat16, 414)])
+    (512, 4096, 1, jnp.bfloat16, 814), (1024, 2048, 3, jnp.float32, 812), (2048, 1408, 5, jnp.bfloat16, 414),
+    # a streamed warp cut short (11 steps over 4 warps: 3, 3, 3, 2); pipelined warps without steps (4 over 8)
+    (1024, 1408, 4, jnp.bfloat16, 2411), (512, 512, 2, jnp.bfloat16, 43811)])
 def test_gemv_gpu(fmt, n, k, m, dtype, schedule):
     if n % (16 * (schedule // 10 % 10 or 1)):
         pytest.skip("N does not fit the schedule's tile")
