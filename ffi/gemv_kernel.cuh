@@ -117,11 +117,13 @@ __device__ __forceinline__ void store_tiles(float (&partial)[kWarps][16 * kTiles
   __syncthreads();
 }
 
-// The thread's 32 activations of one step (zeros for lanes whose B column has no activation row).
-__device__ __forceinline__ void load_x(const uint16_t* x_row, bool has_x, int k0, uint32_t (&xs)[16]) {
+// The thread's 32 activations of one step. Lanes whose B column has no activation row (g >= M) read row 0 again
+// instead of zeros: an mma's output column depends on its own B column only, and those columns are never stored,
+// so no predicate or zeroing is needed (13-20 fewer instructions per step than zero-filling, SASS of sm_90a).
+__device__ __forceinline__ void load_x(const uint16_t* x_row, int k0, uint32_t (&xs)[16]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint4 v = has_x ? load16(x_row + k0 + 8 * i) : make_uint4(0, 0, 0, 0);
+    const uint4 v = load16(x_row + k0 + 8 * i);
     xs[4 * i] = v.x, xs[4 * i + 1] = v.y, xs[4 * i + 2] = v.z, xs[4 * i + 3] = v.w;
   }
 }
@@ -152,7 +154,7 @@ gemv_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const in
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;                    // fragment row group, quad lane
   const int tiles = n / kRows, steps = k / kStep;
-  const bool has_x = g < m_rows;                           // B column g is activation row g
+  const bool has_x = g < m_rows;                           // B column g is activation row g (else row 0, unused)
   // this warp's steps: first, first + stride, ... < last
   const int per_warp = (steps + kWarps - 1) / kWarps;
   const int first = kStream ? warp * per_warp : warp, stride = kStream ? 1 : kWarps;
@@ -183,7 +185,7 @@ gemv_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const in
       };
       auto compute_step = [&](const typename Format::Tile (&tile)[kTiles], int step) {
         uint32_t xs[16];
-        load_x(x_row, has_x, step * kStep + q * 32, xs);
+        load_x(x_row, step * kStep + q * 32, xs);
 #pragma unroll
         for (int t = 0; t < kTiles; ++t) Format::mma(tile[t], xs, c[t]);
       };
@@ -208,7 +210,7 @@ gemv_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const in
             for (int t = 0; t < kTiles; ++t) {
               tile[u][t] = Format::template load<kStream>(w, expert, row_base + 16 * t + g, k0, n, k);
             }
-            load_x(x_row, has_x, k0, xs[u]);
+            load_x(x_row, k0, xs[u]);
           }
         }
 #pragma unroll
