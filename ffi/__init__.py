@@ -4,7 +4,8 @@
     grouped_gemv(x [S, M, K], w [E, N, K], experts [S]) -> [S, M, N]     slot s times expert experts[s]
     moe_gemv(x_rows [R, K], w [E, N, K], expert_ids [R]) -> [R, N]       row r times expert expert_ids[r]
 
-w: Fp8BlockWeight / Mxfp4Weight / Nvfp4Weight. M <= 8 bf16 rows (<= 4 float32 rows, split into bf16 hi + lo),
+w: Fp8BlockWeight / Mxfp4Weight / Nvfp4Weight, or an FP4 weight in the GEMV layout (fp4_layout.to_gemv_layout:
+fewer decode instructions, same bytes). M <= 8 bf16 rows (<= 4 float32 rows, split into bf16 hi + lo),
 float32 accumulation, one launch each. Kernels: ffi/gemv_kernel.cuh (schedule), fp4_gemv.cu,
 fp8_gemv.cu. Oracle: dsv4_jax.quant.linear / grouped_linear. Status and measurements: ffi/README.md.
 """
@@ -18,6 +19,7 @@ import numpy as np
 from dsv4_jax.quant.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
 from .build import FfiBuildError, register  # noqa: F401
+from .fp4_layout import GemvLayoutFp4, to_gemv_layout  # noqa: F401
 
 MAX_ROWS = 8                     # the mma's 8 columns: bf16 activation rows per launch (float32: 4)
 _TARGETS = {Mxfp4Weight: ("fp4_gemv.cu", "dsv4_mxfp4_gemv", "DSV4Mxfp4Gemv"),
@@ -56,14 +58,18 @@ def _weight_operands(w):
 
 
 def _call(x3: jax.Array, w, experts: jax.Array, n: int, schedule: int) -> jax.Array:
-    source, target, symbol = _TARGETS[type(w)]
+    stored = w.weight if isinstance(w, GemvLayoutFp4) else w
+    source, target, symbol = _TARGETS[type(stored)]
     register(source, {target: symbol})
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x3.shape[:2], n), jnp.float32))
-    return call(x3, *_weight_operands(w), experts, schedule=np.int32(schedule))
+    attrs = {"schedule": np.int32(schedule)}
+    if source == "fp4_gemv.cu":                       # 0: checkpoint nibble order, 1: the GEMV layout
+        attrs["layout"] = np.int32(isinstance(w, GemvLayoutFp4))
+    return call(x3, *_weight_operands(stored), experts, **attrs)
 
 
 def _check_weight(w, x_k: int, what: str, stacked: bool):
-    if type(w) not in _TARGETS:
+    if type(w.weight if isinstance(w, GemvLayoutFp4) else w) not in _TARGETS:
         raise TypeError(f"{what}: unsupported weight {type(w).__name__}")
     if len(w.shape) != (3 if stacked else 2):
         raise ValueError(f"{what}: weight must be {'[E, N, K]' if stacked else '[N, K]'}, got {w.shape}")

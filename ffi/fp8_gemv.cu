@@ -28,6 +28,7 @@ namespace {
 constexpr int kFp8Shift = 32;
 
 struct Fp8Block {
+  static constexpr bool kAllSchedules = true;
   struct Weights { const uint8_t* weight; const uint8_t* scale; };
   struct Tile {
     uint4 a[2], b[2];  // rows g and g + 8: 32 e4m3 bytes each

@@ -38,7 +38,9 @@ SHAPES = [("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096)
           ("shared_w2", 4096, 2048)]
 SCHEDULES = [811, 43811, 2811, 50811, 83411, 3411, 2411, 411, 814, 812, 414, 821, 1811]
 MOE_SCHEDULES = [811, 411, 43811, 2811, 50811]
-PROFILED = (0, 811, 43811, 2811)              # schedules whose kernel time the profiler also reports
+GEMV_LAYOUT_FORMATS = ("mxfp4", "nvfp4")              # also timed in the GEMV layout (ffi/fp4_layout.py)
+GEMV_LAYOUT_SCHEDULES = [811, 83411]
+PROFILED = (0, 811, 43811, 2811, 83411)             # schedules whose kernel time the profiler also reports
 PALLAS = {"fp8": gemv.fp8_matmul, "mxfp4": gemv.mxfp4_matmul, "nvfp4": gemv.nvfp4_matmul}
 
 
@@ -86,17 +88,22 @@ def main():
                 wb = weight_bytes(ws[fmt][0]) + m * k * 2
                 ref = jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32, kernels="reference"))(x, ws[fmt][0])
                 swept = schedules if fmt == "mxfp4" else schedules[:4]         # the full sweep on MXFP4 only
-                cases = [("pallas", 0, PALLAS[fmt])] + [
-                    ("ffi", s, lambda x, w, out=None, s=s: ffi.gemv(x, w, out, schedule=s)) for s in swept]
-                for impl, sched, fn in cases:
-                    if impl == "ffi" and n % (16 * max(1, sched // 10 % 10)):
+                ffi_gemv = lambda x, w, out=None, s=811: ffi.gemv(x, w, out, schedule=s)  # noqa: E731
+                cases = [("pallas", 0, PALLAS[fmt], ws[fmt])] + [
+                    ("ffi", s, lambda x, w, out=None, s=s: ffi_gemv(x, w, out, s), ws[fmt]) for s in swept]
+                if fmt in GEMV_LAYOUT_FORMATS:                  # the same weights in the GEMV layout
+                    laid = [jax.jit(ffi.to_gemv_layout)(w) for w in ws[fmt]]
+                    cases += [("ffi_gemv_layout", s, lambda x, w, out=None, s=s: ffi_gemv(x, w, out, s), laid)
+                              for s in GEMV_LAYOUT_SCHEDULES]
+                for impl, sched, fn, weights in cases:
+                    if impl != "pallas" and n % (16 * max(1, sched // 10 % 10)):
                         continue
                     try:
-                        err = rel_err(jax.jit(lambda x, w: fn(x, w, jnp.float32))(x, ws[fmt][0]), ref)
+                        err = rel_err(jax.jit(lambda x, w: fn(x, w, jnp.float32))(x, weights[0]), ref)
                         if err > 1e-4:
                             raise RuntimeError(f"wrong result: rel. err {err:.3g}")
-                        t = time_calls(fn, ws[fmt], x, reps, repeats=3)
-                        kt = profiled_kernel_us(fn, x, ws[fmt]) if sched in PROFILED else None
+                        t = time_calls(fn, weights, x, reps, repeats=3)
+                        kt = profiled_kernel_us(fn, x, weights) if sched in PROFILED else None
                     except Exception as e:  # noqa: BLE001
                         emit(dict(name=name, m=m, fmt=fmt, impl=impl, schedule=sched, error=f"{type(e).__name__}: {e}"[:300]))
                         continue
@@ -116,6 +123,7 @@ def run_experts(args, key, emit, t0):
     for name, n, k in [("experts_w1", 2048, 4096), ("experts_w2", 4096, 2048)]:
         for fmt in ("mxfp4", "nvfp4"):
             w_all = make_weight(jax.random.fold_in(key, 77), fmt, (n_exp, n, k))
+            w_laid = jax.jit(ffi.to_gemv_layout)(w_all) if fmt in GEMV_LAYOUT_FORMATS else None
             for m in [int(v) for v in args.ms.split(",")]:
                 if time.time() - t0 > args.budget_s + 100:
                     return
@@ -137,13 +145,18 @@ def run_experts(args, key, emit, t0):
                 emit(dict(name=name, m=m, rows=len(ids), n=n, k=k, fmt="bf16", impl="xla_bf16_per_expert_dot",
                           us=base[0], kernel_us=base_k, gbps=touched * n * k * 2 / base[0] / 1e3, experts=touched))
                 del dense
-                cases = [("pallas_moe", 0, lambda x, wi: moe.moe_matmul(x, *wi))] + [
-                    ("ffi_moe", s, lambda x, wi, s=s: ffi.moe_gemv(x, *wi, schedule=s)) for s in MOE_SCHEDULES]
-                for impl, sched, fn in cases:
+                moe_gemv = lambda x, wi, s: ffi.moe_gemv(x, *wi, schedule=s)          # noqa: E731
+                cases = [("pallas_moe", 0, lambda x, wi: moe.moe_matmul(x, *wi), sets)] + [
+                    ("ffi_moe", s, lambda x, wi, s=s: moe_gemv(x, wi, s), sets) for s in MOE_SCHEDULES]
+                if fmt in GEMV_LAYOUT_FORMATS:
+                    laid = [(w_laid, i) for _, i in sets]
+                    cases += [("ffi_moe_gemv_layout", s, lambda x, wi, s=s: moe_gemv(x, wi, s), laid)
+                              for s in GEMV_LAYOUT_SCHEDULES]
+                for impl, sched, fn, weights in cases:
                     try:
-                        err = rel_err(jax.jit(fn)(x, sets[0]), ref)
-                        t = time_calls(fn, sets, x, 20, repeats=3)
-                        kt = profiled_kernel_us(fn, x, sets) if sched in PROFILED else None
+                        err = rel_err(jax.jit(fn)(x, weights[0]), ref)
+                        t = time_calls(fn, weights, x, 20, repeats=3)
+                        kt = profiled_kernel_us(fn, x, weights) if sched in PROFILED else None
                     except Exception as e:  # noqa: BLE001
                         emit(dict(name=name, m=m, fmt=fmt, impl=impl, schedule=sched, error=f"{type(e).__name__}: {e}"[:300]))
                         continue
@@ -151,7 +164,7 @@ def run_experts(args, key, emit, t0):
                               kernel_us=kt, rel_err=err, gbps=wb / t[0] / 1e3, experts=touched,
                               speedup_vs_bf16=base[0] / t[0],
                               kernel_speedup_vs_bf16=base_k / kt if kt and base_k else None))
-            del w_all
+            del w_all, w_laid
 
 
 def summary(results):

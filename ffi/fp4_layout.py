@@ -1,0 +1,71 @@
+"""The FP4 decode GEMV's own layout of packed e2m1 weights: the same bytes and block scales, with the 32 bits of
+every 32-bit word (8 consecutive weights) permuted once at load so that the kernel turns each weight pair into a
+bf16 pair with 10 instructions per word instead of 13, in input order (ffi/fp4_gemv.cu, "The GEMV layout").
+
+    to_gemv_layout(w: Mxfp4Weight | Nvfp4Weight) -> GemvLayoutFp4     lossless, one elementwise pass
+    GemvLayoutFp4.to_checkpoint_layout() / .dequantize()               the inverse, and the reference math
+
+Bit b of weight j of a word (weight j = nibble j counting from the word's least significant bits, i.e. byte j // 2,
+low nibble first, as the checkpoint packs them; b = 0..2 the magnitude bits m, e0, e1 and b = 3 the sign) moves to
+bit DEST[j][b]. The kernel's decode reads weights 2p and 2p + 1 at bf16 positions (6, 7, 8, 15) and (22, 23, 24,
+31) after: nothing (p = 0), a left rotation by 13 (p = 1), a multiply by 2^3 + 2^14 of the bits (1, 3, 4, 5, 17,
+19, 20, 21) (p = 2), a right rotation by 6 and a multiply by 2^0 + 2^5 (p = 3).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from dsv4_jax.quant.formats import Mxfp4Weight, Nvfp4Weight
+
+DEST = ((6, 7, 8, 15), (22, 23, 24, 31),        # r0 = w & 0x81C081C0
+        (25, 26, 27, 2), (9, 10, 11, 18),       # r1 = rotl(w, 13) & ...
+        (3, 4, 5, 1), (19, 20, 21, 17),         # r2 = ((w & 0x003A003A) * 0x4008) & ...
+        (12, 13, 14, 16), (28, 29, 30, 0))      # r3 = ((rotr(w, 6) & 0x05C005C0) * 0x21) & ...
+assert sorted(d for dest in DEST for d in dest) == list(range(32))
+
+
+def _permute_bits(words: jax.Array, source_of: dict[int, int]) -> jax.Array:
+    """uint32 words -> words whose bit d is the input's bit source_of[d]."""
+    out = jnp.zeros_like(words)
+    for d, src in source_of.items():
+        out = out | (((words >> src) & 1) << d)
+    return out
+
+
+_TO_GEMV = {DEST[j][b]: 4 * j + b for j in range(8) for b in range(4)}
+_TO_CHECKPOINT = {src: dst for dst, src in _TO_GEMV.items()}
+
+
+def _map_words(packed: jax.Array, source_of: dict[int, int]) -> jax.Array:
+    """uint8 [..., K/2] viewed as little-endian uint32 words, each permuted; back to uint8 [..., K/2]."""
+    if packed.shape[-1] % 4:
+        raise ValueError(f"packed FP4 rows must hold whole 32-bit words (K % 8 == 0), got {packed.shape}")
+    words = jax.lax.bitcast_convert_type(packed.reshape(*packed.shape[:-1], -1, 4), jnp.uint32)   # byte 0 lowest
+    out = _permute_bits(words, source_of)
+    return jax.lax.bitcast_convert_type(out, jnp.uint8).reshape(packed.shape)
+
+
+@flax.struct.dataclass
+class GemvLayoutFp4:
+    """An MXFP4 / NVFP4 weight whose packed bytes are in the GEMV layout (only ffi.gemv / grouped_gemv /
+    moe_gemv read it directly; everything else goes through to_checkpoint_layout)."""
+    weight: Mxfp4Weight | Nvfp4Weight
+
+    @property
+    def shape(self):
+        return self.weight.shape
+
+    def to_checkpoint_layout(self) -> Mxfp4Weight | Nvfp4Weight:
+        return self.weight.replace(packed=_map_words(self.weight.packed, _TO_CHECKPOINT))
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return self.to_checkpoint_layout().dequantize(dtype)
+
+
+def to_gemv_layout(w: Mxfp4Weight | Nvfp4Weight) -> GemvLayoutFp4:
+    if not isinstance(w, (Mxfp4Weight, Nvfp4Weight)):
+        raise TypeError(f"to_gemv_layout: MXFP4 / NVFP4 weight expected, got {type(w).__name__}")
+    return GemvLayoutFp4(w.replace(packed=_map_words(w.packed, _TO_GEMV)))
