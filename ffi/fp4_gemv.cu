@@ -1,7 +1,8 @@
 // MXFP4 and NVFP4 decode GEMV (and routed-expert GEMV) through XLA FFI; skeleton in gemv_kernel.cuh.
 //
 //   x       bf16 [S, M, K]        activations (dense: S = 1; routed experts: M rows per slot), M <= 8
-//   packed  u8   [E, N, K / 2]    e2m1 pairs, low nibble = even k (the checkpoint layout, read as stored)
+//   packed  u8   [E, N, K / 2]    e2m1 pairs, low nibble = even k (layout 0: the checkpoint's, read as stored;
+//                                 layout 1: the GEMV layout below)
 //   scale   u8   [E, N, K / B]    MXFP4: E8M0 exponents, B = 32; NVFP4: e4m3 bytes, B = 16
 //   global  f32  [E]              NVFP4 only: the per-matrix global scale
 //   experts s32  [S]              expert of each slot (-1: unused slot); dense: [0]
@@ -34,8 +35,8 @@
 //   r2 = ((w & 0x003A003A) * 0x4008) & 0x81C081C0                 weights 4, 5
 //   r3 = ((rotr(w, 6) & 0x05C005C0) * 0x0021) & 0x81C081C0        weights 6, 7
 //
-// 10 instructions per word instead of 13 (a search over shift / rotate / byte-permute / multiply forms found no
-// cheaper layout), then the same block factors. Word t feeds MMA 2t with (r0, r1), MMA 2t + 1 with (r2, r3), and
+// 10 instructions per word instead of 13 (a search over layouts decoded by mask, rotate + mask, byte permute + mask
+// and mask-multiply-mask forms found none cheaper), then the same block factors. Word t feeds MMA 2t with (r0, r1), MMA 2t + 1 with (r2, r3), and
 // B pairs (x[8t], x[8t + 1]), (x[8t + 2], x[8t + 3]) and (x[8t + 4], x[8t + 5]), (x[8t + 6], x[8t + 7]).
 
 #include "gemv_kernel.cuh"
