@@ -36,8 +36,9 @@
 //   r3 = ((rotr(w, 6) & 0x05C005C0) * 0x0021) & 0x81C081C0        weights 6, 7
 //
 // 10 instructions per word instead of 13 (a search over layouts decoded by mask, rotate + mask, byte permute + mask
-// and mask-multiply-mask forms found none cheaper), then the same block factors. Word t feeds MMA 2t with (r0, r1), MMA 2t + 1 with (r2, r3), and
-// B pairs (x[8t], x[8t + 1]), (x[8t + 2], x[8t + 3]) and (x[8t + 4], x[8t + 5]), (x[8t + 6], x[8t + 7]).
+// and mask-multiply-mask forms found none cheaper), then the same block factors. Word t feeds MMA 2t with
+// (r0, r1), MMA 2t + 1 with (r2, r3), and B pairs (x[8t], x[8t + 1]), (x[8t + 2], x[8t + 3]) and (x[8t + 4],
+// x[8t + 5]), (x[8t + 6], x[8t + 7]).
 
 #include "gemv_kernel.cuh"
 
