@@ -57,8 +57,13 @@ def _weight_operands(w):
     return ops
 
 
+def _stored(w):
+    """The weight whose arrays the kernel reads (a GemvLayoutFp4 wraps one whose packed bytes are permuted)."""
+    return w.weight if isinstance(w, GemvLayoutFp4) else w
+
+
 def _call(x3: jax.Array, w, experts: jax.Array, n: int, schedule: int) -> jax.Array:
-    stored = w.weight if isinstance(w, GemvLayoutFp4) else w
+    stored = _stored(w)
     source, target, symbol = _TARGETS[type(stored)]
     register(source, {target: symbol})
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x3.shape[:2], n), jnp.float32))
@@ -69,7 +74,7 @@ def _call(x3: jax.Array, w, experts: jax.Array, n: int, schedule: int) -> jax.Ar
 
 
 def _check_weight(w, x_k: int, what: str, stacked: bool):
-    if type(w.weight if isinstance(w, GemvLayoutFp4) else w) not in _TARGETS:
+    if type(_stored(w)) not in _TARGETS:
         raise TypeError(f"{what}: unsupported weight {type(w).__name__}")
     if len(w.shape) != (3 if stacked else 2):
         raise ValueError(f"{what}: weight must be {'[E, N, K]' if stacked else '[N, K]'}, got {w.shape}")

@@ -261,7 +261,8 @@ xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const typenam
 // default and the few that won somewhere in the sweeps.
 template <class Format>
 constexpr bool compiled_for(int schedule) {
-  return Format::kAllSchedules || schedule == 811 || schedule == 814 || schedule == 43811 || schedule == 83411;
+  return Format::kAllSchedules || schedule == kDefaultSchedule || schedule == 814 || schedule == 43811 ||
+         schedule == 83411;
 }
 
 template <class Format>

@@ -14,6 +14,7 @@ B = the CTAs per SM the registers are capped for (ffi/gemv_kernel.cuh).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -88,12 +89,11 @@ def main():
                 wb = weight_bytes(ws[fmt][0]) + m * k * 2
                 ref = jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32, kernels="reference"))(x, ws[fmt][0])
                 swept = schedules if fmt == "mxfp4" else schedules[:4]         # the full sweep on MXFP4 only
-                ffi_gemv = lambda x, w, out=None, s=811: ffi.gemv(x, w, out, schedule=s)  # noqa: E731
                 cases = [("pallas", 0, PALLAS[fmt], ws[fmt])] + [
-                    ("ffi", s, lambda x, w, out=None, s=s: ffi_gemv(x, w, out, s), ws[fmt]) for s in swept]
+                    ("ffi", s, functools.partial(ffi.gemv, schedule=s), ws[fmt]) for s in swept]
                 if fmt in GEMV_LAYOUT_FORMATS:                  # the same weights in the GEMV layout
                     laid = [jax.jit(ffi.to_gemv_layout)(w) for w in ws[fmt]]
-                    cases += [("ffi_gemv_layout", s, lambda x, w, out=None, s=s: ffi_gemv(x, w, out, s), laid)
+                    cases += [("ffi_gemv_layout", s, functools.partial(ffi.gemv, schedule=s), laid)
                               for s in GEMV_LAYOUT_SCHEDULES]
                 for impl, sched, fn, weights in cases:
                     if impl != "pallas" and n % (16 * max(1, sched // 10 % 10)):
@@ -145,12 +145,11 @@ def run_experts(args, key, emit, t0):
                 emit(dict(name=name, m=m, rows=len(ids), n=n, k=k, fmt="bf16", impl="xla_bf16_per_expert_dot",
                           us=base[0], kernel_us=base_k, gbps=touched * n * k * 2 / base[0] / 1e3, experts=touched))
                 del dense
-                moe_gemv = lambda x, wi, s: ffi.moe_gemv(x, *wi, schedule=s)          # noqa: E731
                 cases = [("pallas_moe", 0, lambda x, wi: moe.moe_matmul(x, *wi), sets)] + [
-                    ("ffi_moe", s, lambda x, wi, s=s: moe_gemv(x, wi, s), sets) for s in MOE_SCHEDULES]
+                    ("ffi_moe", s, lambda x, wi, s=s: ffi.moe_gemv(x, *wi, schedule=s), sets) for s in MOE_SCHEDULES]
                 if fmt in GEMV_LAYOUT_FORMATS:
                     laid = [(w_laid, i) for _, i in sets]
-                    cases += [("ffi_moe_gemv_layout", s, lambda x, wi, s=s: moe_gemv(x, wi, s), laid)
+                    cases += [("ffi_moe_gemv_layout", s, lambda x, wi, s=s: ffi.moe_gemv(x, *wi, schedule=s), laid)
                               for s in GEMV_LAYOUT_SCHEDULES]
                 for impl, sched, fn, weights in cases:
                     try:
