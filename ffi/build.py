@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -41,12 +42,19 @@ def device_arch() -> str:
     return f"sm_{major}{minor}" + ("a" if major == "9" else "")
 
 
+def _included_sources(source: str) -> list[str]:
+    """The .cu files of ffi/ that `source` includes (a diagnostic build includes a kernel's source whole); headers are
+    hashed anyway."""
+    with open(os.path.join(SOURCE_DIR, source)) as f:
+        return re.findall(r'^#include "([^"]+\.cu)"', f.read(), re.M)
+
+
 def build_library(source: str, arch: str | None = None, cache_dir: str | None = None) -> str:
     """Path of the shared library for ffi/<source> on `arch`, compiling it if this exact build is not cached."""
     arch = arch or device_arch()
     path = os.path.join(SOURCE_DIR, source)
     code = b""
-    for name in [source] + sorted(f for f in os.listdir(SOURCE_DIR) if f.endswith(".cuh")):   # source + headers
+    for name in [source] + _included_sources(source) + sorted(f for f in os.listdir(SOURCE_DIR) if f.endswith(".cuh")):
         with open(os.path.join(SOURCE_DIR, name), "rb") as f:
             code += f.read()
     nvcc = _nvcc()
