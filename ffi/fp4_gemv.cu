@@ -3,7 +3,7 @@
 //   x       bf16 [S, M, K]        activations (dense: S = 1; routed experts: M rows per slot), M <= 8
 //   packed  u8   [E, N, K / 2]    e2m1 pairs, low nibble = even k (layout 0: the checkpoint's, read as stored;
 //                                 layout 1: the GEMV layout below)
-//   scale   u8   [E, N, K / B]    MXFP4: E8M0 exponents, B = 32; NVFP4: e4m3 bytes, B = 16
+//   scale   u8   [E, N, K / B]    MXFP4: E8M0 exponents, B = 32; NVFP4: e4m3 bytes, B = 16 (layout 1: reordered)
 //   global  f32  [E]              NVFP4 only: the per-matrix global scale
 //   experts s32  [S]              expert of each slot (-1: unused slot); dense: [0]
 //   y       f32  [S, M, N]
@@ -36,7 +36,9 @@
 //   r3 = ((rotr(w, 6) & 0x05C005C0) * 0x0021) & 0x81C081C0        weights 6, 7
 //
 // 10 instructions per word instead of 13 (a search over layouts decoded by mask, rotate + mask, byte permute + mask
-// and mask-multiply-mask forms found none cheaper), then the same block factors. Word t feeds MMA 2t with
+// and mask-multiply-mask forms found none cheaper), then the same block factors. The layout's scales: a thread's
+// bytes of rows g and g + 8 for a step are adjacent and a warp's are contiguous (Fp4Layout::tile_scales): one
+// 16-bit (MXFP4) / 32-bit (NVFP4) load per thread per step instead of two. Word t feeds MMA 2t with
 // (r0, r1), MMA 2t + 1 with (r2, r3), and B pairs (x[8t], x[8t + 1]), (x[8t + 2], x[8t + 3]) and (x[8t + 4],
 // x[8t + 5]), (x[8t + 6], x[8t + 7]).
 
@@ -107,6 +109,13 @@ struct Fp4Layout {
   static __device__ __forceinline__ const uint8_t* scales(const uint8_t* scale, size_t r0, int k0, int k) {
     return scale + r0 * (k / kBlock) + k0 / kBlock;
   }
+  // GEMV layout: the 2 x 32 / kBlock scale bytes of rows r0 and r0 + 8 (r0 % 16 < 8) for the 32 inputs at k0,
+  // adjacent (row r0's first); order [tile, step, g, q, row g / g + 8, byte] (ffi/fp4_layout.py).
+  static __device__ __forceinline__ const uint8_t* tile_scales(const uint8_t* scale, size_t r0, int k0, int k) {
+    const int g = static_cast<int>(r0 % 16);
+    return scale + (r0 - g) * (k / kBlock) + (k0 / kStep) * (16 * kStep / kBlock) + g * (256 / kBlock) +
+           (k0 / 32 % 4) * (64 / kBlock);
+  }
 
   static __device__ __forceinline__ void prefetch(const uint8_t* packed, const uint8_t* scale, size_t r0, int rows,
                                                   int k, int part, int parts) {
@@ -134,8 +143,14 @@ struct Mxfp4 {
     Tile t;
     t.w0 = load_weight16<kStream>(Layout::pairs(w.packed, r0, k0, k));
     t.w1 = load_weight16<kStream>(Layout::pairs(w.packed, r0 + 8, k0, k));
-    t.f0 = factor(__ldg(Layout::scales(w.scale, r0, k0, k)));
-    t.f1 = factor(__ldg(Layout::scales(w.scale, r0 + 8, k0, k)));
+    if constexpr (kGemvLayout) {
+      const uint32_t both = __ldg(reinterpret_cast<const uint16_t*>(Layout::tile_scales(w.scale, r0, k0, k)));
+      t.f0 = factor(both & 0xFFu);
+      t.f1 = factor(both >> 8);
+    } else {
+      t.f0 = factor(__ldg(Layout::scales(w.scale, r0, k0, k)));
+      t.f1 = factor(__ldg(Layout::scales(w.scale, r0 + 8, k0, k)));
+    }
     return t;
   }
 
@@ -175,8 +190,14 @@ struct Nvfp4 {
     Tile t;
     t.w0 = load_weight16<kStream>(Layout::pairs(w.packed, r0, k0, k));
     t.w1 = load_weight16<kStream>(Layout::pairs(w.packed, r0 + 8, k0, k));
-    t.f0 = __ldg(reinterpret_cast<const uint16_t*>(Layout::scales(w.scale, r0, k0, k)));
-    t.f1 = __ldg(reinterpret_cast<const uint16_t*>(Layout::scales(w.scale, r0 + 8, k0, k)));
+    if constexpr (kGemvLayout) {
+      const uint32_t both = __ldg(reinterpret_cast<const uint32_t*>(Layout::tile_scales(w.scale, r0, k0, k)));
+      t.f0 = both & 0xFFFFu;
+      t.f1 = both >> 16;
+    } else {
+      t.f0 = __ldg(reinterpret_cast<const uint16_t*>(Layout::scales(w.scale, r0, k0, k)));
+      t.f1 = __ldg(reinterpret_cast<const uint16_t*>(Layout::scales(w.scale, r0 + 8, k0, k)));
+    }
     return t;
   }
 

@@ -1,6 +1,13 @@
-"""The FP4 decode GEMV's own layout of packed e2m1 weights: the same bytes and block scales, with the 32 bits of
-every 32-bit word (8 consecutive weights) permuted once at load so that the kernel turns each weight pair into a
-bf16 pair with 10 instructions per word instead of 13, in input order (ffi/fp4_gemv.cu, "The GEMV layout").
+"""The FP4 decode GEMV's own layout of packed e2m1 weights: the same bytes and block scales, permuted once at load
+(ffi/fp4_gemv.cu, "The GEMV layout"):
+* packed: the 32 bits of every 32-bit word (8 consecutive weights) permuted so that the kernel turns each weight
+  pair into a bf16 pair with 10 instructions per word instead of 13, in input order;
+* scale: within each 16-row tile, the bytes one kernel thread needs for one 128-input step (rows g and g + 8, its
+  32 inputs: 1 E8M0 byte per row for MXFP4, 2 e4m3 bytes for NVFP4) made adjacent, and a warp's 32 threads'
+  bytes contiguous: one 2- or 4-byte load per thread per step over 2 sectors per warp, instead of two 1- or 2-byte
+  loads per thread over 16 sectors (measured: the checkpoint-order scale loads cost the kernel ~20%,
+  scripts/probe_gemv.py). Scale order [..., N/16, K/128 steps, 8 (g), 4 (quad lane q), 2 (row g, g + 8),
+  B' (bytes per 32 inputs: 1 MXFP4, 2 NVFP4)], flattened back to the [..., N, K/B] shape.
 
     to_gemv_layout(w: Mxfp4Weight | Nvfp4Weight) -> GemvLayoutFp4     lossless, one elementwise pass
     GemvLayoutFp4.to_checkpoint_layout() / .dequantize()               the inverse, and the reference math
@@ -48,9 +55,29 @@ def _map_words(packed: jax.Array, source_of: dict[int, int]) -> jax.Array:
     return jax.lax.bitcast_convert_type(out, jnp.uint8).reshape(packed.shape)
 
 
+def _map_scales(scale: jax.Array, block: int, to_gemv: bool) -> jax.Array:
+    """Block scales [..., N, K/block] from checkpoint order to the GEMV layout's order (or back), same shape."""
+    *lead, n, blocks = scale.shape
+    per_32 = 32 // block                                          # scale bytes per row per 32 inputs
+    if n % 16 or blocks % (4 * per_32):
+        raise ValueError(f"the GEMV layout needs N % 16 == 0 and K % 128 == 0, got a scale of shape {scale.shape}")
+    checkpoint = (*lead, n // 16, 2, 8, blocks // (4 * per_32), 4, per_32)      # tile, h, g, step, q, byte
+    gemv = (*lead, n // 16, blocks // (4 * per_32), 8, 4, 2, per_32)            # tile, step, g, q, h, byte
+    t = len(lead)
+    if to_gemv:
+        out = scale.reshape(checkpoint).transpose(*range(t), t, t + 3, t + 2, t + 4, t + 1, t + 5)
+    else:
+        out = scale.reshape(gemv).transpose(*range(t), t, t + 4, t + 2, t + 1, t + 3, t + 5)
+    return out.reshape(scale.shape)
+
+
+def _block(w) -> int:
+    return 32 if isinstance(w, Mxfp4Weight) else 16
+
+
 @flax.struct.dataclass
 class GemvLayoutFp4:
-    """An MXFP4 / NVFP4 weight whose packed bytes are in the GEMV layout (only ffi.gemv / grouped_gemv /
+    """An MXFP4 / NVFP4 weight whose packed bytes and block scales are in the GEMV layout (only ffi.gemv / grouped_gemv /
     moe_gemv read it directly; everything else goes through to_checkpoint_layout)."""
     weight: Mxfp4Weight | Nvfp4Weight
 
@@ -59,7 +86,8 @@ class GemvLayoutFp4:
         return self.weight.shape
 
     def to_checkpoint_layout(self) -> Mxfp4Weight | Nvfp4Weight:
-        return self.weight.replace(packed=_map_words(self.weight.packed, _TO_CHECKPOINT))
+        w = self.weight
+        return w.replace(packed=_map_words(w.packed, _TO_CHECKPOINT), scale=_map_scales(w.scale, _block(w), False))
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return self.to_checkpoint_layout().dequantize(dtype)
@@ -68,4 +96,4 @@ class GemvLayoutFp4:
 def to_gemv_layout(w: Mxfp4Weight | Nvfp4Weight) -> GemvLayoutFp4:
     if not isinstance(w, (Mxfp4Weight, Nvfp4Weight)):
         raise TypeError(f"to_gemv_layout: MXFP4 / NVFP4 weight expected, got {type(w).__name__}")
-    return GemvLayoutFp4(w.replace(packed=_map_words(w.packed, _TO_GEMV)))
+    return GemvLayoutFp4(w.replace(packed=_map_words(w.packed, _TO_GEMV), scale=_map_scales(w.scale, _block(w), True)))

@@ -37,11 +37,37 @@ def test_round_trip_is_lossless_and_changes_the_bytes():
     rng = np.random.default_rng()
     w = _weight(rng, "nvfp4", 48, 256, experts=3)
     g = to_gemv_layout(w)
-    assert isinstance(g, GemvLayoutFp4) and g.shape == w.shape
-    assert np.array_equal(np.asarray(g.weight.scale, np.float32), np.asarray(w.scale, np.float32))
+    assert isinstance(g, GemvLayoutFp4) and g.shape == w.shape and g.weight.scale.shape == w.scale.shape
     assert not np.array_equal(np.asarray(g.weight.packed), np.asarray(w.packed))
-    assert np.array_equal(np.asarray(g.to_checkpoint_layout().packed), np.asarray(w.packed))
+    assert not np.array_equal(np.asarray(g.weight.scale, np.float32), np.asarray(w.scale, np.float32))
+    back = g.to_checkpoint_layout()
+    assert np.array_equal(np.asarray(back.packed), np.asarray(w.packed))
+    assert np.array_equal(np.asarray(back.scale, np.float32), np.asarray(w.scale, np.float32))
     np.testing.assert_array_equal(np.asarray(g.dequantize()), np.asarray(w.dequantize()))
+
+
+@pytest.mark.parametrize("fmt,block", [("mxfp4", 32), ("nvfp4", 16)])
+def test_layout_scales_sit_where_the_kernel_reads_them(fmt, block):
+    """Fp4Layout::tile_scales of fp4_gemv.cu, transcribed: the bytes of rows g and g + 8 (16-row tile T) for the 32
+    inputs at k0 start at T * 16 * K/B + step * 2048/B + g * 256/B + q * 64/B, row g's 32/B bytes first."""
+    rng = np.random.default_rng()
+    n, k = 48, 512
+    w = _weight(rng, fmt, n, k, experts=2)
+    laid = np.asarray(to_gemv_layout(w).weight.scale, np.float32)[1].reshape(-1)
+    orig = np.asarray(w.scale, np.float32)[1]
+    per = 32 // block
+    for row in range(n):
+        tile, g = row // 16, row % 8
+        for k0 in range(0, k, 32):
+            at = tile * 16 * (k // block) + k0 // 128 * (2048 // block) + g * (256 // block) + k0 // 32 % 4 * (64 // block)
+            at += 0 if row % 16 < 8 else per
+            np.testing.assert_array_equal(laid[at:at + per], orig[row, k0 // block:k0 // block + per])
+
+
+def test_layout_needs_whole_tiles_and_steps():
+    rng = np.random.default_rng()
+    with pytest.raises(ValueError, match="N % 16 == 0 and K % 128 == 0"):
+        to_gemv_layout(_weight(rng, "mxfp4", 24, 256))
 
 
 def test_kernel_decode_of_the_layout_equals_the_direct_decode():
@@ -52,8 +78,9 @@ def test_kernel_decode_of_the_layout_equals_the_direct_decode():
         base = rng.integers(0, 2**32, 16, dtype=np.uint64) & ~np.uint64(0xF << (4 * j))
         words.append(base | (np.arange(16, dtype=np.uint64) << np.uint64(4 * j)))
     words = np.concatenate(words)
-    packed = jnp.asarray(words.astype(np.uint32).view(np.uint8).reshape(1, -1))       # little-endian bytes
-    w = Mxfp4Weight(packed, jnp.zeros((1, packed.shape[1] * 2 // 32), jnp.uint8))
+    words = np.concatenate([words, rng.integers(0, 2**32, -len(words) % 256, dtype=np.uint64)])   # 16 rows, K % 128
+    packed = jnp.asarray(words.astype(np.uint32).view(np.uint8).reshape(16, -1))      # little-endian bytes
+    w = Mxfp4Weight(packed, jnp.zeros((16, packed.shape[1] * 2 // 32), jnp.uint8))
     permuted = np.asarray(to_gemv_layout(w).weight.packed).reshape(-1).view(np.uint32).astype(np.uint64)
     decoded = _kernel_decode(permuted)
     for p in range(4):
