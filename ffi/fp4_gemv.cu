@@ -113,9 +113,27 @@ struct Fp4Layout {
   // adjacent (row r0's first); order [tile, step, g, q, row g / g + 8, byte] (ffi/fp4_layout.py).
   static __device__ __forceinline__ const uint8_t* tile_scales(const uint8_t* scale, size_t r0, int k0, int k) {
     const int g = static_cast<int>(r0 % 16);
-    return scale + (r0 - g) * (k / kBlock) + (k0 / kStep) * (16 * kStep / kBlock) + g * (256 / kBlock) +
-           (k0 / 32 % 4) * (64 / kBlock);
+    return scale + (r0 - g) * (k / kBlock) + tile_scale_offset(g, k0);
   }
+  static __device__ __forceinline__ int tile_scale_offset(int g, int k0) {
+    return (k0 / kStep) * (16 * kStep / kBlock) + g * (256 / kBlock) + (k0 / 32 % 4) * (64 / kBlock);
+  }
+
+  // Staged schedules: a 16-row tile is its e2m1 bytes [16, K/2] then its scales [16 x K/kBlock] (either order),
+  // both contiguous in global memory as stored.
+  static __host__ __device__ __forceinline__ size_t stage_bytes(int k) { return 16 * (k / 2 + k / kBlock); }
+  static __device__ __forceinline__ void tile_pieces(const uint8_t* packed, const uint8_t* scale, size_t r0, int k,
+                                                     const uint8_t* (&src)[2], uint32_t (&bytes)[2]) {
+    src[0] = pairs(packed, r0, 0, k), bytes[0] = 16 * (k / 2);
+    src[1] = scales(scale, r0, 0, k), bytes[1] = 16 * (k / kBlock);
+  }
+  // rows g and g + 8 of a staged tile: their 16 e2m1 bytes at k0, and where their scales start
+  static __device__ __forceinline__ void staged_pairs(const uint8_t* tile, int g, int k0, int k, uint4& w0, uint4& w1) {
+    const uint8_t* p = tile + g * (k / 2) + k0 / 2;
+    w0 = *reinterpret_cast<const uint4*>(p);
+    w1 = *reinterpret_cast<const uint4*>(p + 8 * (k / 2));
+  }
+  static __device__ __forceinline__ const uint8_t* staged_scales(const uint8_t* tile, int k) { return tile + 8 * k; }
 
   static __device__ __forceinline__ void prefetch(const uint8_t* packed, const uint8_t* scale, size_t r0, int rows,
                                                   int k, int part, int parts) {
@@ -130,6 +148,7 @@ struct Nvfp4Weights { const uint8_t* packed; const uint8_t* scale; const float* 
 template <bool kGemvLayout>
 struct Mxfp4 {
   static constexpr bool kAllSchedules = !kGemvLayout;     // the GEMV layout: the few schedules of compiled_for
+  static constexpr bool kStageable = true;
   using Weights = Mxfp4Weights;
   using Layout = Fp4Layout<32>;
   using Tile = Fp4Tile;
@@ -154,6 +173,26 @@ struct Mxfp4 {
     return t;
   }
 
+  static __host__ __device__ __forceinline__ size_t stage_bytes(int k) { return Layout::stage_bytes(k); }
+  static __device__ __forceinline__ void tile_pieces(const Weights& w, int expert, int row0, int n, int k,
+                                                     const uint8_t* (&src)[2], uint32_t (&bytes)[2]) {
+    Layout::tile_pieces(w.packed, w.scale, Layout::flat_row(expert, row0, n), k, src, bytes);
+  }
+  static __device__ __forceinline__ Tile load_staged(const uint8_t* tile, int g, int k0, int k) {
+    Tile t;
+    Layout::staged_pairs(tile, g, k0, k, t.w0, t.w1);
+    const uint8_t* s = Layout::staged_scales(tile, k);
+    if constexpr (kGemvLayout) {
+      const uint32_t both = *reinterpret_cast<const uint16_t*>(s + Layout::tile_scale_offset(g, k0));
+      t.f0 = factor(both & 0xFFu);
+      t.f1 = factor(both >> 8);
+    } else {
+      t.f0 = factor(s[g * (k / 32) + k0 / 32]);
+      t.f1 = factor(s[(g + 8) * (k / 32) + k0 / 32]);
+    }
+    return t;
+  }
+
   static __device__ __forceinline__ void mma(const Tile& t, const uint32_t (&x)[16], float (&c)[4]) {
     const uint32_t wa[4] = {t.w0.x, t.w0.y, t.w0.z, t.w0.w}, wb[4] = {t.w1.x, t.w1.y, t.w1.z, t.w1.w};
 #pragma unroll
@@ -171,6 +210,7 @@ struct Mxfp4 {
 template <bool kGemvLayout>
 struct Nvfp4 {
   static constexpr bool kAllSchedules = !kGemvLayout;
+  static constexpr bool kStageable = true;
   using Weights = Nvfp4Weights;
   using Layout = Fp4Layout<16>;
   using Tile = Fp4Tile;
@@ -197,6 +237,26 @@ struct Nvfp4 {
     } else {
       t.f0 = __ldg(reinterpret_cast<const uint16_t*>(Layout::scales(w.scale, r0, k0, k)));
       t.f1 = __ldg(reinterpret_cast<const uint16_t*>(Layout::scales(w.scale, r0 + 8, k0, k)));
+    }
+    return t;
+  }
+
+  static __host__ __device__ __forceinline__ size_t stage_bytes(int k) { return Layout::stage_bytes(k); }
+  static __device__ __forceinline__ void tile_pieces(const Weights& w, int expert, int row0, int n, int k,
+                                                     const uint8_t* (&src)[2], uint32_t (&bytes)[2]) {
+    Layout::tile_pieces(w.packed, w.scale, Layout::flat_row(expert, row0, n), k, src, bytes);
+  }
+  static __device__ __forceinline__ Tile load_staged(const uint8_t* tile, int g, int k0, int k) {
+    Tile t;
+    Layout::staged_pairs(tile, g, k0, k, t.w0, t.w1);
+    const uint8_t* s = Layout::staged_scales(tile, k);
+    if constexpr (kGemvLayout) {
+      const uint32_t both = *reinterpret_cast<const uint32_t*>(s + Layout::tile_scale_offset(g, k0));
+      t.f0 = both & 0xFFFFu;
+      t.f1 = both >> 16;
+    } else {
+      t.f0 = *reinterpret_cast<const uint16_t*>(s + g * (k / 16) + k0 / 16);
+      t.f1 = *reinterpret_cast<const uint16_t*>(s + (g + 8) * (k / 16) + k0 / 16);
     }
     return t;
   }

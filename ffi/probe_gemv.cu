@@ -43,6 +43,7 @@ __device__ __forceinline__ void accumulate(float (&c)[4], uint32_t v) { c[0] += 
 template <bool kScales>
 struct LoadOnly {
   static constexpr bool kAllSchedules = true;
+  static constexpr bool kStageable = false;
   using Weights = ProbeWeights;
   struct Tile { uint4 w0, w1; uint32_t s; };
 
@@ -65,6 +66,7 @@ struct LoadOnly {
 // The bytes of packed [N, K/2] as the FP8 kernel walks an [N, K/2] byte matrix: the kernel runs with k = K / 2.
 struct WideLoads {
   static constexpr bool kAllSchedules = true;
+  static constexpr bool kStageable = false;
   using Weights = ProbeWeights;
   struct Tile { uint4 a[2], b[2]; };
 
@@ -88,6 +90,7 @@ struct WideLoads {
 template <bool kGemvLayout>
 struct DecodeOnly {
   static constexpr bool kAllSchedules = true;
+  static constexpr bool kStageable = false;
   using Weights = ProbeWeights;
   using Tile = Fp4Tile;
 

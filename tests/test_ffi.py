@@ -97,13 +97,59 @@ def test_gemv_gpu(fmt, n, k, m, dtype, schedule):
     assert np.max(np.abs(y - ref)) < 1e-4 * np.max(np.abs(ref))          # no single output wrong
 
 
+# Staged schedules (FP4 only): one tile per CTA, many tiles per CTA (the stage ring wraps), float32 rows, two CTAs
+# per SM, 4 consumer warps.
+STAGED_CASES = [(2048, 4096, 1, jnp.bfloat16, 4811), (1040, 7168, 8, jnp.bfloat16, 4811),
+                (32768, 512, 4, jnp.float32, 4811), (8192, 4096, 3, jnp.bfloat16, 24811),
+                (4096, 1408, 5, jnp.bfloat16, 4411)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("n,k,m,dtype,schedule", STAGED_CASES)
+def test_staged_gemv_gpu(fmt, n, k, m, dtype, schedule):
+    test_gemv_gpu(fmt, n, k, m, dtype, schedule)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+def test_staged_gemv_rejects_a_k_too_large_for_two_stages():
+    rng = np.random.default_rng()
+    w = _weight(rng, "mxfp4", 256, 7168)         # 61 KB per 16-row tile; two CTAs per SM leave ~113 KB each
+    with pytest.raises(Exception, match="too large for two shared-memory stages"):
+        jax.block_until_ready(ffi.gemv(jnp.ones((1, 7168), jnp.bfloat16), w, schedule=24811))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("schedule", [811, 4811])
+def test_grouped_gemv_skips_unused_slots_gpu(fmt, schedule):
+    """Slots with expert -1 are skipped by every warp (the staged producer and consumers must skip the same ones,
+    or the stage ring goes out of step: wrong sums or a hang) and the other slots are right (the skipped slots'
+    outputs are left unwritten, so they are not checked)."""
+    rng = np.random.default_rng()
+    w = _weight(rng, fmt, 512, 1024, experts=8)
+    experts = jnp.asarray([3, -1, 0, -1, -1, 7, 3, 1], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((8, 2, 1024)), jnp.bfloat16)
+    y = np.asarray(jax.jit(lambda x, w, e: ffi.grouped_gemv(x, w, e, jnp.float32, schedule=schedule))(x, w, experts),
+                   np.float64)
+    wd = _dequant64(w)
+    for s, e in enumerate(np.asarray(experts)):
+        if e >= 0:
+            ref = _f64(x[s]) @ wd[e].T
+            assert np.linalg.norm(y[s] - ref) / np.linalg.norm(ref) < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("rows,dtype,schedule", [(6, jnp.bfloat16, 0), (48, jnp.bfloat16, 0), (24, jnp.float32, 0),
                                                  (40, jnp.bfloat16, 0), (40, jnp.bfloat16, 811), (48, jnp.bfloat16, 1811),
                                                  (48, jnp.bfloat16, 2811), (40, jnp.bfloat16, 50811),
-                                                 (40, jnp.bfloat16, 43811)])
+                                                 (40, jnp.bfloat16, 43811), (48, jnp.bfloat16, 4811),
+                                                 (24, jnp.float32, 4411)])
 def test_moe_gemv_gpu(fmt, rows, dtype, schedule):
     rng = np.random.default_rng()
     n_exp, n, k = 16, 256, 512

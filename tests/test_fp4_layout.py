@@ -99,7 +99,9 @@ def test_gemv_rejects_what_it_cannot_read():
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("n,k,m,dtype,schedule", [
     (2048, 4096, 1, jnp.bfloat16, 0), (1024, 7168, 8, jnp.bfloat16, 0), (512, 2048, 3, jnp.float32, 0),
-    (2080, 1536, 5, jnp.bfloat16, 814), (1024, 1408, 4, jnp.bfloat16, 43811), (512, 7168, 2, jnp.bfloat16, 83411)])
+    (2080, 1536, 5, jnp.bfloat16, 814), (1024, 1408, 4, jnp.bfloat16, 43811), (512, 7168, 2, jnp.bfloat16, 83411),
+    (2048, 4096, 1, jnp.bfloat16, 4811), (1040, 7168, 8, jnp.bfloat16, 4811), (32768, 512, 4, jnp.float32, 4811),
+    (8192, 4096, 3, jnp.bfloat16, 24811), (4096, 1408, 5, jnp.bfloat16, 4411)])
 def test_gemv_layout_gpu(fmt, n, k, m, dtype, schedule):
     rng = np.random.default_rng()
     w = _weight(rng, fmt, n, k)
@@ -115,12 +117,14 @@ def test_gemv_layout_gpu(fmt, n, k, m, dtype, schedule):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_moe_gemv_layout_gpu(fmt):
+@pytest.mark.parametrize("schedule", [0, 4811])
+def test_moe_gemv_layout_gpu(fmt, schedule):
     rng = np.random.default_rng()
     w = _weight(rng, fmt, 256, 512, experts=16)
     ids = jnp.asarray(rng.integers(0, 16, 40), jnp.int32)
     x = jnp.asarray(rng.standard_normal((40, 512)), jnp.bfloat16)
-    y = np.asarray(jax.jit(lambda x, w, i: ffi.moe_gemv(x, w, i, jnp.float32))(x, to_gemv_layout(w), ids), np.float64)
+    y = np.asarray(jax.jit(lambda x, w, i: ffi.moe_gemv(x, w, i, jnp.float32, schedule=schedule))(
+        x, to_gemv_layout(w), ids), np.float64)
     ref = np.einsum("rk,rnk->rn", _f64(x), _dequant64(w)[np.asarray(ids)])
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
 
