@@ -401,7 +401,8 @@ xla::ffi::Error launch_staged(cudaStream_t stream, const uint16_t* x, const type
 }
 
 // Schedules (ffi attribute `schedule` = 10000 B + 1000 P + 100 warps + 10 tiles + unroll; P: the Mode, B: the
-// minimum CTAs per SM the registers are capped for (0: the compiler's choice)); 0 = the default.
+// minimum CTAs per SM the registers are capped for (0: the compiler's choice; staged: CTAs per SM, 0 = 1); warps
+// digit 0 = 16 warps); 0 = the default.
 // Measured on the H200 (docs/performance.md, scripts/bench_ffi.py): 811 is the fastest or within ~5-10% on every
 // large shape; the persistent, streamed, register-capped and pipelined schedules win a few percent on one shape
 // and lose as much or more on another; unroll > 1 costs occupancy (registers); a per-thread cp.async
@@ -451,8 +452,8 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
   Error launched = Error::InvalidArgument(std::string(name) + ": unknown schedule " + std::to_string(schedule));
   switch (schedule) {
 #define DSV4_SCHEDULE(B, P, W, T, U)                                                                      \
-  case B * 10000 + P * 1000 + W * 100 + T * 10 + U:                                                       \
-    if constexpr (compiled_for<Format>(B * 10000 + P * 1000 + W * 100 + T * 10 + U)) {                   \
+  case B * 10000 + P * 1000 + W % 16 * 100 + T * 10 + U:                                                  \
+    if constexpr (compiled_for<Format>(B * 10000 + P * 1000 + W % 16 * 100 + T * 10 + U)) {              \
       if constexpr (P == kStaged) {                                                                       \
         launched = launch_staged<Format, W, (B > 0 ? B : 1)>(stream, x, w, slot_expert, slots, y, m_rows, n, \
                                                               k, name);                                   \
@@ -477,6 +478,8 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
     DSV4_SCHEDULE(0, 4, 8, 1, 1)
     DSV4_SCHEDULE(2, 4, 8, 1, 1)
     DSV4_SCHEDULE(0, 4, 4, 1, 1)
+    DSV4_SCHEDULE(2, 4, 16, 1, 1)
+    DSV4_SCHEDULE(0, 4, 16, 1, 1)
 #undef DSV4_SCHEDULE
     default:
       break;

@@ -9,7 +9,8 @@ from the profiler for the bf16 dot and the schedules in PROFILED. A schedule is 
 + 10 x tiles + unroll: P = 0 direct loads, 1 persistent + L2 prefetch, 2 streamed (contiguous steps per warp,
 L2::256B load hint), 3 pipelined (each warp loads its next step's weights before computing the current one);
 B = the CTAs per SM the registers are capped for; 4 staged (a producer warp copies whole tiles into shared memory
-with bulk async copies, `warps` consumer warps decode from there; B = CTAs per SM) (ffi/gemv_kernel.cuh).
+with bulk async copies, `warps` consumer warps decode from there; B = CTAs per SM); warps digit 0 = 16
+(ffi/gemv_kernel.cuh).
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ from scripts.bench_kernels import (MAX_COPIES, ROTATE_BYTES, make_weight, nbytes
 SHAPES = [("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096), ("wo_a", 8192, 4096),
           ("w_18432x7168", 18432, 7168), ("wq_a", 1024, 4096), ("wkv", 512, 4096), ("shared_w1", 2048, 4096),
           ("shared_w2", 4096, 2048)]
-SCHEDULES = [811, 4811, 24811, 4411, 43811, 2811, 50811, 83411, 3411, 2411, 411, 814, 812, 414, 821, 1811]
-MOE_SCHEDULES = [811, 411, 4811, 24811, 4411]
+SCHEDULES = [811, 24011, 4011, 4811, 24811, 4411, 43811, 2811, 50811, 83411, 3411, 2411, 411, 814, 812, 414, 821, 1811]
+MOE_SCHEDULES = [811, 411, 24011, 4011, 24811]
 GEMV_LAYOUT_FORMATS = ("mxfp4", "nvfp4")              # also timed in the GEMV layout (ffi/fp4_layout.py)
-GEMV_LAYOUT_SCHEDULES = [811, 4811, 24811, 4411]
-PROFILED = (0, 811, 4811, 24811, 4411, 43811, 2811, 83411)             # schedules whose kernel time the profiler also reports
+GEMV_LAYOUT_SCHEDULES = [811, 24011, 4011, 24811]
+PROFILED = (0, 811, 24011, 4011, 4811, 24811, 4411, 43811, 2811, 83411)             # schedules whose kernel time the profiler also reports
 PALLAS = {"fp8": gemv.fp8_matmul, "mxfp4": gemv.mxfp4_matmul, "nvfp4": gemv.nvfp4_matmul}
 
 

@@ -98,10 +98,11 @@ def test_gemv_gpu(fmt, n, k, m, dtype, schedule):
 
 
 # Staged schedules (FP4 only): one tile per CTA, many tiles per CTA (the stage ring wraps), float32 rows, two CTAs
-# per SM, 4 consumer warps.
+# per SM, 4 and 16 consumer warps (warps digit 0 = 16).
 STAGED_CASES = [(2048, 4096, 1, jnp.bfloat16, 4811), (1040, 7168, 8, jnp.bfloat16, 4811),
                 (32768, 512, 4, jnp.float32, 4811), (8192, 4096, 3, jnp.bfloat16, 24811),
-                (4096, 1408, 5, jnp.bfloat16, 4411)]
+                (4096, 1408, 5, jnp.bfloat16, 4411), (2048, 4096, 8, jnp.bfloat16, 24011),
+                (1040, 7168, 3, jnp.float32, 4011)]
 
 
 @pytest.mark.gpu
@@ -149,7 +150,7 @@ def test_grouped_gemv_skips_unused_slots_gpu(fmt, schedule):
                                                  (40, jnp.bfloat16, 0), (40, jnp.bfloat16, 811), (48, jnp.bfloat16, 1811),
                                                  (48, jnp.bfloat16, 2811), (40, jnp.bfloat16, 50811),
                                                  (40, jnp.bfloat16, 43811), (48, jnp.bfloat16, 4811),
-                                                 (24, jnp.float32, 4411)])
+                                                 (24, jnp.float32, 4411), (40, jnp.bfloat16, 24011)])
 def test_moe_gemv_gpu(fmt, rows, dtype, schedule):
     rng = np.random.default_rng()
     n_exp, n, k = 16, 256, 512

@@ -101,7 +101,8 @@ def test_gemv_rejects_what_it_cannot_read():
     (2048, 4096, 1, jnp.bfloat16, 0), (1024, 7168, 8, jnp.bfloat16, 0), (512, 2048, 3, jnp.float32, 0),
     (2080, 1536, 5, jnp.bfloat16, 814), (1024, 1408, 4, jnp.bfloat16, 43811), (512, 7168, 2, jnp.bfloat16, 83411),
     (2048, 4096, 1, jnp.bfloat16, 4811), (1040, 7168, 8, jnp.bfloat16, 4811), (32768, 512, 4, jnp.float32, 4811),
-    (8192, 4096, 3, jnp.bfloat16, 24811), (4096, 1408, 5, jnp.bfloat16, 4411)])
+    (8192, 4096, 3, jnp.bfloat16, 24811), (4096, 1408, 5, jnp.bfloat16, 4411), (2048, 4096, 8, jnp.bfloat16, 24011),
+    (1040, 7168, 3, jnp.float32, 4011)])
 def test_gemv_layout_gpu(fmt, n, k, m, dtype, schedule):
     rng = np.random.default_rng()
     w = _weight(rng, fmt, n, k)
@@ -117,7 +118,7 @@ def test_gemv_layout_gpu(fmt, n, k, m, dtype, schedule):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("schedule", [0, 4811])
+@pytest.mark.parametrize("schedule", [0, 4811, 24011])
 def test_moe_gemv_layout_gpu(fmt, schedule):
     rng = np.random.default_rng()
     w = _weight(rng, fmt, 256, 512, experts=16)
