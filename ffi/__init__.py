@@ -22,6 +22,11 @@ from .build import FfiBuildError, register  # noqa: F401
 from .fp4_layout import GemvLayoutFp4, to_gemv_layout  # noqa: F401
 
 MAX_ROWS = 8                     # the mma's 8 columns: bf16 activation rows per launch (float32: 4)
+# moe_gemv's default schedule: 4 warps per 16-row tile instead of 8. Routed decode launches 6-48 slots x N/16 tiles
+# (768-6144 CTAs of 8 warps = 1.5-12 waves); with 4-warp CTAs the last wave is less ragged. Measured on the H200
+# in four runs of scripts/bench_ffi.py --experts (MXFP4 and NVFP4, 6 of 256 experts, M = 1 and 8): 2-13% faster
+# than 811 in every case (docs/performance.md).
+ROUTED_SCHEDULE = 411
 _TARGETS = {Mxfp4Weight: ("fp4_gemv.cu", "dsv4_mxfp4_gemv", "DSV4Mxfp4Gemv"),
             Nvfp4Weight: ("fp4_gemv.cu", "dsv4_nvfp4_gemv", "DSV4Nvfp4Gemv"),
             Fp8BlockWeight: ("fp8_gemv.cu", "dsv4_fp8_gemv", "DSV4Fp8Gemv")}
@@ -113,8 +118,8 @@ def gemv(x: jax.Array, w, out_dtype=None, *, schedule: int = 0) -> jax.Array:
 def moe_gemv(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=None, *, schedule: int = 0) -> jax.Array:
     """Row r of x_rows [R, K] times expert expert_ids[r] of w_stacked [E, N, K] -> [R, N] out_dtype (default
     x_rows.dtype): one slot per row, so no sort or gather on the way (decode: R = tokens x top-k <= 48); a row
-    whose expert another row also uses reads it again (often from L2)."""
+    whose expert another row also uses reads it again (often from L2). schedule 0: ROUTED_SCHEDULE."""
     if x_rows.ndim != 2 or expert_ids.shape != x_rows.shape[:1]:
         raise ValueError(f"ffi.moe_gemv: x_rows [R, K] and expert_ids [R] expected, got {x_rows.shape}, "
                          f"{expert_ids.shape}")
-    return grouped_gemv(x_rows[:, None], w_stacked, expert_ids, out_dtype, schedule=schedule)[:, 0]
+    return grouped_gemv(x_rows[:, None], w_stacked, expert_ids, out_dtype, schedule=schedule or ROUTED_SCHEDULE)[:, 0]

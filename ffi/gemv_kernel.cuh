@@ -290,8 +290,8 @@ xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const typenam
 template <class Format>
 constexpr bool compiled_for(int schedule) {
   if (schedule / 1000 % 10 == kStaged) return Format::kStageable;
-  return Format::kAllSchedules || schedule == kDefaultSchedule || schedule == 814 || schedule == 43811 ||
-         schedule == 83411;
+  return Format::kAllSchedules || schedule == kDefaultSchedule || schedule == 411 || schedule == 814 ||
+         schedule == 43811 || schedule == 83411;      // 411: ffi.moe_gemv's default (ROUTED_SCHEDULE)
 }
 
 template <class Format>

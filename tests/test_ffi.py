@@ -150,7 +150,8 @@ def test_grouped_gemv_skips_unused_slots_gpu(fmt, schedule):
                                                  (40, jnp.bfloat16, 0), (40, jnp.bfloat16, 811), (48, jnp.bfloat16, 1811),
                                                  (48, jnp.bfloat16, 2811), (40, jnp.bfloat16, 50811),
                                                  (40, jnp.bfloat16, 43811), (48, jnp.bfloat16, 4811),
-                                                 (24, jnp.float32, 4411), (40, jnp.bfloat16, 24011)])
+                                                 (24, jnp.float32, 4411), (40, jnp.bfloat16, 24011),
+                                                 (48, jnp.bfloat16, 411), (24, jnp.float32, 811)])
 def test_moe_gemv_gpu(fmt, rows, dtype, schedule):
     rng = np.random.default_rng()
     n_exp, n, k = 16, 256, 512

@@ -118,7 +118,7 @@ def test_gemv_layout_gpu(fmt, n, k, m, dtype, schedule):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("schedule", [0, 4811, 24011])
+@pytest.mark.parametrize("schedule", [0, 811, 4811, 24011])
 def test_moe_gemv_layout_gpu(fmt, schedule):
     rng = np.random.default_rng()
     w = _weight(rng, fmt, 256, 512, experts=16)
