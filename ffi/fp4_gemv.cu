@@ -127,7 +127,7 @@ struct Fp4Layout {
     src[0] = pairs(packed, r0, 0, k), bytes[0] = 16 * (k / 2);
     src[1] = scales(scale, r0, 0, k), bytes[1] = 16 * (k / kBlock);
   }
-  // rows g and g + 8 of a staged tile: their 16 e2m1 bytes at k0, and where their scales start
+  // rows g and g + 8 of a staged tile: their 16 e2m1 bytes at k0; the tile's scales follow its e2m1 bytes
   static __device__ __forceinline__ void staged_pairs(const uint8_t* tile, int g, int k0, int k, uint4& w0, uint4& w1) {
     const uint8_t* p = tile + g * (k / 2) + k0 / 2;
     w0 = *reinterpret_cast<const uint4*>(p);

@@ -93,9 +93,6 @@ __device__ __forceinline__ void prefetch_part(const uint8_t* base, size_t bytes,
   if (begin < bytes) prefetch_l2(base + begin, static_cast<uint32_t>(bytes - begin < chunk ? bytes - begin : chunk));
 }
 
-// Sums the kWarps partial tiles of a CTA through shared memory and writes rows row_base .. row_base + 16 kTiles
-// of y_slot [m_rows, n], times the format's epilogue factor. Ends with a barrier (over the CTA, or over threads
-// 0 .. kBarrierThreads - 1): `partial` is free again.
 // Barrier over the kThreads threads 0 .. kThreads - 1 (named barrier 1), or over the whole CTA (kThreads = 0).
 template <int kThreads>
 __device__ __forceinline__ void sync_threads() {
@@ -106,6 +103,9 @@ __device__ __forceinline__ void sync_threads() {
   }
 }
 
+// Sums the kWarps partial tiles of a CTA through shared memory and writes rows row_base .. row_base + 16 kTiles
+// of y_slot [m_rows, n], times the format's epilogue factor. Ends with a barrier (over the CTA, or over threads
+// 0 .. kBarrierThreads - 1 when a producer warp does not take part): `partial` is free again.
 template <class Format, int kWarps, int kTiles, int kBarrierThreads = 0>
 __device__ __forceinline__ void store_tiles(float (&partial)[kWarps][16 * kTiles][kMaxRows], const float (&c)[kTiles][4],
                                             const typename Format::Weights& w, int expert, float* y_slot, int m_rows,
@@ -260,8 +260,9 @@ namespace dsv4 {
 // digit 0 = 16 warps); 0 = the default.
 // Measured on the H200 (docs/performance.md, scripts/bench_ffi.py): 811 is the fastest or within ~5-10% on every
 // large shape; the persistent, streamed, register-capped and pipelined schedules win a few percent on one shape
-// and lose as much or more on another; unroll > 1 costs occupancy (registers); a per-thread cp.async
-// shared-memory ring (3-6 stages, since removed) was 11% to 2.5x slower.
+// and lose as much or more on another; the staged ones run at 0.5-0.96x of it; unroll > 1 costs occupancy
+// (registers); a per-thread cp.async shared-memory ring (3-6 stages, since removed) was 11% to 2.5x slower.
+// Routed experts (ffi.moe_gemv) default to 411 instead (ffi/__init__.py, ROUTED_SCHEDULE).
 constexpr int kDefaultSchedule = 811;
 
 template <class Format, int W, int T, int U, int P, int B>
