@@ -7,6 +7,7 @@ with the compiled kernels, under a transfer guard, compiling once.
 """
 
 import collections
+import re
 
 import numpy as np
 import pytest
@@ -258,6 +259,13 @@ def test_decode_step_lowers_for_cuda_with_the_ffi_kernels(monkeypatch):
     assert {r[4] for r in rec} == {"ffi_gemv", "ffi_grouped_gemv", "ffi_moe_gemv"}
     calls = sum(text.count(f"custom_call @dsv4_{fmt}_gemv") for fmt in ("fp8", "mxfp4", "nvfp4"))
     assert calls >= len(rec)
+    # schedules: the routed experts (the FP4 calls of the default model) run ffi.ROUTED_SCHEDULE, the rest the
+    # kernel's default (0 = 811)
+    fp4_calls = [line for line in text.split("\n") if re.search(r"custom_call @dsv4_(mx|nv)fp4_gemv", line)]
+    dense_calls = [line for line in text.split("\n") if "custom_call @dsv4_fp8_gemv" in line]
+    assert fp4_calls and dense_calls
+    assert all(f"schedule = {ffi.ROUTED_SCHEDULE} : i32" in line for line in fp4_calls)
+    assert all("schedule = 0 : i32" in line for line in dense_calls)
 
 
 # ---- on the GPU -----------------------------------------------------------------------------------------------
