@@ -77,8 +77,8 @@ def _block(w) -> int:
 
 @flax.struct.dataclass
 class GemvLayoutFp4:
-    """An MXFP4 / NVFP4 weight whose packed bytes and block scales are in the GEMV layout (only ffi.gemv / grouped_gemv /
-    moe_gemv read it directly; everything else goes through to_checkpoint_layout)."""
+    """An MXFP4 / NVFP4 weight whose packed bytes and block scales are in the GEMV layout (only ffi.gemv /
+    grouped_gemv / moe_gemv read it directly; everything else goes through to_checkpoint_layout)."""
     weight: Mxfp4Weight | Nvfp4Weight
 
     @property

@@ -260,7 +260,7 @@ namespace dsv4 {
 // digit 0 = 16 warps); 0 = the default.
 // Measured on the H200 (docs/performance.md, scripts/bench_ffi.py): 811 is the fastest or within ~5-10% on every
 // large shape; the persistent, streamed, register-capped and pipelined schedules win a few percent on one shape
-// and lose as much or more on another; the staged ones run at 0.5-0.96x of it; unroll > 1 costs occupancy
+// and lose as much or more on another; the staged ones run at 0.46-0.96x of it; unroll > 1 costs occupancy
 // (registers); a per-thread cp.async shared-memory ring (3-6 stages, since removed) was 11% to 2.5x slower.
 // Routed experts (ffi.moe_gemv) default to 411 instead (ffi/__init__.py, ROUTED_SCHEDULE).
 constexpr int kDefaultSchedule = 811;
