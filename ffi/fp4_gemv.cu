@@ -42,6 +42,8 @@
 // (r0, r1), MMA 2t + 1 with (r2, r3), and B pairs (x[8t], x[8t + 1]), (x[8t + 2], x[8t + 3]) and (x[8t + 4],
 // x[8t + 5]), (x[8t + 6], x[8t + 7]).
 
+#include <type_traits>
+
 #include "gemv_kernel.cuh"
 
 namespace ffi = xla::ffi;
@@ -100,6 +102,12 @@ struct Fp4Tile {
 // [E, N, K/kBlock] (MXFP4: 32, NVFP4: 16). Row r0 below is the flat row expert * N + row.
 template <int kBlock>
 struct Fp4Layout {
+  // Raw scales of one row for a thread's 32 inputs (MXFP4: one E8M0 byte; NVFP4: two e4m3 bytes, first | second
+  // << 8), and of both its rows g and g + 8 as the GEMV layout stores them side by side.
+  using RowScales = std::conditional_t<kBlock == 32, uint8_t, uint16_t>;
+  using BothScales = std::conditional_t<kBlock == 32, uint16_t, uint32_t>;
+  static constexpr int kRowScaleBits = 8 * sizeof(RowScales);
+
   static __device__ __forceinline__ size_t flat_row(int expert, int row, int n) {
     return static_cast<size_t>(expert) * n + row;
   }
@@ -145,16 +153,17 @@ struct Fp4Layout {
 struct Mxfp4Weights { const uint8_t* packed; const uint8_t* scale; };
 struct Nvfp4Weights { const uint8_t* packed; const uint8_t* scale; const float* global; };
 
-template <bool kGemvLayout>
-struct Mxfp4 {
+// What MXFP4 and NVFP4 share: where the bytes are and how a step's tile is loaded, from global memory or from a
+// staged tile. Format::tile_scale(raw) turns a row's raw scales into Tile::f0 / f1 (MXFP4 at load, NVFP4 in mma).
+template <class Format, class WeightsT, int kBlock, bool kGemvLayout>
+struct Fp4Format {
   static constexpr bool kAllSchedules = !kGemvLayout;     // the GEMV layout: the few schedules of compiled_for
   static constexpr bool kStageable = true;
-  using Weights = Mxfp4Weights;
-  using Layout = Fp4Layout<32>;
+  using Weights = WeightsT;
+  using Layout = Fp4Layout<kBlock>;
   using Tile = Fp4Tile;
-
-  // E8M0 byte s -> bf16 2^(s - 1 - kMxShift) in both halves (times the decode's 2^-126: 2^(s - 127 - 32)).
-  static __device__ __forceinline__ uint32_t factor(uint32_t s) { return (s + 126u - kMxShift) * 0x00800080u; }
+  using RowScales = typename Layout::RowScales;
+  using BothScales = typename Layout::BothScales;
 
   template <bool kStream>
   static __device__ __forceinline__ Tile load(const Weights& w, int expert, int row, int k0, int n, int k) {
@@ -163,13 +172,14 @@ struct Mxfp4 {
     t.w0 = load_weight16<kStream>(Layout::pairs(w.packed, r0, k0, k));
     t.w1 = load_weight16<kStream>(Layout::pairs(w.packed, r0 + 8, k0, k));
     if constexpr (kGemvLayout) {
-      const uint32_t both = __ldg(reinterpret_cast<const uint16_t*>(Layout::tile_scales(w.scale, r0, k0, k)));
-      t.f0 = factor(both & 0xFFu);
-      t.f1 = factor(both >> 8);
+      const uint32_t both = __ldg(reinterpret_cast<const BothScales*>(Layout::tile_scales(w.scale, r0, k0, k)));
+      t.f0 = both & ((1u << Layout::kRowScaleBits) - 1u);
+      t.f1 = both >> Layout::kRowScaleBits;
     } else {
-      t.f0 = factor(__ldg(Layout::scales(w.scale, r0, k0, k)));
-      t.f1 = factor(__ldg(Layout::scales(w.scale, r0 + 8, k0, k)));
+      t.f0 = __ldg(reinterpret_cast<const RowScales*>(Layout::scales(w.scale, r0, k0, k)));
+      t.f1 = __ldg(reinterpret_cast<const RowScales*>(Layout::scales(w.scale, r0 + 8, k0, k)));
     }
+    t.f0 = Format::tile_scale(t.f0), t.f1 = Format::tile_scale(t.f1);
     return t;
   }
 
@@ -183,23 +193,16 @@ struct Mxfp4 {
     Layout::staged_pairs(tile, g, k0, k, t.w0, t.w1);
     const uint8_t* s = Layout::staged_scales(tile, k);
     if constexpr (kGemvLayout) {
-      const uint32_t both = *reinterpret_cast<const uint16_t*>(s + Layout::tile_scale_offset(g, k0));
-      t.f0 = factor(both & 0xFFu);
-      t.f1 = factor(both >> 8);
+      const uint32_t both = *reinterpret_cast<const BothScales*>(s + Layout::tile_scale_offset(g, k0));
+      t.f0 = both & ((1u << Layout::kRowScaleBits) - 1u);
+      t.f1 = both >> Layout::kRowScaleBits;
     } else {
-      t.f0 = factor(s[g * (k / 32) + k0 / 32]);
-      t.f1 = factor(s[(g + 8) * (k / 32) + k0 / 32]);
+      t.f0 = *reinterpret_cast<const RowScales*>(s + g * (k / kBlock) + k0 / kBlock);
+      t.f1 = *reinterpret_cast<const RowScales*>(s + (g + 8) * (k / kBlock) + k0 / kBlock);
     }
+    t.f0 = Format::tile_scale(t.f0), t.f1 = Format::tile_scale(t.f1);
     return t;
   }
-
-  static __device__ __forceinline__ void mma(const Tile& t, const uint32_t (&x)[16], float (&c)[4]) {
-    const uint32_t wa[4] = {t.w0.x, t.w0.y, t.w0.z, t.w0.w}, wb[4] = {t.w1.x, t.w1.y, t.w1.z, t.w1.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) fp4_word_mma<kGemvLayout>(wa[j], t.f0, wb[j], t.f1, x + 4 * j, c);
-  }
-
-  static __device__ __forceinline__ float epilogue(const Weights&, int) { return 4294967296.0f; }   // 2^32
 
   static __device__ __forceinline__ void prefetch(const Weights& w, int expert, int row, int rows, int n, int k,
                                                   int part, int parts) {
@@ -208,12 +211,27 @@ struct Mxfp4 {
 };
 
 template <bool kGemvLayout>
-struct Nvfp4 {
-  static constexpr bool kAllSchedules = !kGemvLayout;
-  static constexpr bool kStageable = true;
-  using Weights = Nvfp4Weights;
-  using Layout = Fp4Layout<16>;
+struct Mxfp4 : Fp4Format<Mxfp4<kGemvLayout>, Mxfp4Weights, 32, kGemvLayout> {
   using Tile = Fp4Tile;
+  using Weights = Mxfp4Weights;
+
+  // E8M0 byte s -> bf16 2^(s - 1 - kMxShift) in both halves (times the decode's 2^-126: 2^(s - 127 - 32)).
+  static __device__ __forceinline__ uint32_t factor(uint32_t s) { return (s + 126u - kMxShift) * 0x00800080u; }
+  static __device__ __forceinline__ uint32_t tile_scale(uint32_t raw) { return factor(raw); }
+
+  static __device__ __forceinline__ void mma(const Tile& t, const uint32_t (&x)[16], float (&c)[4]) {
+    const uint32_t wa[4] = {t.w0.x, t.w0.y, t.w0.z, t.w0.w}, wb[4] = {t.w1.x, t.w1.y, t.w1.z, t.w1.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) fp4_word_mma<kGemvLayout>(wa[j], t.f0, wb[j], t.f1, x + 4 * j, c);
+  }
+
+  static __device__ __forceinline__ float epilogue(const Weights&, int) { return 4294967296.0f; }   // 2^32
+};
+
+template <bool kGemvLayout>
+struct Nvfp4 : Fp4Format<Nvfp4<kGemvLayout>, Nvfp4Weights, 16, kGemvLayout> {
+  using Tile = Fp4Tile;
+  using Weights = Nvfp4Weights;
 
   // Two e4m3 bytes (b0 | b1 << 8) -> bf16 pairs (b0 * 2^118, b0 * 2^118) and (b1 * 2^118, b1 * 2^118), exact.
   static __device__ __forceinline__ void factors(uint32_t two, uint32_t& f_lo, uint32_t& f_hi) {
@@ -223,43 +241,7 @@ struct Nvfp4 {
     f_lo = __byte_perm(pair, 0, 0x1010);
     f_hi = __byte_perm(pair, 0, 0x3232);
   }
-
-  template <bool kStream>
-  static __device__ __forceinline__ Tile load(const Weights& w, int expert, int row, int k0, int n, int k) {
-    const size_t r0 = Layout::flat_row(expert, row, n);
-    Tile t;
-    t.w0 = load_weight16<kStream>(Layout::pairs(w.packed, r0, k0, k));
-    t.w1 = load_weight16<kStream>(Layout::pairs(w.packed, r0 + 8, k0, k));
-    if constexpr (kGemvLayout) {
-      const uint32_t both = __ldg(reinterpret_cast<const uint32_t*>(Layout::tile_scales(w.scale, r0, k0, k)));
-      t.f0 = both & 0xFFFFu;
-      t.f1 = both >> 16;
-    } else {
-      t.f0 = __ldg(reinterpret_cast<const uint16_t*>(Layout::scales(w.scale, r0, k0, k)));
-      t.f1 = __ldg(reinterpret_cast<const uint16_t*>(Layout::scales(w.scale, r0 + 8, k0, k)));
-    }
-    return t;
-  }
-
-  static __host__ __device__ __forceinline__ size_t stage_bytes(int k) { return Layout::stage_bytes(k); }
-  static __device__ __forceinline__ void tile_pieces(const Weights& w, int expert, int row0, int n, int k,
-                                                     const uint8_t* (&src)[2], uint32_t (&bytes)[2]) {
-    Layout::tile_pieces(w.packed, w.scale, Layout::flat_row(expert, row0, n), k, src, bytes);
-  }
-  static __device__ __forceinline__ Tile load_staged(const uint8_t* tile, int g, int k0, int k) {
-    Tile t;
-    Layout::staged_pairs(tile, g, k0, k, t.w0, t.w1);
-    const uint8_t* s = Layout::staged_scales(tile, k);
-    if constexpr (kGemvLayout) {
-      const uint32_t both = *reinterpret_cast<const uint32_t*>(s + Layout::tile_scale_offset(g, k0));
-      t.f0 = both & 0xFFFFu;
-      t.f1 = both >> 16;
-    } else {
-      t.f0 = *reinterpret_cast<const uint16_t*>(s + g * (k / 16) + k0 / 16);
-      t.f1 = *reinterpret_cast<const uint16_t*>(s + (g + 8) * (k / 16) + k0 / 16);
-    }
-    return t;
-  }
+  static __device__ __forceinline__ uint32_t tile_scale(uint32_t raw) { return raw; }   // converted in mma
 
   static __device__ __forceinline__ void mma(const Tile& t, const uint32_t (&x)[16], float (&c)[4]) {
     uint32_t fa[2], fb[2];                                             // [first 16-block, second 16-block]
@@ -272,11 +254,6 @@ struct Nvfp4 {
 
   static __device__ __forceinline__ float epilogue(const Weights& w, int expert) {
     return static_cast<float>(1 << kNvShift) * w.global[expert];
-  }
-
-  static __device__ __forceinline__ void prefetch(const Weights& w, int expert, int row, int rows, int n, int k,
-                                                  int part, int parts) {
-    Layout::prefetch(w.packed, w.scale, Layout::flat_row(expert, row, n), rows, k, part, parts);
   }
 };
 
