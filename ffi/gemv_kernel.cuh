@@ -286,6 +286,11 @@ xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const typenam
   return xla::ffi::Error::Success();
 }
 
+// The ffi attribute value of a schedule (16 warps: digit 0).
+constexpr int schedule_code(int b, int p, int w, int t, int u) {
+  return b * 10000 + p * 1000 + w % 16 * 100 + t * 10 + u;
+}
+
 // Schedules compiled for a Format: all of them, or (Format::kAllSchedules false: a variant being measured) the
 // default and the few that won somewhere in the sweeps.
 template <class Format>
@@ -308,8 +313,8 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
   Error launched = Error::InvalidArgument(std::string(name) + ": unknown schedule " + std::to_string(schedule));
   switch (schedule) {
 #define DSV4_SCHEDULE(B, P, W, T, U)                                                                      \
-  case B * 10000 + P * 1000 + W % 16 * 100 + T * 10 + U:                                                  \
-    if constexpr (compiled_for<Format>(B * 10000 + P * 1000 + W % 16 * 100 + T * 10 + U)) {              \
+  case schedule_code(B, P, W, T, U):                                                                      \
+    if constexpr (compiled_for<Format>(schedule_code(B, P, W, T, U))) {                                   \
       if constexpr (P == kStaged) {                                                                       \
         launched = launch_staged<Format, W, (B > 0 ? B : 1)>(stream, x, w, slot_expert, slots, y, m_rows, n, \
                                                               k, name);                                   \
