@@ -16,6 +16,7 @@ with bulk async copies, `warps` consumer warps decode from there; B = CTAs per S
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import json
 import math
@@ -44,7 +45,7 @@ SCHEDULES = [811, 411, 43811, 2811, 24011, 4011, 4811, 24811, 4411, 50811, 83411
 MOE_SCHEDULES = [811, 411, 24011, 4011, 24811]
 GEMV_LAYOUT_FORMATS = ("mxfp4", "nvfp4")              # also timed in the GEMV layout (ffi/fp4_layout.py)
 GEMV_LAYOUT_SCHEDULES = [811, 24011, 4011, 24811]
-PROFILED = (0, 811, 24011, 4011, 4811, 24811, 4411, 43811, 2811, 83411)             # schedules whose kernel time the profiler also reports
+PROFILED = (0, 811, 24011, 4011, 4811, 24811, 4411, 43811, 2811, 83411)   # kernel time from the profiler too
 PALLAS = {"fp8": gemv.fp8_matmul, "mxfp4": gemv.mxfp4_matmul, "nvfp4": gemv.nvfp4_matmul}
 
 
@@ -68,7 +69,6 @@ def main():
             json.dump(results, f, indent=1)
         print(json.dumps(rec), flush=True)
 
-    import faulthandler
     faulthandler.dump_traceback_later(args.budget_s + 150, exit=True)       # a stuck case shows where it stuck
     key = jax.random.key(0)
     schedules = [int(s) for s in args.schedules.split(",")]
