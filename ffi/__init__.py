@@ -5,7 +5,8 @@
     moe_gemv(x_rows [R, K], w [E, N, K], expert_ids [R]) -> [R, N]       row r times expert expert_ids[r]
 
 w: Fp8BlockWeight / Mxfp4Weight / Nvfp4Weight, or an FP4 weight in the GEMV layout (fp4_layout.to_gemv_layout:
-fewer decode instructions, same bytes). M <= 8 bf16 rows (<= 4 float32 rows, split into bf16 hi + lo),
+fewer decode instructions, same bytes); or a pair (w_a, w_b) of two weights of one format and shape, e.g. a gate and
+an up projection: both products in one launch, side by side along N ([..., 2N]; each activation load serves both). M <= 8 bf16 rows (<= 4 float32 rows, split into bf16 hi + lo),
 float32 accumulation, one launch each. Kernels: ffi/gemv_kernel.cuh (schedule), fp4_gemv.cu,
 fp8_gemv.cu. Oracle: dsv4_jax.quant.linear / grouped_linear. Status and measurements: ffi/README.md.
 """
@@ -30,12 +31,19 @@ ROUTED_SCHEDULE = 411
 _TARGETS = {Mxfp4Weight: ("fp4_gemv.cu", "dsv4_mxfp4_gemv", "DSV4Mxfp4Gemv"),
             Nvfp4Weight: ("fp4_gemv.cu", "dsv4_nvfp4_gemv", "DSV4Nvfp4Gemv"),
             Fp8BlockWeight: ("fp8_gemv.cu", "dsv4_fp8_gemv", "DSV4Fp8Gemv")}
+PAIR_SCHEDULES = (0, 811, 411)   # schedules compiled for a pair of weights (gemv_kernel.cuh, compiled_for)
+
+
+def _handlers(weight_type) -> tuple[str, dict[str, str]]:
+    """(source, {FFI target: handler symbol}) of a weight format: its one-weight and its pair handler."""
+    source, target, symbol = _TARGETS[weight_type]
+    return source, {target: symbol, target + "_pair": symbol + "Pair"}
 
 
 def register_all() -> None:
     """Build (if needed), load and register every kernel of ffi/ for this GPU; raises FfiBuildError / OSError."""
-    for source, target, symbol in _TARGETS.values():
-        register(source, {target: symbol})
+    for weight_type in _TARGETS:
+        register(*_handlers(weight_type))
 
 
 def max_rows(dtype) -> int:
@@ -67,18 +75,35 @@ def _stored(w):
     return w.weight if isinstance(w, GemvLayoutFp4) else w
 
 
+def _weights(w) -> tuple:
+    """A weight or a pair of weights -> the tuple of weights a call multiplies."""
+    return tuple(w) if isinstance(w, (tuple, list)) else (w,)
+
+
 def _call(x3: jax.Array, w, experts: jax.Array, n: int, schedule: int) -> jax.Array:
-    stored = _stored(w)
-    source, target, symbol = _TARGETS[type(stored)]
-    register(source, {target: symbol})
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x3.shape[:2], n), jnp.float32))
+    weights = _weights(w)
+    stored = [_stored(v) for v in weights]
+    source, handlers = _handlers(type(stored[0]))
+    register(source, handlers)
+    target = list(handlers)[len(weights) - 1]         # the one-weight or the pair handler
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x3.shape[:2], len(weights) * n), jnp.float32))
     attrs = {"schedule": np.int32(schedule)}
     if source == "fp4_gemv.cu":                       # 0: checkpoint nibble order, 1: the GEMV layout
-        attrs["layout"] = np.int32(isinstance(w, GemvLayoutFp4))
-    return call(x3, *_weight_operands(stored), experts, **attrs)
+        attrs["layout"] = np.int32(isinstance(weights[0], GemvLayoutFp4))
+    operands = [op for v in stored for op in _weight_operands(v)]
+    return call(x3, *operands, experts, **attrs)
 
 
 def _check_weight(w, x_k: int, what: str, stacked: bool):
+    weights = _weights(w)
+    if len(weights) > 2:
+        raise ValueError(f"{what}: one weight or a pair of weights, got {len(weights)}")
+    if len(weights) == 2:
+        a, b = weights
+        if (type(a) is not type(b) or type(_stored(a)) is not type(_stored(b)) or tuple(a.shape) != tuple(b.shape)):
+            raise ValueError(f"{what}: the two weights of a pair need one format, layout and shape, got "
+                             f"{type(a).__name__} {tuple(a.shape)} and {type(b).__name__} {tuple(b.shape)}")
+    w = weights[0]
     if type(_stored(w)) not in _TARGETS:
         raise TypeError(f"{what}: unsupported weight {type(w).__name__}")
     if len(w.shape) != (3 if stacked else 2):
@@ -91,13 +116,16 @@ def _check_weight(w, x_k: int, what: str, stacked: bool):
 
 def grouped_gemv(x3: jax.Array, w_stacked, experts: jax.Array, out_dtype=None, *, schedule: int = 0) -> jax.Array:
     """Slot s of x3 [S, M, K] (M <= 8 bf16 / <= 4 float32 rows) times expert experts[s] of w_stacked [E, N, K]
-    (any format) -> [S, M, N] out_dtype (default x3.dtype). One launch; `schedule` picks a compiled tiling
-    (gemv_kernel.cuh; 0 = default)."""
+    (any format) -> [S, M, N] out_dtype (default x3.dtype); a pair (w_a, w_b) -> [S, M, 2N], w_a's products in
+    columns 0 .. N. One launch; `schedule` picks a compiled tiling (gemv_kernel.cuh; 0 = default; a pair:
+    PAIR_SCHEDULES)."""
     what = "ffi.grouped_gemv"
     if x3.ndim != 3 or not 1 <= x3.shape[1] <= max_rows(x3.dtype) or experts.shape != x3.shape[:1]:
         raise ValueError(f"{what}: x [S, M, K] with 1..{max_rows(x3.dtype)} {x3.dtype} rows per slot and experts "
                          f"[S] expected, got {x3.shape}, {experts.shape}")
     n = _check_weight(w_stacked, x3.shape[2], what, stacked=True)
+    if len(_weights(w_stacked)) == 2 and schedule not in PAIR_SCHEDULES:
+        raise ValueError(f"{what}: a pair of weights runs schedules {PAIR_SCHEDULES}, got {schedule}")
     m = x3.shape[1]
     y = _call(_split_rows(x3), w_stacked, experts.astype(jnp.int32), n, schedule)
     if x3.dtype == jnp.float32:
@@ -110,7 +138,7 @@ def gemv(x: jax.Array, w, out_dtype=None, *, schedule: int = 0) -> jax.Array:
     (default x.dtype)."""
     if x.ndim != 2 or not 1 <= x.shape[0] <= max_rows(x.dtype):
         raise ValueError(f"ffi.gemv: x must be [M, K] with 1..{max_rows(x.dtype)} {x.dtype} rows, got {x.shape}")
-    _check_weight(w, x.shape[1], "ffi.gemv", stacked=False)
+    _check_weight(w, x.shape[1], "ffi.gemv", stacked=False)                # a pair: [M, 2N] (grouped_gemv)
     w_stacked = jax.tree.map(lambda a: a[None], w)
     return grouped_gemv(x[None], w_stacked, jnp.zeros((1,), jnp.int32), out_dtype, schedule=schedule)[0]
 

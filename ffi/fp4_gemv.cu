@@ -8,6 +8,10 @@
 //   experts s32  [S]              expert of each slot (-1: unused slot); dense: [0]
 //   y       f32  [S, M, N]
 //
+// The pair handlers (dsv4_{mx,nv}fp4_gemv_pair) take two weights of one shape (packed, scale[, global] of the
+// first, then of the second: e.g. a gate and an up projection) and return y [S, M, 2N], the first's products in
+// columns 0 .. N, the second's in N .. 2N, in one launch (gemv_kernel.cuh, "Weight sets").
+//
 // Each thread owns 32 consecutive inputs of rows g and g + 8 per step (16 bytes per row: one 128-bit load).
 // Per 32-bit word of packed weights (8 nibbles, inputs 8t .. 8t + 7 of the thread's run):
 //
@@ -257,10 +261,10 @@ struct Nvfp4 : Fp4Format<Nvfp4<kGemvLayout>, Nvfp4Weights, 16, kGemvLayout> {
   }
 };
 
-// Shapes shared by both formats; returns an error message or "".
+// Shapes shared by both formats (y has `sets` x N columns); returns an error message or "".
 std::string check_fp4(const char* name, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi::U8>& packed,
                       ffi::Buffer<ffi::U8>& scale, int block, ffi::Buffer<ffi::S32>& experts,
-                      ffi::ResultBuffer<ffi::F32>& y) {
+                      ffi::ResultBuffer<ffi::F32>& y, int sets) {
   const auto xd = x.dimensions(), pd = packed.dimensions(), sd = scale.dimensions();
   const auto ed = experts.dimensions(), yd = y->dimensions();
   const std::string who(name);
@@ -272,15 +276,33 @@ std::string check_fp4(const char* name, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<f
   if (k % kStep != 0 || pd[2] * 2 != k || sd[0] != pd[0] || sd[1] != n || sd[2] * block != k) {
     return who + ": need packed [E, N, K/2], scale [E, N, K/" + std::to_string(block) + "], K % 128 == 0";
   }
-  if (ed[0] != slots || yd[0] != slots || yd[1] != m || yd[2] != n) return who + ": experts [S], y [S, M, N]";
+  if (ed[0] != slots || yd[0] != slots || yd[1] != m || yd[2] != sets * n) {
+    return who + (sets == 1 ? ": experts [S], y [S, M, N]" : ": experts [S], y [S, M, 2N]");
+  }
+  return "";
+}
+
+// The second weight of a pair must have the first's shapes.
+std::string check_second(const char* name, ffi::Buffer<ffi::U8>& packed, ffi::Buffer<ffi::U8>& scale,
+                         ffi::Buffer<ffi::U8>& packed2, ffi::Buffer<ffi::U8>& scale2) {
+  const auto same = [](auto a, auto b) {
+    if (a.size() != b.size()) return false;
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (a[i] != b[i]) return false;
+    }
+    return true;
+  };
+  if (!same(packed.dimensions(), packed2.dimensions()) || !same(scale.dimensions(), scale2.dimensions())) {
+    return std::string(name) + ": the two weights of a pair must have the same shapes";
+  }
   return "";
 }
 
 // layout 0: the checkpoint's nibble order; 1: the GEMV layout (header comment).
-template <template <bool> class Format, class Weights>
+template <template <bool> class Format, class Weights, int kSets>
 ffi::Error launch_fp4(cudaStream_t stream, int32_t layout, int32_t schedule, ffi::Buffer<ffi::BF16>& x,
-                      const Weights& w, ffi::Buffer<ffi::S32>& experts, ffi::ResultBuffer<ffi::F32>& y, int n,
-                      const char* name) {
+                      const WeightSets<Weights, kSets>& w, ffi::Buffer<ffi::S32>& experts,
+                      ffi::ResultBuffer<ffi::F32>& y, int n, const char* name) {
   const auto xd = x.dimensions();
   const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
   const int slots = static_cast<int>(xd[0]), m = static_cast<int>(xd[1]), k = static_cast<int>(xd[2]);
@@ -299,26 +321,60 @@ ffi::Error Mxfp4GemvImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
                          ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y,
                          int32_t schedule, int32_t layout) {
   const char* name = "dsv4_mxfp4_gemv";
-  if (auto msg = check_fp4(name, x, packed, scale, 32, experts, y); !msg.empty()) {
+  if (auto msg = check_fp4(name, x, packed, scale, 32, experts, y, 1); !msg.empty()) {
     return ffi::Error::InvalidArgument(msg);
   }
-  return launch_fp4<Mxfp4>(stream, layout, schedule, x, Mxfp4Weights{packed.typed_data(), scale.typed_data()},
-                           experts, y, static_cast<int>(packed.dimensions()[1]), name);
+  return launch_fp4<Mxfp4>(stream, layout, schedule, x,
+                           WeightSets<Mxfp4Weights, 1>{{{packed.typed_data(), scale.typed_data()}}}, experts, y,
+                           static_cast<int>(packed.dimensions()[1]), name);
+}
+
+ffi::Error Mxfp4GemvPairImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> packed,
+                             ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::U8> packed2, ffi::Buffer<ffi::U8> scale2,
+                             ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y, int32_t schedule,
+                             int32_t layout) {
+  const char* name = "dsv4_mxfp4_gemv_pair";
+  std::string msg = check_fp4(name, x, packed, scale, 32, experts, y, 2);
+  if (msg.empty()) msg = check_second(name, packed, scale, packed2, scale2);
+  if (!msg.empty()) return ffi::Error::InvalidArgument(msg);
+  const WeightSets<Mxfp4Weights, 2> w{{{packed.typed_data(), scale.typed_data()},
+                                       {packed2.typed_data(), scale2.typed_data()}}};
+  return launch_fp4<Mxfp4>(stream, layout, schedule, x, w, experts, y, static_cast<int>(packed.dimensions()[1]), name);
+}
+
+std::string check_global(const char* name, ffi::Buffer<ffi::F32>& global, ffi::Buffer<ffi::U8>& packed) {
+  if (global.dimensions().size() != 1 || global.dimensions()[0] != packed.dimensions()[0]) {
+    return std::string(name) + ": global scale [E] expected";
+  }
+  return "";
 }
 
 ffi::Error Nvfp4GemvImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> packed,
                          ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global, ffi::Buffer<ffi::S32> experts,
                          ffi::ResultBuffer<ffi::F32> y, int32_t schedule, int32_t layout) {
   const char* name = "dsv4_nvfp4_gemv";
-  if (auto msg = check_fp4(name, x, packed, scale, 16, experts, y); !msg.empty()) {
+  if (auto msg = check_fp4(name, x, packed, scale, 16, experts, y, 1); !msg.empty()) {
     return ffi::Error::InvalidArgument(msg);
   }
-  if (global.dimensions().size() != 1 || global.dimensions()[0] != packed.dimensions()[0]) {
-    return ffi::Error::InvalidArgument(std::string(name) + ": global scale [E] expected");
-  }
+  if (auto msg = check_global(name, global, packed); !msg.empty()) return ffi::Error::InvalidArgument(msg);
   return launch_fp4<Nvfp4>(stream, layout, schedule, x,
-                           Nvfp4Weights{packed.typed_data(), scale.typed_data(), global.typed_data()},
+                           WeightSets<Nvfp4Weights, 1>{{{packed.typed_data(), scale.typed_data(), global.typed_data()}}},
                            experts, y, static_cast<int>(packed.dimensions()[1]), name);
+}
+
+ffi::Error Nvfp4GemvPairImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> packed,
+                             ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> global, ffi::Buffer<ffi::U8> packed2,
+                             ffi::Buffer<ffi::U8> scale2, ffi::Buffer<ffi::F32> global2, ffi::Buffer<ffi::S32> experts,
+                             ffi::ResultBuffer<ffi::F32> y, int32_t schedule, int32_t layout) {
+  const char* name = "dsv4_nvfp4_gemv_pair";
+  std::string msg = check_fp4(name, x, packed, scale, 16, experts, y, 2);
+  if (msg.empty()) msg = check_second(name, packed, scale, packed2, scale2);
+  if (msg.empty()) msg = check_global(name, global, packed);
+  if (msg.empty()) msg = check_global(name, global2, packed);
+  if (!msg.empty()) return ffi::Error::InvalidArgument(msg);
+  const WeightSets<Nvfp4Weights, 2> w{{{packed.typed_data(), scale.typed_data(), global.typed_data()},
+                                       {packed2.typed_data(), scale2.typed_data(), global2.typed_data()}}};
+  return launch_fp4<Nvfp4>(stream, layout, schedule, x, w, experts, y, static_cast<int>(packed.dimensions()[1]), name);
 }
 
 }  // namespace
@@ -340,6 +396,36 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DSV4Nvfp4Gemv, dsv4::Nvfp4GemvImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("schedule")
+                                  .Attr<int32_t>("layout"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DSV4Mxfp4GemvPair, dsv4::Mxfp4GemvPairImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("schedule")
+                                  .Attr<int32_t>("layout"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DSV4Nvfp4GemvPair, dsv4::Nvfp4GemvPairImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

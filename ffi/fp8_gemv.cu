@@ -6,6 +6,9 @@
 //   experts s32  [1]                           [0] (one slot: the skeleton's dense case)
 //   y       f32  [1, M, N]
 //
+// dsv4_fp8_gemv_pair takes two weights of one shape (weight, scale of the first, then of the second: e.g. the
+// shared expert's gate and up projections) and returns y [1, M, 2N], both products side by side, in one launch.
+//
 // Each thread owns 32 consecutive inputs of rows g and g + 8 per step (32 bytes per row: two 128-bit loads);
 // the step's 128 inputs and the tile's 16 rows lie in one 128 x 128 scale block. Per 32-bit word w of weights
 // (4 e4m3 bytes b0..b3, inputs 4j .. 4j + 3 of the thread's run):
@@ -83,28 +86,64 @@ struct Fp8Block {
   }
 };
 
+// Shapes (y has `sets` x N columns; the second weight of a pair, if any, has the first's shapes); returns an error
+// message or "".
+std::string check_fp8(const std::string& name, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi::U8>& weight,
+                      ffi::Buffer<ffi::U8>& scale, ffi::Buffer<ffi::S32>& experts, ffi::ResultBuffer<ffi::F32>& y,
+                      int sets) {
+  const auto xd = x.dimensions(), wd = weight.dimensions(), sd = scale.dimensions();
+  const auto ed = experts.dimensions(), yd = y->dimensions();
+  if (xd.size() != 3 || wd.size() != 3 || sd.size() != 3 || ed.size() != 1 || yd.size() != 3) {
+    return name + ": x [S, M, K], weight [E, N, K], scale [E, N/128, K/128], experts [S], y [S, M, N] expected";
+  }
+  const int64_t slots = xd[0], m = xd[1], k = xd[2], n = wd[1];
+  if (m < 1 || m > kMaxRows) return name + ": 1 <= M <= 8 activation rows";
+  if (k % kStep != 0 || wd[2] != k || sd[0] != wd[0] || sd[1] != (n + 127) / 128 || sd[2] != k / 128) {
+    return name + ": need weight [E, N, K], scale [E, ceil(N/128), K/128], K % 128 == 0";
+  }
+  if (ed[0] != slots || yd[0] != slots || yd[1] != m || yd[2] != sets * n) {
+    return name + (sets == 1 ? ": experts [S], y [S, M, N]" : ": experts [S], y [S, M, 2N]");
+  }
+  return "";
+}
+
+template <int kSets>
+ffi::Error launch_fp8(cudaStream_t stream, int32_t schedule, ffi::Buffer<ffi::BF16>& x,
+                      const WeightSets<Fp8Block::Weights, kSets>& w, ffi::Buffer<ffi::U8>& weight,
+                      ffi::Buffer<ffi::S32>& experts, ffi::ResultBuffer<ffi::F32>& y, const std::string& name) {
+  const auto xd = x.dimensions();
+  return launch_gemv<Fp8Block>(stream, schedule, reinterpret_cast<const uint16_t*>(x.typed_data()), w,
+                               experts.typed_data(), static_cast<int>(xd[0]), y->typed_data(),
+                               static_cast<int>(xd[1]), static_cast<int>(weight.dimensions()[1]),
+                               static_cast<int>(xd[2]), name.c_str());
+}
+
 ffi::Error Fp8GemvImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> weight,
                        ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y,
                        int32_t schedule) {
   const std::string name = "dsv4_fp8_gemv";
-  const auto xd = x.dimensions(), wd = weight.dimensions(), sd = scale.dimensions();
-  const auto ed = experts.dimensions(), yd = y->dimensions();
-  if (xd.size() != 3 || wd.size() != 3 || sd.size() != 3 || ed.size() != 1 || yd.size() != 3) {
-    return ffi::Error::InvalidArgument(name + ": x [S, M, K], weight [E, N, K], scale [E, N/128, K/128], "
-                                       "experts [S], y [S, M, N] expected");
+  if (auto msg = check_fp8(name, x, weight, scale, experts, y, 1); !msg.empty()) {
+    return ffi::Error::InvalidArgument(msg);
   }
-  const int64_t slots = xd[0], m = xd[1], k = xd[2], n = wd[1];
-  if (m < 1 || m > kMaxRows) return ffi::Error::InvalidArgument(name + ": 1 <= M <= 8 activation rows");
-  if (k % kStep != 0 || wd[2] != k || sd[0] != wd[0] || sd[1] != (n + 127) / 128 || sd[2] != k / 128) {
-    return ffi::Error::InvalidArgument(name + ": need weight [E, N, K], scale [E, ceil(N/128), K/128], K % 128 == 0");
+  const WeightSets<Fp8Block::Weights, 1> w{{{weight.typed_data(), scale.typed_data()}}};
+  return launch_fp8(stream, schedule, x, w, weight, experts, y, name);
+}
+
+ffi::Error Fp8GemvPairImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> weight,
+                           ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::U8> weight2, ffi::Buffer<ffi::U8> scale2,
+                           ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y, int32_t schedule) {
+  const std::string name = "dsv4_fp8_gemv_pair";
+  if (auto msg = check_fp8(name, x, weight, scale, experts, y, 2); !msg.empty()) {
+    return ffi::Error::InvalidArgument(msg);
   }
-  if (ed[0] != slots || yd[0] != slots || yd[1] != m || yd[2] != n) {
-    return ffi::Error::InvalidArgument(name + ": experts [S], y [S, M, N]");
+  const auto wd = weight.dimensions(), wd2 = weight2.dimensions(), sd = scale.dimensions(), sd2 = scale2.dimensions();
+  if (wd2.size() != 3 || sd2.size() != 3 || wd2[0] != wd[0] || wd2[1] != wd[1] || wd2[2] != wd[2] ||
+      sd2[0] != sd[0] || sd2[1] != sd[1] || sd2[2] != sd[2]) {
+    return ffi::Error::InvalidArgument(name + ": the two weights of a pair must have the same shapes");
   }
-  return launch_gemv<Fp8Block>(stream, schedule, reinterpret_cast<const uint16_t*>(x.typed_data()),
-                               Fp8Block::Weights{weight.typed_data(), scale.typed_data()}, experts.typed_data(),
-                               static_cast<int>(slots), y->typed_data(), static_cast<int>(m), static_cast<int>(n),
-                               static_cast<int>(k), name.c_str());
+  const WeightSets<Fp8Block::Weights, 2> w{{{weight.typed_data(), scale.typed_data()},
+                                            {weight2.typed_data(), scale2.typed_data()}}};
+  return launch_fp8(stream, schedule, x, w, weight, experts, y, name);
 }
 
 }  // namespace
@@ -114,6 +153,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DSV4Fp8Gemv, dsv4::Fp8GemvImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("schedule"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DSV4Fp8GemvPair, dsv4::Fp8GemvPairImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -20,6 +20,10 @@
 // multiplies its M activation rows x[s, 0:M, :] by expert slot_expert[s] of the stacked weight [E, N, K] and
 // writes y[s, 0:M, :]; slots with expert -1 write nothing. A dense matmul is one slot with expert 0.
 //
+// Weight sets (kSets = 2: a gate and an up projection in one launch): kSets weights of one format and shape
+// [E, N, K] times the same activation rows; an item computes its tile rows of every set, so each activation load
+// and B fragment serves all of them (as kTiles > 1 does), and the outputs lie side by side: y [S, M, kSets N].
+//
 // A Format provides:
 //   kAllSchedules                                 false: only the schedules of compiled_for (a variant on trial)
 //   kStageable                                    true: the staged schedules too, with
@@ -39,6 +43,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <cuda_runtime.h>
 
 #include "xla/ffi/api/ffi.h"
@@ -103,32 +108,43 @@ __device__ __forceinline__ void sync_threads() {
   }
 }
 
+// The weights of one call: kSets weights of one format and shape (see "Weight sets" above).
+template <class Weights, int kSets>
+struct WeightSets {
+  Weights set[kSets];
+};
+
 // Sums the kWarps partial tiles of a CTA through shared memory and writes rows row_base .. row_base + 16 kTiles
-// of y_slot [m_rows, n], times the format's epilogue factor. Ends with a barrier (over the CTA, or over threads
-// 0 .. kBarrierThreads - 1 when a producer warp does not take part): `partial` is free again.
-template <class Format, int kWarps, int kTiles, int kBarrierThreads = 0>
-__device__ __forceinline__ void store_tiles(float (&partial)[kWarps][16 * kTiles][kMaxRows], const float (&c)[kTiles][4],
-                                            const typename Format::Weights& w, int expert, float* y_slot, int m_rows,
-                                            int n, int row_base) {
-  constexpr int kRows = 16 * kTiles;
+// of each set's columns of y_slot [m_rows, kSets n], times the set's epilogue factor. Ends with a barrier (over
+// the CTA, or over threads 0 .. kBarrierThreads - 1 when a producer warp does not take part): `partial` is free
+// again. Tile t of c is tile t % kTiles of set t / kTiles.
+template <class Format, int kWarps, int kTiles, int kSets, int kBarrierThreads = 0>
+__device__ __forceinline__ void store_tiles(float (&partial)[kWarps][16 * kTiles * kSets][kMaxRows],
+                                            const float (&c)[kTiles * kSets][4],
+                                            const WeightSets<typename Format::Weights, kSets>& w, int expert,
+                                            float* y_slot, int m_rows, int n, int row_base) {
+  constexpr int kRows = 16 * kTiles, kAllRows = kRows * kSets;
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
   // c[t][0], c[t][1]: weight row 16t + g, activation rows 2q, 2q + 1; c[t][2], c[t][3]: row 16t + g + 8.
 #pragma unroll
-  for (int t = 0; t < kTiles; ++t) {
+  for (int t = 0; t < kTiles * kSets; ++t) {
     partial[warp][16 * t + g][2 * q] = c[t][0];
     partial[warp][16 * t + g][2 * q + 1] = c[t][1];
     partial[warp][16 * t + g + 8][2 * q] = c[t][2];
     partial[warp][16 * t + g + 8][2 * q + 1] = c[t][3];
   }
   sync_threads<kBarrierThreads>();
-  const float factor = Format::epilogue(w, expert);
-  for (int e = threadIdx.x; e < kRows * kMaxRows; e += kWarps * 32) {
-    const int r = e % kRows, mcol = e / kRows;             // consecutive threads: consecutive outputs
+  float factor[kSets];
+#pragma unroll
+  for (int s = 0; s < kSets; ++s) factor[s] = Format::epilogue(w.set[s], expert);
+  for (int e = threadIdx.x; e < kAllRows * kMaxRows; e += kWarps * 32) {
+    const int r = e % kAllRows, mcol = e / kAllRows;       // consecutive threads: consecutive outputs
     if (mcol < m_rows) {
       float sum = 0.f;
 #pragma unroll
       for (int v = 0; v < kWarps; ++v) sum += partial[v][r][mcol];
-      y_slot[static_cast<size_t>(mcol) * n + row_base + r] = sum * factor;
+      const int set = r / kRows;
+      y_slot[static_cast<size_t>(mcol) * kSets * n + set * n + row_base + r % kRows] = sum * factor[set];
     }
   }
   sync_threads<kBarrierThreads>();
@@ -164,13 +180,13 @@ enum Mode : int {
 // persistent schedule). kPersistent: each warp bulk-prefetches its share of the next item's weight bytes into L2
 // before computing the current one, so DRAM keeps a deep queue without registers held for loads in flight.
 // kMinBlocks > 1 caps the registers so that many CTAs fit on an SM (more loads in flight; may spill).
-template <class Format, int kWarps, int kTiles, int kUnroll, int kMode, int kMinBlocks>
+template <class Format, int kWarps, int kTiles, int kUnroll, int kMode, int kMinBlocks, int kSets>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
-gemv_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const int32_t* __restrict__ slot_expert,
-            float* __restrict__ y, int m_rows, int n, int k, int items) {
-  constexpr int kRows = 16 * kTiles;
+gemv_kernel(const uint16_t* __restrict__ x, WeightSets<typename Format::Weights, kSets> w,
+            const int32_t* __restrict__ slot_expert, float* __restrict__ y, int m_rows, int n, int k, int items) {
+  constexpr int kRows = 16 * kTiles, kAll = kTiles * kSets;     // kAll tiles per item: tile t of set t / kTiles
   constexpr bool kPrefetch = kMode == kPersistent, kStream = kMode == kStreamed;
-  __shared__ float partial[kWarps][kRows][kMaxRows];
+  __shared__ float partial[kWarps][kRows * kSets][kMaxRows];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;                    // fragment row group, quad lane
   const int tiles = n / kRows, steps = k / kStep;
@@ -179,35 +195,43 @@ gemv_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const in
   const int per_warp = (steps + kWarps - 1) / kWarps;
   const int first = kStream ? warp * per_warp : warp, stride = kStream ? 1 : kWarps;
   const int last = kStream ? min(steps, first + per_warp) : steps;
+  // rows row .. row + kRows of every set, into L2
+  auto prefetch = [&](int expert, int row) {
+#pragma unroll
+    for (int s = 0; s < kSets; ++s) Format::prefetch(w.set[s], expert, row, kRows, n, k, warp, kWarps);
+  };
+  // rows g and g + 8 of the item's tile t (tile t % kTiles of set t / kTiles) at input k0
+  auto load_tile = [&](auto stream, int expert, int row_base, int t, int k0) {
+    return Format::template load<decltype(stream)::value>(w.set[t / kTiles], expert, row_base + 16 * (t % kTiles) + g,
+                                                          k0, n, k);
+  };
   if (kPrefetch && lane == 0 && slot_expert[blockIdx.x / tiles] >= 0) {
-    Format::prefetch(w, slot_expert[blockIdx.x / tiles], blockIdx.x % tiles * kRows, kRows, n, k, warp, kWarps);
+    prefetch(slot_expert[blockIdx.x / tiles], blockIdx.x % tiles * kRows);
   }
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int slot = item / tiles, row_base = item % tiles * kRows;
     const int expert = slot_expert[slot];                  // dense: one slot, expert 0
     if (kPrefetch && lane == 0 && item + gridDim.x < items) {
       const int next = item + gridDim.x, next_expert = slot_expert[next / tiles];
-      if (next_expert >= 0) Format::prefetch(w, next_expert, next % tiles * kRows, kRows, n, k, warp, kWarps);
+      if (next_expert >= 0) prefetch(next_expert, next % tiles * kRows);
     }
     if (expert < 0) continue;                              // unused slot (uniform over the CTA)
     const uint16_t* x_row = x + (static_cast<size_t>(slot) * m_rows + (has_x ? g : 0)) * k;
 
-    float c[kTiles][4] = {};
+    float c[kAll][4] = {};
     if constexpr (kMode == kPipelined) {
       static_assert(kUnroll == 1, "pipelined schedules prefetch one step instead of unrolling");
       // two tiles in turn (no register copies): load step s + 1 into one while computing step s from the other
-      typename Format::Tile even[kTiles], odd[kTiles];
-      auto load_step = [&](typename Format::Tile (&tile)[kTiles], int step) {
+      typename Format::Tile even[kAll], odd[kAll];
+      auto load_step = [&](typename Format::Tile (&tile)[kAll], int step) {
 #pragma unroll
-        for (int t = 0; t < kTiles; ++t) {
-          tile[t] = Format::template load<false>(w, expert, row_base + 16 * t + g, step * kStep + q * 32, n, k);
-        }
+        for (int t = 0; t < kAll; ++t) tile[t] = load_tile(std::false_type{}, expert, row_base, t, step * kStep + q * 32);
       };
-      auto compute_step = [&](const typename Format::Tile (&tile)[kTiles], int step) {
+      auto compute_step = [&](const typename Format::Tile (&tile)[kAll], int step) {
         uint32_t xs[16];
         load_x(x_row, step * kStep + q * 32, xs);
 #pragma unroll
-        for (int t = 0; t < kTiles; ++t) Format::mma(tile[t], xs, c[t]);
+        for (int t = 0; t < kAll; ++t) Format::mma(tile[t], xs, c[t]);
       };
       if (first < last) load_step(even, first);
       for (int step = first; step < last; step += 2 * stride) {
@@ -219,7 +243,7 @@ gemv_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const in
       }
     } else {
       for (int base = first; base < last; base += stride * kUnroll) {
-        typename Format::Tile tile[kUnroll][kTiles];
+        typename Format::Tile tile[kUnroll][kAll];
         uint32_t xs[kUnroll][16];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
@@ -227,8 +251,8 @@ gemv_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const in
           if (step < last) {
             const int k0 = step * kStep + q * 32;
 #pragma unroll
-            for (int t = 0; t < kTiles; ++t) {
-              tile[u][t] = Format::template load<kStream>(w, expert, row_base + 16 * t + g, k0, n, k);
+            for (int t = 0; t < kAll; ++t) {
+              tile[u][t] = load_tile(std::bool_constant<kStream>{}, expert, row_base, t, k0);
             }
             load_x(x_row, k0, xs[u]);
           }
@@ -237,13 +261,13 @@ gemv_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, const in
         for (int u = 0; u < kUnroll; ++u) {
           if (base + u * stride < last) {
 #pragma unroll
-            for (int t = 0; t < kTiles; ++t) Format::mma(tile[u][t], xs[u], c[t]);
+            for (int t = 0; t < kAll; ++t) Format::mma(tile[u][t], xs[u], c[t]);
           }
         }
       }
     }
-    store_tiles<Format, kWarps, kTiles>(partial, c, w, expert, y + static_cast<size_t>(slot) * m_rows * n, m_rows, n,
-                                        row_base);
+    store_tiles<Format, kWarps, kTiles, kSets>(partial, c, w, expert, y + static_cast<size_t>(slot) * m_rows * kSets * n,
+                                               m_rows, n, row_base);
   }
 }
 
@@ -265,10 +289,10 @@ namespace dsv4 {
 // Routed experts (ffi.moe_gemv) default to 411 instead (ffi/__init__.py, ROUTED_SCHEDULE).
 constexpr int kDefaultSchedule = 811;
 
-template <class Format, int W, int T, int U, int P, int B>
-xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const typename Format::Weights& w,
+template <class Format, int W, int T, int U, int P, int B, int kSets>
+xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const WeightSets<typename Format::Weights, kSets>& w,
                            const int32_t* slot_expert, int slots, float* y, int m_rows, int n, int k) {
-  auto kernel = gemv_kernel<Format, W, T, U, P, B>;
+  auto kernel = gemv_kernel<Format, W, T, U, P, B, kSets>;
   const int items = slots * (n / (16 * T));
   int grid = items;
   if (P == kPersistent) {                                  // as many CTAs as fit at once
@@ -292,18 +316,19 @@ constexpr int schedule_code(int b, int p, int w, int t, int u) {
 }
 
 // Schedules compiled for a Format: all of them, or (Format::kAllSchedules false: a variant being measured) the
-// default and the few that won somewhere in the sweeps.
-template <class Format>
+// default and the few that won somewhere in the sweeps; for two weight sets the dense and routed defaults only.
+template <class Format, int kSets>
 constexpr bool compiled_for(int schedule) {
+  if (kSets > 1) return schedule == kDefaultSchedule || schedule == 411;
   if (schedule / 1000 % 10 == kStaged) return Format::kStageable;
   return Format::kAllSchedules || schedule == kDefaultSchedule || schedule == 411 || schedule == 814 ||
          schedule == 43811 || schedule == 83411;      // 411: ffi.moe_gemv's default (ROUTED_SCHEDULE)
 }
 
-template <class Format>
-xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x, const typename Format::Weights& w,
-                            const int32_t* slot_expert, int slots, float* y, int m_rows, int n, int k,
-                            const char* name) {
+template <class Format, int kSets>
+xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x,
+                            const WeightSets<typename Format::Weights, kSets>& w, const int32_t* slot_expert, int slots,
+                            float* y, int m_rows, int n, int k, const char* name) {
   using xla::ffi::Error;
   if (schedule == 0) schedule = kDefaultSchedule;
   const int tiles = schedule / 10 % 10;
@@ -314,12 +339,13 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
   switch (schedule) {
 #define DSV4_SCHEDULE(B, P, W, T, U)                                                                      \
   case schedule_code(B, P, W, T, U):                                                                      \
-    if constexpr (compiled_for<Format>(schedule_code(B, P, W, T, U))) {                                   \
+    if constexpr (compiled_for<Format, kSets>(schedule_code(B, P, W, T, U))) {                            \
       if constexpr (P == kStaged) {                                                                       \
-        launched = launch_staged<Format, W, (B > 0 ? B : 1)>(stream, x, w, slot_expert, slots, y, m_rows, n, \
-                                                              k, name);                                   \
+        launched = launch_staged<Format, W, (B > 0 ? B : 1)>(stream, x, w.set[0], slot_expert, slots, y,  \
+                                                              m_rows, n, k, name);                        \
       } else {                                                                                            \
-        launched = launch_one<Format, W, T, U, P, B>(stream, x, w, slot_expert, slots, y, m_rows, n, k);  \
+        launched = launch_one<Format, W, T, U, P, B, kSets>(stream, x, w, slot_expert, slots, y, m_rows, n, \
+                                                            k);                                           \
       }                                                                                                   \
     }                                                                                                     \
     break;

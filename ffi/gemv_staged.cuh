@@ -118,8 +118,8 @@ gemv_staged_kernel(const uint16_t* __restrict__ x, typename Format::Weights w, c
     }
     __syncwarp();                              // the warp's reads of the stage are done
     if (lane == 0) mbarrier_arrive(&empty[stage]);
-    store_tiles<Format, kWarps, 1, kWarps * 32>(partial, c, w, expert, y + static_cast<size_t>(slot) * m_rows * n,
-                                                m_rows, n, row_base);
+    store_tiles<Format, kWarps, 1, 1, kWarps * 32>(partial, c, WeightSets<typename Format::Weights, 1>{{w}}, expert,
+                                                   y + static_cast<size_t>(slot) * m_rows * n, m_rows, n, row_base);
   }
 }
 

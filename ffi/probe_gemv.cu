@@ -125,7 +125,7 @@ ffi::Error ProbeGemvImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
     return ffi::Error::InvalidArgument("dsv4_probe_gemv: shapes (probe 2 takes x with K/2 features)");
   }
   const auto* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
-  const ProbeWeights w{packed.typed_data(), scale.typed_data()};
+  const WeightSets<ProbeWeights, 1> w{{{packed.typed_data(), scale.typed_data()}}};
   const int32_t* e = experts.typed_data();
   float* yp = y->typed_data();
   switch (probe) {

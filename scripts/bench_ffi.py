@@ -2,6 +2,7 @@
 same matrix side by side in the same process.
 
     python3 scripts/bench_ffi.py --out $OUT/bench_ffi.json [--budget-s 300]
+    python3 scripts/bench_ffi.py --gate-up-only --out $OUT/bench_gate_up.json    # gate + up: one launch or two
 
 Method as scripts/bench_kernels.py (its time_calls / profiled_kernel_us): every case is checked against the
 reference first; wall time per call in one jitted program over weight copies that L2 cannot hold; kernel time
@@ -31,6 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import ffi  # noqa: E402
+from dsv4_jax.layers.moe import clamped_swiglu  # noqa: E402
 from dsv4_jax.quant.formats import weight_bytes  # noqa: E402
 from dsv4_jax.quant.linear import linear  # noqa: E402
 from pallas_kernels import gemv, moe  # noqa: E402
@@ -43,6 +45,7 @@ SHAPES = [("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096)
 SCHEDULES = [811, 411, 43811, 2811, 24011, 4011, 4811, 24811, 4411, 50811, 83411, 3411, 2411, 814, 812, 414, 821,
              1811]                                   # staged (P = 4): FP4 only
 MOE_SCHEDULES = [811, 411, 24011, 4011, 24811]
+ROUTED = ffi.ROUTED_SCHEDULE
 GEMV_LAYOUT_FORMATS = ("mxfp4", "nvfp4")              # also timed in the GEMV layout (ffi/fp4_layout.py)
 GEMV_LAYOUT_SCHEDULES = [811, 24011, 4011, 24811]
 PROFILED = (0, 811, 24011, 4011, 4811, 24811, 4411, 43811, 2811, 83411)   # kernel time from the profiler too
@@ -59,6 +62,8 @@ def main():
                     help="dense sweep (MXFP4 all, the other formats the first four); --experts uses MOE_SCHEDULES")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--experts", action="store_true", help="also the routed-expert GEMV (6 of 256 experts)")
+    ap.add_argument("--gate-up-only", action="store_true",
+                    help="only the gate + up projections (routed MXFP4 / NVFP4, shared FP8): one launch or two")
     args = ap.parse_args()
     t0 = time.time()
     results = []
@@ -71,6 +76,10 @@ def main():
 
     faulthandler.dump_traceback_later(args.budget_s + 150, exit=True)       # a stuck case shows where it stuck
     key = jax.random.key(0)
+    if args.gate_up_only:
+        run_gate_up(args, key, emit, t0)
+        summary(results)
+        return
     schedules = [int(s) for s in args.schedules.split(",")]
     for name, n, k in [s for s in SHAPES if s[0] in args.shapes.split(",")]:
         bf16_bytes = n * k * 2
@@ -169,6 +178,84 @@ def run_experts(args, key, emit, t0):
                               speedup_vs_bf16=base[0] / t[0],
                               kernel_speedup_vs_bf16=base_k / kt if kt and base_k else None))
             del w_all, w_laid
+
+
+def run_gate_up(args, key, emit, t0):
+    """The gate and up projections of an expert, then the clamped SwiGLU, as the model runs them at decode:
+    two launches (one per weight) or one launch of the pair (ffi weight sets: each activation load serves both),
+    against XLA's bf16 dots of the same matrices. Routed: w1 / w3 [256, 2048, 4096] MXFP4 / NVFP4, 6 experts per
+    token; shared: w1 / w3 [2048, 4096] FP8. The times include the SwiGLU's elementwise kernel in every case."""
+    n_exp, top_k, n, k, limit = 256, 6, 2048, 4096, 10.0
+    for fmt in ("mxfp4", "nvfp4", "fp8"):
+        routed = fmt != "fp8"
+        lead = (n_exp,) if routed else ()
+        w1, w3 = (make_weight(jax.random.fold_in(key, 300 + i), fmt, (*lead, n, k)) for i in range(2))
+        for m in [int(v) for v in args.ms.split(",")]:
+            if time.time() - t0 > args.budget_s:
+                return
+            rng = np.random.default_rng(m)
+            if routed:
+                ids = np.stack([rng.choice(n_exp, top_k, replace=False) for _ in range(m)]).reshape(-1)
+                # rotate expert sets so no call re-reads another's experts from L2
+                sets = [(w1, w3, jnp.asarray((ids + 7 * j) % n_exp, jnp.int32)) for j in range(24)]
+                touched, rows = len(set(ids.tolist())), len(ids)
+                two = lambda x, wi, s=ROUTED: clamped_swiglu(ffi.moe_gemv(x, wi[0], wi[2], jnp.float32, schedule=s),
+                                                             ffi.moe_gemv(x, wi[1], wi[2], jnp.float32, schedule=s),
+                                                             limit)
+                one = lambda x, wi, s: _swiglu_halves(ffi.moe_gemv(x, (wi[0], wi[1]), wi[2], jnp.float32,
+                                                                   schedule=s), limit)
+                # bf16 baseline: each touched expert's gate and up as XLA einsums over bf16 copies
+                dense = [tuple(make_weight(jax.random.fold_in(key, 900 + 2 * j + i), "bf16", (touched, n, k))
+                               for i in range(2)) for j in range(4)]
+                base_fn = lambda x, w: clamped_swiglu(jnp.einsum("ek,enk->en", x, w[0], preferred_element_type=jnp.float32),
+                                                      jnp.einsum("ek,enk->en", x, w[1], preferred_element_type=jnp.float32),
+                                                      limit)
+                per_weight = touched * weight_bytes(jax.tree_util.tree_map(lambda a: a[0], w1))
+            else:
+                copies = 12                                   # 8 MB per copy: 96 MB rotate past L2
+                pairs = [(make_weight(jax.random.fold_in(key, 400 + 2 * j), fmt, (n, k)),
+                          make_weight(jax.random.fold_in(key, 401 + 2 * j), fmt, (n, k))) for j in range(copies)]
+                sets = [(a, b, None) for a, b in pairs]
+                touched, rows = 1, m
+                two = lambda x, wi: clamped_swiglu(ffi.gemv(x, wi[0], jnp.float32), ffi.gemv(x, wi[1], jnp.float32),
+                                                   limit)
+                one = lambda x, wi, s: _swiglu_halves(ffi.gemv(x, (wi[0], wi[1]), jnp.float32, schedule=s), limit)
+                dense = [tuple(make_weight(jax.random.fold_in(key, 900 + 2 * j + i), "bf16", (n, k)) for i in range(2))
+                         for j in range(copies)]
+                base_fn = lambda x, w: clamped_swiglu(jnp.dot(x, w[0].T, preferred_element_type=jnp.float32),
+                                                      jnp.dot(x, w[1].T, preferred_element_type=jnp.float32), limit)
+                per_weight = weight_bytes(w1)
+            x = jax.random.normal(jax.random.fold_in(key, 7000 + m), (rows, k), jnp.float32).astype(jnp.bfloat16)
+            xb = x[:touched] if routed else x
+            base = time_calls(base_fn, dense, xb, 20, repeats=3)
+            base_k = profiled_kernel_us(base_fn, xb, dense)
+            emit(dict(name="gate_up_" + ("routed" if routed else "shared"), m=m, rows=rows, n=n, k=k, fmt="bf16",
+                      impl="xla_bf16_dots", us=base[0], kernel_us=base_k, gbps=2 * touched * n * k * 2 / base[0] / 1e3))
+            del dense
+            ref = jax.jit(two)(x, sets[0])
+            cases = [("two_launches", ROUTED if routed else 811, two)] + [
+                ("pair", s, functools.partial(one, s=s)) for s in ((411, 811) if routed else (811, 411))]
+            for impl, sched, fn in cases:
+                try:
+                    err = rel_err(jax.jit(fn)(x, sets[0]), ref)
+                    if err > 1e-5:
+                        raise RuntimeError(f"pair differs from two launches: rel. err {err:.3g}")
+                    t = time_calls(fn, sets, x, 20, repeats=3)
+                    kt = profiled_kernel_us(fn, x, sets)
+                except Exception as e:  # noqa: BLE001
+                    emit(dict(name="gate_up", m=m, fmt=fmt, impl=impl, schedule=sched,
+                              error=f"{type(e).__name__}: {e}"[:300]))
+                    continue
+                emit(dict(name="gate_up_" + ("routed" if routed else "shared"), m=m, rows=rows, n=n, k=k, fmt=fmt,
+                          impl=impl, schedule=sched, us=t[0], kernel_us=kt, rel_err=err,
+                          gbps=(2 * per_weight + x.size * 2) / t[0] / 1e3, speedup_vs_bf16=base[0] / t[0],
+                          kernel_speedup_vs_bf16=base_k / kt if kt and base_k else None))
+        del w1, w3, sets
+
+
+def _swiglu_halves(y, limit):
+    half = y.shape[-1] // 2
+    return clamped_swiglu(y[..., :half], y[..., half:], limit)
 
 
 def summary(results):

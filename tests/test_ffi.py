@@ -58,6 +58,22 @@ def test_bad_arguments_are_rejected_before_any_build():
         ffi.moe_gemv(jnp.ones((2, 256), jnp.bfloat16), w, jnp.zeros(2, jnp.int32))
 
 
+def test_bad_weight_pairs_are_rejected_before_any_build():
+    rng = np.random.default_rng()
+    x = jnp.ones((2, 256), jnp.bfloat16)
+    a = _weight(rng, "mxfp4", 64, 256)
+    with pytest.raises(ValueError, match="one format, layout and shape"):
+        ffi.gemv(x, (a, _weight(rng, "mxfp4", 128, 256)))
+    with pytest.raises(ValueError, match="one format, layout and shape"):
+        ffi.gemv(x, (a, _weight(rng, "nvfp4", 64, 256)))
+    with pytest.raises(ValueError, match="one format, layout and shape"):
+        ffi.gemv(x, (a, ffi.to_gemv_layout(_weight(rng, "mxfp4", 64, 256))))
+    with pytest.raises(ValueError, match="one weight or a pair"):
+        ffi.gemv(x, (a, a, a))
+    with pytest.raises(ValueError, match="a pair of weights runs schedules"):
+        ffi.gemv(x, (a, a), schedule=2811)
+
+
 def _f64(a):
     return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
 
@@ -165,6 +181,53 @@ def test_moe_gemv_gpu(fmt, rows, dtype, schedule):
     assert y.shape == (rows, n) and np.all(np.isfinite(y))
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < (2e-5 if dtype == jnp.float32 else 1e-5)
     assert np.max(np.abs(y - ref)) < 1e-4 * np.max(np.abs(ref))
+
+
+def _check_pair(y, x, w_a, w_b, experts=None):
+    """y [R, 2N] (a pair's output): columns 0 .. N are x times w_a, N .. 2N x times w_b (row r times expert
+    experts[r] where given), each half against float64 math; the second half is never written by the first's
+    products, so a kernel that skipped a set or swapped the two fails here."""
+    y = np.asarray(y, np.float64)
+    n = w_a.shape[-2]
+    assert y.shape == (x.shape[0], 2 * n) and np.all(np.isfinite(y))
+    tol = 2e-5 if x.dtype == jnp.float32 else 1e-5
+    for half, w in zip((y[:, :n], y[:, n:]), (w_a, w_b)):
+        wd = _dequant64(w)
+        ref = _f64(x) @ wd.T if experts is None else np.einsum("rk,rnk->rn", _f64(x), wd[np.asarray(experts)])
+        assert np.linalg.norm(half - ref) / np.linalg.norm(ref) < tol
+        assert np.max(np.abs(half - ref)) < 1e-4 * np.max(np.abs(ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8"])
+@pytest.mark.parametrize("n,k,m,dtype,schedule", [(2048, 4096, 1, jnp.bfloat16, 0), (1040, 1536, 8, jnp.bfloat16, 411),
+                                                  (512, 2048, 3, jnp.float32, 811)])
+def test_gemv_pair_gpu(fmt, n, k, m, dtype, schedule):
+    """Two weights of one format and shape in one launch (gate and up): y [M, 2N]; NVFP4 global scales differ."""
+    rng = np.random.default_rng()
+    w_a, w_b = _weight(rng, fmt, n, k), _weight(rng, fmt, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    y = jax.jit(lambda x, a, b: ffi.gemv(x, (a, b), jnp.float32, schedule=schedule))(x, w_a, w_b)
+    _check_pair(y, x, w_a, w_b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("rows,dtype,schedule,layout", [(6, jnp.bfloat16, 0, False), (48, jnp.bfloat16, 811, False),
+                                                        (24, jnp.float32, 0, False), (40, jnp.bfloat16, 0, True)])
+def test_moe_gemv_pair_gpu(fmt, rows, dtype, schedule, layout):
+    """Routed rows times their experts of two stacked weights in one launch (the routed gate and up projections),
+    checkpoint and GEMV layout."""
+    rng = np.random.default_rng()
+    n_exp, n, k = 16, 256, 512
+    w_a, w_b = _weight(rng, fmt, n, k, experts=n_exp), _weight(rng, fmt, n, k, experts=n_exp)
+    ids = jnp.asarray(rng.integers(0, 5 if rows == 40 else n_exp, rows), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+    pair = (ffi.to_gemv_layout(w_a), ffi.to_gemv_layout(w_b)) if layout else (w_a, w_b)
+    y = jax.jit(lambda x, p, i: ffi.moe_gemv(x, p, i, jnp.float32, schedule=schedule))(x, pair, ids)
+    _check_pair(y, x, w_a, w_b, ids)
 
 
 @pytest.mark.gpu

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import dsv4_jax
 from dsv4_jax import engine
 from dsv4_jax.model import RunOptions
-from dsv4_jax.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, group_linear, grouped_linear, linear
+from dsv4_jax.quant import (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, group_linear, grouped_linear,
+                            grouped_linear_pair, linear, linear_pair)
 from dsv4_jax.quant import kernel_dispatch
 from dsv4_jax.quant.activations import fp8_activation
 from dsv4_jax.state import init_state
@@ -255,10 +256,14 @@ def test_decode_step_lowers_for_cuda_with_the_ffi_kernels(monkeypatch):
     monkeypatch.setattr(kernel_dispatch, "ffi_available", lambda: True)
     monkeypatch.setattr(ffi, "register", lambda *args: None)               # lowering needs no library
     rec, text = _decode_step_lowered_for_h200(kernels="auto")
-    assert {r[3] for r in rec} == {"cuda"} and len(rec) >= 6 * 9
-    assert {r[4] for r in rec} == {"ffi_gemv", "ffi_grouped_gemv", "ffi_moe_gemv"}
+    # 6 layers x 7 calls: the gate and up projections (shared and routed) are one call each
+    assert {r[3] for r in rec} == {"cuda"} and len(rec) >= 6 * 7
+    kinds = collections.Counter(r[4] for r in rec)
+    assert set(kinds) == {"ffi_gemv", "ffi_grouped_gemv", "ffi_moe_gemv", "ffi_gemv_pair", "ffi_moe_gemv_pair"}
+    assert kinds["ffi_gemv_pair"] == kinds["ffi_moe_gemv_pair"] == kinds["ffi_moe_gemv"] >= 6
     calls = sum(text.count(f"custom_call @dsv4_{fmt}_gemv") for fmt in ("fp8", "mxfp4", "nvfp4"))
-    assert calls >= len(rec)
+    pair_calls = sum(text.count(f"custom_call @dsv4_{fmt}_gemv_pair") for fmt in ("fp8", "mxfp4", "nvfp4"))
+    assert calls >= len(rec) and pair_calls >= kinds["ffi_gemv_pair"] + kinds["ffi_moe_gemv_pair"]
     # schedules: the routed experts (the FP4 calls of the default model) run ffi.ROUTED_SCHEDULE, the rest the
     # kernel's default (0 = 811)
     fp4_calls = [line for line in text.split("\n") if re.search(r"custom_call @dsv4_(mx|nv)fp4_gemv", line)]
@@ -289,6 +294,35 @@ def test_prefill_kernel_gpu(fmt):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt,act_quant", [("fp8", "none"), ("fp8", "nvfp4"), ("mxfp4", "nvfp4"), ("nvfp4", "nvfp4"),
+                                           ("mxfp4", "fp8"), ("nvfp4", "none")])
+def test_gate_up_pairs_match_two_reference_calls_gpu(fmt, act_quant):
+    """linear_pair / grouped_linear_pair (the shared and routed gate + up projections) take one ffi launch and
+    equal two reference calls, NVFP4 activations (a per-row output factor) included; padding rows stay zero."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((5, 512)) * np.exp(rng.uniform(-3, 3, (5, 1))), jnp.bfloat16)
+    w1, w3 = _weight(rng, fmt, (256, 512)), _weight(rng, fmt, (256, 512))
+    with kernel_dispatch.record_dispatch() as rec:
+        got = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32, act_quant=act_quant))(x, w1, w3)
+    assert [r[4] for r in rec] == ["ffi_gemv_pair"]
+    for y, w in zip(got, (w1, w3)):
+        assert _rel(y, linear(x, w, jnp.float32, act_quant=act_quant, kernels="reference")) < 1e-5
+    if fmt == "fp8":                                                     # routed experts are FP4
+        return
+    w1, w3 = _weight(rng, fmt, (6, 256, 512)), _weight(rng, fmt, (6, 256, 512))
+    sizes = jnp.asarray([3, 0, 1, 4, 2, 0], jnp.int32)                   # an empty expert; 2 padding rows
+    xs = jnp.asarray(rng.standard_normal((12, 512)) * np.exp(rng.uniform(-3, 3, (12, 1))), jnp.bfloat16)
+    with kernel_dispatch.record_dispatch() as rec:
+        got = jax.jit(lambda x, a, b, s: grouped_linear_pair(x, a, b, s, jnp.float32, act_quant=act_quant))(
+            xs, w1, w3, sizes)
+    assert [r[4] for r in rec] == ["ffi_moe_gemv_pair"]
+    for y, w in zip(got, (w1, w3)):
+        ref = grouped_linear(xs, w, sizes, jnp.float32, act_quant=act_quant, kernels="reference")
+        assert _rel(y, ref) < 1e-5 and np.all(np.asarray(y)[10:] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype,act_quant", [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "fp8")])
 def test_default_model_with_kernels_matches_reference_gpu(dtype, act_quant):
     prompt = np.random.default_rng().integers(0, 4096, (2, 12)).astype(np.int32)
@@ -298,9 +332,9 @@ def test_default_model_with_kernels_matches_reference_gpu(dtype, act_quant):
     ref = _prefill_decode_generate(dsv4_jax.load(DEFAULT_MODEL, kernels="reference", **kw), prompt, 8)
     with kernel_dispatch.record_dispatch() as rec:
         got = _prefill_decode_generate(auto, prompt, 8)
-    assert _paths(rec)["cuda"] >= 6 * 9
+    assert _paths(rec)["cuda"] >= 6 * 7
     used = {r[4] for r in rec}                                           # the CUDA GEMVs of ffi/ took decode
-    assert {"ffi_gemv", "ffi_grouped_gemv", "ffi_moe_gemv"} <= used, used
+    assert {"ffi_gemv", "ffi_grouped_gemv", "ffi_moe_gemv", "ffi_gemv_pair", "ffi_moe_gemv_pair"} <= used, used
     if act_quant == "fp8":                                               # 24 prompt rows: the FP8 prefill kernel
         assert any(r[4] == "prefill_fp8" for r in rec)
     tol = 1e-4 if dtype == "float32" else 3e-2

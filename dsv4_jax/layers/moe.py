@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-from ..quant import grouped_linear, linear
+from ..quant import grouped_linear, grouped_linear_pair, linear, linear_pair
 
 
 def route(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool):
@@ -38,8 +38,8 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
 def shared_expert(params: dict, cfg: ModelConfig, x: jax.Array, act_quant: str = "none",
                   kernels: str = "auto") -> jax.Array:
     mode = dict(act_quant=act_quant, kernels=kernels)
-    h = clamped_swiglu(linear(x, params["w1"]["weight"], jnp.float32, **mode),
-                       linear(x, params["w3"]["weight"], jnp.float32, **mode), cfg.swiglu_limit)
+    gate, up = linear_pair(x, params["w1"]["weight"], params["w3"]["weight"], jnp.float32, **mode)
+    h = clamped_swiglu(gate, up, cfg.swiglu_limit)
     return linear(h.astype(x.dtype), params["w2"]["weight"], jnp.float32, **mode)
 
 
@@ -54,8 +54,8 @@ def routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax
     group_sizes = jnp.bincount(flat_ids, length=cfg.n_routed_experts).astype(jnp.int32)
     xs = x[token_of]
     mode = dict(act_quant=act_quant, kernels=kernels)
-    gate = grouped_linear(xs, params["w1"]["weight"], group_sizes, jnp.float32, **mode)
-    up = grouped_linear(xs, params["w3"]["weight"], group_sizes, jnp.float32, **mode)
+    gate, up = grouped_linear_pair(xs, params["w1"]["weight"], params["w3"]["weight"], group_sizes, jnp.float32,
+                                   **mode)
     h = clamped_swiglu(gate, up, cfg.swiglu_limit) * weights.reshape(-1)[order][:, None]
     y = grouped_linear(h.astype(x.dtype), params["w2"]["weight"], group_sizes, jnp.float32, **mode)
     return jnp.zeros((n_tokens, x.shape[-1]), jnp.float32).at[token_of].add(y)

@@ -15,6 +15,8 @@ A kernel applies where one exists for the call; every other call takes the refer
     linear / group_linear (wo_a) /         ffi.gemv / grouped_gemv /      "auto" on CUDA; rows (per group) <= 8
       routed experts (decode),             moe_gemv (CUDA, one launch)    bf16 / 4 fp32, N % 16, K % 128; routed
       FP8-block / MXFP4 / NVFP4 weight                                    rows <= 128 (one slot per row)
+    linear_pair / grouped_linear_pair      the same with a pair of        as above, two weights of one format
+      (gate and up projections)            weights (pair_matmul)          and shape
     linear, FP8-block weight               gemv.fp8_matmul                rows <= 16 (bf16) / 8 (fp32), N % 64 == 0
     linear, MXFP4 / NVFP4 weight           gemv.mxfp4_matmul / nvfp4_...  rows as above, N % 64 == 0, K % 32 == 0
     linear, FP8-block / MXFP4 weight,      prefill.fp8_block_matmul       rows > 16, N % 64 == 0, K % 128 == 0
@@ -313,6 +315,32 @@ def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, kernels: str):
         return None
     return moe.moe_matmul(xs, weight, row_experts, jnp.float32, interpret=backend == "interpret", unroll=unroll,
                           **_moe_schedule(xs, n_experts))
+
+
+def pair_matmul(x2: jax.Array, w_a, w_b, kernels: str, routed: bool):
+    """Two weights of one format and shape times the same rows in one launch (a gate and an up projection): a
+    function (xq [R, K], row_experts [R] or None) -> float32 [R, 2N] (w_a's products in columns 0 .. N), or None
+    where no such kernel applies (the caller then makes two calls). routed: stacked FP4 experts [E, N, K], each row
+    times its own expert (as expert_matmul); otherwise 2-D weights (as dense_matmul). The ffi/ decode GEMVs only:
+    each activation load and B fragment serves both weights, and one launch replaces two."""
+    ndim = 3 if routed else 2
+    if (type(w_a) is not type(w_b) or not _is_quantized_matrix(w_a, ndim) or tuple(w_a.shape) != tuple(w_b.shape)
+            or kernel_backend(kernels) != "cuda"):
+        return None
+    n, k = w_a.shape[-2:]
+    if routed:
+        fits = (x2.shape[0] <= MAX_MOE_ROWS and _ffi_fits(1, x2.dtype, n, k)
+                and isinstance(w_a, (Mxfp4Weight, Nvfp4Weight)))
+    else:
+        fits = _ffi_fits(x2.shape[0], x2.dtype, n, k)
+    if not fits or not ffi_available():
+        return None
+    import ffi
+    if routed:
+        _record("grouped_linear pair", w_a, "cuda", "ffi_moe_gemv_pair")
+        return lambda xq, row_experts: ffi.moe_gemv(xq, (w_a, w_b), row_experts, jnp.float32)
+    _record("linear pair", w_a, "cuda", "ffi_gemv_pair")
+    return lambda xq, row_experts: ffi.gemv(xq, (w_a, w_b), jnp.float32)
 
 
 def _moe_schedule(xs: jax.Array, n_experts: int) -> dict:

@@ -105,24 +105,71 @@ def linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none", ker
     return _rescale(y, row_scale, weight_scale).astype(out_dtype or x.dtype)
 
 
+def linear_pair(x: jax.Array, w_a, w_b, out_dtype=None, *, act_quant: str = "none",
+                kernels: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """(linear(x, w_a), linear(x, w_b)) for two weights of one input width, e.g. a gate and an up projection: one
+    kernel launch where the decode kernels of ffi/ take both (one format and shape, decode rows on CUDA), the input
+    quantized once; otherwise two `linear` calls."""
+    x2 = x.reshape(-1, x.shape[-1])
+    for weight in (w_a, w_b):
+        check_weight(weight, "linear_pair weight")
+        _check_in_features(x, weight.shape, "linear_pair", 2)
+    kernel = kernel_dispatch.pair_matmul(x2, w_a, w_b, kernels, routed=False)
+    if kernel is None:
+        return (linear(x, w_a, out_dtype, act_quant=act_quant, kernels=kernels),
+                linear(x, w_b, out_dtype, act_quant=act_quant, kernels=kernels))
+    xq, row_scale = _quantize_input(x2, w_a, act_quant, kernels)
+    y = _rescale(kernel(xq, None), row_scale, None).astype(out_dtype or x.dtype)
+    n = w_a.shape[0]
+    return y[:, :n].reshape(*x.shape[:-1], n), y[:, n:].reshape(*x.shape[:-1], n)
+
+
+def _row_groups(x: jax.Array, weight, group_sizes: jax.Array, what: str) -> jax.Array:
+    """The group of each row of x [m, in] (rows past sum(group_sizes): G)."""
+    check_weight(weight, f"{what} weight")
+    _check_in_features(x, weight.shape, what, 3)
+    return jnp.repeat(jnp.arange(weight.shape[0], dtype=jnp.int32), group_sizes, total_repeat_length=x.shape[0])
+
+
+def _grouped_kernel_output(y: jax.Array, row_scale, group_sizes: jax.Array, out_dtype) -> jax.Array:
+    """A kernel's grouped-matmul rows, rescaled, with the rows past sum(group_sizes) zeroed."""
+    real_row = jnp.arange(y.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(real_row[:, None], _rescale(y, row_scale, None), 0).astype(out_dtype)
+
+
 def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array, out_dtype=None, *,
                    act_quant: str = "none", kernels: str = "auto") -> jax.Array:
     """Rows of x [m, in] sorted by group; group g multiplies W[g]^T (W [G, out, in], e.g. stacked experts);
     rows past sum(group_sizes) give zeros. Returns [m, out]."""
-    check_weight(weight, "grouped_linear weight")
-    _check_in_features(x, weight.shape, "grouped_linear", 3)
-    n_groups, m = weight.shape[0], x.shape[0]
-    row_groups = jnp.repeat(jnp.arange(n_groups, dtype=jnp.int32), group_sizes, total_repeat_length=m)
+    row_groups = _row_groups(x, weight, group_sizes, "grouped_linear")
+    n_groups = weight.shape[0]
     xq, row_scale = _quantize_input(x, weight, act_quant, kernels, row_groups)
     y = kernel_dispatch.expert_matmul(xq, weight, jnp.clip(row_groups, 0, n_groups - 1), kernels)
     if y is not None:
-        real_row = jnp.arange(m) < jnp.sum(group_sizes)
-        return jnp.where(real_row[:, None], _rescale(y, row_scale, None), 0).astype(out_dtype or x.dtype)
+        return _grouped_kernel_output(y, row_scale, group_sizes, out_dtype or x.dtype)
     w, weight_scale = dequantize_blocks(weight, x.dtype)
     y = jax.lax.ragged_dot(xq, jnp.swapaxes(w, -1, -2), group_sizes, preferred_element_type=jnp.float32)
     if weight_scale is not None:
         weight_scale = weight_scale[row_groups][:, None]
     return _rescale(y, row_scale, weight_scale).astype(out_dtype or x.dtype)
+
+
+def grouped_linear_pair(x: jax.Array, w_a, w_b, group_sizes: jax.Array, out_dtype=None, *,
+                        act_quant: str = "none", kernels: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """(grouped_linear(x, w_a, ...), grouped_linear(x, w_b, ...)) for two stacked weights of one input width, e.g.
+    the routed experts' gate and up projections: one kernel launch where the decode kernels of ffi/ take both (one
+    FP4 format and shape, decode rows on CUDA), the input quantized once; otherwise two `grouped_linear` calls."""
+    row_groups = _row_groups(x, w_a, group_sizes, "grouped_linear_pair")
+    _row_groups(x, w_b, group_sizes, "grouped_linear_pair")
+    kernel = kernel_dispatch.pair_matmul(x, w_a, w_b, kernels, routed=True)
+    if kernel is None:
+        return (grouped_linear(x, w_a, group_sizes, out_dtype, act_quant=act_quant, kernels=kernels),
+                grouped_linear(x, w_b, group_sizes, out_dtype, act_quant=act_quant, kernels=kernels))
+    xq, row_scale = _quantize_input(x, w_a, act_quant, kernels, row_groups)
+    y = kernel(xq, jnp.clip(row_groups, 0, w_a.shape[0] - 1))
+    y = _grouped_kernel_output(y, row_scale, group_sizes, out_dtype or x.dtype)
+    n = w_a.shape[1]
+    return y[:, :n], y[:, n:]
 
 
 def group_linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none",
