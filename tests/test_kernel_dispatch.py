@@ -298,7 +298,15 @@ def test_prefill_kernel_gpu(fmt):
                                            ("mxfp4", "fp8"), ("nvfp4", "none")])
 def test_gate_up_pairs_match_two_reference_calls_gpu(fmt, act_quant):
     """linear_pair / grouped_linear_pair (the shared and routed gate + up projections) take one ffi launch and
-    equal two reference calls, NVFP4 activations (a per-row output factor) included; padding rows stay zero."""
+    equal two reference calls, NVFP4 activations (a per-row output factor) included; padding rows stay zero. The
+    reference runs on XLA:CPU: XLA:GPU's run of the jnp NVFP4 quantizer is not bit-exact (its global-scale division
+    differs in some rows, docs/kernels_quantize.md), the quantize kernel is."""
+    cpu = jax.devices("cpu")[0]
+
+    def on_cpu(fn, *args):
+        with jax.default_device(cpu):
+            return fn(*jax.device_put(args, cpu))
+
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((5, 512)) * np.exp(rng.uniform(-3, 3, (5, 1))), jnp.bfloat16)
     w1, w3 = _weight(rng, fmt, (256, 512)), _weight(rng, fmt, (256, 512))
@@ -306,7 +314,8 @@ def test_gate_up_pairs_match_two_reference_calls_gpu(fmt, act_quant):
         got = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32, act_quant=act_quant))(x, w1, w3)
     assert [r[4] for r in rec] == ["ffi_gemv_pair"]
     for y, w in zip(got, (w1, w3)):
-        assert _rel(y, linear(x, w, jnp.float32, act_quant=act_quant, kernels="reference")) < 1e-5
+        ref = on_cpu(lambda x, w: linear(x, w, jnp.float32, act_quant=act_quant, kernels="reference"), x, w)
+        assert _rel(y, ref) < 1e-5
     if fmt == "fp8":                                                     # routed experts are FP4
         return
     w1, w3 = _weight(rng, fmt, (6, 256, 512)), _weight(rng, fmt, (6, 256, 512))
@@ -317,7 +326,8 @@ def test_gate_up_pairs_match_two_reference_calls_gpu(fmt, act_quant):
             xs, w1, w3, sizes)
     assert [r[4] for r in rec] == ["ffi_moe_gemv_pair"]
     for y, w in zip(got, (w1, w3)):
-        ref = grouped_linear(xs, w, sizes, jnp.float32, act_quant=act_quant, kernels="reference")
+        ref = on_cpu(lambda x, w, s: grouped_linear(x, w, s, jnp.float32, act_quant=act_quant, kernels="reference"),
+                     xs, w, sizes)
         assert _rel(y, ref) < 1e-5 and np.all(np.asarray(y)[10:] == 0)
 
 
