@@ -28,6 +28,10 @@ MAX_ROWS = 8                     # the mma's 8 columns: bf16 activation rows per
 # in four runs of scripts/bench_ffi.py --experts (MXFP4 and NVFP4, 6 of 256 experts, M = 1 and 8): 2-13% faster
 # than 811 in every case (docs/performance.md).
 ROUTED_SCHEDULE = 411
+# moe_gemv's default for a pair of weights (the routed gate + up projections in one launch), by format: two runs of
+# scripts/bench_ffi.py --gate-up-only (6 of 256 experts, M = 1 and 8): MXFP4 811 5-6% faster than 411, NVFP4 411
+# 3-5% faster than 811 (docs/performance.md).
+ROUTED_PAIR_SCHEDULE = {Mxfp4Weight: 811, Nvfp4Weight: 411}
 _TARGETS = {Mxfp4Weight: ("fp4_gemv.cu", "dsv4_mxfp4_gemv", "DSV4Mxfp4Gemv"),
             Nvfp4Weight: ("fp4_gemv.cu", "dsv4_nvfp4_gemv", "DSV4Nvfp4Gemv"),
             Fp8BlockWeight: ("fp8_gemv.cu", "dsv4_fp8_gemv", "DSV4Fp8Gemv")}
@@ -146,8 +150,12 @@ def gemv(x: jax.Array, w, out_dtype=None, *, schedule: int = 0) -> jax.Array:
 def moe_gemv(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=None, *, schedule: int = 0) -> jax.Array:
     """Row r of x_rows [R, K] times expert expert_ids[r] of w_stacked [E, N, K] -> [R, N] out_dtype (default
     x_rows.dtype): one slot per row, so no sort or gather on the way (decode: R = tokens x top-k <= 48); a row
-    whose expert another row also uses reads it again (often from L2). schedule 0: ROUTED_SCHEDULE."""
+    whose expert another row also uses reads it again (often from L2). A pair (w_a, w_b) -> [R, 2N]. schedule 0:
+    ROUTED_SCHEDULE (a pair: ROUTED_PAIR_SCHEDULE of its format)."""
     if x_rows.ndim != 2 or expert_ids.shape != x_rows.shape[:1]:
         raise ValueError(f"ffi.moe_gemv: x_rows [R, K] and expert_ids [R] expected, got {x_rows.shape}, "
                          f"{expert_ids.shape}")
-    return grouped_gemv(x_rows[:, None], w_stacked, expert_ids, out_dtype, schedule=schedule or ROUTED_SCHEDULE)[:, 0]
+    weights = _weights(w_stacked)
+    if not schedule:
+        schedule = ROUTED_PAIR_SCHEDULE.get(type(_stored(weights[0])), 0) if len(weights) == 2 else ROUTED_SCHEDULE
+    return grouped_gemv(x_rows[:, None], w_stacked, expert_ids, out_dtype, schedule=schedule)[:, 0]
