@@ -2,10 +2,16 @@
 is compiled and warmed up first, then run once between cuProfilerStart / cuProfilerStop, so ncu (started with
 --profile-from-start off) profiles exactly that case's kernels.
 
-    ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \
-        --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-        --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --profile-from-start off \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
         python3 scripts/ncu_kernels.py [--cases ...] > $OUT/ncu.txt
+
+(Without XLA_PYTHON_CLIENT_PREALLOCATE=false ncu saves and restores JAX's preallocated pool, most of the GPU's
+memory, around every replay pass: minutes per kernel. Seen once: a `timeout` that stopped ncu left this script
+running and holding the GPU's memory, so the next GPU command failed; end it before going on, without matching
+your own shell's command line.)
 
 Cases (--cases, comma-separated; default all):
   nvfp4_quantize   the fused NVFP4 activation quantize (Pallas), bf16 [8192, 4096] (64 MiB): 53-54% of bandwidth
