@@ -6,9 +6,10 @@
 
 w: Fp8BlockWeight / Mxfp4Weight / Nvfp4Weight, or an FP4 weight in the GEMV layout (fp4_layout.to_gemv_layout:
 fewer decode instructions, same bytes); or a pair (w_a, w_b) of two weights of one format and shape, e.g. a gate and
-an up projection: both products in one launch, side by side along N ([..., 2N]; each activation load serves both). M <= 8 bf16 rows (<= 4 float32 rows, split into bf16 hi + lo),
-float32 accumulation, one launch each. Kernels: ffi/gemv_kernel.cuh (schedule), fp4_gemv.cu,
-fp8_gemv.cu. Oracle: dsv4_jax.quant.linear / grouped_linear. Status and measurements: ffi/README.md.
+an up projection: both products in one launch, side by side along N ([..., 2N]; each activation load serves both).
+M <= 8 bf16 rows (<= 4 float32 rows, split into bf16 hi + lo), float32 accumulation, one launch each. Kernels:
+ffi/gemv_kernel.cuh (schedule), fp4_gemv.cu, fp8_gemv.cu. Oracle: dsv4_jax.quant.linear / grouped_linear. Status
+and measurements: ffi/README.md.
 """
 
 from __future__ import annotations

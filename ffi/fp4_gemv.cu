@@ -324,9 +324,8 @@ ffi::Error Mxfp4GemvImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
   if (auto msg = check_fp4(name, x, packed, scale, 32, experts, y, 1); !msg.empty()) {
     return ffi::Error::InvalidArgument(msg);
   }
-  return launch_fp4<Mxfp4>(stream, layout, schedule, x,
-                           WeightSets<Mxfp4Weights, 1>{{{packed.typed_data(), scale.typed_data()}}}, experts, y,
-                           static_cast<int>(packed.dimensions()[1]), name);
+  const WeightSets<Mxfp4Weights, 1> w{{{packed.typed_data(), scale.typed_data()}}};
+  return launch_fp4<Mxfp4>(stream, layout, schedule, x, w, experts, y, static_cast<int>(packed.dimensions()[1]), name);
 }
 
 ffi::Error Mxfp4GemvPairImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> packed,
@@ -357,9 +356,8 @@ ffi::Error Nvfp4GemvImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
     return ffi::Error::InvalidArgument(msg);
   }
   if (auto msg = check_global(name, global, packed); !msg.empty()) return ffi::Error::InvalidArgument(msg);
-  return launch_fp4<Nvfp4>(stream, layout, schedule, x,
-                           WeightSets<Nvfp4Weights, 1>{{{packed.typed_data(), scale.typed_data(), global.typed_data()}}},
-                           experts, y, static_cast<int>(packed.dimensions()[1]), name);
+  const WeightSets<Nvfp4Weights, 1> w{{{packed.typed_data(), scale.typed_data(), global.typed_data()}}};
+  return launch_fp4<Nvfp4>(stream, layout, schedule, x, w, experts, y, static_cast<int>(packed.dimensions()[1]), name);
 }
 
 ffi::Error Nvfp4GemvPairImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> packed,

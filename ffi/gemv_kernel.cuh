@@ -225,7 +225,9 @@ gemv_kernel(const uint16_t* __restrict__ x, WeightSets<typename Format::Weights,
       typename Format::Tile even[kAll], odd[kAll];
       auto load_step = [&](typename Format::Tile (&tile)[kAll], int step) {
 #pragma unroll
-        for (int t = 0; t < kAll; ++t) tile[t] = load_tile(std::false_type{}, expert, row_base, t, step * kStep + q * 32);
+        for (int t = 0; t < kAll; ++t) {
+          tile[t] = load_tile(std::false_type{}, expert, row_base, t, step * kStep + q * 32);
+        }
       };
       auto compute_step = [&](const typename Format::Tile (&tile)[kAll], int step) {
         uint32_t xs[16];
@@ -266,8 +268,8 @@ gemv_kernel(const uint16_t* __restrict__ x, WeightSets<typename Format::Weights,
         }
       }
     }
-    store_tiles<Format, kWarps, kTiles, kSets>(partial, c, w, expert, y + static_cast<size_t>(slot) * m_rows * kSets * n,
-                                               m_rows, n, row_base);
+    float* y_slot = y + static_cast<size_t>(slot) * m_rows * kSets * n;
+    store_tiles<Format, kWarps, kTiles, kSets>(partial, c, w, expert, y_slot, m_rows, n, row_base);
   }
 }
 

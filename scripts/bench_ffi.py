@@ -207,9 +207,7 @@ def run_gate_up(args, key, emit, t0):
                 # bf16 baseline: each touched expert's gate and up as XLA einsums over bf16 copies
                 dense = [tuple(make_weight(jax.random.fold_in(key, 900 + 2 * j + i), "bf16", (touched, n, k))
                                for i in range(2)) for j in range(4)]
-                base_fn = lambda x, w: clamped_swiglu(jnp.einsum("ek,enk->en", x, w[0], preferred_element_type=jnp.float32),
-                                                      jnp.einsum("ek,enk->en", x, w[1], preferred_element_type=jnp.float32),
-                                                      limit)
+                base_fn = lambda x, w: clamped_swiglu(_bf16_expert_dots(x, w[0]), _bf16_expert_dots(x, w[1]), limit)
                 per_weight = touched * weight_bytes(jax.tree_util.tree_map(lambda a: a[0], w1))
             else:
                 copies = 12                                   # 8 MB per copy: 96 MB rotate past L2
@@ -251,6 +249,10 @@ def run_gate_up(args, key, emit, t0):
                           gbps=(2 * per_weight + x.size * 2) / t[0] / 1e3, speedup_vs_bf16=base[0] / t[0],
                           kernel_speedup_vs_bf16=base_k / kt if kt and base_k else None))
         del w1, w3, sets
+
+
+def _bf16_expert_dots(x, w):
+    return jnp.einsum("ek,enk->en", x, w, preferred_element_type=jnp.float32)
 
 
 def _swiglu_halves(y, limit):
