@@ -125,7 +125,7 @@ def linear_pair(x: jax.Array, w_a, w_b, out_dtype=None, *, act_quant: str = "non
 
 
 def _row_groups(x: jax.Array, weight, group_sizes: jax.Array, what: str) -> jax.Array:
-    """The group of each row of x [m, in] (rows past sum(group_sizes): G)."""
+    """The group of each row of x [m, in] (rows past sum(group_sizes) repeat the last group; callers zero them)."""
     check_weight(weight, f"{what} weight")
     _check_in_features(x, weight.shape, what, 3)
     return jnp.repeat(jnp.arange(weight.shape[0], dtype=jnp.int32), group_sizes, total_repeat_length=x.shape[0])
