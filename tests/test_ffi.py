@@ -214,12 +214,14 @@ def test_gemv_pair_gpu(fmt, n, k, m, dtype, schedule):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8"])
 @pytest.mark.parametrize("rows,dtype,schedule,layout", [(6, jnp.bfloat16, 0, False), (48, jnp.bfloat16, 811, False),
                                                         (24, jnp.float32, 0, False), (40, jnp.bfloat16, 0, True)])
 def test_moe_gemv_pair_gpu(fmt, rows, dtype, schedule, layout):
     """Routed rows times their experts of two stacked weights in one launch (the routed gate and up projections),
-    checkpoint and GEMV layout."""
+    checkpoint and GEMV layout (FP4); stacked FP8 pairs too (the API takes them, the model does not use them)."""
+    if layout and fmt == "fp8":
+        pytest.skip("the GEMV layout is for FP4 weights")
     rng = np.random.default_rng()
     n_exp, n, k = 16, 256, 512
     w_a, w_b = _weight(rng, fmt, n, k, experts=n_exp), _weight(rng, fmt, n, k, experts=n_exp)
