@@ -282,22 +282,6 @@ std::string check_fp4(const char* name, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<f
   return "";
 }
 
-// The second weight of a pair must have the first's shapes.
-std::string check_second(const char* name, ffi::Buffer<ffi::U8>& packed, ffi::Buffer<ffi::U8>& scale,
-                         ffi::Buffer<ffi::U8>& packed2, ffi::Buffer<ffi::U8>& scale2) {
-  const auto same = [](auto a, auto b) {
-    if (a.size() != b.size()) return false;
-    for (size_t i = 0; i < a.size(); ++i) {
-      if (a[i] != b[i]) return false;
-    }
-    return true;
-  };
-  if (!same(packed.dimensions(), packed2.dimensions()) || !same(scale.dimensions(), scale2.dimensions())) {
-    return std::string(name) + ": the two weights of a pair must have the same shapes";
-  }
-  return "";
-}
-
 // layout 0: the checkpoint's nibble order; 1: the GEMV layout (header comment).
 template <template <bool> class Format, class Weights, int kSets>
 ffi::Error launch_fp4(cudaStream_t stream, int32_t layout, int32_t schedule, ffi::Buffer<ffi::BF16>& x,
@@ -334,7 +318,7 @@ ffi::Error Mxfp4GemvPairImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi:
                              int32_t layout) {
   const char* name = "dsv4_mxfp4_gemv_pair";
   std::string msg = check_fp4(name, x, packed, scale, 32, experts, y, 2);
-  if (msg.empty()) msg = check_second(name, packed, scale, packed2, scale2);
+  if (msg.empty()) msg = check_pair_shapes(name, packed, scale, packed2, scale2);
   if (!msg.empty()) return ffi::Error::InvalidArgument(msg);
   const WeightSets<Mxfp4Weights, 2> w{{{packed.typed_data(), scale.typed_data()},
                                        {packed2.typed_data(), scale2.typed_data()}}};
@@ -366,7 +350,7 @@ ffi::Error Nvfp4GemvPairImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi:
                              ffi::ResultBuffer<ffi::F32> y, int32_t schedule, int32_t layout) {
   const char* name = "dsv4_nvfp4_gemv_pair";
   std::string msg = check_fp4(name, x, packed, scale, 16, experts, y, 2);
-  if (msg.empty()) msg = check_second(name, packed, scale, packed2, scale2);
+  if (msg.empty()) msg = check_pair_shapes(name, packed, scale, packed2, scale2);
   if (msg.empty()) msg = check_global(name, global, packed);
   if (msg.empty()) msg = check_global(name, global2, packed);
   if (!msg.empty()) return ffi::Error::InvalidArgument(msg);

@@ -133,14 +133,9 @@ ffi::Error Fp8GemvPairImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::B
                            ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::U8> weight2, ffi::Buffer<ffi::U8> scale2,
                            ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y, int32_t schedule) {
   const std::string name = "dsv4_fp8_gemv_pair";
-  if (auto msg = check_fp8(name, x, weight, scale, experts, y, 2); !msg.empty()) {
-    return ffi::Error::InvalidArgument(msg);
-  }
-  const auto wd = weight.dimensions(), wd2 = weight2.dimensions(), sd = scale.dimensions(), sd2 = scale2.dimensions();
-  if (wd2.size() != 3 || sd2.size() != 3 || wd2[0] != wd[0] || wd2[1] != wd[1] || wd2[2] != wd[2] ||
-      sd2[0] != sd[0] || sd2[1] != sd[1] || sd2[2] != sd[2]) {
-    return ffi::Error::InvalidArgument(name + ": the two weights of a pair must have the same shapes");
-  }
+  std::string msg = check_fp8(name, x, weight, scale, experts, y, 2);
+  if (msg.empty()) msg = check_pair_shapes(name, weight, scale, weight2, scale2);
+  if (!msg.empty()) return ffi::Error::InvalidArgument(msg);
   const WeightSets<Fp8Block::Weights, 2> w{{{weight.typed_data(), scale.typed_data()},
                                             {weight2.typed_data(), scale2.typed_data()}}};
   return launch_fp8(stream, schedule, x, w, weight, experts, y, name);

@@ -114,6 +114,23 @@ struct WeightSets {
   Weights set[kSets];
 };
 
+// The second weight of a pair must have the first's shapes (its bytes and its scales); "" or an error message.
+inline std::string check_pair_shapes(const std::string& name, xla::ffi::Buffer<xla::ffi::U8>& bytes,
+                                     xla::ffi::Buffer<xla::ffi::U8>& scale, xla::ffi::Buffer<xla::ffi::U8>& bytes2,
+                                     xla::ffi::Buffer<xla::ffi::U8>& scale2) {
+  const auto same = [](auto a, auto b) {
+    if (a.size() != b.size()) return false;
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (a[i] != b[i]) return false;
+    }
+    return true;
+  };
+  if (!same(bytes.dimensions(), bytes2.dimensions()) || !same(scale.dimensions(), scale2.dimensions())) {
+    return name + ": the two weights of a pair must have the same shapes";
+  }
+  return "";
+}
+
 // Sums the kWarps partial tiles of a CTA through shared memory and writes rows row_base .. row_base + 16 kTiles
 // of each set's columns of y_slot [m_rows, kSets n], times the set's epilogue factor. Ends with a barrier (over
 // the CTA, or over threads 0 .. kBarrierThreads - 1 when a producer warp does not take part): `partial` is free
