@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import functools
-import json
 import math
 import os
 import sys
@@ -37,7 +36,7 @@ from dsv4_jax.quant.formats import weight_bytes  # noqa: E402
 from dsv4_jax.quant.linear import linear  # noqa: E402
 from pallas_kernels import gemv, moe  # noqa: E402
 from scripts.bench_kernels import (MAX_COPIES, ROTATE_BYTES, make_weight, nbytes, profiled_kernel_us,  # noqa: E402
-                                   rel_err, time_calls)
+                                   recorder, rel_err, time_calls)
 
 SHAPES = [("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096), ("wo_a", 8192, 4096),
           ("w_18432x7168", 18432, 7168), ("wq_a", 1024, 4096), ("wkv", 512, 4096), ("shared_w1", 2048, 4096),
@@ -67,12 +66,7 @@ def main():
     args = ap.parse_args()
     t0 = time.time()
     results = []
-
-    def emit(rec):
-        results.append(rec)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-        print(json.dumps(rec), flush=True)
+    emit = recorder(args.out, results)
 
     faulthandler.dump_traceback_later(args.budget_s + 150, exit=True)       # a stuck case shows where it stuck
     key = jax.random.key(0)

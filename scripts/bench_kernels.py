@@ -133,6 +133,21 @@ def profiled_kernel_us(fn, x, weights, calls=12):
     return sum(k["dur"] for k in kernels) / calls
 
 
+def recorder(path: str, results: list, meta: dict | None = None):
+    """emit(rec): rec (with the run's meta fields added) appended to results and the whole list rewritten to the JSON
+    file at path, so a run stopped by its time limit keeps every case it finished; rec printed as one JSON line."""
+    meta = meta or {}
+
+    def emit(rec):
+        rec.update(meta)
+        results.append(rec)
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+        print(json.dumps({k: v for k, v in rec.items() if k not in meta}), flush=True)
+
+    return emit
+
+
 def rel_err(y, ref):
     y, ref = jnp.asarray(y, jnp.float32), jnp.asarray(ref, jnp.float32)
     e = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
@@ -171,13 +186,7 @@ def main():
     meta = dict(device=dev.device_kind, jax=jax.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
                 command=" ".join(sys.argv))
     results = []
-
-    def emit(rec):
-        rec.update(meta)
-        results.append(rec)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-        print(json.dumps({k: v for k, v in rec.items() if k not in meta}), flush=True)
+    emit = recorder(args.out, results, meta)
 
     ms = [int(m) for m in args.ms.split(",")]
     by_name = {d[0]: d for d in DENSE}

@@ -17,7 +17,6 @@ for every FP4 row, so the columns compare at equal work; the probes' outputs are
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -32,8 +31,8 @@ import numpy as np  # noqa: E402
 import ffi  # noqa: E402
 from dsv4_jax.quant.formats import Mxfp4Weight, weight_bytes  # noqa: E402
 from dsv4_jax.quant.linear import linear  # noqa: E402
-from scripts.bench_kernels import (MAX_COPIES, ROTATE_BYTES, make_weight, profiled_kernel_us, rel_err,  # noqa: E402
-                                   time_calls)
+from scripts.bench_kernels import (MAX_COPIES, ROTATE_BYTES, make_weight, profiled_kernel_us, recorder,  # noqa: E402
+                                   rel_err, time_calls)
 
 SHAPES = {"lm_head": (129280, 4096), "w_18432x7168": (18432, 7168), "wo_b": (4096, 8192), "wq_b": (32768, 1024)}
 PROBES = {0: "loads only", 1: "loads + scales", 2: "wide loads", 3: "decode only", 4: "decode only, GEMV layout"}
@@ -58,12 +57,7 @@ def main():
     ffi.register("probe_gemv.cu", {TARGET: "DSV4ProbeGemv"})
     key = jax.random.key(1)
     results = []
-
-    def emit(rec):
-        results.append(rec)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-        print(json.dumps(rec), flush=True)
+    emit = recorder(args.out, results)
 
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
