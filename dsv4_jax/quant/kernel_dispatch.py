@@ -121,6 +121,18 @@ def _ffi_fits(rows: int, dtype, n: int, k: int) -> bool:
     return dtype in (jnp.bfloat16, jnp.float32) and rows <= ffi.max_rows(dtype) and n % 16 == 0 and k % 128 == 0
 
 
+def _ffi_takes(x2: jax.Array, weight, routed: bool) -> bool:
+    """Whether the ffi/ decode GEMV takes rows x2 [R, K] times a quantized weight: 2-D (dense), or stacked FP4
+    experts [E, N, K] with one slot per routed row (routed); builds the kernels on first use (ffi_available)."""
+    n, k = weight.shape[-2:]
+    if routed:
+        fits = (x2.shape[0] <= MAX_MOE_ROWS and _ffi_fits(1, x2.dtype, n, k)
+                and isinstance(weight, (Mxfp4Weight, Nvfp4Weight)))
+    else:
+        fits = _ffi_fits(x2.shape[0], x2.dtype, n, k)
+    return fits and ffi_available()
+
+
 def quantize_fp8(x: jax.Array, kernels: str) -> tuple[jax.Array, jax.Array]:
     """FP8 per-128 activation quantization (e4m3 [..., K], power-of-two float32 scales [..., K/128]): the Pallas
     quantize kernel on a kernel backend (bit-identical to the reference, pallas_kernels/quantize.py), else the
@@ -221,7 +233,7 @@ def dense_matmul(x2: jax.Array, weight, kernels: str, call: str = "linear"):
     backend = kernel_backend(kernels)
     if not _is_quantized_matrix(weight, 2):
         return None
-    if backend == "cuda" and _ffi_fits(x2.shape[0], x2.dtype, *weight.shape) and ffi_available():
+    if backend == "cuda" and _ffi_takes(x2, weight, routed=False):
         import ffi
         _record(call, weight, backend, "ffi_gemv")
         return ffi.gemv(x2, weight, jnp.float32)
@@ -301,8 +313,7 @@ def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, kernels: str):
     if not _is_quantized_matrix(weight, 3):
         return None
     n_experts, n, k = weight.shape
-    if (backend == "cuda" and xs.shape[0] <= MAX_MOE_ROWS and _ffi_fits(1, xs.dtype, n, k)
-            and isinstance(weight, (Mxfp4Weight, Nvfp4Weight)) and ffi_available()):
+    if backend == "cuda" and _ffi_takes(xs, weight, routed=True):
         import ffi
         _record("grouped_linear", weight, backend, "ffi_moe_gemv")
         return ffi.moe_gemv(xs, weight, row_experts, jnp.float32)
@@ -325,15 +336,7 @@ def pair_matmul(x2: jax.Array, w_a, w_b, kernels: str, routed: bool):
     each activation load and B fragment serves both weights, and one launch replaces two."""
     ndim = 3 if routed else 2
     if (type(w_a) is not type(w_b) or not _is_quantized_matrix(w_a, ndim) or tuple(w_a.shape) != tuple(w_b.shape)
-            or kernel_backend(kernels) != "cuda"):
-        return None
-    n, k = w_a.shape[-2:]
-    if routed:
-        fits = (x2.shape[0] <= MAX_MOE_ROWS and _ffi_fits(1, x2.dtype, n, k)
-                and isinstance(w_a, (Mxfp4Weight, Nvfp4Weight)))
-    else:
-        fits = _ffi_fits(x2.shape[0], x2.dtype, n, k)
-    if not fits or not ffi_available():
+            or kernel_backend(kernels) != "cuda" or not _ffi_takes(x2, w_a, routed)):
         return None
     import ffi
     if routed:
