@@ -124,10 +124,14 @@ def linear_pair(x: jax.Array, w_a, w_b, out_dtype=None, *, act_quant: str = "non
     return y[:, :n].reshape(*x.shape[:-1], n), y[:, n:].reshape(*x.shape[:-1], n)
 
 
-def _row_groups(x: jax.Array, weight, group_sizes: jax.Array, what: str) -> jax.Array:
-    """The group of each row of x [m, in] (rows past sum(group_sizes) repeat the last group; callers zero them)."""
+def _check_grouped_weight(x: jax.Array, weight, what: str):
     check_weight(weight, f"{what} weight")
     _check_in_features(x, weight.shape, what, 3)
+
+
+def _row_groups(x: jax.Array, weight, group_sizes: jax.Array, what: str) -> jax.Array:
+    """The group of each row of x [m, in] (rows past sum(group_sizes) repeat the last group; callers zero them)."""
+    _check_grouped_weight(x, weight, what)
     return jnp.repeat(jnp.arange(weight.shape[0], dtype=jnp.int32), group_sizes, total_repeat_length=x.shape[0])
 
 
@@ -160,7 +164,7 @@ def grouped_linear_pair(x: jax.Array, w_a, w_b, group_sizes: jax.Array, out_dtyp
     the routed experts' gate and up projections: one kernel launch where the decode kernels of ffi/ take both (one
     FP4 format and shape, decode rows on CUDA), the input quantized once; otherwise two `grouped_linear` calls."""
     row_groups = _row_groups(x, w_a, group_sizes, "grouped_linear_pair")
-    _row_groups(x, w_b, group_sizes, "grouped_linear_pair")
+    _check_grouped_weight(x, w_b, "grouped_linear_pair")
     kernel = kernel_dispatch.pair_matmul(x, w_a, w_b, kernels, routed=True)
     if kernel is None:
         return (grouped_linear(x, w_a, group_sizes, out_dtype, act_quant=act_quant, kernels=kernels),
