@@ -168,6 +168,10 @@ def main():
     ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument("--moe-prefill-rows", default="3072,24576",
                     help="routed rows (tokens x 6) for the MoE prefill section ('' to skip)")
+    ap.add_argument("--prefill-shapes", default=",".join(PREFILL), help="matrices of the prefill section")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time tile configurations: the prefill kernel on " + ", ".join(SWEEP) + " at 4096 rows "
+                    "and the MoE kernel at every --moe-prefill-rows count")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiler's kernel times")
     args = ap.parse_args()
     global DENSE, EXPERTS, N_EXPERTS, ROTATE_BYTES
@@ -295,13 +299,24 @@ def run_ffi_moe(name, n, k, fmt, x, ref, w_sets, reps, wb, touched, emit):
 
 KERNELS = "pallas"          # "interpret" under --smoke
 PREFILL = ["wo_b", "wq_b", "shared_w1", "experts_w1", "wq_a", "wo_a"]     # experts_w1: one MXFP4 expert, dense
-SWEEP = "wo_b"              # the shape on which a few block configurations of the prefill kernel are compared
+SWEEP = ("wo_b", "experts_w1")    # shapes on which --sweep compares tile configurations of the prefill kernel
+# (block_m, block_n, num_warps, num_stages) of the FP8-block (wo_b) / MXFP4-operand (experts_w1) prefill kernel
+PREFILL_CONFIGS = ((128, 128, 8, 4), (64, 128, 4, 4), (64, 64, 4, 3), (64, 128, 8, 3), (64, 128, 4, 2),
+                   (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3))
+# (block_n, unroll, num_warps, num_stages, slot_cols) of the MoE kernel with prefill-wide slots
+MOE_CONFIGS = ((64, 8, 4, 3, 128), (64, 8, 4, 2, 128), (64, 4, 4, 3, 128), (64, 4, 4, 2, 128), (64, 4, 4, 4, 128),
+               (64, 8, 8, 3, 128), (128, 8, 8, 3, 128), (128, 4, 8, 3, 128), (128, 4, 8, 2, 128), (64, 8, 4, 3, 64),
+               (64, 4, 4, 3, 64), (128, 4, 8, 3, 64))
 
 
 def run_prefill(args, key, ms, t_start, emit):
     """Many rows: tensor-core rates (TFLOP/s) of XLA's bf16 and FP8 dots, the naive path and our FP8 kernel."""
     shapes = {name: (n, k) for name, n, k in DENSE + EXPERTS}
-    for name in (PREFILL if not args.smoke else list(shapes)):
+    names = args.prefill_shapes.split(",") if not args.smoke else list(shapes)
+    unknown = [s for s in names if s not in shapes]
+    if unknown:
+        raise SystemExit(f"unknown --prefill-shapes {unknown}; expected some of {list(shapes)}")
+    for name in names:
         n, k = shapes[name]
         fmt = "mxfp4" if name.startswith("experts") else "fp8"
         w = make_weight(jax.random.fold_in(key, 31), fmt, (n, k))
@@ -351,14 +366,18 @@ def run_prefill(args, key, ms, t_start, emit):
                 emit(dict(name=name, shape=[m, n, k], fmt=fmt, impl="pallas_prefill_fp8", rel_err=err, error=msg))
                 continue
             configs = [dict()]
-            if m >= 4096 and name == SWEEP and not args.smoke:
+            if args.sweep and m >= 4096 and name in SWEEP:
                 configs += [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
-                            for bm, bn, nw, ns in ((128, 128, 8, 4), (64, 128, 4, 4), (64, 64, 4, 3),
-                                                   (64, 128, 8, 3))]
+                            for bm, bn, nw, ns in PREFILL_CONFIGS]
             for cfg in configs:
                 label = "pallas_prefill_fp8" + ("" if not cfg else "[" + ",".join(f"{v}" for v in cfg.values()) + "]")
+                cfg_err = err if not cfg else rel_err(jax.jit(
+                    lambda x, cfg=cfg: prefill.fp8_block_matmul(xq, sx, wq, sw, jnp.float32, **cfg))(x), ref)
+                if cfg_err > 1e-3:
+                    emit(dict(name=name, shape=[m, n, k], fmt=fmt, impl=label, rel_err=cfg_err, config=cfg))
+                    continue
                 run(label, lambda x, w, cfg=cfg: prefill.fp8_block_matmul(x, sx, w, sw, **cfg), xq, [wq, wq],
-                    rel_err=err, config=cfg)
+                    rel_err=cfg_err, config=cfg)
             run("linear_fp8_end_to_end", lambda x, w: linear(x, w, act_quant="fp8", kernels=KERNELS), x, [w, w])
             run("xla_naive_dequant", lambda x, w: linear(x, w, kernels="reference"), x, [w, w])
         del w, wb, wq, w8_plain
@@ -396,7 +415,30 @@ def run_moe_prefill(args, key, row_counts, emit):
             emit(dict(name=name, shape=[len(ids), n, k], fmt="bf16" if impl == "ragged_dot_bf16" else "mxfp4",
                       impl=impl, time_us=t[0], min_us=t[1], max_us=t[2], kernel_us=kt, rel_err=err,
                       tflops=flops / t[0] / 1e6, gbps=float("nan"), experts=n_exp))
+        if args.sweep:
+            run_moe_sweep(args, name, n, k, x, jnp.asarray(ids, jnp.int32), w4, ref, flops, emit)
     del w4, wb
+
+
+def run_moe_sweep(args, name, n, k, x, ids, w4, ref, flops, emit):
+    """The MoE kernel alone (slot schedule and gathers included, as moe_matmul runs them) in each MOE_CONFIGS tile
+    configuration, each checked against the reference first."""
+    for bn, unroll, warps, stages, cols in MOE_CONFIGS[:2] if args.smoke else MOE_CONFIGS:
+        cfg = dict(block_n=bn, unroll=unroll, num_warps=warps, num_stages=stages, slot_cols=cols, split_k=1)
+        impl = "pallas_moe_kernel[" + ",".join(str(v) for v in (bn, unroll, warps, stages, cols)) + "]"
+        fn = lambda x, w, cfg=cfg: moe.moe_matmul(x, w, ids, jnp.float32, **cfg)  # noqa: E731
+        try:
+            err = rel_err(jax.jit(fn)(x, w4), ref)
+            if err > 1e-3:
+                raise RuntimeError(f"wrong result: rel. err {err:.3g}")
+            t = time_calls(fn, [w4], x, 2 if args.smoke else 5, repeats=3)
+            kt = profiled_kernel_us(fn, x, [w4], calls=4) if PROFILE else None
+        except Exception as e:  # noqa: BLE001 - report and go on with the other configurations
+            emit(dict(name=name, shape=[len(ids), n, k], fmt="mxfp4", impl=impl, config=cfg,
+                      error=f"{type(e).__name__}: {e}"[:400]))
+            continue
+        emit(dict(name=name, shape=[len(ids), n, k], fmt="mxfp4", impl=impl, config=cfg, time_us=t[0], min_us=t[1],
+                  max_us=t[2], kernel_us=kt, rel_err=err, tflops=flops / t[0] / 1e6, gbps=float("nan")))
 
 
 def run_experts(args, key, ms, t_start, emit):
