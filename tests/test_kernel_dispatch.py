@@ -155,15 +155,20 @@ def test_grouped_linear_takes_the_moe_kernel(fmt):
     assert np.all(np.asarray(y)[sizes.sum():] == 0)
 
 
-@pytest.mark.parametrize("fmt,dtype", [("mxfp4", jnp.bfloat16), ("mxfp4", jnp.float32), ("nvfp4", jnp.bfloat16)])
-def test_grouped_linear_prefill_rows_take_wide_slots(fmt, dtype):
-    """More routed rows than a decode step: the MoE kernel with slots of up to 128 rows per decoded tile."""
+@pytest.mark.parametrize("fmt,dtype,n", [("mxfp4", jnp.bfloat16, 64), ("mxfp4", jnp.float32, 64),
+                                         ("nvfp4", jnp.bfloat16, 64), ("nvfp4", jnp.float32, 128)])
+def test_grouped_linear_prefill_rows_take_wide_slots(fmt, dtype, n):
+    """More routed rows than a decode step: the MoE kernel with slots of up to 128 rows per decoded tile
+    (float32: 128 columns, with N = 128 in tiles of 128 weight rows)."""
     rng = np.random.default_rng()
-    n_exp, n, k = 4, 64, 256
+    n_exp, k = 4, 256
     w = _weight(rng, fmt, (n_exp, n, k))
     sizes = np.array([70, 0, 41, 29])                                     # 140 rows > MAX_MOE_ROWS
     x = jnp.asarray(rng.standard_normal((sizes.sum(), k)), dtype)
-    assert kernel_dispatch._moe_schedule(x, n_exp)["slot_cols"] == (64 if dtype == jnp.bfloat16 else 128)
+    unroll = kernel_dispatch._fp4_unroll(w, k)
+    tiling = kernel_dispatch._moe_schedule(x, w, unroll)
+    assert tiling["slot_cols"] == (64 if dtype == jnp.bfloat16 else 128)
+    assert tiling["block_n"] == (128 if n == 128 else 64)
     y = grouped_linear(x, w, jnp.asarray(sizes, jnp.int32), jnp.float32, kernels="interpret")
     ref = np.einsum("rk,rnk->rn", np.asarray(x.astype(jnp.float32), np.float64),
                     _dense64(w)[np.repeat(np.arange(n_exp), sizes)])
@@ -294,6 +299,32 @@ def test_prefill_kernel_gpu(fmt):
     xq = np.asarray(jax.jit(lambda x: fp8_activation(x).astype(jnp.float32))(x), np.float64)
     # Hopper's FP8 wgmma accumulates each 128-input block with ~14 significant bits (measured: 1.3e-4 relative)
     assert _rel(y, xq @ _dense64(w).T) < 5e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt,n", [("mxfp4", 512), ("nvfp4", 512), ("mxfp4", 320)])
+def test_grouped_linear_prefill_wide_slots_gpu(fmt, n):
+    """A prefill chunk's routed rows (about 120 per expert, bf16): the MoE kernel's 128-column slots, in tiles of
+    128 weight rows where N allows (N = 320: 64-row tiles), against float64 products; padding rows stay zero."""
+    rng = np.random.default_rng()
+    n_exp, k = 8, 1024
+    w = _weight(rng, fmt, (n_exp, n, k))
+    sizes = rng.integers(60, 180, n_exp)
+    sizes[3] = 0                                                          # an expert no row chose
+    m = int(sizes.sum()) + 5
+    x = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.uniform(-3, 3, (m, 1))), jnp.bfloat16)
+    assert kernel_dispatch._moe_schedule(x, w, kernel_dispatch._fp4_unroll(w, k))["block_n"] == (128 if n % 128 == 0
+                                                                                                 else 64)
+    with kernel_dispatch.record_dispatch() as rec:
+        y = jax.jit(lambda x, w, s: grouped_linear(x, w, s, jnp.float32, kernels="pallas"))(
+            x, w, jnp.asarray(sizes, jnp.int32))
+    assert [r[3:] for r in rec] == [("pallas", "moe")]
+    rows = int(sizes.sum())
+    ref = np.einsum("rk,rnk->rn", np.asarray(x[:rows].astype(jnp.float32), np.float64),
+                    _dense64(w)[np.repeat(np.arange(n_exp), sizes)])
+    assert _rel(np.asarray(y)[:rows], ref) < 1e-5
+    assert np.all(np.asarray(y)[rows:] == 0)
 
 
 @pytest.mark.gpu

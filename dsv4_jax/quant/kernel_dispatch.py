@@ -324,8 +324,8 @@ def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, kernels: str):
     _record("grouped_linear", weight, backend if use else "reference", "moe")
     if not use:
         return None
-    return moe.moe_matmul(xs, weight, row_experts, jnp.float32, interpret=backend == "interpret", unroll=unroll,
-                          **_moe_schedule(xs, n_experts))
+    return moe.moe_matmul(xs, weight, row_experts, jnp.float32, interpret=backend == "interpret",
+                          **_moe_schedule(xs, weight, unroll))
 
 
 def pair_matmul(x2: jax.Array, w_a, w_b, kernels: str, routed: bool):
@@ -346,16 +346,21 @@ def pair_matmul(x2: jax.Array, w_a, w_b, kernels: str, routed: bool):
     return lambda xq, row_experts: ffi.gemv(xq, (w_a, w_b), jnp.float32)
 
 
-def _moe_schedule(xs: jax.Array, n_experts: int) -> dict:
-    """Decode (<= MAX_MOE_ROWS rows): the kernel's defaults (16-column slots, split-K). Prefill: slots about as
-    wide as the rows an expert gets on average (16..128 columns), each decoded weight tile reused that often, and
-    no split-K (the slots fill the GPU)."""
-    rows = xs.shape[0]
+def _moe_schedule(xs: jax.Array, weight, unroll: int) -> dict:
+    """moe_matmul's tiling. Decode (<= MAX_MOE_ROWS rows): the kernel's defaults (16-column slots, split-K,
+    `unroll` scale blocks per K step). Prefill: slots about as wide as the rows an expert gets on average (16..128
+    columns), each decoded weight tile reused that often, and no split-K (the slots fill the GPU). At 128 columns,
+    tiles of 128 weight rows on 8 warps with half the K step (tile sweep on the H200, `bench_kernels.py --sweep`,
+    docs/performance.md: 1.14x over 64 rows / 4 warps at 24576 rows); else 64-row tiles."""
+    rows, (n_experts, n, _) = xs.shape[0], weight.shape
     if rows <= MAX_MOE_ROWS:
-        return {}
+        return dict(unroll=unroll)
     cols_per_row = 2 if xs.dtype == jnp.float32 else 1
     want = cols_per_row * -(-rows // n_experts)
     cols = 16
     while cols < min(want, 128):
         cols *= 2
-    return dict(slot_cols=cols, split_k=1, block_n=64 if cols >= 64 else None)
+    bytes_per_block = (32 if isinstance(weight, Mxfp4Weight) else 16) // 2
+    if cols == 128 and n % 128 == 0 and unroll // 2 * bytes_per_block >= 16:     # a dot needs 16 inputs per step
+        return dict(slot_cols=cols, split_k=1, block_n=128, unroll=unroll // 2, num_warps=8)
+    return dict(slot_cols=cols, split_k=1, block_n=64 if cols >= 64 else None, unroll=unroll)
