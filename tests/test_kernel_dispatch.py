@@ -156,10 +156,10 @@ def test_grouped_linear_takes_the_moe_kernel(fmt):
 
 
 @pytest.mark.parametrize("fmt,dtype,n", [("mxfp4", jnp.bfloat16, 64), ("mxfp4", jnp.float32, 64),
-                                         ("nvfp4", jnp.bfloat16, 64), ("nvfp4", jnp.float32, 128)])
+                                         ("nvfp4", jnp.bfloat16, 64), ("mxfp4", jnp.float32, 128)])
 def test_grouped_linear_prefill_rows_take_wide_slots(fmt, dtype, n):
     """More routed rows than a decode step: the MoE kernel with slots of up to 128 rows per decoded tile
-    (float32: 128 columns, with N = 128 in tiles of 128 weight rows)."""
+    (float32: 128 columns; MXFP4 with N = 128 in tiles of 128 weight rows)."""
     rng = np.random.default_rng()
     n_exp, k = 4, 256
     w = _weight(rng, fmt, (n_exp, n, k))
@@ -169,6 +169,7 @@ def test_grouped_linear_prefill_rows_take_wide_slots(fmt, dtype, n):
     tiling = kernel_dispatch._moe_schedule(x, w, unroll)
     assert tiling["slot_cols"] == (64 if dtype == jnp.bfloat16 else 128)
     assert tiling["block_n"] == (128 if n == 128 else 64)
+    assert tiling["unroll"] * (32 if fmt == "mxfp4" else 16) == (128 if dtype == jnp.float32 else 256)
     y = grouped_linear(x, w, jnp.asarray(sizes, jnp.int32), jnp.float32, kernels="interpret")
     ref = np.einsum("rk,rnk->rn", np.asarray(x.astype(jnp.float32), np.float64),
                     _dense64(w)[np.repeat(np.arange(n_exp), sizes)])
@@ -305,8 +306,9 @@ def test_prefill_kernel_gpu(fmt):
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt,n", [("mxfp4", 512), ("nvfp4", 512), ("mxfp4", 320)])
 def test_grouped_linear_prefill_wide_slots_gpu(fmt, n):
-    """A prefill chunk's routed rows (about 120 per expert, bf16): the MoE kernel's 128-column slots, in tiles of
-    128 weight rows where N allows (N = 320: 64-row tiles), against float64 products; padding rows stay zero."""
+    """A prefill chunk's routed rows (about 120 per expert, bf16): the MoE kernel's 128-column slots (MXFP4 in
+    tiles of 128 weight rows where N allows; N = 320: 64-row tiles), against float64 products; padding rows stay
+    zero."""
     rng = np.random.default_rng()
     n_exp, k = 8, 1024
     w = _weight(rng, fmt, (n_exp, n, k))
@@ -314,8 +316,8 @@ def test_grouped_linear_prefill_wide_slots_gpu(fmt, n):
     sizes[3] = 0                                                          # an expert no row chose
     m = int(sizes.sum()) + 5
     x = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.uniform(-3, 3, (m, 1))), jnp.bfloat16)
-    assert kernel_dispatch._moe_schedule(x, w, kernel_dispatch._fp4_unroll(w, k))["block_n"] == (128 if n % 128 == 0
-                                                                                                 else 64)
+    tiling = kernel_dispatch._moe_schedule(x, w, kernel_dispatch._fp4_unroll(w, k))
+    assert tiling["block_n"] == (128 if n % 128 == 0 and fmt == "mxfp4" else 64)
     with kernel_dispatch.record_dispatch() as rec:
         y = jax.jit(lambda x, w, s: grouped_linear(x, w, s, jnp.float32, kernels="pallas"))(
             x, w, jnp.asarray(sizes, jnp.int32))

@@ -208,3 +208,43 @@ def test_moe_gpu(fmt):
     ref = np.einsum("rk,rnk->rn", np.asarray(x.astype(jnp.float32), np.float64), dense[np.asarray(ids)])
     assert np.all(np.isfinite(y))
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_n,step_bytes,warps", [(bn, sb, nw) for bn in (64, 128) for sb in (16, 32, 64, 128)
+                                                      for nw in (4, 8)])
+def test_moe_tilings_gpu(block_n, step_bytes, warps):
+    """The MoE kernel with prefill-wide slots (128 columns) in each tiling: weight rows per tile, packed bytes per
+    row per K step (16: one MXFP4 scale block), warps."""
+    rng = np.random.default_rng()
+    n_exp, n, k = 8, 256, 1024
+    w = _mxfp4(rng, (n_exp, n, k))
+    ids = jnp.asarray(np.sort(rng.integers(0, n_exp, 700)), jnp.int32)
+    x = _x(rng, ids.shape[0], k, jnp.bfloat16)
+    fn = functools.partial(moe.moe_matmul, block_n=block_n, unroll=step_bytes // 16, num_warps=warps, slot_cols=128,
+                           split_k=1)
+    y = np.asarray(jax.jit(lambda x, w, i: fn(x, w, i, jnp.float32))(x, w, ids), np.float64)
+    ref = np.einsum("rk,rnk->rn", np.asarray(x.astype(jnp.float32), np.float64), _dequant64(w)[np.asarray(ids)])
+    assert np.all(np.isfinite(y)), "non-finite output"
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("unroll", [1, 2, 4])
+def test_decode_short_k_steps_gpu(unroll):
+    """Decode kernels with the shorter K steps the dispatch picks when K is not a multiple of 256 (MXFP4 scale
+    blocks per step: 1, 2, 4), dense and routed."""
+    rng = np.random.default_rng()
+    n, k = 512, 1024
+    w = _mxfp4(rng, (n, k))
+    x = _x(rng, 5, k, jnp.bfloat16)
+    y = jax.jit(lambda x, w: gemv.mxfp4_matmul(x, w, jnp.float32, unroll=unroll))(x, w)
+    _check(y, x.astype(jnp.float32), _dequant64(w), 1e-5)
+    we = _mxfp4(rng, (8, n, k))
+    ids = jnp.asarray(rng.integers(0, 8, 12), jnp.int32)
+    xe = _x(rng, 12, k, jnp.bfloat16)
+    ye = np.asarray(jax.jit(lambda x, w, i: moe.moe_matmul(x, w, i, jnp.float32, unroll=unroll))(xe, we, ids))
+    ref = np.einsum("rk,rnk->rn", np.asarray(xe.astype(jnp.float32), np.float64), _dequant64(we)[np.asarray(ids)])
+    assert np.all(np.isfinite(ye)) and np.linalg.norm(ye - ref) / np.linalg.norm(ref) < 1e-5

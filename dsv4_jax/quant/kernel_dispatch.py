@@ -349,9 +349,12 @@ def pair_matmul(x2: jax.Array, w_a, w_b, kernels: str, routed: bool):
 def _moe_schedule(xs: jax.Array, weight, unroll: int) -> dict:
     """moe_matmul's tiling. Decode (<= MAX_MOE_ROWS rows): the kernel's defaults (16-column slots, split-K,
     `unroll` scale blocks per K step). Prefill: slots about as wide as the rows an expert gets on average (16..128
-    columns), each decoded weight tile reused that often, and no split-K (the slots fill the GPU). At 128 columns,
-    tiles of 128 weight rows on 8 warps with half the K step (tile sweep on the H200, `bench_kernels.py --sweep`,
-    docs/performance.md: 1.14x over 64 rows / 4 warps at 24576 rows); else 64-row tiles."""
+    columns), each decoded weight tile reused that often, and no split-K (the slots fill the GPU). At 128 columns
+    with the full 256-input K step available, the tile sweep on the H200 (`bench_kernels.py --sweep`,
+    docs/performance.md) picked 128-input K steps, with tiles of 128 weight rows on 8 warps for MXFP4 (1.14-1.2x
+    over 64 rows, 4 warps, 256 inputs; two runs) and of 64 rows on 4 warps for NVFP4 (1.15x; its 128-row tile
+    gained nothing). Only measured configurations are chosen: 128-row tiles with 64-input K steps gave wrong
+    results on the H200 (Triton lowering; docs/performance.md)."""
     rows, (n_experts, n, _) = xs.shape[0], weight.shape
     if rows <= MAX_MOE_ROWS:
         return dict(unroll=unroll)
@@ -360,7 +363,9 @@ def _moe_schedule(xs: jax.Array, weight, unroll: int) -> dict:
     cols = 16
     while cols < min(want, 128):
         cols *= 2
-    bytes_per_block = (32 if isinstance(weight, Mxfp4Weight) else 16) // 2
-    if cols == 128 and n % 128 == 0 and unroll // 2 * bytes_per_block >= 16:     # a dot needs 16 inputs per step
-        return dict(slot_cols=cols, split_k=1, block_n=128, unroll=unroll // 2, num_warps=8)
+    block = 32 if isinstance(weight, Mxfp4Weight) else 16
+    if cols == 128 and unroll * block == 256:
+        if block == 32 and n % 128 == 0:
+            return dict(slot_cols=cols, split_k=1, block_n=128, unroll=unroll // 2, num_warps=8)
+        return dict(slot_cols=cols, split_k=1, block_n=64, unroll=unroll // 2)
     return dict(slot_cols=cols, split_k=1, block_n=64 if cols >= 64 else None, unroll=unroll)
