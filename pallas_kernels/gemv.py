@@ -290,7 +290,7 @@ def _check_fp4(w, what):
     return n, k, block
 
 
-def _fp4_config(n, k, block, block_n, unroll, split_k):
+def _fp4_config(n, k, block, block_n, unroll, split_k, num_warps, num_stages):
     bytes_per_block = block // 2
     if unroll is None:
         unroll = max(1, 128 // bytes_per_block)          # 128 packed bytes (256 inputs) per row per step
@@ -298,6 +298,14 @@ def _fp4_config(n, k, block, block_n, unroll, split_k):
     block_n = block_n or _default_block_n(n)
     if n % block_n or blocks % unroll:
         raise ValueError(f"FP4 matmul needs N % {block_n} == 0 and K % {block * unroll} == 0, got N={n}, K={k}")
+    if num_warps >= 8 and num_stages > 1 and unroll * bytes_per_block == 32:
+        # H200, jax 0.11.2's Triton: 128-row tiles on 8 warps with 32 packed bytes per row per K step and a
+        # pipelined loop wrote non-finite values into up to 4% of the outputs, varying by shape; 4 warps, 1 stage,
+        # 16 or 64 bytes per step were exact (scripts/probe_moe_tilings.py, docs/performance.md). Refused rather
+        # than risked (64-row tiles with these settings were not tried).
+        raise ValueError(f"FP4 matmul: {num_warps} warps with {num_stages} pipeline stages and 32 packed bytes per "
+                         f"row per K step (unroll={unroll}) gave wrong results on the H200; use 4 warps, "
+                         f"num_stages=1 or another unroll")
     split_k = _split_k(split_k, n // block_n, blocks // unroll, "FP4 matmul")
     return block_n, unroll, split_k, bytes_per_block, blocks
 
@@ -308,7 +316,8 @@ def _fp4_matmul(x, w, *, shift, factor_fn, global_scale, out_dtype, interpret, b
     if x.shape[-1] != k:
         raise ValueError(f"{what}: x has {x.shape[-1]} features, weight expects {k}")
     rows, m_used, fold = _activation_columns(x, what)
-    block_n, unroll, split_k, bpb, blocks = _fp4_config(n, k, block, block_n, unroll, split_k)
+    block_n, unroll, split_k, bpb, blocks = _fp4_config(n, k, block, block_n, unroll, split_k, num_warps,
+                                                        num_stages)
     xp = _pad_rows(rows, MP)
     xlo = xp[:, 0::2].T                                   # [K/2, MP]: inputs that meet the low nibbles
     xhi = xp[:, 1::2].T

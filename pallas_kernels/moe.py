@@ -103,7 +103,8 @@ def moe_matmul(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=No
     xlo = jnp.swapaxes(xs[:, :, 0::2], 1, 2)                         # [S, K/2, slot_cols]
     xhi = jnp.swapaxes(xs[:, :, 1::2], 1, 2)
 
-    block_n, unroll, split_k, bpb, blocks = _fp4_config(n, k, block, block_n, unroll, split_k)
+    block_n, unroll, split_k, bpb, blocks = _fp4_config(n, k, block, block_n, unroll, split_k, num_warps,
+                                                        num_stages)
     w4 = w_stacked.packed.reshape(n_exp, n, blocks, bpb)
     scale = jax.lax.bitcast_convert_type(w_stacked.scale, jnp.uint8) if is_nv else w_stacked.scale
     kh_split, blocks_split = k // 2 // split_k, blocks // split_k
