@@ -23,7 +23,8 @@ from scripts.bench_kernels import make_weight  # noqa: E402
 
 SHAPES = ((256, 2048, 4096, 24576), (256, 2048, 1024, 24576), (256, 2048, 4096, 3072), (16, 2048, 4096, 6144),
           (256, 512, 4096, 24576))                   # experts, N, K, routed rows
-TILINGS = ((128, 2, 8, 3), (128, 2, 4, 3), (64, 2, 4, 3), (128, 1, 8, 3), (128, 2, 8, 1))   # block_n, unroll, warps, stages
+# block_n, unroll (MXFP4 scale blocks of 16 packed bytes per K step), warps, stages
+TILINGS = ((128, 2, 8, 3), (128, 2, 4, 3), (64, 2, 4, 3), (128, 1, 8, 3), (128, 2, 8, 1))
 
 
 def unchecked_config(n, k, block, block_n, unroll, split_k, num_warps, num_stages):

@@ -136,7 +136,7 @@ def test_tiling_that_failed_on_the_gpu_is_refused():
     with pytest.raises(ValueError, match="8 warps with 3 pipeline stages and 32 packed bytes"):
         moe.moe_matmul(x, w, ids, block_n=128, unroll=2, num_warps=8, slot_cols=128, interpret=True)
     with pytest.raises(ValueError, match="gave wrong results"):
-        gemv.mxfp4_matmul(x, w.__class__(w.packed[0], w.scale[0]), unroll=2, num_warps=8, interpret=True)
+        gemv.mxfp4_matmul(x, Mxfp4Weight(w.packed[0], w.scale[0]), unroll=2, num_warps=8, interpret=True)
     moe.moe_matmul(x, w, ids, block_n=128, unroll=2, num_warps=8, num_stages=1, slot_cols=128, interpret=True)
 
 
