@@ -23,6 +23,7 @@ from dsv4_jax.quant import (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, group_line
 from dsv4_jax.quant import kernel_dispatch
 from dsv4_jax.quant.activations import fp8_activation
 from dsv4_jax.state import init_state
+from logit_checks import top_tokens_agree
 
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 DEFAULT_MODEL = dsv4_jax.__path__[0] + "/default_model"
@@ -215,6 +216,16 @@ def _prefill_decode_generate(model, prompt, steps, decode_step=True):
     return np.asarray(logits), step_logits, tokens
 
 
+def test_top_tokens_agree_tolerates_noise_not_unrelated_logits():
+    """The bf16 check of the GPU model test (which CPU CI cannot run): noise that reorders near-ties passes, an
+    unrelated result fails."""
+    rng = np.random.default_rng()
+    logits = rng.standard_normal((3, 500)) * 4
+    logits[:, 7] = logits.max(axis=-1) + 1e-3                          # a near tie at the top
+    assert top_tokens_agree(logits + rng.standard_normal(logits.shape) * 0.01, logits)
+    assert not top_tokens_agree(rng.permutation(logits, axis=-1), logits)
+
+
 def test_model_decode_and_generation_loop_run_the_kernels(tiny_checkpoint):
     """The tiny model with every decode matmul that has a kernel on it (interpret mode) equals the reference path:
     the prefill (its MoE rows) and a greedy generation loop (the kernels inside lax.while_loop). float32 activations
@@ -384,16 +395,20 @@ def test_default_model_with_kernels_matches_reference_gpu(dtype, act_quant):
     assert {"ffi_gemv", "ffi_grouped_gemv", "ffi_moe_gemv", "ffi_gemv_pair", "ffi_moe_gemv_pair"} <= used, used
     if act_quant == "fp8":                                               # 24 prompt rows: the FP8 prefill kernel
         assert any(r[4] == "prefill_fp8" for r in rec)
-    # bfloat16: both paths round every activation (and the MoE's routed sums) to bf16 in their own order, through
-    # 6 layers whose top-k routing can flip on a near tie; most random prompts stay under 3e-2, but one gave 3.6e-2
-    # on the prefill logits (bf16 + FP8 activations, 2026-11-30, a path the change under test did not touch) and
-    # another failed the 3e-2 bound for bf16 alone, hence 6e-2 (a wrong kernel gives O(1)). float32 is the strict
-    # check: 1e-4 and the same greedy tokens.
-    tol = 1e-4 if dtype == "float32" else 6e-2
+    # float32 is the strict check: 1e-4 and the same greedy tokens. bfloat16: the two paths round activations (and
+    # the FP8 prefill kernel accumulates) in their own order, through 6 layers whose FP8 roundings and top-k routing
+    # amplify that: the REFERENCE alone, bf16 vs float32, differs by up to 3.2% (no activation quantization) and 17%
+    # (FP8 activations) over 20 random prompts (scripts/bf16_logit_noise.py, CPU), while an unrelated result is
+    # ~100% off. So bf16 asserts what that noise keeps: each sequence's top token within the other's top 5, and an
+    # error below 0.3. (Fixed bounds of 3e-2 and 6e-2 failed on the H200 at 3.6e-2 and 6.1e-2, bf16 + FP8.)
     errors = _rel(got[0], ref[0]), _rel(got[1], ref[1])
-    assert max(errors) < tol, f"prefill / decode-step logits rel. err {errors[0]:.3g} / {errors[1]:.3g} >= {tol}"
+    detail = f"prefill / decode-step logits rel. err {errors[0]:.3g} / {errors[1]:.3g}"
     if dtype == "float32":
+        assert max(errors) < 1e-4, detail
         assert got[2] == ref[2]
+    else:
+        assert max(errors) < 0.3, detail
+        assert top_tokens_agree(got[0], ref[0]) and top_tokens_agree(got[1], ref[1]), "top tokens differ; " + detail
     # no host transfer inside a step, and steps never recompile
     _, state = auto.prefill(prompt)
     tokens = jnp.asarray([1, 2], jnp.int32)
