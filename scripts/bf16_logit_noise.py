@@ -4,7 +4,10 @@ from this). For each random prompt (2 sequences x 12 tokens): relative Frobenius
 step's logits, and whether each sequence's top token is in the other path's top 5 (both ways). Last line per mode:
 a different prompt, i.e. what an unrelated (wrong) result looks like.
 
-    PYTHONPATH=. python3 scripts/bf16_logit_noise.py [--prompts 20] [--act-quant none,fp8]    # CPU, ~1 min
+    PYTHONPATH=. python3 scripts/bf16_logit_noise.py [--prompts 20] [--act-quant none,fp8] [--interpret]   # CPU
+
+--interpret also runs the bf16 model with the Pallas kernels in interpret mode (the CPU's stand-in for the GPU
+kernels) and prints its largest error against the bf16 reference (slow: a few minutes).
 """
 
 import argparse
@@ -36,20 +39,29 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--act-quant", default="none,fp8")
+    ap.add_argument("--interpret", action="store_true", help="also bf16 with the kernels in interpret mode")
     args = ap.parse_args()
     for act_quant in args.act_quant.split(","):
         kw = dict(max_seq_len=128, max_batch=2, act_quant=act_quant, kernels="reference")
         f32 = dsv4_jax.load(DEFAULT_MODEL, dtype="float32", **kw)
         b16 = dsv4_jax.load(DEFAULT_MODEL, dtype="bfloat16", **kw)
-        errors, agree = [], True
+        kernels = dsv4_jax.load(DEFAULT_MODEL, dtype="bfloat16", **{**kw, "kernels": "interpret"}) \
+            if args.interpret else None
+        errors, agree, kernel_errors = [], True, []
         for seed in range(args.prompts):
             prompt = np.random.default_rng(100 + seed).integers(0, 4096, (2, 12)).astype(np.int32)
             (lf, df), (lb, db) = prefill_and_step(f32, prompt), prefill_and_step(b16, prompt)
             errors.append(max(rel(lb, lf), rel(db, df)))
             agree &= top_tokens_agree(lb, lf) and top_tokens_agree(db, df)
+            if kernels is not None:
+                lk, dk = prefill_and_step(kernels, prompt)
+                kernel_errors.append(max(rel(lk, lb), rel(dk, db)))
         e = np.array(errors)
         print(f"act_quant={act_quant}: bf16 vs float32 logits over {len(e)} prompts: median {np.median(e):.4f}, "
               f"90th pct {np.quantile(e, 0.9):.4f}, max {e.max():.4f}; top tokens within each other's top 5: {agree}")
+        if kernel_errors:
+            print(f"act_quant={act_quant}: bf16 with the kernels (interpret) vs the bf16 reference: max "
+                  f"{max(kernel_errors):.2e} over {len(kernel_errors)} prompts")
         other = np.random.default_rng(7).integers(0, 4096, (2, 12)).astype(np.int32)
         lo = b16.prefill(other)[0]
         lf = f32.prefill(np.random.default_rng(100).integers(0, 4096, (2, 12)).astype(np.int32))[0]
