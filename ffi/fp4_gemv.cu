@@ -362,57 +362,9 @@ ffi::Error Nvfp4GemvPairImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi:
 }  // namespace
 }  // namespace dsv4
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DSV4Mxfp4Gemv, dsv4::Mxfp4GemvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("schedule")
-                                  .Attr<int32_t>("layout"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DSV4Nvfp4Gemv, dsv4::Nvfp4GemvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("schedule")
-                                  .Attr<int32_t>("layout"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DSV4Mxfp4GemvPair, dsv4::Mxfp4GemvPairImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("schedule")
-                                  .Attr<int32_t>("layout"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DSV4Nvfp4GemvPair, dsv4::Nvfp4GemvPairImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("schedule")
-                                  .Attr<int32_t>("layout"),
-                              {ffi::Traits::kCmdBufferCompatible});
+DSV4_GEMV_HANDLER(DSV4Mxfp4Gemv, dsv4::Mxfp4GemvImpl, DSV4_U8_WEIGHT_ARGS, .Attr<int32_t>("layout"));
+DSV4_GEMV_HANDLER(DSV4Nvfp4Gemv, dsv4::Nvfp4GemvImpl, DSV4_NVFP4_WEIGHT_ARGS, .Attr<int32_t>("layout"));
+DSV4_GEMV_HANDLER(DSV4Mxfp4GemvPair, dsv4::Mxfp4GemvPairImpl, DSV4_U8_WEIGHT_ARGS DSV4_U8_WEIGHT_ARGS,
+                  .Attr<int32_t>("layout"));
+DSV4_GEMV_HANDLER(DSV4Nvfp4GemvPair, dsv4::Nvfp4GemvPairImpl, DSV4_NVFP4_WEIGHT_ARGS DSV4_NVFP4_WEIGHT_ARGS,
+                  .Attr<int32_t>("layout"));

@@ -144,26 +144,5 @@ ffi::Error Fp8GemvPairImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::B
 }  // namespace
 }  // namespace dsv4
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DSV4Fp8Gemv, dsv4::Fp8GemvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("schedule"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DSV4Fp8GemvPair, dsv4::Fp8GemvPairImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("schedule"),
-                              {ffi::Traits::kCmdBufferCompatible});
+DSV4_GEMV_HANDLER(DSV4Fp8Gemv, dsv4::Fp8GemvImpl, DSV4_U8_WEIGHT_ARGS, );
+DSV4_GEMV_HANDLER(DSV4Fp8GemvPair, dsv4::Fp8GemvPairImpl, DSV4_U8_WEIGHT_ARGS DSV4_U8_WEIGHT_ARGS, );

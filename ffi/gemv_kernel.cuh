@@ -397,3 +397,19 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
 }
 
 }  // namespace dsv4
+
+// The XLA FFI binding every GEMV handler shares (ffi/__init__.py passes the operands in this order): the stream,
+// x bf16, the weight buffers (WEIGHT_ARGS: one weight's, or a pair's twice), the int32 expert ids, the
+// float32 output and the "schedule" attribute, then EXTRA_ATTRS. Command-buffer compatible: no host work, no sync.
+#define DSV4_GEMV_HANDLER(SYMBOL, IMPL, WEIGHT_ARGS, EXTRA_ATTRS)                                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL, IMPL,                                                             \
+                                xla::ffi::Ffi::Bind()                                                     \
+                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                        \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() WEIGHT_ARGS                  \
+                                    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()                               \
+                                    .Ret<xla::ffi::Buffer<xla::ffi::F32>>()                               \
+                                    .Attr<int32_t>("schedule") EXTRA_ATTRS,                               \
+                                {xla::ffi::Traits::kCmdBufferCompatible})
+// One weight's buffers: packed bytes (or e4m3 values) u8 and block scales u8, plus NVFP4's f32 global scale.
+#define DSV4_U8_WEIGHT_ARGS .Arg<xla::ffi::Buffer<xla::ffi::U8>>().Arg<xla::ffi::Buffer<xla::ffi::U8>>()
+#define DSV4_NVFP4_WEIGHT_ARGS DSV4_U8_WEIGHT_ARGS.Arg<xla::ffi::Buffer<xla::ffi::F32>>()

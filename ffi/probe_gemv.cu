@@ -141,14 +141,4 @@ ffi::Error ProbeGemvImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buf
 }  // namespace
 }  // namespace dsv4
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DSV4ProbeGemv, dsv4::ProbeGemvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("schedule")
-                                  .Attr<int32_t>("probe"),
-                              {ffi::Traits::kCmdBufferCompatible});
+DSV4_GEMV_HANDLER(DSV4ProbeGemv, dsv4::ProbeGemvImpl, DSV4_U8_WEIGHT_ARGS, .Attr<int32_t>("probe"));
