@@ -71,10 +71,6 @@ def _map_scales(scale: jax.Array, block: int, to_gemv: bool) -> jax.Array:
     return out.reshape(scale.shape)
 
 
-def _block(w) -> int:
-    return 32 if isinstance(w, Mxfp4Weight) else 16
-
-
 @flax.struct.dataclass
 class GemvLayoutFp4:
     """An MXFP4 / NVFP4 weight whose packed bytes and block scales are in the GEMV layout (only ffi.gemv /
@@ -87,7 +83,7 @@ class GemvLayoutFp4:
 
     def to_checkpoint_layout(self) -> Mxfp4Weight | Nvfp4Weight:
         w = self.weight
-        return w.replace(packed=_map_words(w.packed, _TO_CHECKPOINT), scale=_map_scales(w.scale, _block(w), False))
+        return w.replace(packed=_map_words(w.packed, _TO_CHECKPOINT), scale=_map_scales(w.scale, w.block, False))
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return self.to_checkpoint_layout().dequantize(dtype)
@@ -96,4 +92,4 @@ class GemvLayoutFp4:
 def to_gemv_layout(w: Mxfp4Weight | Nvfp4Weight) -> GemvLayoutFp4:
     if not isinstance(w, (Mxfp4Weight, Nvfp4Weight)):
         raise TypeError(f"to_gemv_layout: MXFP4 / NVFP4 weight expected, got {type(w).__name__}")
-    return GemvLayoutFp4(w.replace(packed=_map_words(w.packed, _TO_GEMV), scale=_map_scales(w.scale, _block(w), True)))
+    return GemvLayoutFp4(w.replace(packed=_map_words(w.packed, _TO_GEMV), scale=_map_scales(w.scale, w.block, True)))

@@ -53,7 +53,7 @@ from jax.experimental.pallas import triton as pltriton
 from dsv4_jax.quant.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
 MP = 16                 # activation rows per tensor-core dot (Triton's minimum dot width)
-MX_BLOCK, NV_BLOCK, FP8_BLOCK = 32, 16, 128
+FP8_BLOCK = 128
 MX_SHIFT = 32           # MXFP4 factors are 2^(scale - 1 - MX_SHIFT); the epilogue multiplies by 2^MX_SHIFT
 NV_SHIFT = 8            # NVFP4 factors are e4m3 scale * 2^(126 - NV_SHIFT)
 
@@ -284,7 +284,7 @@ def _split_k(split_k, n_tiles: int, steps: int, what: str) -> int:
 def _check_fp4(w, what):
     n, kh = w.packed.shape[-2:]
     k = 2 * kh
-    block = MX_BLOCK if isinstance(w, Mxfp4Weight) else NV_BLOCK
+    block = w.block
     if k % block or w.scale.shape[-1] != k // block or w.scale.shape[-2] != n:
         raise ValueError(f"{what}: scale shape {w.scale.shape} does not match weight [{n}, {k}]")
     return n, k, block

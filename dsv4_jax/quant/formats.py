@@ -89,6 +89,7 @@ class Mxfp4Weight:
     """OCP MXFP4: packed e2m1 pairs uint8 [..., out, in/2] (low nibble first), E8M0 bytes [..., out, in/32]."""
     packed: jax.Array
     scale: jax.Array
+    block = MXFP4_BLOCK                                # inputs per block scale (a class constant, not a field)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -116,6 +117,7 @@ class Nvfp4Weight:
     scale: jax.Array
     global_scale: jax.Array
     input_scale: jax.Array | None = None
+    block = NVFP4_BLOCK                                # inputs per block scale (a class constant, not a field)
 
     @property
     def shape(self) -> tuple[int, ...]:

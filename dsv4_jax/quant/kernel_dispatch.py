@@ -195,7 +195,7 @@ def _rows_fit(x: jax.Array, rows: int) -> bool:
 def _fp4_unroll(w, k: int) -> int | None:
     """Scale blocks per kernel K step: the kernel's default (256 inputs) or the largest power of two below it
     that divides K's blocks; None when no step holds the 16 inputs a tensor-core dot needs."""
-    block = 32 if isinstance(w, Mxfp4Weight) else 16
+    block = w.block
     if k % block:
         return None
     blocks, unroll = k // block, 256 // block
@@ -363,9 +363,8 @@ def _moe_schedule(xs: jax.Array, weight, unroll: int) -> dict:
     cols = 16
     while cols < min(want, 128):
         cols *= 2
-    block = 32 if isinstance(weight, Mxfp4Weight) else 16
-    if cols == 128 and unroll * block == 256:
-        if block == 32 and n % 128 == 0:
+    if cols == 128 and unroll * weight.block == 256:
+        if isinstance(weight, Mxfp4Weight) and n % 128 == 0:
             return dict(slot_cols=cols, split_k=1, block_n=128, unroll=unroll // 2, num_warps=8)
         return dict(slot_cols=cols, split_k=1, block_n=64, unroll=unroll // 2)
     return dict(slot_cols=cols, split_k=1, block_n=64 if cols >= 64 else None, unroll=unroll)
