@@ -36,7 +36,7 @@ from dsv4_jax.quant.formats import weight_bytes  # noqa: E402
 from dsv4_jax.quant.linear import linear  # noqa: E402
 from pallas_kernels import gemv, moe  # noqa: E402
 from scripts.bench_kernels import (MAX_COPIES, ROTATE_BYTES, make_weight, nbytes, profiled_kernel_us,  # noqa: E402
-                                   recorder, rel_err, time_calls)
+                                   recorder, rel_err, routed_expert_ids, time_calls)
 
 SHAPES = [("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096), ("wo_a", 8192, 4096),
           ("w_18432x7168", 18432, 7168), ("wq_a", 1024, 4096), ("wkv", 512, 4096), ("shared_w1", 2048, 4096),
@@ -133,8 +133,7 @@ def run_experts(args, key, emit, t0):
             for m in [int(v) for v in args.ms.split(",")]:
                 if time.time() - t0 > args.budget_s + 100:
                     return
-                rng = np.random.default_rng(m)
-                ids = np.stack([rng.choice(n_exp, top_k, replace=False) for _ in range(m)]).reshape(-1)
+                ids = routed_expert_ids(m, m, n_exp, top_k)
                 x = jax.random.normal(jax.random.fold_in(key, 5000 + m), (len(ids), k), jnp.float32).astype(jnp.bfloat16)
                 # rotate expert sets so no call re-reads another's experts from L2
                 sets = [(w_all, jnp.asarray((ids + 7 * j) % n_exp, jnp.int32)) for j in range(24)]
@@ -187,9 +186,8 @@ def run_gate_up(args, key, emit, t0):
         for m in [int(v) for v in args.ms.split(",")]:
             if time.time() - t0 > args.budget_s:
                 return
-            rng = np.random.default_rng(m)
             if routed:
-                ids = np.stack([rng.choice(n_exp, top_k, replace=False) for _ in range(m)]).reshape(-1)
+                ids = routed_expert_ids(m, m, n_exp, top_k)
                 # rotate expert sets so no call re-reads another's experts from L2
                 sets = [(w1, w3, jnp.asarray((ids + 7 * j) % n_exp, jnp.int32)) for j in range(24)]
                 touched, rows = len(set(ids.tolist())), len(ids)

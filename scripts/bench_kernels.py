@@ -49,6 +49,12 @@ ROTATE_BYTES = 160 << 20
 MAX_COPIES = 48
 
 
+def routed_expert_ids(seed: int, tokens: int, n_experts: int, top_k: int = TOP_K) -> np.ndarray:
+    """Expert ids [tokens * top_k] of a routed batch: each token's top_k distinct experts, drawn uniformly (seeded)."""
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.choice(n_experts, top_k, replace=False) for _ in range(tokens)]).reshape(-1)
+
+
 def make_weight(key, fmt, shape):
     k1, k2, k3 = jax.random.split(key, 3)
     *lead, n, k = shape
@@ -396,8 +402,7 @@ def run_moe_prefill(args, key, row_counts, emit):
     for rows in row_counts:
         if args.smoke:
             rows = min(rows, 160)
-        rng = np.random.default_rng(rows)
-        ids = np.sort(np.stack([rng.choice(n_exp, TOP_K, replace=False) for _ in range(rows // TOP_K)]).reshape(-1))
+        ids = np.sort(routed_expert_ids(rows, rows // TOP_K, n_exp))
         sizes = jnp.asarray(np.bincount(ids, minlength=n_exp), jnp.int32)
         x = jax.random.normal(jax.random.fold_in(key, 7000 + rows), (len(ids), k), jnp.float32).astype(jnp.bfloat16)
         flops = 2 * len(ids) * n * k
@@ -458,9 +463,7 @@ def run_experts(args, key, ms, t_start, emit):
             for m in [mm for mm in ms if mm <= 8] or [1]:
                 if time.time() - t_start > args.budget_s / 2:
                     return
-                rng = np.random.default_rng(m)
-                ids = jnp.asarray(np.stack([rng.choice(N_EXPERTS, TOP_K, replace=False) for _ in range(m)]).reshape(-1),
-                                  jnp.int32)
+                ids = jnp.asarray(routed_expert_ids(m, m, N_EXPERTS), jnp.int32)
                 rows = ids.shape[0]
                 x = jax.random.normal(jax.random.fold_in(key, 5000 + m), (rows, k), jnp.float32).astype(jnp.bfloat16)
                 touched = len(set(np.asarray(ids).tolist()))

@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels import gemv, moe  # noqa: E402
-from scripts.bench_kernels import make_weight  # noqa: E402
+from scripts.bench_kernels import make_weight, routed_expert_ids  # noqa: E402
 
 SHAPES = ((256, 2048, 4096, 24576), (256, 2048, 1024, 24576), (256, 2048, 4096, 3072), (16, 2048, 4096, 6144),
           (256, 512, 4096, 24576))                   # experts, N, K, routed rows
@@ -38,9 +38,7 @@ def main():
     key = jax.random.key(0)
     for n_exp, n, k, rows in SHAPES:
         w = make_weight(jax.random.fold_in(key, 41), "mxfp4", (n_exp, n, k))
-        rng = np.random.default_rng(rows)
-        ids = np.sort(np.stack([rng.choice(n_exp, 6, replace=False) for _ in range(rows // 6)]).reshape(-1))
-        ids = jnp.asarray(ids, jnp.int32)
+        ids = jnp.asarray(np.sort(routed_expert_ids(rows, rows // 6, n_exp, 6)), jnp.int32)
         x = jax.random.normal(jax.random.fold_in(key, 7), (ids.shape[0], k), jnp.float32).astype(jnp.bfloat16)
         base = jax.jit(lambda x, w, i: moe.moe_matmul(x, w, i, jnp.float32, block_n=64, unroll=8, slot_cols=128,
                                                       split_k=1))(x, w, ids)
