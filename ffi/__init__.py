@@ -36,7 +36,16 @@ ROUTED_PAIR_SCHEDULE = {Mxfp4Weight: 811, Nvfp4Weight: 411}
 _TARGETS = {Mxfp4Weight: ("fp4_gemv.cu", "dsv4_mxfp4_gemv", "DSV4Mxfp4Gemv"),
             Nvfp4Weight: ("fp4_gemv.cu", "dsv4_nvfp4_gemv", "DSV4Nvfp4Gemv"),
             Fp8BlockWeight: ("fp8_gemv.cu", "dsv4_fp8_gemv", "DSV4Fp8Gemv")}
-PAIR_SCHEDULES = (0, 811, 411)   # schedules compiled for a pair of weights (gemv_kernel.cuh, compiled_for)
+PAIR_SCHEDULES = (0, 811, 411, 11)   # schedules compiled for a pair of weights (gemv_kernel.cuh, compiled_for)
+# The default for few tiles: 16 warps per 16-row tile (warps digit 0) instead of 811's 8. When the work items
+# (slots x N / 16) fit in one wave of CTAs, the kernel's time is each warp's chain of dependent steps, not
+# bandwidth; 16 warps halve it. Measured on the H200 (scripts/bench_ffi.py --shapes wq_a,wkv,shared_w1,
+# docs/bench/h200_2026-11-30_ffi_small_shapes.json): 10-20% less kernel time than 811 on 512-2048 x 4096, M = 1 and
+# 8, FP8 / MXFP4 / NVFP4; on 18432 x 7168 the 16-warp schedules are 10-30% slower, so the rule stops at one wave
+# and at the K where it was measured.
+FEW_TILES_SCHEDULE = 11
+FEW_TILES = 128                  # work items up to which it applies (the H200 has 132 SMs)
+FEW_TILES_MIN_K = 4096
 
 
 def _handlers(weight_type) -> tuple[str, dict[str, str]]:
@@ -99,6 +108,12 @@ def _call(x3: jax.Array, w, experts: jax.Array, n: int, schedule: int) -> jax.Ar
     return call(x3, *operands, experts, **attrs)
 
 
+def default_schedule(slots: int, n: int, k: int) -> int:
+    """The schedule a dense / grouped call with schedule 0 runs: FEW_TILES_SCHEDULE for one wave of work items at
+    K >= FEW_TILES_MIN_K, else the kernel's default 811."""
+    return FEW_TILES_SCHEDULE if slots * (n // 16) <= FEW_TILES and k >= FEW_TILES_MIN_K else 811
+
+
 def _check_weight(w, x_k: int, what: str, stacked: bool):
     weights = _weights(w)
     if len(weights) > 2:
@@ -122,8 +137,8 @@ def _check_weight(w, x_k: int, what: str, stacked: bool):
 def grouped_gemv(x3: jax.Array, w_stacked, experts: jax.Array, out_dtype=None, *, schedule: int = 0) -> jax.Array:
     """Slot s of x3 [S, M, K] (M <= 8 bf16 / <= 4 float32 rows) times expert experts[s] of w_stacked [E, N, K]
     (any format) -> [S, M, N] out_dtype (default x3.dtype); a pair (w_a, w_b) -> [S, M, 2N], w_a's products in
-    columns 0 .. N. One launch; `schedule` picks a compiled tiling (gemv_kernel.cuh; 0 = default; a pair:
-    PAIR_SCHEDULES)."""
+    columns 0 .. N. One launch; `schedule` picks a compiled tiling (gemv_kernel.cuh; 0 = default_schedule of the
+    shape; a pair: PAIR_SCHEDULES)."""
     what = "ffi.grouped_gemv"
     if x3.ndim != 3 or not 1 <= x3.shape[1] <= max_rows(x3.dtype) or experts.shape != x3.shape[:1]:
         raise ValueError(f"{what}: x [S, M, K] with 1..{max_rows(x3.dtype)} {x3.dtype} rows per slot and experts "
@@ -132,6 +147,7 @@ def grouped_gemv(x3: jax.Array, w_stacked, experts: jax.Array, out_dtype=None, *
     if len(_weights(w_stacked)) == 2 and schedule not in PAIR_SCHEDULES:
         raise ValueError(f"{what}: a pair of weights runs schedules {PAIR_SCHEDULES}, got {schedule}")
     m = x3.shape[1]
+    schedule = schedule or default_schedule(x3.shape[0], n, x3.shape[2])
     y = _call(_split_rows(x3), w_stacked, experts.astype(jnp.int32), n, schedule)
     if x3.dtype == jnp.float32:
         y = y[:, :m] + y[:, m:]

@@ -305,7 +305,8 @@ namespace dsv4 {
 // large shape; the persistent, streamed, register-capped and pipelined schedules win a few percent on one shape
 // and lose as much or more on another; the staged ones run at 0.46-0.96x of it; unroll > 1 costs occupancy
 // (registers); a per-thread cp.async shared-memory ring (3-6 stages, since removed) was 11% to 2.5x slower.
-// Routed experts (ffi.moe_gemv) default to 411 instead (ffi/__init__.py, ROUTED_SCHEDULE).
+// Routed experts (ffi.moe_gemv) default to 411 instead (ffi/__init__.py, ROUTED_SCHEDULE), and calls of at most one
+// wave of tiles to 11 (16 warps: ffi.default_schedule).
 constexpr int kDefaultSchedule = 811;
 
 template <class Format, int W, int T, int U, int P, int B, int kSets>
@@ -335,13 +336,13 @@ constexpr int schedule_code(int b, int p, int w, int t, int u) {
 }
 
 // Schedules compiled for a Format: all of them, or (Format::kAllSchedules false: a variant being measured) the
-// default and the few that won somewhere in the sweeps; for two weight sets the dense and routed defaults only.
+// default and the few that won somewhere in the sweeps; for two weight sets the defaults only (ffi/__init__.py).
 template <class Format, int kSets>
 constexpr bool compiled_for(int schedule) {
-  if (kSets > 1) return schedule == kDefaultSchedule || schedule == 411;
+  if (kSets > 1) return schedule == kDefaultSchedule || schedule == 411 || schedule == 11;
   if (schedule / 1000 % 10 == kStaged) return Format::kStageable;
-  return Format::kAllSchedules || schedule == kDefaultSchedule || schedule == 411 || schedule == 814 ||
-         schedule == 43811 || schedule == 83411;      // 411: ffi.moe_gemv's default (ROUTED_SCHEDULE)
+  return Format::kAllSchedules || schedule == kDefaultSchedule || schedule == 411 || schedule == 11 ||
+         schedule == 814 || schedule == 43811 || schedule == 83411;   // 411, 11: ffi's other defaults
 }
 
 template <class Format, int kSets>
@@ -374,6 +375,8 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
     DSV4_SCHEDULE(0, 0, 8, 1, 2)
     DSV4_SCHEDULE(0, 0, 8, 1, 4)
     DSV4_SCHEDULE(0, 0, 4, 1, 4)
+    DSV4_SCHEDULE(0, 0, 16, 1, 1)
+    DSV4_SCHEDULE(0, 0, 16, 1, 2)
     DSV4_SCHEDULE(0, 1, 8, 1, 1)
     DSV4_SCHEDULE(0, 2, 8, 1, 1)
     DSV4_SCHEDULE(0, 2, 4, 1, 1)

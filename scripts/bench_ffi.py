@@ -42,12 +42,12 @@ SHAPES = [("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096)
           ("w_18432x7168", 18432, 7168), ("wq_a", 1024, 4096), ("wkv", 512, 4096), ("shared_w1", 2048, 4096),
           ("shared_w2", 4096, 2048)]
 SCHEDULES = [811, 411, 43811, 2811, 24011, 4011, 4811, 24811, 4411, 50811, 83411, 3411, 2411, 814, 812, 414, 821,
-             1811]                                   # staged (P = 4): FP4 only
+             1811, 11, 12]                                   # staged (P = 4): FP4 only
 MOE_SCHEDULES = [811, 411, 24011, 4011, 24811]
 ROUTED = ffi.ROUTED_SCHEDULE
 GEMV_LAYOUT_FORMATS = ("mxfp4", "nvfp4")              # also timed in the GEMV layout (ffi/fp4_layout.py)
 GEMV_LAYOUT_SCHEDULES = [811, 24011, 4011, 24811]
-PROFILED = (0, 811, 24011, 4011, 4811, 24811, 4411, 43811, 2811, 83411)   # kernel time from the profiler too
+PROFILED = (0, 811, 24011, 4011, 4811, 24811, 4411, 43811, 2811, 83411, 814, 414, 821, 1811, 11, 12)   # kernel time from the profiler too
 PALLAS = {"fp8": gemv.fp8_matmul, "mxfp4": gemv.mxfp4_matmul, "nvfp4": gemv.nvfp4_matmul}
 
 
@@ -60,6 +60,8 @@ def main():
     ap.add_argument("--schedules", default=",".join(map(str, SCHEDULES)),
                     help="dense sweep (MXFP4 all, the other formats the first four); --experts uses MOE_SCHEDULES")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--layout-schedules", default=",".join(map(str, GEMV_LAYOUT_SCHEDULES)),
+                    help="schedules timed on the GEMV layout of the FP4 weights ('' for none)")
     ap.add_argument("--experts", action="store_true", help="also the routed-expert GEMV (6 of 256 experts)")
     ap.add_argument("--gate-up-only", action="store_true",
                     help="only the gate + up projections (routed MXFP4 / NVFP4, shared FP8): one launch or two")
@@ -99,8 +101,8 @@ def main():
                     ("ffi", s, functools.partial(ffi.gemv, schedule=s), ws[fmt]) for s in swept]
                 if fmt in GEMV_LAYOUT_FORMATS:                  # the same weights in the GEMV layout
                     laid = [jax.jit(ffi.to_gemv_layout)(w) for w in ws[fmt]]
-                    cases += [("ffi_gemv_layout", s, functools.partial(ffi.gemv, schedule=s), laid)
-                              for s in GEMV_LAYOUT_SCHEDULES]
+                    cases += [("ffi_gemv_layout", int(s), functools.partial(ffi.gemv, schedule=int(s)), laid)
+                              for s in args.layout_schedules.split(",") if s]
                 for impl, sched, fn, weights in cases:
                     if impl != "pallas" and n % (16 * max(1, sched // 10 % 10)):
                         continue
@@ -223,8 +225,8 @@ def run_gate_up(args, key, emit, t0):
                       impl="xla_bf16_dots", us=base[0], kernel_us=base_k, gbps=2 * touched * n * k * 2 / base[0] / 1e3))
             del dense
             ref = jax.jit(two)(x, sets[0])
-            cases = [("two_launches", ROUTED if routed else 811, two)] + [
-                ("pair", s, functools.partial(one, s=s)) for s in ((411, 811) if routed else (811, 411))]
+            cases = [("two_launches", ROUTED if routed else ffi.default_schedule(1, n, k), two)] + [
+                ("pair", s, functools.partial(one, s=s)) for s in ((411, 811) if routed else (811, 411, 11))]
             for impl, sched, fn in cases:
                 try:
                     err = rel_err(jax.jit(fn)(x, sets[0]), ref)

@@ -58,6 +58,22 @@ def test_bad_arguments_are_rejected_before_any_build():
         ffi.moe_gemv(jnp.ones((2, 256), jnp.bfloat16), w, jnp.zeros(2, jnp.int32))
 
 
+def test_default_schedule_by_shape(monkeypatch):
+    """schedule 0 runs 16 warps per tile (FEW_TILES_SCHEDULE) for one wave of tiles at K >= 4096 (where it was
+    measured faster), else 811; the choice is an attribute of the lowered call."""
+    assert ffi.default_schedule(1, 512, 4096) == ffi.default_schedule(1, 2048, 7168) == ffi.FEW_TILES_SCHEDULE
+    assert ffi.default_schedule(1, 2064, 4096) == 811                     # 129 tiles: more than one wave
+    assert ffi.default_schedule(8, 1024, 4096) == 811                     # 8 slots x 64 tiles
+    assert ffi.default_schedule(1, 1024, 2048) == 811                     # K not measured
+    monkeypatch.setattr(ffi, "register", lambda *args: None)               # lowering needs no library
+    rng = np.random.default_rng()
+    for n, expected in ((1024, ffi.FEW_TILES_SCHEDULE), (4096, 811)):
+        w = _weight(rng, "fp8", n, 4096)
+        x = jnp.ones((2, 4096), jnp.bfloat16)
+        text = jax.jit(lambda x, w: ffi.gemv(x, w)).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+        assert f"schedule = {expected} : i32" in text
+
+
 def test_bad_weight_pairs_are_rejected_before_any_build():
     rng = np.random.default_rng()
     x = jnp.ones((2, 256), jnp.bfloat16)
@@ -96,6 +112,9 @@ def _dequant64(w):
     (512, 1024, 1, jnp.bfloat16, 43811), (2048, 7168, 7, jnp.bfloat16, 83411),
     # unrolled (a warp's steps loaded together; partial last group)
     (512, 4096, 1, jnp.bfloat16, 814), (1024, 2048, 3, jnp.float32, 812), (2048, 1408, 5, jnp.bfloat16, 414),
+    # 16 warps per tile (warps digit 0): 2 steps each, warps without steps (11 steps), unrolled with a partial group
+    (512, 4096, 1, jnp.bfloat16, 11), (1024, 1408, 8, jnp.bfloat16, 11), (512, 4096, 3, jnp.float32, 12),
+    (2048, 1536, 5, jnp.bfloat16, 12),
     # a streamed warp cut short (11 steps over 4 warps: 3, 3, 3, 2); pipelined warps without steps (4 over 8)
     (1024, 1408, 4, jnp.bfloat16, 2411), (512, 512, 2, jnp.bfloat16, 43811)])
 def test_gemv_gpu(fmt, n, k, m, dtype, schedule):
@@ -202,7 +221,7 @@ def _check_pair(y, x, w_a, w_b, experts=None):
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8"])
 @pytest.mark.parametrize("n,k,m,dtype,schedule", [(2048, 4096, 1, jnp.bfloat16, 0), (1040, 1536, 8, jnp.bfloat16, 411),
-                                                  (512, 2048, 3, jnp.float32, 811)])
+                                                  (512, 2048, 3, jnp.float32, 811), (1024, 1408, 6, jnp.bfloat16, 11)])
 def test_gemv_pair_gpu(fmt, n, k, m, dtype, schedule):
     """Two weights of one format and shape in one launch (gate and up): y [M, 2N]; NVFP4 global scales differ."""
     rng = np.random.default_rng()
