@@ -3,6 +3,7 @@
     gemv(x [M, K], w [N, K]) -> [M, N]
     grouped_gemv(x [S, M, K], w [E, N, K], experts [S]) -> [S, M, N]     slot s times expert experts[s]
     moe_gemv(x_rows [R, K], w [E, N, K], expert_ids [R]) -> [R, N]       row r times expert expert_ids[r]
+    gemv_concat(x [M, K], (w_a [N, K], w_b [N2, K])) -> [M, N + N2]      two FP8 weights of one K in one launch
 
 w: Fp8BlockWeight / Mxfp4Weight / Nvfp4Weight, or an FP4 weight in the GEMV layout (fp4_layout.to_gemv_layout:
 fewer decode instructions, same bytes); or a pair (w_a, w_b) of two weights of one format and shape, e.g. a gate and
@@ -49,9 +50,13 @@ FEW_TILES_MIN_K = 4096
 
 
 def _handlers(weight_type) -> tuple[str, dict[str, str]]:
-    """(source, {FFI target: handler symbol}) of a weight format: its one-weight and its pair handler."""
+    """(source, {FFI target: handler symbol}) of a weight format: its one-weight and its pair handler (FP8: and its
+    concatenation handler)."""
     source, target, symbol = _TARGETS[weight_type]
-    return source, {target: symbol, target + "_pair": symbol + "Pair"}
+    handlers = {target: symbol, target + "_pair": symbol + "Pair"}
+    if weight_type is Fp8BlockWeight:
+        handlers[target + "_concat"] = symbol + "Concat"
+    return source, handlers
 
 
 def register_all() -> None:
@@ -112,6 +117,36 @@ def default_schedule(slots: int, n: int, k: int) -> int:
     """The schedule a dense / grouped call with schedule 0 runs: FEW_TILES_SCHEDULE for one wave of work items at
     K >= FEW_TILES_MIN_K, else the kernel's default 811."""
     return FEW_TILES_SCHEDULE if slots * (n // 16) <= FEW_TILES and k >= FEW_TILES_MIN_K else 811
+
+
+CONCAT_SCHEDULES = (0, 811, 11)  # schedules compiled for concatenated weights (gemv_kernel.cuh, kConcat)
+
+
+def gemv_concat(x: jax.Array, weights, out_dtype=None, *, schedule: int = 0) -> jax.Array:
+    """x [M, K] (M <= 8 bf16 / <= 4 float32 rows) @ [W_a; W_b]^T for two FP8-block weights W_a [N, K], W_b [N2, K]
+    of one K -> [M, N + N2] (W_a's products first): one launch whose work items are the tiles of both, e.g. the
+    attention's wq_a and wkv, which read the same activations (for such small matrices the time is latency, so one
+    launch instead of two is what counts). schedule 0: default_schedule of N + N2 rows."""
+    what = "ffi.gemv_concat"
+    if not isinstance(weights, (tuple, list)) or len(weights) != 2:
+        raise ValueError(f"{what}: a pair (w_a, w_b) of weights expected, got {type(weights).__name__}")
+    if x.ndim != 2 or not 1 <= x.shape[0] <= max_rows(x.dtype):
+        raise ValueError(f"{what}: x must be [M, K] with 1..{max_rows(x.dtype)} {x.dtype} rows, got {x.shape}")
+    if not all(isinstance(w, Fp8BlockWeight) for w in weights):
+        raise TypeError(f"{what}: FP8-block weights only, got {[type(w).__name__ for w in weights]}")
+    n_a, n_b = (_check_weight(w, x.shape[1], what, stacked=False) for w in weights)
+    if schedule not in CONCAT_SCHEDULES:
+        raise ValueError(f"{what}: concatenated weights run schedules {CONCAT_SCHEDULES}, got {schedule}")
+    schedule = schedule or default_schedule(1, n_a + n_b, x.shape[1])
+    register(*_handlers(Fp8BlockWeight))
+    xs = _split_rows(x)[None]
+    call = jax.ffi.ffi_call("dsv4_fp8_gemv_concat", jax.ShapeDtypeStruct((*xs.shape[:2], n_a + n_b), jnp.float32))
+    operands = [op for w in weights for op in _weight_operands(jax.tree.map(lambda a: a[None], w))]
+    y = call(xs, *operands, jnp.zeros((1,), jnp.int32), schedule=np.int32(schedule))[0]
+    if x.dtype == jnp.float32:
+        m = x.shape[0]
+        y = y[:m] + y[m:]
+    return y.astype(out_dtype or x.dtype)
 
 
 def _check_weight(w, x_k: int, what: str, stacked: bool):

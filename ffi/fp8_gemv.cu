@@ -86,11 +86,10 @@ struct Fp8Block {
   }
 };
 
-// Shapes (y has `sets` x N columns; the second weight of a pair, if any, has the first's shapes); returns an error
-// message or "".
+// Shapes of x, one weight, the expert ids and y (y has `y_cols` columns); returns an error message or "".
 std::string check_fp8(const std::string& name, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi::U8>& weight,
                       ffi::Buffer<ffi::U8>& scale, ffi::Buffer<ffi::S32>& experts, ffi::ResultBuffer<ffi::F32>& y,
-                      int sets) {
+                      int64_t y_cols, const char* y_shape) {
   const auto xd = x.dimensions(), wd = weight.dimensions(), sd = scale.dimensions();
   const auto ed = experts.dimensions(), yd = y->dimensions();
   if (xd.size() != 3 || wd.size() != 3 || sd.size() != 3 || ed.size() != 1 || yd.size() != 3) {
@@ -101,28 +100,29 @@ std::string check_fp8(const std::string& name, ffi::Buffer<ffi::BF16>& x, ffi::B
   if (k % kStep != 0 || wd[2] != k || sd[0] != wd[0] || sd[1] != (n + 127) / 128 || sd[2] != k / 128) {
     return name + ": need weight [E, N, K], scale [E, ceil(N/128), K/128], K % 128 == 0";
   }
-  if (ed[0] != slots || yd[0] != slots || yd[1] != m || yd[2] != sets * n) {
-    return name + (sets == 1 ? ": experts [S], y [S, M, N]" : ": experts [S], y [S, M, 2N]");
+  if (ed[0] != slots || yd[0] != slots || yd[1] != m || yd[2] != y_cols) {
+    return name + ": experts [S], y " + y_shape + " expected";
   }
   return "";
 }
 
-template <int kSets>
+template <int kSets, bool kConcat = false>
 ffi::Error launch_fp8(cudaStream_t stream, int32_t schedule, ffi::Buffer<ffi::BF16>& x,
                       const WeightSets<Fp8Block::Weights, kSets>& w, ffi::Buffer<ffi::U8>& weight,
-                      ffi::Buffer<ffi::S32>& experts, ffi::ResultBuffer<ffi::F32>& y, const std::string& name) {
+                      ffi::Buffer<ffi::S32>& experts, ffi::ResultBuffer<ffi::F32>& y, const std::string& name,
+                      int n2 = 0) {
   const auto xd = x.dimensions();
-  return launch_gemv<Fp8Block>(stream, schedule, reinterpret_cast<const uint16_t*>(x.typed_data()), w,
-                               experts.typed_data(), static_cast<int>(xd[0]), y->typed_data(),
-                               static_cast<int>(xd[1]), static_cast<int>(weight.dimensions()[1]),
-                               static_cast<int>(xd[2]), name.c_str());
+  return launch_gemv<Fp8Block, kSets, kConcat>(stream, schedule, reinterpret_cast<const uint16_t*>(x.typed_data()), w,
+                                               experts.typed_data(), static_cast<int>(xd[0]), y->typed_data(),
+                                               static_cast<int>(xd[1]), static_cast<int>(weight.dimensions()[1]),
+                                               static_cast<int>(xd[2]), name.c_str(), n2);
 }
 
 ffi::Error Fp8GemvImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> weight,
                        ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y,
                        int32_t schedule) {
   const std::string name = "dsv4_fp8_gemv";
-  if (auto msg = check_fp8(name, x, weight, scale, experts, y, 1); !msg.empty()) {
+  if (auto msg = check_fp8(name, x, weight, scale, experts, y, weight.dimensions()[1], "[S, M, N]"); !msg.empty()) {
     return ffi::Error::InvalidArgument(msg);
   }
   const WeightSets<Fp8Block::Weights, 1> w{{{weight.typed_data(), scale.typed_data()}}};
@@ -133,7 +133,7 @@ ffi::Error Fp8GemvPairImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::B
                            ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::U8> weight2, ffi::Buffer<ffi::U8> scale2,
                            ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y, int32_t schedule) {
   const std::string name = "dsv4_fp8_gemv_pair";
-  std::string msg = check_fp8(name, x, weight, scale, experts, y, 2);
+  std::string msg = check_fp8(name, x, weight, scale, experts, y, 2 * weight.dimensions()[1], "[S, M, 2N]");
   if (msg.empty()) msg = check_pair_shapes(name, weight, scale, weight2, scale2);
   if (!msg.empty()) return ffi::Error::InvalidArgument(msg);
   const WeightSets<Fp8Block::Weights, 2> w{{{weight.typed_data(), scale.typed_data()},
@@ -141,8 +141,28 @@ ffi::Error Fp8GemvPairImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::B
   return launch_fp8(stream, schedule, x, w, weight, experts, y, name);
 }
 
+// Two weights of one K and their own N (N, N2), concatenated: y [S, M, N + N2] (gemv_kernel.cuh, kConcat).
+ffi::Error Fp8GemvConcatImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> weight,
+                             ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::U8> weight2, ffi::Buffer<ffi::U8> scale2,
+                             ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y, int32_t schedule) {
+  const std::string name = "dsv4_fp8_gemv_concat";
+  const auto wd = weight.dimensions(), sd = scale.dimensions(), w2 = weight2.dimensions(), s2 = scale2.dimensions();
+  if (wd.size() != 3 || sd.size() != 3 || w2.size() != 3 || s2.size() != 3 || w2[0] != wd[0] || w2[2] != wd[2] ||
+      s2[0] != wd[0] || s2[1] != (w2[1] + 127) / 128 || s2[2] != sd[2]) {
+    return ffi::Error::InvalidArgument(name + ": weights [E, N, K] and [E, N2, K] with scales [E, ceil(N/128), "
+                                       "K/128] and [E, ceil(N2/128), K/128] expected");
+  }
+  if (auto msg = check_fp8(name, x, weight, scale, experts, y, wd[1] + w2[1], "[S, M, N + N2]"); !msg.empty()) {
+    return ffi::Error::InvalidArgument(msg);
+  }
+  const WeightSets<Fp8Block::Weights, 2> w{{{weight.typed_data(), scale.typed_data()},
+                                            {weight2.typed_data(), scale2.typed_data()}}};
+  return launch_fp8<2, true>(stream, schedule, x, w, weight, experts, y, name, static_cast<int>(w2[1]));
+}
+
 }  // namespace
 }  // namespace dsv4
 
 DSV4_GEMV_HANDLER(DSV4Fp8Gemv, dsv4::Fp8GemvImpl, DSV4_U8_WEIGHT_ARGS, );
 DSV4_GEMV_HANDLER(DSV4Fp8GemvPair, dsv4::Fp8GemvPairImpl, DSV4_U8_WEIGHT_ARGS DSV4_U8_WEIGHT_ARGS, );
+DSV4_GEMV_HANDLER(DSV4Fp8GemvConcat, dsv4::Fp8GemvConcatImpl, DSV4_U8_WEIGHT_ARGS DSV4_U8_WEIGHT_ARGS, );

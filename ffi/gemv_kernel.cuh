@@ -23,6 +23,10 @@
 // Weight sets (kSets = 2: a gate and an up projection in one launch): kSets weights of one format and shape
 // [E, N, K] times the same activation rows; an item computes its tile rows of every set, so each activation load
 // and B fragment serves all of them (as kTiles > 1 does), and the outputs lie side by side: y [S, M, kSets N].
+// Concatenated weights (kConcat, kSets = 2): two weights of one format and K but their own N (N and N2), e.g. the
+// attention's wq_a and wkv, which read the same activations: an item is a tile of one of them, y [S, M, N + N2].
+// More items than a pair for the same weights, none waits for another weight's rows: for small matrices, whose
+// time is latency, one launch instead of two.
 //
 // A Format provides:
 //   kAllSchedules                                 false: only the schedules of compiled_for (a variant on trial)
@@ -114,6 +118,16 @@ struct WeightSets {
   Weights set[kSets];
 };
 
+// Set s (0 or 1, known at run time) of a WeightSets, without indexing the kernel parameter by a run-time value.
+template <class Weights, int kSets>
+__device__ __forceinline__ const Weights& pick_set(const WeightSets<Weights, kSets>& w, int s) {
+  if constexpr (kSets == 1) {
+    return w.set[0];
+  } else {
+    return s ? w.set[1] : w.set[0];
+  }
+}
+
 // The second weight of a pair must have the first's shapes (its bytes and its scales); "" or an error message.
 inline std::string check_pair_shapes(const std::string& name, xla::ffi::Buffer<xla::ffi::U8>& bytes,
                                      xla::ffi::Buffer<xla::ffi::U8>& scale, xla::ffi::Buffer<xla::ffi::U8>& bytes2,
@@ -132,15 +146,17 @@ inline std::string check_pair_shapes(const std::string& name, xla::ffi::Buffer<x
 }
 
 // Sums the kWarps partial tiles of a CTA through shared memory and writes rows row_base .. row_base + 16 kTiles
-// of each set's columns of y_slot [m_rows, kSets n], times the set's epilogue factor. Ends with a barrier (over
+// of each set's columns of y_slot [m_rows, row_stride] (row_stride 0: kSets n; set s at column s n), times the
+// set's epilogue factor. Ends with a barrier (over
 // the CTA, or over threads 0 .. kBarrierThreads - 1 when a producer warp does not take part): `partial` is free
 // again. Tile t of c is tile t % kTiles of set t / kTiles.
 template <class Format, int kWarps, int kTiles, int kSets, int kBarrierThreads = 0>
 __device__ __forceinline__ void store_tiles(float (&partial)[kWarps][16 * kTiles * kSets][kMaxRows],
                                             const float (&c)[kTiles * kSets][4],
                                             const WeightSets<typename Format::Weights, kSets>& w, int expert,
-                                            float* y_slot, int m_rows, int n, int row_base) {
+                                            float* y_slot, int m_rows, int n, int row_base, int row_stride = 0) {
   constexpr int kRows = 16 * kTiles, kAllRows = kRows * kSets;
+  if (row_stride == 0) row_stride = kSets * n;
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
   // c[t][0], c[t][1]: weight row 16t + g, activation rows 2q, 2q + 1; c[t][2], c[t][3]: row 16t + g + 8.
 #pragma unroll
@@ -161,7 +177,7 @@ __device__ __forceinline__ void store_tiles(float (&partial)[kWarps][16 * kTiles
 #pragma unroll
       for (int v = 0; v < kWarps; ++v) sum += partial[v][r][mcol];
       const int set = r / kRows;
-      y_slot[static_cast<size_t>(mcol) * kSets * n + set * n + row_base + r % kRows] = sum * factor[set];
+      y_slot[static_cast<size_t>(mcol) * row_stride + set * n + row_base + r % kRows] = sum * factor[set];
     }
   }
   sync_threads<kBarrierThreads>();
@@ -197,16 +213,20 @@ enum Mode : int {
 // persistent schedule). kPersistent: each warp bulk-prefetches its share of the next item's weight bytes into L2
 // before computing the current one, so DRAM keeps a deep queue without registers held for loads in flight.
 // kMinBlocks > 1 caps the registers so that many CTAs fit on an SM (more loads in flight; may spill).
-template <class Format, int kWarps, int kTiles, int kUnroll, int kMode, int kMinBlocks, int kSets>
+template <class Format, int kWarps, int kTiles, int kUnroll, int kMode, int kMinBlocks, int kSets, bool kConcat>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 gemv_kernel(const uint16_t* __restrict__ x, WeightSets<typename Format::Weights, kSets> w,
-            const int32_t* __restrict__ slot_expert, float* __restrict__ y, int m_rows, int n, int k, int items) {
-  constexpr int kRows = 16 * kTiles, kAll = kTiles * kSets;     // kAll tiles per item: tile t of set t / kTiles
+            const int32_t* __restrict__ slot_expert, float* __restrict__ y, int m_rows, int n, int k, int items,
+            int n2) {
+  static_assert(!kConcat || (kSets == 2 && kMode == kDirect), "concatenated weights: two sets, direct loads");
+  constexpr int kItemSets = kConcat ? 1 : kSets;                // weight sets one item computes
+  constexpr int kRows = 16 * kTiles, kAll = kTiles * kItemSets;  // kAll tiles per item: tile t of set t / kTiles
   constexpr bool kPrefetch = kMode == kPersistent, kStream = kMode == kStreamed;
-  __shared__ float partial[kWarps][kRows * kSets][kMaxRows];
+  __shared__ float partial[kWarps][kRows * kItemSets][kMaxRows];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4;                    // fragment row group, quad lane
-  const int tiles = n / kRows, steps = k / kStep;
+  const int tiles_first = n / kRows;                       // items per slot: tiles of the first set (a pair: both)
+  const int tiles = kConcat ? tiles_first + n2 / kRows : tiles_first, steps = k / kStep;
   const bool has_x = g < m_rows;                           // B column g is activation row g (else row 0, unused)
   // this warp's steps: first, first + stride, ... < last
   const int per_warp = (steps + kWarps - 1) / kWarps;
@@ -217,16 +237,23 @@ gemv_kernel(const uint16_t* __restrict__ x, WeightSets<typename Format::Weights,
 #pragma unroll
     for (int s = 0; s < kSets; ++s) Format::prefetch(w.set[s], expert, row, kRows, n, k, warp, kWarps);
   };
-  // rows g and g + 8 of the item's tile t (tile t % kTiles of set t / kTiles) at input k0
-  auto load_tile = [&](auto stream, int expert, int row_base, int t, int k0) {
-    return Format::template load<decltype(stream)::value>(w.set[t / kTiles], expert, row_base + 16 * (t % kTiles) + g,
-                                                          k0, n, k);
+  // rows g and g + 8 of the item's tile t (tile t % kTiles of set t / kTiles; concatenated: of set `second`) at k0
+  auto load_tile = [&](auto stream, int expert, int row_base, int t, int k0, int second) {
+    if constexpr (kConcat) {
+      return Format::template load<decltype(stream)::value>(pick_set(w, second), expert,
+                                                            row_base + 16 * (t % kTiles) + g, k0, second ? n2 : n, k);
+    } else {
+      return Format::template load<decltype(stream)::value>(w.set[t / kTiles], expert,
+                                                            row_base + 16 * (t % kTiles) + g, k0, n, k);
+    }
   };
   if (kPrefetch && lane == 0 && slot_expert[blockIdx.x / tiles] >= 0) {
     prefetch(slot_expert[blockIdx.x / tiles], blockIdx.x % tiles * kRows);
   }
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int slot = item / tiles, row_base = item % tiles * kRows;
+    const int slot = item / tiles, tile = item % tiles;
+    const int second = kConcat && tile >= tiles_first;     // concatenated: the item is a tile of the second weight
+    const int row_base = (tile - second * tiles_first) * kRows;
     const int expert = slot_expert[slot];                  // dense: one slot, expert 0
     if (kPrefetch && lane == 0 && item + gridDim.x < items) {
       const int next = item + gridDim.x, next_expert = slot_expert[next / tiles];
@@ -243,7 +270,7 @@ gemv_kernel(const uint16_t* __restrict__ x, WeightSets<typename Format::Weights,
       auto load_step = [&](typename Format::Tile (&tile)[kAll], int step) {
 #pragma unroll
         for (int t = 0; t < kAll; ++t) {
-          tile[t] = load_tile(std::false_type{}, expert, row_base, t, step * kStep + q * 32);
+          tile[t] = load_tile(std::false_type{}, expert, row_base, t, step * kStep + q * 32, second);
         }
       };
       auto compute_step = [&](const typename Format::Tile (&tile)[kAll], int step) {
@@ -271,7 +298,7 @@ gemv_kernel(const uint16_t* __restrict__ x, WeightSets<typename Format::Weights,
             const int k0 = step * kStep + q * 32;
 #pragma unroll
             for (int t = 0; t < kAll; ++t) {
-              tile[u][t] = load_tile(std::bool_constant<kStream>{}, expert, row_base, t, k0);
+              tile[u][t] = load_tile(std::bool_constant<kStream>{}, expert, row_base, t, k0, second);
             }
             load_x(x_row, k0, xs[u]);
           }
@@ -285,8 +312,14 @@ gemv_kernel(const uint16_t* __restrict__ x, WeightSets<typename Format::Weights,
         }
       }
     }
-    float* y_slot = y + static_cast<size_t>(slot) * m_rows * kSets * n;
-    store_tiles<Format, kWarps, kTiles, kSets>(partial, c, w, expert, y_slot, m_rows, n, row_base);
+    if constexpr (kConcat) {
+      float* y_slot = y + static_cast<size_t>(slot) * m_rows * (n + n2) + second * n;
+      store_tiles<Format, kWarps, kTiles, 1>(partial, c, WeightSets<typename Format::Weights, 1>{{pick_set(w, second)}},
+                                             expert, y_slot, m_rows, n, row_base, n + n2);
+    } else {
+      float* y_slot = y + static_cast<size_t>(slot) * m_rows * kSets * n;
+      store_tiles<Format, kWarps, kTiles, kSets>(partial, c, w, expert, y_slot, m_rows, n, row_base);
+    }
   }
 }
 
@@ -309,11 +342,11 @@ namespace dsv4 {
 // wave of tiles to 11 (16 warps: ffi.default_schedule).
 constexpr int kDefaultSchedule = 811;
 
-template <class Format, int W, int T, int U, int P, int B, int kSets>
+template <class Format, int W, int T, int U, int P, int B, int kSets, bool kConcat>
 xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const WeightSets<typename Format::Weights, kSets>& w,
-                           const int32_t* slot_expert, int slots, float* y, int m_rows, int n, int k) {
-  auto kernel = gemv_kernel<Format, W, T, U, P, B, kSets>;
-  const int items = slots * (n / (16 * T));
+                           const int32_t* slot_expert, int slots, float* y, int m_rows, int n, int k, int n2) {
+  auto kernel = gemv_kernel<Format, W, T, U, P, B, kSets, kConcat>;
+  const int items = slots * ((kConcat ? n + n2 : n) / (16 * T));
   int grid = items;
   if (P == kPersistent) {                                  // as many CTAs as fit at once
     static int resident = 0;                               // per instantiation, computed once per process
@@ -326,7 +359,7 @@ xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const WeightS
     }
     grid = items < resident ? items : resident;
   }
-  kernel<<<grid, W * 32, 0, stream>>>(x, w, slot_expert, y, m_rows, n, k, items);
+  kernel<<<grid, W * 32, 0, stream>>>(x, w, slot_expert, y, m_rows, n, k, items, n2);
   return xla::ffi::Error::Success();
 }
 
@@ -337,35 +370,37 @@ constexpr int schedule_code(int b, int p, int w, int t, int u) {
 
 // Schedules compiled for a Format: all of them, or (Format::kAllSchedules false: a variant being measured) the
 // default and the few that won somewhere in the sweeps; for two weight sets the defaults only (ffi/__init__.py).
-template <class Format, int kSets>
+template <class Format, int kSets, bool kConcat = false>
 constexpr bool compiled_for(int schedule) {
+  if (kConcat) return schedule == kDefaultSchedule || schedule == 11;
   if (kSets > 1) return schedule == kDefaultSchedule || schedule == 411 || schedule == 11;
   if (schedule / 1000 % 10 == kStaged) return Format::kStageable;
   return Format::kAllSchedules || schedule == kDefaultSchedule || schedule == 411 || schedule == 11 ||
          schedule == 814 || schedule == 43811 || schedule == 83411;   // 411, 11: ffi's other defaults
 }
 
-template <class Format, int kSets>
+// kConcat: the two sets are concatenated weights of N and n2 rows (else n2 is unused).
+template <class Format, int kSets, bool kConcat = false>
 xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x,
                             const WeightSets<typename Format::Weights, kSets>& w, const int32_t* slot_expert, int slots,
-                            float* y, int m_rows, int n, int k, const char* name) {
+                            float* y, int m_rows, int n, int k, const char* name, int n2 = 0) {
   using xla::ffi::Error;
   if (schedule == 0) schedule = kDefaultSchedule;
   const int tiles = schedule / 10 % 10;
-  if (tiles < 1 || n % (16 * tiles) != 0) {
+  if (tiles < 1 || n % (16 * tiles) != 0 || (kConcat && n2 % (16 * tiles) != 0)) {
     return Error::InvalidArgument(std::string(name) + ": N must be a multiple of 16 x tiles of the schedule");
   }
   Error launched = Error::InvalidArgument(std::string(name) + ": unknown schedule " + std::to_string(schedule));
   switch (schedule) {
 #define DSV4_SCHEDULE(B, P, W, T, U)                                                                      \
   case schedule_code(B, P, W, T, U):                                                                      \
-    if constexpr (compiled_for<Format, kSets>(schedule_code(B, P, W, T, U))) {                            \
+    if constexpr (compiled_for<Format, kSets, kConcat>(schedule_code(B, P, W, T, U))) {                   \
       if constexpr (P == kStaged) {                                                                       \
         launched = launch_staged<Format, W, (B > 0 ? B : 1)>(stream, x, w.set[0], slot_expert, slots, y,  \
                                                               m_rows, n, k, name);                        \
       } else {                                                                                            \
-        launched = launch_one<Format, W, T, U, P, B, kSets>(stream, x, w, slot_expert, slots, y, m_rows, n, \
-                                                            k);                                           \
+        launched = launch_one<Format, W, T, U, P, B, kSets, kConcat>(stream, x, w, slot_expert, slots, y, \
+                                                                     m_rows, n, k, n2);                   \
       }                                                                                                   \
     }                                                                                                     \
     break;

@@ -3,6 +3,7 @@ same matrix side by side in the same process.
 
     python3 scripts/bench_ffi.py --out $OUT/bench_ffi.json [--budget-s 300]
     python3 scripts/bench_ffi.py --gate-up-only --out $OUT/bench_gate_up.json    # gate + up: one launch or two
+    python3 scripts/bench_ffi.py --concat-only --out $OUT/bench_concat.json      # wq_a + wkv: one launch or two
 
 Method as scripts/bench_kernels.py (its time_calls / profiled_kernel_us): every case is checked against the
 reference first; wall time per call in one jitted program over weight copies that L2 cannot hold; kernel time
@@ -65,6 +66,8 @@ def main():
     ap.add_argument("--experts", action="store_true", help="also the routed-expert GEMV (6 of 256 experts)")
     ap.add_argument("--gate-up-only", action="store_true",
                     help="only the gate + up projections (routed MXFP4 / NVFP4, shared FP8): one launch or two")
+    ap.add_argument("--concat-only", action="store_true",
+                    help="only the attention's wq_a + wkv (FP8, one K): two launches or one ffi.gemv_concat")
     args = ap.parse_args()
     t0 = time.time()
     results = []
@@ -72,8 +75,8 @@ def main():
 
     faulthandler.dump_traceback_later(args.budget_s + 150, exit=True)       # a stuck case shows where it stuck
     key = jax.random.key(0)
-    if args.gate_up_only:
-        run_gate_up(args, key, emit, t0)
+    if args.gate_up_only or args.concat_only:
+        (run_gate_up if args.gate_up_only else run_concat)(args, key, emit, t0)
         summary(results)
         return
     schedules = [int(s) for s in args.schedules.split(",")]
@@ -243,6 +246,46 @@ def run_gate_up(args, key, emit, t0):
                           gbps=(2 * per_weight + x.size * 2) / t[0] / 1e3, speedup_vs_bf16=base[0] / t[0],
                           kernel_speedup_vs_bf16=base_k / kt if kt and base_k else None))
         del w1, w3, sets
+
+
+def run_concat(args, key, emit, t0):
+    """The attention's wq_a [1024, 4096] and wkv [512, 4096] (FP8-block; both read the same activations) as the
+    model runs them at decode: two ffi.gemv launches or one ffi.gemv_concat, against XLA's two bf16 dots."""
+    k, shapes, copies = 4096, (1024, 512), 16             # 6 MB of FP8 per copy: 96 MB rotate past L2
+    fp8 = [tuple(make_weight(jax.random.fold_in(key, 500 + 2 * j + i), "fp8", (n, k)) for i, n in enumerate(shapes))
+           for j in range(copies)]
+    bf16 = [tuple(make_weight(jax.random.fold_in(key, 600 + 2 * j + i), "bf16", (n, k)) for i, n in enumerate(shapes))
+            for j in range(copies // 2)]
+    base_fn = lambda x, w: (x @ w[0].T)[..., :1].astype(jnp.float32) + (x @ w[1].T)[..., :1].astype(jnp.float32)
+    two = lambda x, w: jnp.concatenate([ffi.gemv(x, w[0], jnp.float32), ffi.gemv(x, w[1], jnp.float32)], -1)
+    one = lambda x, w: ffi.gemv_concat(x, w, jnp.float32)
+    fp8_bytes = sum(weight_bytes(w) for w in fp8[0])
+    for m in [int(v) for v in args.ms.split(",")]:
+        if time.time() - t0 > args.budget_s:
+            return
+        x = jax.random.normal(jax.random.fold_in(key, 8000 + m), (m, k), jnp.float32).astype(jnp.bfloat16)
+        base = time_calls(base_fn, bf16, x, 50, repeats=3)
+        base_k = profiled_kernel_us(base_fn, x, bf16)
+        emit(dict(name="wq_a+wkv", m=m, n=sum(shapes), k=k, fmt="bf16", impl="xla_bf16_dots", us=base[0],
+                  kernel_us=base_k, gbps=sum(shapes) * k * 2 / base[0] / 1e3))
+        ref = jax.jit(two)(x, fp8[0])
+        # each launch's own output feeds the result (a slice of a concatenation would let XLA drop one launch)
+        cases = [("two_launches", [ffi.default_schedule(1, n, k) for n in shapes],
+                  lambda x, w: ffi.gemv(x, w[0], jnp.float32)[..., :1] + ffi.gemv(x, w[1], jnp.float32)[..., :1]),
+                 ("concat", ffi.default_schedule(1, sum(shapes), k), lambda x, w: one(x, w)[..., :1])]
+        for impl, sched, fn in cases:
+            try:
+                err = rel_err(jax.jit(one)(x, fp8[0]), ref) if impl == "concat" else 0.0
+                if err > 1e-6:
+                    raise RuntimeError(f"concat differs from two launches: rel. err {err:.3g}")
+                t = time_calls(fn, fp8, x, 50, repeats=3)
+                kt = profiled_kernel_us(fn, x, fp8)
+            except Exception as e:  # noqa: BLE001
+                emit(dict(name="wq_a+wkv", m=m, fmt="fp8", impl=impl, error=f"{type(e).__name__}: {e}"[:300]))
+                continue
+            emit(dict(name="wq_a+wkv", m=m, n=sum(shapes), k=k, fmt="fp8", impl=impl, schedule=str(sched), us=t[0],
+                      kernel_us=kt, rel_err=err, gbps=(fp8_bytes + m * k * 2) / t[0] / 1e3,
+                      speedup_vs_bf16=base[0] / t[0], kernel_speedup_vs_bf16=base_k / kt if kt and base_k else None))
 
 
 def _bf16_expert_dots(x, w):

@@ -74,6 +74,28 @@ def test_default_schedule_by_shape(monkeypatch):
         assert f"schedule = {expected} : i32" in text
 
 
+def test_gemv_concat_checks_and_lowering(monkeypatch):
+    """gemv_concat: FP8 weights of one K only, its schedules only; lowered for CUDA it is one call of the concat
+    handler with the default schedule of N + N2 rows."""
+    rng = np.random.default_rng()
+    x = jnp.ones((2, 4096), jnp.bfloat16)
+    q, kv = _weight(rng, "fp8", 1024, 4096), _weight(rng, "fp8", 512, 4096)
+    with pytest.raises(TypeError, match="FP8-block weights only"):
+        ffi.gemv_concat(x, (q, _weight(rng, "mxfp4", 512, 4096)))
+    with pytest.raises(ValueError, match="equal K"):
+        ffi.gemv_concat(x, (q, _weight(rng, "fp8", 512, 2048)))
+    with pytest.raises(ValueError, match="a pair"):
+        ffi.gemv_concat(x, q)
+    with pytest.raises(ValueError, match="schedules"):
+        ffi.gemv_concat(x, (q, kv), schedule=411)
+    monkeypatch.setattr(ffi, "register", lambda *args: None)               # lowering needs no library
+    text = jax.jit(lambda x, a, b: ffi.gemv_concat(x, (a, b))).trace(x, q, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @dsv4_fp8_gemv_concat") == 1
+    assert f"schedule = {ffi.default_schedule(1, 1536, 4096)} : i32" in text
+    assert "tensor<1x2x1536xf32>" in text
+
+
 def test_bad_weight_pairs_are_rejected_before_any_build():
     rng = np.random.default_rng()
     x = jnp.ones((2, 256), jnp.bfloat16)
@@ -229,6 +251,26 @@ def test_gemv_pair_gpu(fmt, n, k, m, dtype, schedule):
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     y = jax.jit(lambda x, a, b: ffi.gemv(x, (a, b), jnp.float32, schedule=schedule))(x, w_a, w_b)
     _check_pair(y, x, w_a, w_b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("n,n2,k,m,dtype,schedule", [
+    (1024, 512, 4096, 1, jnp.bfloat16, 0), (512, 1024, 2048, 8, jnp.bfloat16, 811),
+    (2048, 144, 1536, 3, jnp.float32, 0), (128, 2064, 1024, 5, jnp.bfloat16, 11), (16, 16, 128, 2, jnp.bfloat16, 11)])
+def test_gemv_concat_gpu(n, n2, k, m, dtype, schedule):
+    """Two FP8 weights of one K and their own N in one launch: y [M, N + N2] against float64 math (N2 not a
+    multiple of 128: a partial scale row; more warps than steps)."""
+    rng = np.random.default_rng()
+    w_a, w_b = _weight(rng, "fp8", n, k), _weight(rng, "fp8", n2, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    y = np.asarray(jax.jit(lambda x, a, b: ffi.gemv_concat(x, (a, b), jnp.float32, schedule=schedule))(x, w_a, w_b),
+                   np.float64)
+    ref = _f64(x) @ np.concatenate([_dequant64(w_a), _dequant64(w_b)]).T
+    assert y.shape == (m, n + n2) and np.all(np.isfinite(y))
+    tol = 2e-5 if dtype == jnp.float32 else 1e-5
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < tol
+    assert np.max(np.abs(y - ref)) < 1e-4 * np.max(np.abs(ref))
 
 
 @pytest.mark.gpu

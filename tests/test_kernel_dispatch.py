@@ -242,6 +242,31 @@ def test_model_decode_and_generation_loop_run_the_kernels(tiny_checkpoint):
     assert got[2] == ref[2]
 
 
+def test_linear_pair_takes_the_concat_kernel_for_two_fp8_widths(monkeypatch):
+    """On CUDA (simulated: only lowered) linear_pair of FP8 weights of one K and different N is one
+    ffi.gemv_concat call, of FP4 weights of different N two ffi.gemv calls, and prefill rows take two calls."""
+    import ffi
+    monkeypatch.setattr(kernel_dispatch, "on_cuda", lambda: True)
+    monkeypatch.setattr(kernel_dispatch, "ffi_available", lambda: True)
+    monkeypatch.setattr(ffi, "register", lambda *args: None)
+    rng = np.random.default_rng()
+
+    def lowered(x, a, b):
+        fn = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32))
+        with kernel_dispatch.record_dispatch() as rec:
+            text = fn.trace(x, a, b).lower(lowering_platforms=("cuda",)).as_text()
+        return [r[4] for r in rec], text
+
+    x = jnp.ones((2, 512), jnp.bfloat16)
+    kinds, text = lowered(x, _weight(rng, "fp8", (384, 512)), _weight(rng, "fp8", (128, 512)))
+    assert kinds == ["ffi_gemv_concat"] and text.count("custom_call @dsv4_fp8_gemv_concat") == 1
+    kinds, _ = lowered(x, _weight(rng, "mxfp4", (384, 512)), _weight(rng, "mxfp4", (128, 512)))
+    assert kinds == ["ffi_gemv", "ffi_gemv"]
+    kinds, _ = lowered(jnp.ones((40, 512), jnp.bfloat16), _weight(rng, "fp8", (384, 512)),
+                       _weight(rng, "fp8", (128, 512)))
+    assert "ffi_gemv_concat" not in kinds and len(kinds) == 2
+
+
 def _decode_step_lowered_for_h200(kernels: str):
     """(dispatch records, StableHLO text) of the default model's jitted decode step (batch 2), lowered for an H200
     on this CPU machine with the given kernels mode."""
@@ -273,11 +298,12 @@ def test_decode_step_lowers_for_cuda_with_the_ffi_kernels(monkeypatch):
     monkeypatch.setattr(kernel_dispatch, "ffi_available", lambda: True)
     monkeypatch.setattr(ffi, "register", lambda *args: None)               # lowering needs no library
     rec, text = _decode_step_lowered_for_h200(kernels="auto")
-    # 6 layers x 7 calls: the gate and up projections (shared and routed) are one call each
-    assert {r[3] for r in rec} == {"cuda"} and len(rec) >= 6 * 7
+    # 6 layers x 6 calls: the gate and up projections (shared and routed) are one call each, and so are wq_a and
+    # wkv (a pair of one shape here: the tiny model's q_lora_rank equals its head_dim; Flash's take gemv_concat)
+    assert {r[3] for r in rec} == {"cuda"} and len(rec) >= 6 * 6
     kinds = collections.Counter(r[4] for r in rec)
     assert set(kinds) == {"ffi_gemv", "ffi_grouped_gemv", "ffi_moe_gemv", "ffi_gemv_pair", "ffi_moe_gemv_pair"}
-    assert kinds["ffi_gemv_pair"] == kinds["ffi_moe_gemv_pair"] == kinds["ffi_moe_gemv"] >= 6
+    assert kinds["ffi_gemv_pair"] == 2 * kinds["ffi_moe_gemv_pair"] == 2 * kinds["ffi_moe_gemv"] >= 12
     calls = sum(text.count(f"custom_call @dsv4_{fmt}_gemv") for fmt in ("fp8", "mxfp4", "nvfp4"))
     pair_calls = sum(text.count(f"custom_call @dsv4_{fmt}_gemv_pair") for fmt in ("fp8", "mxfp4", "nvfp4"))
     assert calls >= len(rec) and pair_calls >= kinds["ffi_gemv_pair"] + kinds["ffi_moe_gemv_pair"]
@@ -378,6 +404,25 @@ def test_gate_up_pairs_match_two_reference_calls_gpu(fmt, act_quant):
         ref = on_cpu(lambda x, w, s: grouped_linear(x, w, s, jnp.float32, act_quant=act_quant, kernels="reference"),
                      xs, w, sizes)
         assert _rel(y, ref) < 1e-5 and np.all(np.asarray(y)[10:] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("act_quant", ["none", "fp8", "nvfp4"])
+def test_wq_a_wkv_concat_matches_two_reference_calls_gpu(act_quant):
+    """linear_pair of two FP8-block weights of one K and different N (the attention's wq_a and wkv) takes one
+    ffi.gemv_concat launch and equals two reference calls (the reference on XLA:CPU, as above)."""
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((2, 3, 512)) * np.exp(rng.uniform(-3, 3, (2, 3, 1))), jnp.bfloat16)
+    w_q, w_kv = _weight(rng, "fp8", (384, 512)), _weight(rng, "fp8", (128, 512))
+    with kernel_dispatch.record_dispatch() as rec:
+        got = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32, act_quant=act_quant))(x, w_q, w_kv)
+    assert [r[4] for r in rec] == ["ffi_gemv_concat"]
+    for y, w in zip(got, (w_q, w_kv)):
+        with jax.default_device(cpu):
+            ref = linear(*jax.device_put((x, w), cpu), jnp.float32, act_quant=act_quant, kernels="reference")
+        assert y.shape == (2, 3, w.shape[0]) and _rel(y, ref) < 1e-5
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..quant import group_linear, linear
+from ..quant import group_linear, linear, linear_pair
 from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard
 from .compressor import compressor_update
 from .norm import rms_norm
@@ -79,15 +79,16 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     dtype = x.dtype
     positions = start[:, None] + jnp.arange(seq, dtype=jnp.int32)[None, :]
 
-    q_latent = rms_norm(linear(x, params["wq_a"]["weight"], act_quant=act_quant, kernels=kernels),
-                        params["q_norm"]["weight"], cfg.norm_eps)
+    # wq_a and wkv read the same x: one launch for both where a decode kernel takes them (linear_pair)
+    q_a, kv_a = linear_pair(x, params["wq_a"]["weight"], params["wkv"]["weight"], act_quant=act_quant,
+                            kernels=kernels)
+    q_latent = rms_norm(q_a, params["q_norm"]["weight"], cfg.norm_eps)
     q = linear(q_latent, params["wq_b"]["weight"], act_quant=act_quant, kernels=kernels).reshape(
         batch, seq, n_heads, head_dim)
     q = rms_norm(q, None, cfg.norm_eps)
     q = apply_rope(q, positions[:, :, None], inv_freq)
 
-    kv = rms_norm(linear(x, params["wkv"]["weight"], act_quant=act_quant, kernels=kernels), params["kv_norm"]["weight"],
-                  cfg.norm_eps)
+    kv = rms_norm(kv_a, params["kv_norm"]["weight"], cfg.norm_eps)
     kv = apply_rope(kv, positions, inv_freq)
     if simulate_quant:
         kv = _kv_fake_quant(kv, nope)

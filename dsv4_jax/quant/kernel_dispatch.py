@@ -17,6 +17,8 @@ A kernel applies where one exists for the call; every other call takes the refer
       FP8-block / MXFP4 / NVFP4 weight                                    rows <= 128 (one slot per row)
     linear_pair / grouped_linear_pair      the same with a pair of        as above, two weights of one format
       (gate and up projections)            weights (pair_matmul)          and shape
+    linear_pair, two FP8-block weights     ffi.gemv_concat (tiles of      as above, one K, N and N2 % 16 == 0
+      of one K (attention wq_a and wkv)    both weights, one launch)
     linear, FP8-block weight               gemv.fp8_matmul                rows <= 16 (bf16) / 8 (fp32), N % 64 == 0
     linear, MXFP4 / NVFP4 weight           gemv.mxfp4_matmul / nvfp4_...  rows as above, N % 64 == 0, K % 32 == 0
     linear, FP8-block / MXFP4 weight,      prefill.fp8_block_matmul       rows > 16, N % 64 == 0, K % 128 == 0
@@ -329,16 +331,24 @@ def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, kernels: str):
 
 
 def pair_matmul(x2: jax.Array, w_a, w_b, kernels: str, routed: bool):
-    """Two weights of one format and shape times the same rows in one launch (a gate and an up projection): a
-    function (xq [R, K], row_experts [R] or None) -> float32 [R, 2N] (w_a's products in columns 0 .. N), or None
-    where no such kernel applies (the caller then makes two calls). routed: stacked FP4 experts [E, N, K], each row
-    times its own expert (as expert_matmul); otherwise 2-D weights (as dense_matmul). The ffi/ decode GEMVs only:
-    each activation load and B fragment serves both weights, and one launch replaces two."""
+    """Two weights of one format times the same rows in one launch: a function (xq [R, K], row_experts [R] or None)
+    -> float32 [R, N + N2] (w_a's products in columns 0 .. N), or None where no such kernel applies (the caller then
+    makes two calls). The ffi/ decode GEMVs only. One shape (a gate and an up projection): each activation load and
+    B fragment serves both weights; routed: stacked FP4 experts [E, N, K], each row times its own expert (as
+    expert_matmul). Two 2-D FP8-block weights of one K and different N (the attention's wq_a and wkv): the
+    concatenation kernel, whose items are the tiles of both (ffi.gemv_concat)."""
     ndim = 3 if routed else 2
-    if (type(w_a) is not type(w_b) or not _is_quantized_matrix(w_a, ndim) or tuple(w_a.shape) != tuple(w_b.shape)
-            or kernel_backend(kernels) != "cuda" or not _ffi_takes(x2, w_a, routed)):
+    same_shape = tuple(w_a.shape) == tuple(w_b.shape)
+    concat = (not routed and not same_shape and isinstance(w_a, Fp8BlockWeight) and w_a.shape[1:] == w_b.shape[1:]
+              and len(w_b.shape) == 2)
+    if (type(w_a) is not type(w_b) or not _is_quantized_matrix(w_a, ndim) or not (same_shape or concat)
+            or kernel_backend(kernels) != "cuda" or not _ffi_takes(x2, w_a, routed)
+            or (concat and not _ffi_takes(x2, w_b, routed))):
         return None
     import ffi
+    if concat:
+        _record("linear pair", w_a, "cuda", "ffi_gemv_concat")
+        return lambda xq, row_experts: ffi.gemv_concat(xq, (w_a, w_b), jnp.float32)
     if routed:
         _record("grouped_linear pair", w_a, "cuda", "ffi_moe_gemv_pair")
         return lambda xq, row_experts: ffi.moe_gemv(xq, (w_a, w_b), row_experts, jnp.float32)

@@ -107,9 +107,9 @@ def linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none", ker
 
 def linear_pair(x: jax.Array, w_a, w_b, out_dtype=None, *, act_quant: str = "none",
                 kernels: str = "auto") -> tuple[jax.Array, jax.Array]:
-    """(linear(x, w_a), linear(x, w_b)) for two weights of one input width, e.g. a gate and an up projection: one
-    kernel launch where the decode kernels of ffi/ take both (one format and shape, decode rows on CUDA), the input
-    quantized once; otherwise two `linear` calls."""
+    """(linear(x, w_a), linear(x, w_b)) for two weights of one input width, e.g. a gate and an up projection, or the
+    attention's wq_a and wkv: one kernel launch where the decode kernels of ffi/ take both (decode rows on CUDA; one
+    format and shape, or two FP8-block weights of one K), the input quantized once; otherwise two `linear` calls."""
     x2 = x.reshape(-1, x.shape[-1])
     for weight in (w_a, w_b):
         check_weight(weight, "linear_pair weight")
@@ -120,8 +120,8 @@ def linear_pair(x: jax.Array, w_a, w_b, out_dtype=None, *, act_quant: str = "non
                 linear(x, w_b, out_dtype, act_quant=act_quant, kernels=kernels))
     xq, row_scale = _quantize_input(x2, w_a, act_quant, kernels)
     y = _rescale(kernel(xq, None), row_scale, None).astype(out_dtype or x.dtype)
-    n = w_a.shape[0]
-    return y[:, :n].reshape(*x.shape[:-1], n), y[:, n:].reshape(*x.shape[:-1], n)
+    n, n2 = w_a.shape[0], w_b.shape[0]
+    return y[:, :n].reshape(*x.shape[:-1], n), y[:, n:].reshape(*x.shape[:-1], n2)
 
 
 def _check_grouped_weight(x: jax.Array, weight, what: str):
