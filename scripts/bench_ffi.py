@@ -48,7 +48,8 @@ MOE_SCHEDULES = [811, 411, 24011, 4011, 24811]
 ROUTED = ffi.ROUTED_SCHEDULE
 GEMV_LAYOUT_FORMATS = ("mxfp4", "nvfp4")              # also timed in the GEMV layout (ffi/fp4_layout.py)
 GEMV_LAYOUT_SCHEDULES = [811, 24011, 4011, 24811]
-PROFILED = (0, 811, 24011, 4011, 4811, 24811, 4411, 43811, 2811, 83411, 814, 414, 821, 1811, 11, 12)   # kernel time from the profiler too
+# schedules timed by the profiler too (kernel time)
+PROFILED = (0, 811, 24011, 4011, 4811, 24811, 4411, 43811, 2811, 83411, 814, 414, 821, 1811, 11, 12)
 PALLAS = {"fp8": gemv.fp8_matmul, "mxfp4": gemv.mxfp4_matmul, "nvfp4": gemv.nvfp4_matmul}
 
 
