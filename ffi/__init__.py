@@ -41,7 +41,7 @@ PAIR_SCHEDULES = (0, 811, 411, 11)   # schedules compiled for a pair of weights 
 # The default for few tiles: 16 warps per 16-row tile (warps digit 0) instead of 811's 8. When the work items
 # (slots x N / 16) fit in one wave of CTAs, the kernel's time is each warp's chain of dependent steps, not
 # bandwidth; 16 warps halve it. Measured on the H200 (scripts/bench_ffi.py --shapes wq_a,wkv,shared_w1,
-# docs/bench/h200_2026-11-30_ffi_small_shapes.json): 10-20% less kernel time than 811 on 512-2048 x 4096, M = 1 and
+# docs/bench/h200_2026-11-30_ffi_small_shapes*.json): 10-22% less kernel time than 811 on 512-2048 x 4096, M = 1 and
 # 8, FP8 / MXFP4 / NVFP4; on 18432 x 7168 the 16-warp schedules are 10-30% slower, so the rule stops at one wave
 # and at the K where it was measured.
 FEW_TILES_SCHEDULE = 11

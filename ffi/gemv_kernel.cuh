@@ -147,9 +147,8 @@ inline std::string check_pair_shapes(const std::string& name, xla::ffi::Buffer<x
 
 // Sums the kWarps partial tiles of a CTA through shared memory and writes rows row_base .. row_base + 16 kTiles
 // of each set's columns of y_slot [m_rows, row_stride] (row_stride 0: kSets n; set s at column s n), times the
-// set's epilogue factor. Ends with a barrier (over
-// the CTA, or over threads 0 .. kBarrierThreads - 1 when a producer warp does not take part): `partial` is free
-// again. Tile t of c is tile t % kTiles of set t / kTiles.
+// set's epilogue factor. Ends with a barrier (over the CTA, or over threads 0 .. kBarrierThreads - 1 when a
+// producer warp does not take part): `partial` is free again. Tile t of c is tile t % kTiles of set t / kTiles.
 template <class Format, int kWarps, int kTiles, int kSets, int kBarrierThreads = 0>
 __device__ __forceinline__ void store_tiles(float (&partial)[kWarps][16 * kTiles * kSets][kMaxRows],
                                             const float (&c)[kTiles * kSets][4],
