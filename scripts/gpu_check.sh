@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks in one go (run on the H200 from the repo root): the `gpu`-marked tests, then the kernel benchmarks.
 # Results: $OUT (or ./out) /pytest_gpu.log, bench_kernels.json/.log, bench_ffi.json/.log, bench_gate_up.json/.log,
-# bench_concat.json/.log, probe_gemv.json/.log, bench_quantize.json/.log, probe_moe_tilings.log (a tiling Triton once compiled wrongly).
+# bench_concat.json/.log, probe_gemv.json/.log, bench_quantize.json/.log, probe_moe_tilings.log (a tiling Triton
+# once compiled wrongly).
 # Usage: bash scripts/gpu_check.sh [extra args for bench_kernels.py, e.g. --quick or --budget-s 240]
 set -uo pipefail
 cd "$(dirname "$0")/.."
