@@ -270,7 +270,7 @@ def run_concat(args, key, emit, t0):
         emit(dict(name="wq_a+wkv", m=m, n=sum(shapes), k=k, fmt="bf16", impl="xla_bf16_dots", us=base[0],
                   kernel_us=base_k, gbps=sum(shapes) * k * 2 / base[0] / 1e3))
         ref = jax.jit(two)(x, fp8[0])
-        # each launch's own output feeds the result (a slice of a concatenation would let XLA drop one launch)
+        # each launch's own output feeds the result (a slice of a concatenation could let XLA drop one launch)
         cases = [("two_launches", [ffi.default_schedule(1, n, k) for n in shapes],
                   lambda x, w: ffi.gemv(x, w[0], jnp.float32)[..., :1] + ffi.gemv(x, w[1], jnp.float32)[..., :1]),
                  ("concat", ffi.default_schedule(1, sum(shapes), k), lambda x, w: one(x, w)[..., :1])]
