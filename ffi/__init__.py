@@ -99,18 +99,26 @@ def _weights(w) -> tuple:
     return tuple(w) if isinstance(w, (tuple, list)) else (w,)
 
 
-def _call(x3: jax.Array, w, experts: jax.Array, n: int, schedule: int) -> jax.Array:
+def _launch(x3: jax.Array, w, experts: jax.Array, cols: int, schedule: int, out_dtype, handler: str = "") -> jax.Array:
+    """One launch of a handler ("": one weight, "_pair", "_concat") of w's format: x3 [S, M, K] (float32 rows split
+    into bf16 hi + lo rows, their products summed) times the stacked weight(s) w -> [S, M, cols] out_dtype (default
+    x3.dtype). Shapes are checked by the callers."""
     weights = _weights(w)
     stored = [_stored(v) for v in weights]
     source, handlers = _handlers(type(stored[0]))
     register(source, handlers)
-    target = list(handlers)[len(weights) - 1]         # the one-weight or the pair handler
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x3.shape[:2], len(weights) * n), jnp.float32))
+    xs = _split_rows(x3)
+    call = jax.ffi.ffi_call(_TARGETS[type(stored[0])][1] + handler,
+                            jax.ShapeDtypeStruct((*xs.shape[:2], cols), jnp.float32))
     attrs = {"schedule": np.int32(schedule)}
     if source == "fp4_gemv.cu":                       # 0: checkpoint nibble order, 1: the GEMV layout
         attrs["layout"] = np.int32(isinstance(weights[0], GemvLayoutFp4))
     operands = [op for v in stored for op in _weight_operands(v)]
-    return call(x3, *operands, experts, **attrs)
+    y = call(xs, *operands, experts.astype(jnp.int32), **attrs)
+    if x3.dtype == jnp.float32:
+        m = x3.shape[1]
+        y = y[:, :m] + y[:, m:]
+    return y.astype(out_dtype or x3.dtype)
 
 
 def default_schedule(slots: int, n: int, k: int) -> int:
@@ -138,15 +146,8 @@ def gemv_concat(x: jax.Array, weights, out_dtype=None, *, schedule: int = 0) -> 
     if schedule not in CONCAT_SCHEDULES:
         raise ValueError(f"{what}: concatenated weights run schedules {CONCAT_SCHEDULES}, got {schedule}")
     schedule = schedule or default_schedule(1, n_a + n_b, x.shape[1])
-    register(*_handlers(Fp8BlockWeight))
-    xs = _split_rows(x)[None]
-    call = jax.ffi.ffi_call("dsv4_fp8_gemv_concat", jax.ShapeDtypeStruct((*xs.shape[:2], n_a + n_b), jnp.float32))
-    operands = [op for w in weights for op in _weight_operands(jax.tree.map(lambda a: a[None], w))]
-    y = call(xs, *operands, jnp.zeros((1,), jnp.int32), schedule=np.int32(schedule))[0]
-    if x.dtype == jnp.float32:
-        m = x.shape[0]
-        y = y[:m] + y[m:]
-    return y.astype(out_dtype or x.dtype)
+    stacked = tuple(jax.tree.map(lambda a: a[None], w) for w in weights)
+    return _launch(x[None], stacked, jnp.zeros((1,), jnp.int32), n_a + n_b, schedule, out_dtype, "_concat")[0]
 
 
 def _check_weight(w, x_k: int, what: str, stacked: bool):
@@ -181,12 +182,9 @@ def grouped_gemv(x3: jax.Array, w_stacked, experts: jax.Array, out_dtype=None, *
     n = _check_weight(w_stacked, x3.shape[2], what, stacked=True)
     if len(_weights(w_stacked)) == 2 and schedule not in PAIR_SCHEDULES:
         raise ValueError(f"{what}: a pair of weights runs schedules {PAIR_SCHEDULES}, got {schedule}")
-    m = x3.shape[1]
+    pair = len(_weights(w_stacked)) == 2
     schedule = schedule or default_schedule(x3.shape[0], n, x3.shape[2])
-    y = _call(_split_rows(x3), w_stacked, experts.astype(jnp.int32), n, schedule)
-    if x3.dtype == jnp.float32:
-        y = y[:, :m] + y[:, m:]
-    return y.astype(out_dtype or x3.dtype)
+    return _launch(x3, w_stacked, experts, (1 + pair) * n, schedule, out_dtype, "_pair" if pair else "")
 
 
 def gemv(x: jax.Array, w, out_dtype=None, *, schedule: int = 0) -> jax.Array:

@@ -436,8 +436,8 @@ def run_moe_sweep(args, key, name, n, k, x, ids, w4, ref, flops, emit):
     ref_nv = jax.jit(lambda x, w: grouped_linear(x, w, sizes, jnp.float32, kernels="reference"))(x, w_nv)
     configs = [("mxfp4", c) for c in MOE_CONFIGS] + [("nvfp4", c) for c in MOE_CONFIGS[:MOE_SWEEP_NVFP4]]
     for fmt, (bn, k_step, warps, stages, cols) in configs[:2] if args.smoke else configs:
-        w, want, block = (w4, ref, 32) if fmt == "mxfp4" else (w_nv, ref_nv, 16)
-        cfg = dict(block_n=bn, unroll=k_step // block, num_warps=warps, num_stages=stages, slot_cols=cols, split_k=1)
+        w, want = (w4, ref) if fmt == "mxfp4" else (w_nv, ref_nv)
+        cfg = dict(block_n=bn, unroll=k_step // w.block, num_warps=warps, num_stages=stages, slot_cols=cols, split_k=1)
         impl = "pallas_moe_kernel[" + ",".join(str(v) for v in (bn, k_step, warps, stages, cols)) + "]"
         fn = lambda x, w, cfg=cfg: moe.moe_matmul(x, w, ids, jnp.float32, **cfg)  # noqa: E731
         try:

@@ -339,8 +339,7 @@ def pair_matmul(x2: jax.Array, w_a, w_b, kernels: str, routed: bool):
     concatenation kernel, whose items are the tiles of both (ffi.gemv_concat)."""
     ndim = 3 if routed else 2
     same_shape = tuple(w_a.shape) == tuple(w_b.shape)
-    concat = (not routed and not same_shape and isinstance(w_a, Fp8BlockWeight) and w_a.shape[1:] == w_b.shape[1:]
-              and len(w_b.shape) == 2)
+    concat = not routed and not same_shape and isinstance(w_a, Fp8BlockWeight) and w_a.shape[1:] == w_b.shape[1:]
     if (type(w_a) is not type(w_b) or not _is_quantized_matrix(w_a, ndim) or not (same_shape or concat)
             or kernel_backend(kernels) != "cuda" or not _ffi_takes(x2, w_a, routed)
             or (concat and not _ffi_takes(x2, w_b, routed))):
