@@ -10,6 +10,10 @@ Conventions
     * indexer query and indexer-compressor entries: normalised Hadamard, then FP4 e2m1 fake quant (block 32).
   With `simulate_quant=False` none of these (and no Hadamard, which is orthonormal and cancels in q.k) is applied.
   The FP8 activation quantization inside quantized linears (spec 3.1) is NOT simulated.
+- Decisions at the discontinuous sites (the fake-quant roundings, the indexer's and the router's top-k) go through
+  a `decisions` object, by default `SpecDecisions` (the spec's own). A test may pass another one that makes the
+  reference take an implementation's decisions where both sides are within rounding noise of a tie
+  (tests/shared_decisions.py); every other value is still computed here in float64.
 - Teacher-forced full-sequence forward from position 0 (prefill semantics, spec 5.2 = per-query semantics of 4.3).
 - `rope_head_dim` (r) replaces every "64 rope dims" in the spec, `head_dim` replaces 512, `index_head_dim` 128,
   `index_n_heads` 64, `hc_mult` 4, `n_activated_experts` 6.
@@ -174,6 +178,31 @@ def fp4_fake_quant(x: np.ndarray, block: int = 32) -> np.ndarray:
     return (q * s).reshape(shp)
 
 
+class SpecDecisions:
+    """The spec's decisions at the reference's discontinuous sites, named by `site` (e.g. 'layers.1.attn.kv',
+    'layers.1.attn.compressor', 'layers.1.attn.indexer.compressor', 'layers.1.attn.indexer.q',
+    'layers.1.attn.indexer', 'layers.2.ffn.gate'; 'mtp.0.' for the MTP block)."""
+
+    def fp8(self, site: str, x: np.ndarray) -> np.ndarray:
+        """FP8 e4m3 fake quant, block 64 (spec 3.3)."""
+        return fp8_fake_quant(x, 64)
+
+    def fp4(self, site: str, x: np.ndarray) -> np.ndarray:
+        """FP4 e2m1 fake quant, block 32 (spec 3.3); x is already Hadamard-rotated."""
+        return fp4_fake_quant(x, 32)
+
+    def top_k(self, site: str, scores: np.ndarray, k: int) -> np.ndarray:
+        """Bool mask [..., N] of the k highest finite scores of each row (ties -> lower index); rows with fewer
+        finite scores select all of those."""
+        order = np.argsort(-scores, axis=-1, kind="stable")[..., :k]
+        mask = np.zeros(scores.shape, dtype=bool)
+        np.put_along_axis(mask, order, True, axis=-1)
+        return mask & np.isfinite(scores)
+
+
+SPEC_DECISIONS = SpecDecisions()
+
+
 def hadamard_matrix(d: int) -> np.ndarray:
     """Sylvester-ordered Walsh-Hadamard matrix H_d (entries +-1), d a power of two."""
     assert d > 0 and d & (d - 1) == 0
@@ -244,7 +273,8 @@ def hc_head(X: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.ndarray, 
 
 
 def compressor_entries(x_seq: np.ndarray, w: dict, ratio: int, head_dim: int, rotate: bool, cfg, freqs: np.ndarray,
-                       simulate_quant: bool = True) -> np.ndarray:
+                       simulate_quant: bool = True, decisions: SpecDecisions = SPEC_DECISIONS,
+                       site: str = "compressor") -> np.ndarray:
     """All complete compressed entries of a sequence that starts at position 0.
 
     x_seq [..., S, D]: the attn_norm'd layer input. w: dict with keys 'wkv.weight', 'wgate.weight', 'ape',
@@ -252,6 +282,7 @@ def compressor_entries(x_seq: np.ndarray, w: dict, ratio: int, head_dim: int, ro
     Returns [..., S//ratio, head_dim]: entry j pools positions [j*c, (j+1)*c) (plus the previous window's first
     halves in overlap mode), then RMSNorm(norm.weight) -> RoPE on the last r dims at position j*c ->
     simulate_quant: rotate=False (main): FP8 fake quant of dims [0:nope]; rotate=True (indexer): Hadamard + FP4.
+    `site` names the fake-quant site for `decisions`.
     """
     c, dh = ratio, head_dim
     S = x_seq.shape[-2]
@@ -280,46 +311,39 @@ def compressor_entries(x_seq: np.ndarray, w: dict, ratio: int, head_dim: int, ro
     ent = apply_rope(ent, (np.arange(N) * c).reshape((1,) * len(lead) + (N,)), freqs)
     if simulate_quant:
         if rotate:
-            ent = fp4_fake_quant(hadamard(ent), 32)
+            ent = decisions.fp4(site, hadamard(ent))
         else:
             nope = dh - cfg.rope_head_dim
-            ent = np.concatenate([fp8_fake_quant(ent[..., :nope], 64), ent[..., nope:]], axis=-1)
+            ent = np.concatenate([decisions.fp8(site, ent[..., :nope]), ent[..., nope:]], axis=-1)
     return ent
 
 
 def indexer_topk(cfg, w: dict, x: np.ndarray, cq: np.ndarray, freqs: np.ndarray, simulate_quant: bool = True,
-                 ratio: int = 4):
+                 ratio: int = 4, decisions: SpecDecisions = SPEC_DECISIONS, site: str = "indexer"):
     """Lightning indexer of a CSA layer over a full sequence.
 
     w: sub(weights, 'layers.L.attn.indexer.') (keys 'wq_b.weight', 'weights_proj.weight', 'compressor.*').
     x [B, S, D] attn_norm'd input; cq [B, S, q_lora_rank] the q_norm'd latent.
     Returns (selected [B, S, N] bool, scores [B, S, N] with -inf where invisible); N = S // ratio.
     Query t sees entries j < (t+1)//ratio and selects the min(index_topk, #visible) highest-scoring ones
-    (ties -> lower index).
+    (ties -> lower index). Sites for `decisions`: `site` (the top-k), site + '.compressor', site + '.q'.
     """
     B, S, _ = x.shape
     IH, ID = cfg.index_n_heads, cfg.index_head_dim
-    keys = compressor_entries(x, sub(w, "compressor."), ratio, ID, True, cfg, freqs, simulate_quant)  # [B,N,ID]
+    keys = compressor_entries(x, sub(w, "compressor."), ratio, ID, True, cfg, freqs, simulate_quant, decisions,
+                              site + ".compressor")                               # [B, N, ID]
     N = keys.shape[-2]
     q = linear(cq, w["wq_b.weight"]).reshape(B, S, IH, ID)
     q = apply_rope(q, np.arange(S)[None, :], freqs)
     if simulate_quant:
-        q = fp4_fake_quant(hadamard(q), 32)
+        q = decisions.fp4(site + ".q", hadamard(q))
     hw = linear(x, w["weights_proj.weight"]) * (ID ** -0.5) * (IH ** -0.5)       # [B, S, IH]
     dots = np.einsum("bshd,bnd->bshn", q, keys)
     scores = np.einsum("bsh,bshn->bsn", hw, np.maximum(dots, 0.0))
     t = np.arange(S)
     visible = np.arange(N)[None, :] < ((t + 1) // ratio)[:, None]                  # [S, N]
     scores = np.where(visible[None], scores, -np.inf)
-    selected = np.zeros((B, S, N), dtype=bool)
-    for b in range(B):
-        for s in range(S):
-            nv = (s + 1) // ratio
-            k = min(cfg.index_topk, nv)
-            if k == 0:
-                continue
-            order = np.argsort(-scores[b, s, :nv], kind="stable")[:k]
-            selected[b, s, order] = True
+    selected = decisions.top_k(site, scores, min(cfg.index_topk, N))
     return selected, scores
 
 
@@ -329,7 +353,7 @@ def indexer_topk(cfg, w: dict, x: np.ndarray, cq: np.ndarray, freqs: np.ndarray,
 
 
 def attention(cfg, weights: dict, prefix: str, layer_id: int, x: np.ndarray, simulate_quant: bool = True,
-              return_aux: bool = False):
+              return_aux: bool = False, decisions: SpecDecisions = SPEC_DECISIONS):
     """One attention sub-layer over a full sequence starting at position 0.
 
     prefix: e.g. 'layers.2.' or 'mtp.0.'; layer_id selects the ratio c = compress_ratios[layer_id].
@@ -354,7 +378,7 @@ def attention(cfg, weights: dict, prefix: str, layer_id: int, x: np.ndarray, sim
     kv = rms_norm(linear(x, w["wkv.weight"]), w["kv_norm.weight"], cfg.norm_eps)  # [B, S, d]
     kv = apply_rope(kv, pos[None, :], freqs)
     if simulate_quant:
-        kv = np.concatenate([fp8_fake_quant(kv[..., :nope], 64), kv[..., nope:]], axis=-1)
+        kv = np.concatenate([decisions.fp8(prefix + "attn.kv", kv[..., :nope]), kv[..., nope:]], axis=-1)
 
     # window mask [S, S]
     win = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - cfg.window_size)
@@ -362,11 +386,13 @@ def attention(cfg, weights: dict, prefix: str, layer_id: int, x: np.ndarray, sim
     mask = np.broadcast_to(win[None], (B, S, S))
     aux = {"q": q, "kv": kv, "cq": cq}
     if ratio > 0:
-        comp = compressor_entries(x, sub(w, "compressor."), ratio, d, False, cfg, freqs, simulate_quant)  # [B,N,d]
+        comp = compressor_entries(x, sub(w, "compressor."), ratio, d, False, cfg, freqs, simulate_quant, decisions,
+                                  prefix + "attn.compressor")                     # [B, N, d]
         N = comp.shape[1]
         visible = np.arange(N)[None, :] < ((pos + 1) // ratio)[:, None]
         if ratio == 4:
-            sel, iscores = indexer_topk(cfg, sub(w, "indexer."), x, cq, freqs, simulate_quant, ratio)
+            sel, iscores = indexer_topk(cfg, sub(w, "indexer."), x, cq, freqs, simulate_quant, ratio, decisions,
+                                        prefix + "attn.indexer")
             cmask = sel & visible[None]
             aux["index_scores"], aux["index_selected"] = iscores, sel
         else:
@@ -397,11 +423,13 @@ def attention(cfg, weights: dict, prefix: str, layer_id: int, x: np.ndarray, sim
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def router(cfg, w: dict, x: np.ndarray, tokens: np.ndarray, layer_id: int, hash_layer: bool | None = None):
+def router(cfg, w: dict, x: np.ndarray, tokens: np.ndarray, layer_id: int, hash_layer: bool | None = None,
+           decisions: SpecDecisions = SPEC_DECISIONS, site: str = "gate"):
     """w: sub(weights, prefix + 'ffn.gate.'). x [..., D], tokens [...] (int).
 
     Returns (idx [..., K] int, weights [..., K]). s = sqrt(softplus(W x)); hash layers: idx = tid2eid[token];
-    others: idx = top-K(s + bias) (bias only for selection). weights = s[idx] / sum(s[idx]) * route_scale.
+    others: idx = top-K(s + bias) (bias only for selection; experts in increasing id, the decision is `decisions`'
+    at `site`). weights = s[idx] / sum(s[idx]) * route_scale.
     """
     if hash_layer is None:
         hash_layer = cfg.is_hash_layer(layer_id)
@@ -410,7 +438,8 @@ def router(cfg, w: dict, x: np.ndarray, tokens: np.ndarray, layer_id: int, hash_
     if hash_layer:
         idx = w["tid2eid"][np.asarray(tokens)].astype(np.int64)
     else:
-        idx = np.argsort(-(s + w["bias"]), axis=-1, kind="stable")[..., :K]
+        picked = decisions.top_k(site, s + w["bias"], K)
+        idx = np.nonzero(picked)[-1].reshape(s.shape[:-1] + (K,))
     sel = np.take_along_axis(s, idx, axis=-1)
     return idx, sel / sel.sum(-1, keepdims=True) * cfg.route_scale
 
@@ -423,10 +452,10 @@ def swiglu_expert(x: np.ndarray, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray,
 
 
 def moe(cfg, weights: dict, prefix: str, layer_id: int, x: np.ndarray, tokens: np.ndarray,
-        hash_layer: bool | None = None) -> np.ndarray:
+        hash_layer: bool | None = None, decisions: SpecDecisions = SPEC_DECISIONS) -> np.ndarray:
     """Routed experts (weighted) + shared expert. x [B, S, D] = ffn_norm(u); tokens [B, S]."""
     w = sub(weights, prefix + "ffn.")
-    idx, rw = router(cfg, sub(w, "gate."), x, tokens, layer_id, hash_layer)
+    idx, rw = router(cfg, sub(w, "gate."), x, tokens, layer_id, hash_layer, decisions, prefix + "ffn.gate")
     xf = x.reshape(-1, x.shape[-1])
     idx_f = idx.reshape(xf.shape[0], -1)
     rw_f = rw.reshape(xf.shape[0], -1)
@@ -447,7 +476,8 @@ def moe(cfg, weights: dict, prefix: str, layer_id: int, x: np.ndarray, tokens: n
 
 
 def block(cfg, weights: dict, prefix: str, layer_id: int, X: np.ndarray, tokens: np.ndarray,
-          simulate_quant: bool = True, hash_layer: bool | None = None, trace: dict | None = None) -> np.ndarray:
+          simulate_quant: bool = True, hash_layer: bool | None = None, trace: dict | None = None,
+          decisions: SpecDecisions = SPEC_DECISIONS) -> np.ndarray:
     """One Block: mHC-wrapped attention then mHC-wrapped MoE. X [B, S, n, D] -> [B, S, n, D].
 
     trace: optional dict filled with intermediates keyed '<prefix><what>' (attn_in, attn_out, attn.q, attn.kv,
@@ -457,7 +487,7 @@ def block(cfg, weights: dict, prefix: str, layer_id: int, X: np.ndarray, tokens:
     w = sub(weights, prefix)
     u, post, comb = hc_pre(X, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], cfg)
     xa = rms_norm(u, w["attn_norm.weight"], cfg.norm_eps)
-    y, aux = attention(cfg, weights, prefix, layer_id, xa, simulate_quant, return_aux=True)
+    y, aux = attention(cfg, weights, prefix, layer_id, xa, simulate_quant, return_aux=True, decisions=decisions)
     if trace is not None:
         trace.update({prefix + "attn_in": xa, prefix + "attn_out": y, prefix + "hc_attn_post": post,
                       prefix + "hc_attn_comb": comb})
@@ -465,10 +495,10 @@ def block(cfg, weights: dict, prefix: str, layer_id: int, X: np.ndarray, tokens:
     X = hc_post(y, X, post, comb)
     u, post, comb = hc_pre(X, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], cfg)
     xf = rms_norm(u, w["ffn_norm.weight"], cfg.norm_eps)
-    y = moe(cfg, weights, prefix, layer_id, xf, tokens, hash_layer)
+    y = moe(cfg, weights, prefix, layer_id, xf, tokens, hash_layer, decisions)
     out = hc_post(y, X, post, comb)
     if trace is not None:
-        idx, rw = router(cfg, sub(w, "ffn.gate."), xf, tokens, layer_id, hash_layer)
+        idx, rw = router(cfg, sub(w, "ffn.gate."), xf, tokens, layer_id, hash_layer, decisions, prefix + "ffn.gate")
         trace.update({prefix + "mid": X, prefix + "ffn_in": xf, prefix + "router_idx": idx,
                       prefix + "router_weights": rw, prefix + "ffn_out": y, prefix + "hc_ffn_post": post,
                       prefix + "hc_ffn_comb": comb, prefix + "out": out})
@@ -476,7 +506,8 @@ def block(cfg, weights: dict, prefix: str, layer_id: int, X: np.ndarray, tokens:
 
 
 def reference_forward_hidden(cfg, weights: dict, tokens, simulate_quant: bool = True,
-                             return_layers: bool = False, trace: dict | None = None):
+                             return_layers: bool = False, trace: dict | None = None,
+                             decisions: SpecDecisions = SPEC_DECISIONS):
     """Final residual streams [B, S, n, D] (before hc_head) for tokens [B, S] starting at position 0.
 
     return_layers=True also returns the list of streams after every layer (index 0 = embedding streams).
@@ -487,7 +518,7 @@ def reference_forward_hidden(cfg, weights: dict, tokens, simulate_quant: bool = 
     X = np.repeat(e[:, :, None, :], cfg.hc_mult, axis=2)
     layers = [X]
     for layer in range(cfg.n_layers):
-        X = block(cfg, weights, f"layers.{layer}.", layer, X, tokens, simulate_quant, trace=trace)
+        X = block(cfg, weights, f"layers.{layer}.", layer, X, tokens, simulate_quant, trace=trace, decisions=decisions)
         layers.append(X)
     return (X, layers) if return_layers else X
 
@@ -500,13 +531,16 @@ def logits_from_hidden(cfg, weights: dict, X: np.ndarray, prefix: str = "") -> n
     return linear(h, weights["head.weight"])
 
 
-def reference_forward(cfg, weights: dict, tokens, simulate_quant: bool = True) -> np.ndarray:
+def reference_forward(cfg, weights: dict, tokens, simulate_quant: bool = True,
+                      decisions: SpecDecisions = SPEC_DECISIONS) -> np.ndarray:
     """Teacher-forced logits float64 [B, S, vocab] for every position of tokens [B, S] (positions 0..S-1)."""
-    return logits_from_hidden(cfg, weights, reference_forward_hidden(cfg, weights, tokens, simulate_quant))
+    hidden = reference_forward_hidden(cfg, weights, tokens, simulate_quant, decisions=decisions)
+    return logits_from_hidden(cfg, weights, hidden)
 
 
 def reference_mtp(cfg, weights: dict, tokens, next_tokens, simulate_quant: bool = True, hidden=None,
-                  mtp_index: int = 0, trace: dict | None = None) -> np.ndarray:
+                  mtp_index: int = 0, trace: dict | None = None,
+                  decisions: SpecDecisions = SPEC_DECISIONS) -> np.ndarray:
     """MTP logits [B, S, V] (spec 4.8).
 
     e = enorm(embed[next_tokens]); Hn = hnorm(main final streams) per stream; X = h_proj(Hn) + e_proj(e) broadcast
@@ -518,12 +552,12 @@ def reference_mtp(cfg, weights: dict, tokens, next_tokens, simulate_quant: bool 
     tokens = np.asarray(tokens, dtype=np.int64)
     next_tokens = np.asarray(next_tokens, dtype=np.int64)
     if hidden is None:
-        hidden = reference_forward_hidden(cfg, weights, tokens, simulate_quant)
+        hidden = reference_forward_hidden(cfg, weights, tokens, simulate_quant, decisions=decisions)
     e = rms_norm(weights["embed.weight"][next_tokens], weights[p + "enorm.weight"], cfg.norm_eps)
     hn = rms_norm(hidden, weights[p + "hnorm.weight"], cfg.norm_eps)
     X = linear(hn, weights[p + "h_proj.weight"]) + linear(e, weights[p + "e_proj.weight"])[:, :, None, :]
     if trace is not None:
         trace[p + "in"] = X
     X = block(cfg, weights, p, cfg.n_layers + mtp_index, X, next_tokens, simulate_quant, hash_layer=False,
-              trace=trace)
+              trace=trace, decisions=decisions)
     return logits_from_hidden(cfg, weights, X, prefix=p)

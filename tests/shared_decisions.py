@@ -1,0 +1,202 @@
+"""Compare the model with the float64 reference where a rounding tie cannot decide the outcome.
+
+The model's fake-quant roundings (FP8 e4m3, FP4 e2m1) and its top-k selections (indexer, router) are
+discontinuous: a float32 value within an ulp of a rounding boundary or of a tie rounds one way on one CPU and the
+other way on another (XLA:CPU's float32 code differs by instruction set), and one flipped element moves the
+logits after it by far more than float32 noise. So a whole-model comparison is made in two steps that no such
+flip can break:
+
+1. `run_recording_decisions` runs a model program once, jitted as usual, and also returns the value that reached
+   each decision site and what the model decided there (the rounded values; the selected entries).
+2. `ModelDecisions` is handed to the reference (`tests/reference_np.py`'s `decisions` argument). At each site it
+   checks, strictly, that
+   - the model's value before the site equals the reference's float64 value within float32 noise (the model
+     computed the right thing up to there),
+   - the model's rounding of its own value is exactly the spec's rounding of that value (bit-exact), and
+   - where the model selected other entries than the reference would, those entries are tied with the k-th best
+     within float32 noise,
+   and then lets the reference continue from the model's decision. Everything else the reference computes in
+   float64 as before, so the final logits can be compared tightly.
+
+Sites are named as in the reference ('layers.1.attn.kv', 'mtp.0.ffn.gate', ...); the model's calls are matched to
+them by order: the program traces its layers in order, and each layer calls each site function at most once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import jax
+import numpy as np
+import pytest
+
+import reference_np as R
+
+# (module, function) of the model -> site of the reference (after the layer prefix). Each is called at most once
+# per layer: attention's FP8 rounding is the window KV, its FP4 rounding the indexer query; the compressor's FP8
+# rounding is the main compressor, its FP4 rounding the indexer's.
+SITE_FUNCTIONS = {
+    ("dsv4_jax.layers.attention", "fp8_fake_quant"): "attn.kv",
+    ("dsv4_jax.layers.attention", "fp4_fake_quant"): "attn.indexer.q",
+    ("dsv4_jax.layers.compressor", "fp8_fake_quant"): "attn.compressor",
+    ("dsv4_jax.layers.compressor", "fp4_fake_quant"): "attn.indexer.compressor",
+    ("dsv4_jax.layers.attention", "indexer_select"): "attn.indexer",
+    ("dsv4_jax.layers.moe", "route"): "ffn.gate",
+}
+
+# Float32 noise allowed between the model's and the reference's values at a site, relative to the size of the
+# values there (the quantization block's largest |value|, or the row's largest |score|). Measured on the tiny
+# model with shared decisions: up to ~1e-6 (the RoPE angles of positions < 320 carry ~1.5e-5 absolute error in
+# float32, the rest ~1e-7 per op); a wrong computation is off by O(1).
+NOISE = 1e-4
+
+
+def layer_sites(cfg, prefix: str, layer_id: int) -> list[str]:
+    """The decision sites one block of the model visits with simulate_quant on."""
+    ratio = cfg.compress_ratios[layer_id]
+    sites = ["attn.kv", "ffn.gate"]
+    if ratio > 0:
+        sites.append("attn.compressor")
+    if ratio == 4:
+        sites += ["attn.indexer", "attn.indexer.q", "attn.indexer.compressor"]
+    return [prefix + s for s in sites]
+
+
+def model_layers(cfg, mtp: bool = False) -> list[tuple[str, int]]:
+    """(site prefix, layer id) of the blocks a forward runs, in order; `mtp` adds the MTP block."""
+    layers = [(f"layers.{i}.", i) for i in range(cfg.n_layers)]
+    return layers + ([("mtp.0.", cfg.n_layers)] if mtp else [])
+
+
+def run_recording_decisions(cfg, layers, fn, /, *args, **kwargs):
+    """Run `fn(*args, **kwargs)` (a model function, not yet jitted; simulate_quant on) as one jitted program that
+    also returns what reached each decision site and what the model decided there. `layers`: (prefix, layer id) of
+    the blocks `fn` runs, in order (`model_layers`). Returns (fn's result, {site: (value, decision)} as numpy)."""
+    calls = []   # (site suffix, first array argument, result) in trace order
+
+    def recording(function, suffix):
+        def wrapper(*a, **kw):
+            out = function(*a, **kw)
+            calls.append((suffix, next(x for x in a if isinstance(x, jax.Array)), out))
+            return out
+        return wrapper
+
+    with pytest.MonkeyPatch.context() as patch:
+        for (module, name), suffix in SITE_FUNCTIONS.items():
+            module = importlib.import_module(module)
+            patch.setattr(module, name, recording(getattr(module, name), suffix))
+
+        def program(*a):
+            calls.clear()
+            result = fn(*a, **kwargs)
+            return result, [(value, out) for _, value, out in calls]
+
+        result, recorded = jax.jit(program)(*args)
+
+    found = {}
+    for (suffix, _, _), record in zip(calls, recorded):
+        found.setdefault(suffix, []).append(jax.tree.map(np.asarray, record))
+    records = {}
+    for suffix in SITE_FUNCTIONS.values():
+        prefixes = [p for p, layer in layers if p + suffix in layer_sites(cfg, p, layer)]
+        got = found.get(suffix, [])
+        assert len(got) == len(prefixes), (f"the program visited site {suffix} {len(got)} times, the layers "
+                                           f"{[p for p, _ in layers]} have it {len(prefixes)} times")
+        records.update({p + suffix: r for p, r in zip(prefixes, got)})
+    return result, records
+
+
+@dataclasses.dataclass
+class SiteStats:
+    elements: int = 0          # values rounded (fake quant) or rows selected (top-k)
+    taken: int = 0             # where the model decided otherwise than the reference would have, within noise
+    worst_noise: float = 0.0   # largest |model - reference| before the site, relative to the site's scale
+
+
+class ModelDecisions(R.SpecDecisions):
+    """Decisions for the reference taken from the model's `records` (run_recording_decisions), each checked to be
+    one the spec allows at the reference's own float64 value up to float32 noise. `stats` counts, per site, how
+    often the model's decision differed from the reference's own (a rounding tie decided by float32 noise)."""
+
+    def __init__(self, records: dict, noise: float = NOISE):
+        self.records = records
+        self.noise = noise
+        self.stats: dict[str, SiteStats] = {}
+
+    def _record(self, site):
+        assert site in self.records, f"the model recorded no decision for site {site} (it has {sorted(self.records)})"
+        return self.records[site]
+
+    def _round(self, site, x, block, spec_round):
+        value, output = self._record(site)
+        x_model, q_model = value.astype(np.float64), np.asarray(output, np.float64)
+        # compressor sites also round the windows not yet complete (rows beyond the reference's entries)
+        n = x.shape[-2]
+        x_model, q_model = x_model[..., :n, :], q_model[..., :n, :]
+        assert x_model.shape == x.shape, f"{site}: model rounds shape {x_model.shape}, reference {x.shape}"
+        scale = np.abs(x.reshape(x.shape[:-1] + (-1, block))).max(-1, keepdims=True)
+        scale = np.broadcast_to(scale, x.shape[:-1] + (x.shape[-1] // block, block)).reshape(x.shape)
+        noise = np.abs(x_model - x) / np.maximum(scale, 1e-30)
+        assert noise.max() <= self.noise, (
+            f"{site}: the model's value before rounding differs from the reference by {noise.max():.3g} x the block's "
+            f"largest |value| (allowed {self.noise:g}); {np.sum(noise > self.noise)} of {x.size} elements")
+        spec_of_model = spec_round(x_model)
+        wrong = q_model != spec_of_model
+        assert not wrong.any(), (
+            f"{site}: the model's rounding of its own values differs from the spec's in {wrong.sum()} of {x.size} "
+            f"elements (e.g. {x_model[wrong][0]!r} -> {q_model[wrong][0]!r}, spec {spec_of_model[wrong][0]!r})")
+        own = spec_round(x)
+        self.stats[site] = SiteStats(x.size, int(np.sum(own != q_model)), float(noise.max()))
+        return q_model
+
+    def fp8(self, site, x):
+        return self._round(site, x, 64, lambda v: R.fp8_fake_quant(v, 64))
+
+    def fp4(self, site, x):
+        return self._round(site, x, 32, lambda v: R.fp4_fake_quant(v, 32))
+
+    def top_k(self, site, scores, k):
+        own = super().top_k(site, scores, k)
+        _, output = self._record(site)
+        picked = model_selection(site, output, scores.shape)
+        finite = np.isfinite(scores)
+        assert not (picked & ~finite).any(), f"{site}: the model selected an entry the spec does not allow (-inf)"
+        assert np.array_equal(picked.sum(-1), own.sum(-1)), (
+            f"{site}: the model selected {picked.sum(-1).ravel()[:8]}... entries per row, the spec "
+            f"{own.sum(-1).ravel()[:8]}...")
+        differ = np.nonzero((picked != own).any(-1))
+        worst = 0.0
+        for row in zip(*differ):
+            s, mine, theirs = scores[row], own[row], picked[row]
+            kth = np.min(s[mine])
+            scale = np.max(np.abs(s[finite[row]]))
+            gap = np.max(np.abs(s[mine ^ theirs] - kth)) / scale
+            worst = max(worst, gap)
+            assert gap <= self.noise, (
+                f"{site} row {row}: the model selected {np.nonzero(theirs)[0].tolist()}, the spec "
+                f"{np.nonzero(mine)[0].tolist()}, and the differing entries are not tied with the k-th best score "
+                f"(|score - kth| = {gap:.3g} x the row's largest |score|, allowed {self.noise:g})")
+        self.stats[site] = SiteStats(int(np.prod(scores.shape[:-1])), len(differ[0]), worst)
+        return picked
+
+    def summary(self) -> str:
+        taken = {s: st.taken for s, st in self.stats.items() if st.taken}
+        worst = max((st.worst_noise for st in self.stats.values()), default=0.0)
+        return (f"{len(self.stats)} decision sites, the model's differing decisions taken at {taken or 'none'}; "
+                f"largest pre-decision difference {worst:.2g} (allowed {self.noise:g})")
+
+
+def model_selection(site: str, output, shape) -> np.ndarray:
+    """The model's top-k picks as a bool mask of the reference's scores' shape [..., N]."""
+    mask = np.zeros((int(np.prod(shape[:-1])), shape[-1]), bool)
+    if site.endswith("attn.indexer"):
+        idx, valid = output                                       # [B, S, k] each
+        idx, valid = idx.reshape(mask.shape[0], -1), valid.reshape(mask.shape[0], -1)
+        assert np.all(idx[valid] < shape[-1]), f"{site}: the model selected a compressed entry beyond the sequence"
+        rows = np.broadcast_to(np.arange(mask.shape[0])[:, None], idx.shape)
+        mask[rows[valid], idx[valid]] = True
+    else:
+        expert_ids, _ = output                                    # [T, K]
+        np.put_along_axis(mask, expert_ids.reshape(mask.shape[0], -1).astype(np.int64), True, axis=-1)
+    return mask.reshape(shape)
