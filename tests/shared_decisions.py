@@ -52,15 +52,16 @@ SITE_FUNCTIONS = {
 NOISE = 1e-4
 
 
-def layer_sites(cfg, prefix: str, layer_id: int) -> list[str]:
-    """The decision sites one block of the model visits with simulate_quant on."""
+def layer_sites(cfg, prefix: str, layer_id: int, parts=("attn", "ffn")) -> list[str]:
+    """The decision sites one block of the model visits with simulate_quant on (`parts`: its attention and / or
+    its MoE)."""
     ratio = cfg.compress_ratios[layer_id]
     sites = ["attn.kv", "ffn.gate"]
     if ratio > 0:
         sites.append("attn.compressor")
     if ratio == 4:
         sites += ["attn.indexer", "attn.indexer.q", "attn.indexer.compressor"]
-    return [prefix + s for s in sites]
+    return [prefix + s for s in sites if s.split(".")[0] in parts]
 
 
 def model_layers(cfg, mtp: bool = False) -> list[tuple[str, int]]:
@@ -69,42 +70,82 @@ def model_layers(cfg, mtp: bool = False) -> list[tuple[str, int]]:
     return layers + ([("mtp.0.", cfg.n_layers)] if mtp else [])
 
 
-def run_recording_decisions(cfg, layers, fn, /, *args, **kwargs):
-    """Run `fn(*args, **kwargs)` (a model function, not yet jitted; simulate_quant on) as one jitted program that
+class DecisionRecorder:
+    """`fn(*args, **static)` (a model function, not yet jitted; simulate_quant on) compiled once into a program that
     also returns what reached each decision site and what the model decided there. `layers`: (prefix, layer id) of
-    the blocks `fn` runs, in order (`model_layers`). Returns (fn's result, {site: (value, decision)} as numpy)."""
-    calls = []   # (site suffix, first array argument, result) in trace order
+    the blocks `fn` runs, in order (`model_layers`); `parts`: which parts of each block it runs. Calling it
+    returns (fn's result, {site: (value, decision)} as numpy); later calls reuse the program (same shapes)."""
 
-    def recording(function, suffix):
-        def wrapper(*a, **kw):
-            out = function(*a, **kw)
-            calls.append((suffix, next(x for x in a if isinstance(x, jax.Array)), out))
-            return out
-        return wrapper
+    def __init__(self, cfg, layers, fn, /, parts=("attn", "ffn"), **static):
+        self.cfg, self.layers, self.parts, self.fn, self.static = cfg, layers, parts, fn, static
+        self.compiled, self.suffixes = None, None
 
-    with pytest.MonkeyPatch.context() as patch:
-        for (module, name), suffix in SITE_FUNCTIONS.items():
-            module = importlib.import_module(module)
-            patch.setattr(module, name, recording(getattr(module, name), suffix))
+    def _compile(self, args):
+        calls = []   # (site suffix, first array argument, result) in trace order
+
+        def recording(function, suffix):
+            def wrapper(*a, **kw):
+                out = function(*a, **kw)
+                calls.append((suffix, next(x for x in a if isinstance(x, jax.Array)), out))
+                return out
+            return wrapper
 
         def program(*a):
             calls.clear()
-            result = fn(*a, **kwargs)
+            result = self.fn(*a, **self.static)
             return result, [(value, out) for _, value, out in calls]
 
-        result, recorded = jax.jit(program)(*args)
+        with pytest.MonkeyPatch.context() as patch:      # only while tracing: the compiled program keeps them
+            for (module, name), suffix in SITE_FUNCTIONS.items():
+                module = importlib.import_module(module)
+                patch.setattr(module, name, recording(getattr(module, name), suffix))
+            self.compiled = jax.jit(program).lower(*args).compile()
+        self.suffixes = [suffix for suffix, _, _ in calls]
 
-    found = {}
-    for (suffix, _, _), record in zip(calls, recorded):
-        found.setdefault(suffix, []).append(jax.tree.map(np.asarray, record))
-    records = {}
-    for suffix in SITE_FUNCTIONS.values():
-        prefixes = [p for p, layer in layers if p + suffix in layer_sites(cfg, p, layer)]
-        got = found.get(suffix, [])
-        assert len(got) == len(prefixes), (f"the program visited site {suffix} {len(got)} times, the layers "
-                                           f"{[p for p, _ in layers]} have it {len(prefixes)} times")
-        records.update({p + suffix: r for p, r in zip(prefixes, got)})
-    return result, records
+    def __call__(self, *args):
+        if self.compiled is None:
+            self._compile(args)
+        result, recorded = self.compiled(*args)
+        found = {}
+        for suffix, record in zip(self.suffixes, recorded):
+            found.setdefault(suffix, []).append(jax.tree.map(np.asarray, record))
+        records = {}
+        for suffix in SITE_FUNCTIONS.values():
+            prefixes = [p for p, layer in self.layers if p + suffix in layer_sites(self.cfg, p, layer, self.parts)]
+            got = found.get(suffix, [])
+            assert len(got) == len(prefixes), (f"the program visited site {suffix} {len(got)} times, the layers "
+                                               f"{[p for p, _ in self.layers]} have it {len(prefixes)} times")
+            records.update({p + suffix: r for p, r in zip(prefixes, got)})
+        return result, records
+
+
+def run_recording_decisions(cfg, layers, fn, /, *args, **static):
+    """One call of a `DecisionRecorder`."""
+    return DecisionRecorder(cfg, layers, fn, **static)(*args)
+
+
+def join_chunks(chunks: list[tuple[int, int, dict]], ratios: dict[str, int]) -> dict:
+    """The records of one sequence fed in chunks (prefill chunks, decode steps), laid out as one teacher-forced
+    forward over the whole sequence would record them. `chunks`: (start position, tokens, records) in order, batch
+    1; `ratios`: the compression ratio of each site prefix. Per-token sites are concatenated along the sequence;
+    a compressor site keeps the entries completed in each chunk (its first rows: entry start // c onwards)."""
+    joined = {}
+    for site in chunks[0][2]:
+        prefix = site[:site.index("attn.") if "attn." in site else site.index("ffn.")]
+        parts = []
+        for start, n, records in chunks:
+            value, out = records[site]
+            if site.endswith("compressor"):
+                c = ratios[prefix]
+                done = (start + n) // c - start // c
+                parts.append(jax.tree.map(lambda a: a[:, :done], (value, out)))
+            elif site.endswith("ffn.gate"):          # [T, ...] rows of the flattened batch-1 chunk
+                parts.append(jax.tree.map(lambda a: a[:n], (value, out)))
+            else:
+                parts.append(jax.tree.map(lambda a: a[:, :n], (value, out)))
+        axis = 0 if site.endswith("ffn.gate") else 1
+        joined[site] = jax.tree.map(lambda *a: np.concatenate(a, axis=axis), *parts)
+    return joined
 
 
 @dataclasses.dataclass
