@@ -53,15 +53,15 @@ NOISE = 1e-4
 
 
 def layer_sites(cfg, prefix: str, layer_id: int, parts=("attn", "ffn")) -> list[str]:
-    """The decision sites one block of the model visits with simulate_quant on (`parts`: its attention and / or
-    its MoE)."""
+    """The decision sites one block of the model visits with simulate_quant on, limited to those under `parts`
+    (('attn',): its attention only; ('attn.indexer',): the indexer and its compressor)."""
     ratio = cfg.compress_ratios[layer_id]
     sites = ["attn.kv", "ffn.gate"]
     if ratio > 0:
         sites.append("attn.compressor")
     if ratio == 4:
         sites += ["attn.indexer", "attn.indexer.q", "attn.indexer.compressor"]
-    return [prefix + s for s in sites if s.split(".")[0] in parts]
+    return [prefix + s for s in sites if any(s == part or s.startswith(part + ".") for part in parts)]
 
 
 def model_layers(cfg, mtp: bool = False) -> list[tuple[str, int]]:
