@@ -104,13 +104,20 @@ def assert_every_site_consulted(cfg, records, decisions):
     assert set(records) - set(decisions.stats) == hashed, sorted(set(records) - set(decisions.stats))
 
 
-def test_causal(tiny_f32, tiny_tokens, forward_f32):
+def test_causal(tiny_checkpoint, tiny_tokens):
+    """Changing token t leaves every logit before t unchanged. Without the fake-quant roundings, so that a
+    float32 difference in the last bit (the changed token's expert moves other tokens' rows in the grouped
+    matmul, and XLA:CPU does not promise bit-identical rows at other offsets) cannot be amplified by a rounding
+    tie into a difference that looks like a leak; a leak moves the earlier logits by far more than 1e-5."""
+    model = dsv4_jax.load(tiny_checkpoint[0], dtype="float32", simulate_quant=False, max_seq_len=320)
+    base = np.asarray(model.forward(tiny_tokens))
     for t in (3, 128, 255):
         changed = tiny_tokens.copy()
-        changed[0, t] = (changed[0, t] + 1) % tiny_f32.config.vocab_size
-        logits = np.asarray(tiny_f32.forward(changed))
-        np.testing.assert_array_equal(logits[:, :t], forward_f32[:, :t], err_msg=f"token {t} leaked backwards")
-        assert np.abs(logits[:, t] - forward_f32[:, t]).max() > 1e-3
+        changed[0, t] = (changed[0, t] + 1) % model.config.vocab_size
+        logits = np.asarray(model.forward(changed))
+        np.testing.assert_allclose(logits[:, :t], base[:, :t], atol=1e-5, rtol=0,
+                                   err_msg=f"token {t} leaked backwards")
+        assert np.abs(logits[:, t] - base[:, t]).max() > 1e-3
 
 
 def test_deterministic(tiny_f32, tiny_tokens, forward_f32):
@@ -144,11 +151,16 @@ def test_bf16_agrees_with_float32(tiny_checkpoint, tiny_tokens, forward_f32):
     rel = np.linalg.norm(logits - forward_f32) / np.linalg.norm(forward_f32)
     cos = np.sum(logits * forward_f32, -1) / np.linalg.norm(logits, axis=-1) / np.linalg.norm(forward_f32, axis=-1)
     # bf16 activations keep 8 mantissa bits; where two experts' router scores are within bf16 rounding the
-    # top-2 choice flips and that position moves more (measured: min cosine 0.95, median 0.9999, rel L2 0.05).
-    print(f"bf16 vs f32: rel {rel:.4f}, cos min {cos.min():.4f} median {np.median(cos):.5f}")
-    assert rel < 0.08, f"relative L2 error bf16 vs float32 {rel:.3f}"
+    # top-2 choice flips and that position moves more. Which positions flip depends on the CPU's float32 code
+    # (measured with XLA_FLAGS=--xla_cpu_max_isa=AVX2 / SSE4_2: 3.7% / 2.7% of positions below cosine 0.99,
+    # lowest 0.951 / 0.951, rel L2 0.053 / 0.047, top-1 agreement 0.957 / 0.963), so the bounds are on the bulk
+    # and on the share of flipped positions, with the floor far below one flip's effect.
+    print(f"bf16 vs f32: rel {rel:.4f}, cos min {cos.min():.4f} median {np.median(cos):.5f}, "
+          f"below 0.99: {np.mean(cos < 0.99):.1%}")
+    assert rel < 0.1, f"relative L2 error bf16 vs float32 {rel:.3f}"
     assert np.median(cos) > 0.999, f"median per-position cosine {np.median(cos):.5f}"
-    assert cos.min() > 0.9, f"min per-position cosine {cos.min():.4f}"
+    assert np.mean(cos < 0.99) < 0.1, f"{np.mean(cos < 0.99):.1%} of positions below cosine 0.99 (allowed 10%)"
+    assert cos.min() > 0.8, f"min per-position cosine {cos.min():.4f}"
     assert np.mean(logits.argmax(-1) == forward_f32.argmax(-1)) > 0.9
 
 
