@@ -17,6 +17,10 @@ flip can break:
      within float32 noise,
    and then lets the reference continue from the model's decision. Everything else the reference computes in
    float64 as before, so the final logits can be compared tightly.
+3. With activation quantization (act_quant), each quantized linear's input rounding is a decision too: it is
+   recorded under the weight's official name ('layers.3.attn.wo_b.weight'; routed experts under their stack,
+   'layers.3.ffn.experts.w1.weight', whose rows each expert's share of the reference takes) and checked the same
+   way by `ModelDecisions.activation`.
 
 Sites are named as in the reference ('layers.1.attn.kv', 'mtp.0.ffn.gate', ...); the model's calls are matched to
 them by order: the program traces its layers in order, and each layer calls each site function at most once.
@@ -32,6 +36,8 @@ import numpy as np
 import pytest
 
 import reference_np as R
+from dsv4_jax.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from dsv4_jax.quant.linear import activation_quantizer
 
 # (module, function) of the model -> site of the reference (after the layer prefix). Each is called at most once
 # per layer: attention's FP8 rounding is the window KV, its FP4 rounding the indexer query; the compressor's FP8
@@ -90,8 +96,22 @@ class DecisionRecorder:
                 return out
             return wrapper
 
+        weight_names = {}   # id of a weight in the traced params -> its official name
+
+        def recording_activation(function):
+            def wrapper(x, weight, act_quant, *a):
+                out = function(x, weight, act_quant, *a)
+                if activation_quantizer(weight, act_quant) != "none":
+                    calls.append((ACTIVATION + weight_names[id(weight)], x, out))
+                return out
+            return wrapper
+
         def program(*a):
             calls.clear()
+            weight_names.clear()
+            is_weight = lambda v: isinstance(v, (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight))  # noqa: E731
+            for path, leaf in jax.tree_util.tree_leaves_with_path(a[0], is_leaf=is_weight):
+                weight_names[id(leaf)] = official_name(path)
             result = self.fn(*a, **self.static)
             return result, [(value, out) for _, value, out in calls]
 
@@ -99,6 +119,8 @@ class DecisionRecorder:
             for (module, name), suffix in SITE_FUNCTIONS.items():
                 module = importlib.import_module(module)
                 patch.setattr(module, name, recording(getattr(module, name), suffix))
+            linear_module = importlib.import_module("dsv4_jax.quant.linear")
+            patch.setattr(linear_module, "_quantize_input", recording_activation(linear_module._quantize_input))
             self.compiled = jax.jit(program).lower(*args).compile()
         self.suffixes = [suffix for suffix, _, _ in calls]
 
@@ -106,10 +128,15 @@ class DecisionRecorder:
         if self.compiled is None:
             self._compile(args)
         result, recorded = self.compiled(*args)
-        found = {}
+        found, records = {}, {}
         for suffix, record in zip(self.suffixes, recorded):
-            found.setdefault(suffix, []).append(jax.tree.map(np.asarray, record))
-        records = {}
+            record = jax.tree.map(np.asarray, record)
+            if suffix.startswith(ACTIVATION):
+                name = suffix[len(ACTIVATION):]
+                assert name not in records, f"the input of {name} was quantized twice"
+                records[name] = record
+            else:
+                found.setdefault(suffix, []).append(record)
         for suffix in SITE_FUNCTIONS.values():
             prefixes = [p for p, layer in self.layers if p + suffix in layer_sites(self.cfg, p, layer, self.parts)]
             got = found.get(suffix, [])
@@ -117,6 +144,15 @@ class DecisionRecorder:
                                                f"{[p for p, _ in self.layers]} have it {len(prefixes)} times")
             records.update({p + suffix: r for p, r in zip(prefixes, got)})
         return result, records
+
+
+ACTIVATION = "activation of "   # marks a recorded activation quantization (then the weight's name)
+
+
+def official_name(path) -> str:
+    """The checkpoint name of a parameter tree path: ['layers'][3]['attn']['wo_b']['weight'] ->
+    'layers.3.attn.wo_b.weight'."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 def run_recording_decisions(cfg, layers, fn, /, *args, **static):
@@ -220,6 +256,41 @@ class ModelDecisions(R.SpecDecisions):
                 f"(|score - kth| = {gap:.3g} x the row's largest |score|, allowed {self.noise:g})")
         self.stats[site] = SiteStats(int(np.prod(scores.shape[:-1])), len(differ[0]), worst)
         return picked
+
+    def activation(self, name: str, x: np.ndarray, spec_quantize) -> tuple[np.ndarray, np.ndarray]:
+        """The model's quantization of the input of weight `name` (official name; a routed expert
+        'layers.L.ffn.experts.E.w1.weight' takes its rows of the stack's record, in token order, as the grouped
+        matmul sorts them), checked like a rounding site: the model's input equals x within float32 noise of the
+        row's largest |value|, and its quantization of its own input is exactly `spec_quantize` of it (values and
+        per-row factor). Returns (values, per-row factor)."""
+        parts = name.split(".")
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            at = parts.index("experts")
+            expert = int(parts[at + 1])
+            stack = ".".join(parts[:at + 1] + parts[at + 2:])
+            value, (values, row) = self._record(stack)
+            _, (expert_ids, _) = self._record(".".join(parts[:at - 1]) + ".ffn.gate")
+            counts = np.bincount(expert_ids.ravel(), minlength=expert + 1)
+            rows = slice(int(counts[:expert].sum()), int(counts[:expert + 1].sum()))
+            value, values = value[rows], values[rows]
+            row = None if row is None else row[rows]
+        else:
+            value, (values, row) = self._record(name)
+        value = value.astype(np.float64).reshape(x.shape)
+        values = np.asarray(values, np.float64).reshape(x.shape)
+        row = np.ones(x.shape[:-1] + (1,)) if row is None else np.asarray(row, np.float64).reshape(x.shape[:-1] + (1,))
+        scale = np.maximum(np.abs(x).max(-1, keepdims=True), 1e-30)
+        noise = np.abs(value - x) / scale
+        assert noise.max() <= self.noise, (
+            f"input of {name}: the model's value differs from the reference by {noise.max():.3g} x the row's largest "
+            f"|value| (allowed {self.noise:g})")
+        spec_values, spec_row = spec_quantize(value.astype(np.float32))
+        wrong = (values != spec_values).sum() + (row != spec_row).sum()
+        assert not wrong, (f"input of {name}: the model's activation quantization of its own values differs from "
+                           f"the spec's in {wrong} values / row factors")
+        own_values, _ = spec_quantize(x)
+        self.stats[name] = SiteStats(x.size, int(np.sum(own_values != values)), float(noise.max()))
+        return values, row
 
     def summary(self) -> str:
         taken = {s: st.taken for s, st in self.stats.items() if st.taken}
