@@ -1,6 +1,7 @@
 """Whole-model checks on the tiny preset: against the independent float64 reference, causality, compressed
 entries at the ratio boundaries, bf16 vs float32, determinism, loading errors, and the sizes of Flash / Pro."""
 
+import importlib
 import json
 import math
 import os
@@ -81,6 +82,53 @@ def test_forward_check_holds_when_float32_noise_moves(tiny_checkpoint, tiny_f32,
     print(f"roundings that moved with the nudge: { {s: n for s, n in moved.items() if n} }")
     assert sum(moved.values()) > 0, "the nudge must make the model round some value differently"
     _check_against_reference(cfg, tiny_checkpoint[1], tiny_tokens, np.asarray(logits), records)
+
+
+def _fp8_in_blocks_of_32(fp8_fake_quant):
+    return lambda x, block=64: fp8_fake_quant(x, 32)
+
+
+def _router_without_bias(route):
+    def buggy(params, cfg, x, token_ids, hash_routed):
+        if not hash_routed:
+            params = dict(params, bias=jnp.zeros_like(params["bias"]))
+        return route(params, cfg, x, token_ids, hash_routed)
+    return buggy
+
+
+def _rope_one_position_late(apply_rope):
+    return lambda x, positions, inv_freq, inverse=False: apply_rope(x, positions + 1, inv_freq, inverse)
+
+
+def _head_collapse_bias_off_by_a_hundredth(hc_head):
+    return lambda X, fn, base, scale, cfg: hc_head(X, fn, base + 0.01, scale, cfg)
+
+
+# A bug in the model, where it is, and what the check against the reference says about it: each kind of check
+# (the model's own rounding, a top-k pick that is no tie, a value before a rounding, the final logits) must bite.
+MODEL_BUGS = {
+    "window KV rounded in FP8 blocks of 32": ("dsv4_jax.layers.attention", "fp8_fake_quant", _fp8_in_blocks_of_32,
+                                              "rounding of its own values differs from the spec"),
+    "router selects without its bias": ("dsv4_jax.layers.moe", "route", _router_without_bias,
+                                        "not tied with the k-th best"),
+    "compressed entries rotated one position late": ("dsv4_jax.layers.compressor", "apply_rope",
+                                                     _rope_one_position_late, "value before rounding differs"),
+    "hc head stream weights' bias off by 0.01": ("dsv4_jax.model", "hc_head", _head_collapse_bias_off_by_a_hundredth,
+                                                 "Not equal to tolerance"),
+}
+
+
+@pytest.mark.parametrize("bug", list(MODEL_BUGS))
+def test_forward_check_catches_model_bugs(monkeypatch, tiny_checkpoint, tiny_f32, tiny_tokens, bug):
+    """The comparison with shared decisions still fails on a wrong model, wherever the bug is."""
+    module, name, make_bug, message = MODEL_BUGS[bug]
+    module = importlib.import_module(module)
+    monkeypatch.setattr(module, name, make_bug(getattr(module, name)))
+    cfg = tiny_f32.config
+    logits, records = run_recording_decisions(cfg, model_layers(cfg), engine.forward.__wrapped__, tiny_f32.params,
+                                              jnp.asarray(tiny_tokens), cfg=cfg, opts=tiny_f32.options)
+    with pytest.raises(AssertionError, match=message):
+        _check_against_reference(cfg, tiny_checkpoint[1], tiny_tokens, np.asarray(logits), records)
 
 
 def test_mtp_matches_reference(tiny_checkpoint, tiny_f32, tiny_tokens):
