@@ -1,9 +1,10 @@
-"""The one description of every weight: name, logical shape and stored format.
+"""The one description of every weight: name, logical shape, stored format and logical axes.
 
 `weight_specs` lists the model's weights under their official checkpoint names (spec 6.3). From it come the
 on-disk tensor list used to validate checkpoints (`disk_tensor_specs`), the in-memory parameter tree
-(`tree_set`), and random initialisation (`init_params`, traceable, so `jax.eval_shape` sizes Flash and Pro
-without allocating). Routed experts appear once per layer as a stacked [E, out, in] weight.
+(`tree_set`), random initialisation (`init_params`, traceable, so `jax.eval_shape` sizes Flash and Pro
+without allocating) and, through each weight's logical axes, where it may be split across devices. Routed experts
+appear once per layer as a stacked [E, out, in] weight.
 """
 
 from __future__ import annotations
@@ -19,16 +20,36 @@ from .config import ModelConfig
 from .quant.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight
 
 
+# Logical axes a weight dimension may carry: what a mesh may split it by (sharding rules map them to mesh axes).
+# A dimension without one (None) is never split.
+LOGICAL_AXES = {
+    "vocab": "the vocabulary rows of the embedding and the head",
+    "heads": "attention heads: wq_b's output rows (n_heads x head_dim) and the per-head sink",
+    "o_groups": "the output projection's groups: wo_a's rows (o_groups x o_lora_rank), wo_b's inputs",
+    "index_heads": "the indexer's heads: its wq_b rows (index_n_heads x index_head_dim) and weights_proj rows",
+    "mlp": "the shared expert's hidden units: w1 / w3 rows, w2 inputs",
+    "experts": "the routed experts of a stacked [E, out, in] weight",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightSpec:
     name: str                 # official name; for experts "layers.L.ffn.experts.w1.weight" (E folded in)
     shape: tuple[int, ...]    # logical shape (experts: [E, out, in])
     fmt: str                  # "bf16", "f32", "i64", "fp8" (e4m3 + E8M0 128x128) or "fp4" (routed experts)
     init_std: float = 0.0     # random init: normal std (0 -> ones for norms, see init_params)
+    axes: tuple[str | None, ...] | None = None   # logical axis per dimension (LOGICAL_AXES); None: none split
+
+    def __post_init__(self):
+        if self.axes is None:
+            object.__setattr__(self, "axes", (None,) * len(self.shape))
+        if len(self.axes) != len(self.shape) or not set(self.axes) <= set(LOGICAL_AXES) | {None}:
+            raise ValueError(f"{self.name}: axes {self.axes} must name one of {sorted(LOGICAL_AXES)} or None for "
+                             f"each of its {len(self.shape)} dims")
 
 
-def _linear(name, out_dim, in_dim, fmt="fp8"):
-    return WeightSpec(name, (out_dim, in_dim), fmt, in_dim ** -0.5)
+def _linear(name, out_dim, in_dim, fmt="fp8", axes=(None, None)):
+    return WeightSpec(name, (out_dim, in_dim), fmt, in_dim ** -0.5, axes)
 
 
 def _block_specs(cfg: ModelConfig, prefix: str, layer: int) -> list[WeightSpec]:
@@ -43,22 +64,24 @@ def _block_specs(cfg: ModelConfig, prefix: str, layer: int) -> list[WeightSpec]:
                   WeightSpec(f"{prefix}hc_{site}_scale", (3,), "f32", 0.5)]
     a = f"{prefix}attn."
     specs += [
-        WeightSpec(f"{a}attn_sink", (cfg.n_heads,), "f32", 1.0),
+        WeightSpec(f"{a}attn_sink", (cfg.n_heads,), "f32", 1.0, ("heads",)),
         WeightSpec(f"{a}q_norm.weight", (cfg.q_lora_rank,), "bf16"),
         WeightSpec(f"{a}kv_norm.weight", (cfg.head_dim,), "bf16"),
         _linear(f"{a}wq_a.weight", cfg.q_lora_rank, d),
-        _linear(f"{a}wq_b.weight", cfg.n_heads * cfg.head_dim, cfg.q_lora_rank),
+        _linear(f"{a}wq_b.weight", cfg.n_heads * cfg.head_dim, cfg.q_lora_rank, axes=("heads", None)),
         _linear(f"{a}wkv.weight", cfg.head_dim, d),
-        _linear(f"{a}wo_a.weight", cfg.o_groups * cfg.o_lora_rank, cfg.n_heads * cfg.head_dim // cfg.o_groups),
-        _linear(f"{a}wo_b.weight", d, cfg.o_groups * cfg.o_lora_rank),
+        _linear(f"{a}wo_a.weight", cfg.o_groups * cfg.o_lora_rank, cfg.n_heads * cfg.head_dim // cfg.o_groups,
+                axes=("o_groups", None)),
+        _linear(f"{a}wo_b.weight", d, cfg.o_groups * cfg.o_lora_rank, axes=(None, "o_groups")),
     ]
     if ratio > 0:
         coff = 2 if ratio == 4 else 1
         specs += _compressor_specs(f"{a}compressor.", ratio, coff * cfg.head_dim, cfg.head_dim, d)
     if ratio == 4:
         i = f"{a}indexer."
-        specs += [_linear(f"{i}wq_b.weight", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
-                  _linear(f"{i}weights_proj.weight", cfg.index_n_heads, d, "bf16")]
+        specs += [_linear(f"{i}wq_b.weight", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank,
+                          axes=("index_heads", None)),
+                  _linear(f"{i}weights_proj.weight", cfg.index_n_heads, d, "bf16", axes=("index_heads", None))]
         specs += _compressor_specs(f"{i}compressor.", ratio, 2 * cfg.index_head_dim, cfg.index_head_dim, d)
     f = f"{prefix}ffn."
     specs.append(_linear(f"{f}gate.weight", cfg.n_routed_experts, d, "bf16"))
@@ -67,11 +90,13 @@ def _block_specs(cfg: ModelConfig, prefix: str, layer: int) -> list[WeightSpec]:
     else:
         specs.append(WeightSpec(f"{f}gate.bias", (cfg.n_routed_experts,), "f32", 0.1))
     inter, e = cfg.moe_inter_dim, cfg.n_routed_experts
-    specs += [_linear(f"{f}shared_experts.w1.weight", inter, d), _linear(f"{f}shared_experts.w3.weight", inter, d),
-              _linear(f"{f}shared_experts.w2.weight", d, inter),
-              WeightSpec(f"{f}experts.w1.weight", (e, inter, d), "fp4", d ** -0.5),
-              WeightSpec(f"{f}experts.w3.weight", (e, inter, d), "fp4", d ** -0.5),
-              WeightSpec(f"{f}experts.w2.weight", (e, d, inter), "fp4", inter ** -0.5)]
+    experts = ("experts", None, None)
+    specs += [_linear(f"{f}shared_experts.w1.weight", inter, d, axes=("mlp", None)),
+              _linear(f"{f}shared_experts.w3.weight", inter, d, axes=("mlp", None)),
+              _linear(f"{f}shared_experts.w2.weight", d, inter, axes=(None, "mlp")),
+              WeightSpec(f"{f}experts.w1.weight", (e, inter, d), "fp4", d ** -0.5, experts),
+              WeightSpec(f"{f}experts.w3.weight", (e, inter, d), "fp4", d ** -0.5, experts),
+              WeightSpec(f"{f}experts.w2.weight", (e, d, inter), "fp4", inter ** -0.5, experts)]
     return specs
 
 
@@ -84,8 +109,8 @@ def _compressor_specs(prefix, ratio, width, head_dim, d):
 
 def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
     d = cfg.dim
-    specs = [WeightSpec("embed.weight", (cfg.vocab_size, d), "bf16", 1.0),
-             WeightSpec("head.weight", (cfg.vocab_size, d), "bf16", d ** -0.5),
+    specs = [WeightSpec("embed.weight", (cfg.vocab_size, d), "bf16", 1.0, ("vocab", None)),
+             WeightSpec("head.weight", (cfg.vocab_size, d), "bf16", d ** -0.5, ("vocab", None)),
              WeightSpec("norm.weight", (d,), "bf16"),
              WeightSpec("hc_head_fn", (cfg.hc_mult, cfg.hc_dim), "f32", 0.02 * cfg.hc_dim ** -0.5),
              WeightSpec("hc_head_base", (cfg.hc_mult,), "f32", 0.1),
