@@ -15,12 +15,11 @@ from .config import ModelConfig, from_hf_config, load_hf_config  # noqa: F401
 
 
 def init_random(config: ModelConfig, seed: int = 0, quantize_head: bool = False, **options) -> Model:
-    """A model with random weights in the stored formats; options as for `load`."""
+    """A model with random weights in the stored formats (an NVFP4 head with `quantize_head`); options as for
+    `load`."""
     from .params import init_params
-    params = jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(seed))
-    if quantize_head:
-        from .checkpoint import quantize_head_to_nvfp4
-        params = quantize_head_to_nvfp4(params)
+    stored = {"head.weight": "nvfp4"} if quantize_head else None
+    params = jax.jit(lambda key: init_params(config, key, stored))(jax.random.PRNGKey(seed))
     return Model(config, params, **options)
 
 

@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig, load_hf_config
-from .params import WeightSpec, disk_tensor_specs, expert_disk_names, tree_set, weight_specs
+from .params import WeightSpec, disk_tensor_specs, expert_disk_names, is_expert_stack, tree_set, weight_specs
 from .quant.formats import MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from .quant.kernel_dispatch import nvfp4_weights_kernels_approximate
 
@@ -114,13 +114,12 @@ def open_checkpoint(directory: str) -> dict[str, SafetensorsFile]:
 
 # ---- expert formats -----------------------------------------------------------------------------------------
 
-EXPERT_FORMATS = ("mxfp4", "nvfp4")
 QUANT_CONFIG = "hf_quant_config.json"
 _EXPERT_MODULE = re.compile(r"^(?:model\.)?((?:layers|mtp)\.\d+\.ffn\.experts)(?:\.(\d+)\.(w[123]))?$")
 
 
 def _expert_stacks(cfg: ModelConfig) -> list[WeightSpec]:
-    return [spec for spec in weight_specs(cfg) if spec.fmt == "fp4"]
+    return [spec for spec in weight_specs(cfg) if is_expert_stack(spec)]
 
 
 def _stem(name: str) -> str:
@@ -206,35 +205,33 @@ def detect_expert_formats(cfg: ModelConfig, tensors, directory: str | None = Non
     return formats
 
 
-def expected_tensors(cfg: ModelConfig, formats: dict[str, str], tensors=()) -> dict[str, tuple[tuple, tuple]]:
-    """name -> (allowed safetensors dtypes, shape) for a checkpoint with the given per-stack expert formats.
-    An NVFP4 stack's `input_scale` is expected iff expert 0 of that stack has one."""
-    out = {name: ((dtype,), shape) for name, (dtype, shape) in disk_tensor_specs(cfg, "mxfp4").items()
-           if ".experts." not in name}
-    for spec in _expert_stacks(cfg):
-        n_exp, rows, cols = spec.shape
-        nvfp4 = formats[spec.name] == "nvfp4"
-        with_input_scale = nvfp4 and (_stem(expert_disk_names(spec, 0)) + "input_scale") in tensors
-        for e in range(n_exp):
-            name = expert_disk_names(spec, e)
-            stem = _stem(name)
-            if nvfp4:
-                out[name] = (("U8", "I8"), (rows, cols // 2))
-                out[stem + "weight_scale"] = (("F8_E4M3",), (rows, cols // NVFP4_BLOCK))
-                out[stem + "weight_scale_2"] = (("F32",), ())
-                if with_input_scale:
-                    out[stem + "input_scale"] = (("F32",), ())
-            else:
-                out[name] = (("I8",), (rows, cols // 2))
-                out[stem + "scale"] = (("F8_E8M0",), (rows, cols // MXFP4_BLOCK))
-    return out
+def stored_formats(cfg: ModelConfig, tensors, directory: str | None = None,
+                   quantize_head: bool = False) -> dict[str, str]:
+    """The stored formats of a checkpoint that differ from the description's defaults, from its safetensors
+    headers alone (params.weight_specs' `stored`): NVFP4 expert stacks, with '+input_scale' where expert 0 of the
+    stack has one, and the head when it is to be quantized at load."""
+    stored = {}
+    for name, fmt in detect_expert_formats(cfg, tensors, directory).items():
+        if fmt == "nvfp4":
+            with_input_scale = (_stem(name.replace(".experts.", ".experts.0.")) + "input_scale") in tensors
+            stored[name] = "nvfp4+input_scale" if with_input_scale else "nvfp4"
+    if quantize_head:
+        stored["head.weight"] = "nvfp4"
+    return stored
 
 
-def validate(cfg: ModelConfig, tensors: dict[str, SafetensorsFile], formats: dict[str, str] | str) -> None:
-    if isinstance(formats, str):
-        formats = {spec.name: formats if not (formats == "nvfp4" and spec.name.startswith("mtp.")) else "mxfp4"
-                   for spec in _expert_stacks(cfg)}
-    expected = expected_tensors(cfg, formats, tensors)
+def abstract_params(directory: str, quantize_head: bool = False):
+    """(config, the parameter tree `load_params` would return, as jax.ShapeDtypeStruct leaves), from config.json
+    and the safetensors headers only: nothing past the headers is read and nothing is allocated."""
+    from .params import init_params
+    cfg = load_hf_config(directory)
+    stored = stored_formats(cfg, open_checkpoint(directory), directory, quantize_head)
+    return cfg, jax.eval_shape(lambda key: init_params(cfg, key, stored), jax.random.PRNGKey(0))
+
+
+def validate(cfg: ModelConfig, tensors: dict[str, SafetensorsFile], stored: dict[str, str] | None = None) -> None:
+    """Every tensor of params.disk_tensor_specs(cfg, stored) present with its dtype and shape, and no other."""
+    expected = disk_tensor_specs(cfg, stored)
     missing = sorted(set(expected) - set(tensors))
     if missing:
         dtypes, shape = expected[missing[0]]
@@ -260,14 +257,14 @@ def _positive_scalars(names: list[str], read) -> np.ndarray:
     return values
 
 
-def _read_experts(spec: WeightSpec, fmt: str, tensors, read):
+def _read_experts(spec: WeightSpec, read):
     names = [expert_disk_names(spec, e) for e in range(spec.shape[0])]
     stems = [_stem(n) for n in names]
     packed = jnp.asarray(np.stack([read(n).view(np.uint8) for n in names]))
-    if fmt == "mxfp4":
+    if spec.fmt == "mxfp4":
         return Mxfp4Weight(packed, jnp.asarray(np.stack([read(s + "scale") for s in stems])))
     input_scale = None
-    if stems[0] + "input_scale" in tensors:
+    if spec.input_scale:
         input_scale = jnp.asarray(_positive_scalars([s + "input_scale" for s in stems], read))
     return Nvfp4Weight(packed, jnp.asarray(np.stack([read(s + "weight_scale") for s in stems])),
                        jnp.asarray(_positive_scalars([s + "weight_scale_2" for s in stems], read)), input_scale)
@@ -291,16 +288,18 @@ def load_params(directory: str, progress: Callable[[int, int], None] | None = No
     stored formats). `quantize_head` turns the bf16 lm_head into NVFP4 once, on device."""
     cfg = load_hf_config(directory)
     tensors = open_checkpoint(directory)
-    formats = detect_expert_formats(cfg, tensors, directory)
-    validate(cfg, tensors, formats)
+    stored = stored_formats(cfg, tensors, directory, quantize_head)
+    validate(cfg, tensors, stored)
 
     def read(name):
         return tensors[name].read(name)
 
-    specs = weight_specs(cfg)
+    specs = weight_specs(cfg, stored)
     tree: dict = {}
     for done, spec in enumerate(specs):
-        if spec.fmt in ("bf16", "f32"):
+        if spec.name == "head.weight" and spec.fmt == "nvfp4":
+            value = quantize_head_to_nvfp4({"head": {"weight": jnp.asarray(read(spec.name))}})["head"]["weight"]
+        elif spec.fmt in ("bf16", "f32"):
             value = jnp.asarray(read(spec.name))
         elif spec.fmt == "i64":
             ids = read(spec.name)
@@ -310,12 +309,10 @@ def load_params(directory: str, progress: Callable[[int, int], None] | None = No
         elif spec.fmt == "fp8":
             value = Fp8BlockWeight(jnp.asarray(read(spec.name)), jnp.asarray(read(spec.name[:-6] + "scale")))
         else:
-            value = _read_experts(spec, formats[spec.name], tensors, read)
+            value = _read_experts(spec, read)
         tree_set(tree, spec.name, value)
         if progress is not None:
             progress(done + 1, len(specs))
-    if quantize_head:
-        tree = quantize_head_to_nvfp4(tree)
     approximate = nvfp4_weights_kernels_approximate(tree)
     if approximate:
         warnings.warn(f"{len(approximate)} NVFP4 weight(s) have subnormal or non-positive block scales (first: "

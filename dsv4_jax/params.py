@@ -5,6 +5,11 @@ on-disk tensor list used to validate checkpoints (`disk_tensor_specs`), the in-m
 (`tree_set`), random initialisation (`init_params`, traceable, so `jax.eval_shape` sizes Flash and Pro
 without allocating) and, through each weight's logical axes, where it may be split across devices. Routed experts
 appear once per layer as a stacked [E, out, in] weight.
+
+The description is complete before any array exists: a checkpoint's stored formats (MXFP4 or NVFP4 per expert
+stack, with or without NVIDIA's `input_scale`; the head bf16 or quantized to NVFP4 at load) are read from its
+safetensors headers (checkpoint.stored_formats) and passed as `stored`, so `jax.eval_shape` of `init_params` with
+them knows every leaf of the loaded tree.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .quant.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight
+from .quant.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
 
 # Logical axes a weight dimension may carry: what a mesh may split it by (sharding rules map them to mesh axes).
@@ -36,9 +41,10 @@ LOGICAL_AXES = {
 class WeightSpec:
     name: str                 # official name; for experts "layers.L.ffn.experts.w1.weight" (E folded in)
     shape: tuple[int, ...]    # logical shape (experts: [E, out, in])
-    fmt: str                  # "bf16", "f32", "i64", "fp8" (e4m3 + E8M0 128x128) or "fp4" (routed experts)
+    fmt: str                  # "bf16", "f32", "i64", "fp8" (e4m3 + E8M0 128x128), "mxfp4" / "nvfp4" (FP4)
     init_std: float = 0.0     # random init: normal std (0 -> ones for norms, see init_params)
     axes: tuple[str | None, ...] | None = None   # logical axis per dimension (LOGICAL_AXES); None: none split
+    input_scale: bool = False  # NVFP4 expert stacks: the checkpoint carries NVIDIA's static input_scale
 
     def __post_init__(self):
         if self.axes is None:
@@ -94,9 +100,9 @@ def _block_specs(cfg: ModelConfig, prefix: str, layer: int) -> list[WeightSpec]:
     specs += [_linear(f"{f}shared_experts.w1.weight", inter, d, axes=("mlp", None)),
               _linear(f"{f}shared_experts.w3.weight", inter, d, axes=("mlp", None)),
               _linear(f"{f}shared_experts.w2.weight", d, inter, axes=(None, "mlp")),
-              WeightSpec(f"{f}experts.w1.weight", (e, inter, d), "fp4", d ** -0.5, experts),
-              WeightSpec(f"{f}experts.w3.weight", (e, inter, d), "fp4", d ** -0.5, experts),
-              WeightSpec(f"{f}experts.w2.weight", (e, d, inter), "fp4", inter ** -0.5, experts)]
+              WeightSpec(f"{f}experts.w1.weight", (e, inter, d), "mxfp4", d ** -0.5, experts),
+              WeightSpec(f"{f}experts.w3.weight", (e, inter, d), "mxfp4", d ** -0.5, experts),
+              WeightSpec(f"{f}experts.w2.weight", (e, d, inter), "mxfp4", inter ** -0.5, experts)]
     return specs
 
 
@@ -107,7 +113,43 @@ def _compressor_specs(prefix, ratio, width, head_dim, d):
             WeightSpec(f"{prefix}norm.weight", (head_dim,), "bf16")]
 
 
-def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
+FP4_FORMATS = ("mxfp4", "nvfp4")
+# Stored formats a description may give a weight besides its default (`stored` of weight_specs): expert stacks
+# "mxfp4" (DeepSeek's release) or "nvfp4" / "nvfp4+input_scale" (NVIDIA's); the head "bf16" or "nvfp4" (quantized
+# once at load from the checkpoint's bf16).
+STORED_FORMATS = {"experts": ("mxfp4", "nvfp4", "nvfp4+input_scale"), "head": ("bf16", "nvfp4")}
+
+
+def is_expert_stack(spec: WeightSpec) -> bool:
+    return ".experts." in spec.name
+
+
+def weight_specs(cfg: ModelConfig, stored: dict[str, str] | None = None) -> list[WeightSpec]:
+    """Every weight of the model. `stored`: stored formats that differ from the defaults (MXFP4 experts, bf16
+    head), by name ('layers.3.ffn.experts.w1.weight' -> 'nvfp4+input_scale', 'head.weight' -> 'nvfp4')."""
+    specs = _default_specs(cfg)
+    if not stored:
+        return specs
+    by_name = {spec.name: i for i, spec in enumerate(specs)}
+    for name, fmt in stored.items():
+        if name not in by_name:
+            raise ValueError(f"stored format for {name}: not a weight of this model")
+        spec = specs[by_name[name]]
+        kind = "experts" if is_expert_stack(spec) else "head" if name == "head.weight" else None
+        if kind is None or fmt not in STORED_FORMATS[kind]:
+            allowed = STORED_FORMATS[kind] if kind else "none (only expert stacks and the head have a choice)"
+            raise ValueError(f"stored format {fmt!r} for {name}: expected one of {allowed}")
+        specs[by_name[name]] = dataclasses.replace(spec, fmt=fmt.split("+")[0], input_scale=fmt.endswith("+input_scale"))
+    return specs
+
+
+def nvidia_formats(cfg: ModelConfig, input_scale: bool = True) -> dict[str, str]:
+    """NVIDIA's re-quantized release: backbone routed experts NVFP4 (with input_scale), the MTP block's MXFP4."""
+    fmt = "nvfp4+input_scale" if input_scale else "nvfp4"
+    return {spec.name: fmt for spec in _default_specs(cfg) if is_expert_stack(spec) and spec.name.startswith("layers.")}
+
+
+def _default_specs(cfg: ModelConfig) -> list[WeightSpec]:
     d = cfg.dim
     specs = [WeightSpec("embed.weight", (cfg.vocab_size, d), "bf16", 1.0, ("vocab", None)),
              WeightSpec("head.weight", (cfg.vocab_size, d), "bf16", d ** -0.5, ("vocab", None)),
@@ -131,44 +173,42 @@ def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
 
 # ---- on-disk view -----------------------------------------------------------------------------------------
 
-EXPERT_FORMATS = ("mxfp4", "nvfp4")
-
-
 def expert_disk_names(spec: WeightSpec, expert: int) -> str:
     """'layers.L.ffn.experts.w1.weight' -> 'layers.L.ffn.experts.E.w1.weight'."""
     head, proj = spec.name.rsplit(".experts.", 1)
     return f"{head}.experts.{expert}.{proj}"
 
 
-def disk_tensor_specs(cfg: ModelConfig, expert_format: str = "mxfp4") -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every tensor an official checkpoint holds: name -> (safetensors dtype, shape) (spec 6.2, 6.6).
-    `expert_format` "nvfp4" gives NVIDIA's layout for backbone experts (MTP experts stay MXFP4)."""
-    if expert_format not in EXPERT_FORMATS:
-        raise ValueError(f"expert_format must be one of {EXPERT_FORMATS}, got {expert_format!r}")
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+def disk_tensor_specs(cfg: ModelConfig, stored: dict[str, str] | None = None) -> dict[str, tuple[tuple, tuple]]:
+    """Every tensor an official checkpoint with these stored formats holds: name -> (safetensors dtypes it may
+    have, the first the canonical one; shape) (spec 6.2, 6.6). The one on-disk list: loading validates against it,
+    the writers produce it."""
+    out: dict[str, tuple[tuple, tuple]] = {}
     simple = {"bf16": "BF16", "f32": "F32", "i64": "I64"}
-    for spec in weight_specs(cfg):
-        if spec.fmt in simple:
-            out[spec.name] = (simple[spec.fmt], spec.shape)
+    for spec in weight_specs(cfg, stored):
+        if spec.name == "head.weight":                 # an NVFP4 head is quantized at load from the stored bf16
+            out[spec.name] = (("BF16",), spec.shape)
+        elif spec.fmt in simple:
+            out[spec.name] = ((simple[spec.fmt],), spec.shape)
         elif spec.fmt == "fp8":
             rows, cols = spec.shape
-            out[spec.name] = ("F8_E4M3", spec.shape)
-            out[spec.name[:-len("weight")] + "scale"] = ("F8_E8M0", (math.ceil(rows / FP8_BLOCK),
-                                                                     math.ceil(cols / FP8_BLOCK)))
+            out[spec.name] = (("F8_E4M3",), spec.shape)
+            out[spec.name[:-len("weight")] + "scale"] = (("F8_E8M0",), (math.ceil(rows / FP8_BLOCK),
+                                                                        math.ceil(cols / FP8_BLOCK)))
         else:
             n_exp, rows, cols = spec.shape
-            nvfp4 = expert_format == "nvfp4" and not spec.name.startswith("mtp.")
             for e in range(n_exp):
                 name = expert_disk_names(spec, e)
                 stem = name[:-len("weight")]
-                if nvfp4:
-                    out[name] = ("U8", (rows, cols // 2))
-                    out[stem + "weight_scale"] = ("F8_E4M3", (rows, cols // NVFP4_BLOCK))
-                    out[stem + "weight_scale_2"] = ("F32", ())
-                    out[stem + "input_scale"] = ("F32", ())
+                if spec.fmt == "nvfp4":
+                    out[name] = (("U8", "I8"), (rows, cols // 2))
+                    out[stem + "weight_scale"] = (("F8_E4M3",), (rows, cols // NVFP4_BLOCK))
+                    out[stem + "weight_scale_2"] = (("F32",), ())
+                    if spec.input_scale:
+                        out[stem + "input_scale"] = (("F32",), ())
                 else:
-                    out[name] = ("I8", (rows, cols // 2))
-                    out[stem + "scale"] = ("F8_E8M0", (rows, cols // MXFP4_BLOCK))
+                    out[name] = (("I8",), (rows, cols // 2))
+                    out[stem + "scale"] = (("F8_E8M0",), (rows, cols // MXFP4_BLOCK))
     return out
 
 
@@ -218,16 +258,22 @@ def _random_weight(spec: WeightSpec, key: jax.Array, n_experts: int):
         exponent = 127 + round(math.log2(spec.init_std))
         scale = jnp.full((math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK)), exponent, jnp.uint8)
         return Fp8BlockWeight(w, scale)
-    n_exp, rows, cols = spec.shape
-    packed = jax.random.randint(key, (n_exp, rows, cols // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    *lead, rows, cols = spec.shape
+    packed = jax.random.randint(key, (*lead, rows, cols // 2), 0, 256, jnp.int32).astype(jnp.uint8)
     # Uniform random e2m1 codes have std ~2.9; pick the power-of-two scale nearest init_std / 2.9.
-    exponent = 127 + round(math.log2(spec.init_std / 2.9))
-    return Mxfp4Weight(packed, jnp.full((n_exp, rows, cols // MXFP4_BLOCK), exponent, jnp.uint8))
+    exponent = round(math.log2(spec.init_std / 2.9))
+    if spec.fmt == "mxfp4":
+        return Mxfp4Weight(packed, jnp.full((*lead, rows, cols // MXFP4_BLOCK), 127 + exponent, jnp.uint8))
+    # NVFP4: block scales 1.0 (e4m3), the power of two in the per-matrix global scale
+    block_scales = jnp.ones((*lead, rows, cols // NVFP4_BLOCK), jnp.float8_e4m3fn)
+    global_scale = jnp.full(lead, 2.0 ** exponent, jnp.float32)
+    return Nvfp4Weight(packed, block_scales, global_scale, jnp.ones(lead, jnp.float32) if spec.input_scale else None)
 
 
-def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
-    """Random weights in the stored formats (FP8 attention, MXFP4 experts, ...), as a parameter tree."""
-    specs = weight_specs(cfg)
+def init_params(cfg: ModelConfig, key: jax.Array, stored: dict[str, str] | None = None) -> dict:
+    """Random weights in the stored formats (FP8 attention, MXFP4 experts unless `stored` says otherwise, ...),
+    as a parameter tree."""
+    specs = weight_specs(cfg, stored)
     keys = jax.random.split(key, len(specs))
     tree: dict = {}
     for spec, k in zip(specs, keys):

@@ -33,8 +33,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsv4_jax.checkpoint import (QUANT_CONFIG, CheckpointError, detect_expert_formats, open_checkpoint,  # noqa: E402
-                                 read_quant_config, validate, write_safetensors)
+from dsv4_jax.checkpoint import (QUANT_CONFIG, CheckpointError, open_checkpoint, read_quant_config,  # noqa: E402
+                                 stored_formats, validate, write_safetensors)
 from dsv4_jax.config import load_hf_config  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
@@ -78,8 +78,7 @@ def convert(src: str, dst: str, include_mtp: bool = False, input_scale: float | 
         raise ConversionError(f"--input-scale must be a finite positive number, got {input_scale}")
     cfg = load_hf_config(src)
     tensors = open_checkpoint(src)
-    formats = detect_expert_formats(cfg, tensors, src)
-    validate(cfg, tensors, formats)
+    validate(cfg, tensors, stored_formats(cfg, tensors, src))
 
     # Which expert matrices to convert: MXFP4 stacks of the backbone (and the MTP block on request).
     todo = {}

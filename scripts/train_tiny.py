@@ -154,7 +154,7 @@ def build_tree(cfg: ModelConfig, params: dict, buffers: dict) -> dict:
 
 def quant_names(cfg: ModelConfig):
     specs = weight_specs(cfg)
-    return ({s.name for s in specs if s.fmt == "fp8"}, {s.name for s in specs if s.fmt == "fp4"})
+    return ({s.name for s in specs if s.fmt == "fp8"}, {s.name for s in specs if s.fmt == "mxfp4"})
 
 
 # ---- fake quantization of weights (shipped formats) -----------------------------------------------------------
@@ -476,8 +476,8 @@ def export_checkpoint(cfg: ModelConfig, params: dict, buffers: dict, out_dir: st
                 tensors[name[:-len("weight")] + "scale"] = ("F8_E8M0", scale[e])
     expected = disk_tensor_specs(cfg)
     assert set(tensors) == set(expected), sorted(set(tensors) ^ set(expected))[:5]
-    for name, (dtype, shape) in expected.items():
-        assert tensors[name][0] == dtype and tuple(tensors[name][1].shape) == tuple(shape), name
+    for name, (dtypes, shape) in expected.items():
+        assert tensors[name][0] == dtypes[0] and tuple(tensors[name][1].shape) == tuple(shape), name
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(to_hf_config(cfg), f, indent=2)
         f.write("\n")

@@ -24,7 +24,8 @@ import pytest
 import ckpt_writer as cw
 import dsv4_jax
 from dsv4_jax import presets
-from dsv4_jax.checkpoint import CheckpointError, load_params, quantize_head_to_nvfp4, write_safetensors
+from dsv4_jax.checkpoint import (CheckpointError, abstract_params, load_params, quantize_head_to_nvfp4,
+                                 write_safetensors)
 from dsv4_jax.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, linear
 from test_quant_formats import nvfp4_weight_np
 
@@ -140,6 +141,21 @@ def test_nvidia_layout_loads_as_stored(tmp_path):
     assert isinstance(params["layers"][1]["ffn"]["shared_experts"]["w1"]["weight"], Fp8BlockWeight)
     assert params["layers"][0]["ffn"]["gate"]["weight"].dtype == jnp.bfloat16          # the router stays bf16
     assert params["layers"][0]["ffn"]["gate"]["tid2eid"].dtype == jnp.int32
+
+
+@pytest.mark.parametrize("which, quantize_head", [("mxfp4", False), ("mxfp4", True), ("converted", False),
+                                                 ("nvidia", False)])
+def test_description_knows_every_leaf_before_loading(converted, nvidia_single, which, quantize_head):
+    """The stored formats read from the headers alone (MXFP4 / NVFP4 per stack, input_scale or not, the head
+    quantized at load or not) give the loaded tree exactly: structure, shapes and dtypes of every leaf."""
+    directory = {"mxfp4": converted[0], "converted": converted[1], "nvidia": nvidia_single}[which]
+    _, abstract = abstract_params(directory, quantize_head=quantize_head)
+    _, params = load_params(directory, quantize_head=quantize_head)
+    assert jax.tree.structure(abstract) == jax.tree.structure(params)
+    for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(abstract), jax.tree.leaves(params)):
+        assert (got.shape, got.dtype) == (want.shape, want.dtype), jax.tree_util.keystr(path)
+    head = params["head"]["weight"]
+    assert isinstance(head, Nvfp4Weight) == quantize_head
 
 
 def test_quantize_head_standard_recipe_and_frees_bf16(converted):

@@ -20,7 +20,7 @@ import pytest
 
 import ckpt_writer as cw
 from dsv4_jax import presets
-from dsv4_jax.params import disk_tensor_specs, init_params
+from dsv4_jax.params import disk_tensor_specs, init_params, nvidia_formats
 from dsv4_jax.quant import (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, dequantize, group_linear, grouped_linear,
                             linear, mxfp4_to_nvfp4, mxfp4_to_nvfp4_is_exact, quantize_nvfp4)
 from dsv4_jax.quant.fake_quant import correctly_rounded_divide, round_to_e2m1, round_to_e4m3
@@ -432,8 +432,8 @@ def _tree_bytes(tree) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
-def _disk_bytes(cfg, expert_format) -> int:
-    return sum(_DISK_ITEMSIZE[d] * math.prod(s) for d, s in disk_tensor_specs(cfg, expert_format).values())
+def _disk_bytes(cfg, stored=None) -> int:
+    return sum(_DISK_ITEMSIZE[d[0]] * math.prod(s) for d, s in disk_tensor_specs(cfg, stored).values())
 
 
 def _to_nvfp4_like_nvidia(tree):
@@ -454,10 +454,13 @@ def test_flash_device_bytes_equal_checkpoint_bytes():
     init = functools.partial(init_params, cfg)
     mxfp4 = _tree_bytes(jax.eval_shape(init, jax.random.PRNGKey(0)))
     tid2eid_narrowing = cfg.n_hash_layers * cfg.vocab_size * cfg.n_activated_experts * 4     # I64 -> int32
-    assert mxfp4 == _disk_bytes(cfg, "mxfp4") - tid2eid_narrowing
+    assert mxfp4 == _disk_bytes(cfg) - tid2eid_narrowing
     assert abs(mxfp4 / 2 ** 30 - 148.7) / 148.7 < 0.01, f"Flash MXFP4 tree: {mxfp4 / 2 ** 30:.2f} GiB"
     nvfp4 = _tree_bytes(jax.eval_shape(lambda k: _to_nvfp4_like_nvidia(init(k)), jax.random.PRNGKey(0)))
-    assert nvfp4 == _disk_bytes(cfg, "nvfp4") - tid2eid_narrowing
+    assert nvfp4 == _disk_bytes(cfg, nvidia_formats(cfg)) - tid2eid_narrowing
+    described = _tree_bytes(jax.eval_shape(functools.partial(init_params, cfg, stored=nvidia_formats(cfg)),
+                                           jax.random.PRNGKey(0)))
+    assert described == nvfp4, "the description with NVIDIA's stored formats sizes the converted tree"
     assert abs(nvfp4 / 2 ** 30 - 156.7) / 156.7 < 0.01, f"Flash NVFP4 tree: {nvfp4 / 2 ** 30:.2f} GiB"  # spec 6.6
     head = jax.eval_shape(quantize_nvfp4, jax.ShapeDtypeStruct((cfg.vocab_size, cfg.dim), jnp.bfloat16))
     assert _tree_bytes(head) == cfg.vocab_size * cfg.dim * (1 / 2 + 1 / 16) + 4
