@@ -6,8 +6,9 @@ other way on another (XLA:CPU's float32 code differs by instruction set), and on
 logits after it by far more than float32 noise. So a whole-model comparison is made in two steps that no such
 flip can break:
 
-1. `run_recording_decisions` runs a model program once, jitted as usual, and also returns the value that reached
-   each decision site and what the model decided there (the rounded values; the selected entries).
+1. `DecisionRecorder` compiles a model program (once; `run_recording_decisions` for a single call) that also
+   returns the value that reached each decision site and what the model decided there (the rounded values, the
+   selected entries); `join_chunks` lays the records of prefill chunks and decode steps out as one forward's.
 2. `ModelDecisions` is handed to the reference (`tests/reference_np.py`'s `decisions` argument). At each site it
    checks, strictly, that
    - the model's value before the site equals the reference's float64 value within float32 noise (the model
@@ -53,8 +54,8 @@ SITE_FUNCTIONS = {
 
 # Float32 noise allowed between the model's and the reference's values at a site, relative to the size of the
 # values there (the quantization block's largest |value|, or the row's largest |score|). Measured on the tiny
-# model with shared decisions: up to ~1e-6 (the RoPE angles of positions < 320 carry ~1.5e-5 absolute error in
-# float32, the rest ~1e-7 per op); a wrong computation is off by O(1).
+# model with shared decisions: up to 2.4e-6 (XLA_FLAGS=--xla_cpu_max_isa=AVX2 and SSE4_2 alike), 1.1e-5 with every
+# float32 weight nudged by 128 ulps (test_model); a wrong computation is off by O(1e-2) or more.
 NOISE = 1e-4
 
 
@@ -74,6 +75,15 @@ def model_layers(cfg, mtp: bool = False) -> list[tuple[str, int]]:
     """(site prefix, layer id) of the blocks a forward runs, in order; `mtp` adds the MTP block."""
     layers = [(f"layers.{i}.", i) for i in range(cfg.n_layers)]
     return layers + ([("mtp.0.", cfg.n_layers)] if mtp else [])
+
+
+ACTIVATION = "activation of "   # marks a recorded activation quantization (then the weight's name)
+
+
+def official_name(path) -> str:
+    """The checkpoint name of a parameter tree path: ['layers'][3]['attn']['wo_b']['weight'] ->
+    'layers.3.attn.wo_b.weight'."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 class DecisionRecorder:
@@ -144,15 +154,6 @@ class DecisionRecorder:
                                                f"{[p for p, _ in self.layers]} have it {len(prefixes)} times")
             records.update({p + suffix: r for p, r in zip(prefixes, got)})
         return result, records
-
-
-ACTIVATION = "activation of "   # marks a recorded activation quantization (then the weight's name)
-
-
-def official_name(path) -> str:
-    """The checkpoint name of a parameter tree path: ['layers'][3]['attn']['wo_b']['weight'] ->
-    'layers.3.attn.wo_b.weight'."""
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 def run_recording_decisions(cfg, layers, fn, /, *args, **static):
