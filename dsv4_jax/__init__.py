@@ -12,6 +12,7 @@ import jax
 from . import presets  # noqa: F401
 from .api import GenerationResult, Model  # noqa: F401
 from .config import ModelConfig, from_hf_config, load_hf_config  # noqa: F401
+from .module import DeepseekV4  # noqa: F401
 
 
 def init_random(config: ModelConfig, seed: int = 0, quantize_head: bool = False, **options) -> Model:

@@ -1,7 +1,8 @@
 """`Model`: the user-facing object returned by `dsv4_jax.load` and `dsv4_jax.init_random`.
 
-It holds the config, the parameter tree and the numerics options, validates inputs eagerly on the host, and
-calls the jitted programs of `engine` (each compiled once per shape).
+It holds the config, the weights as a Flax NNX module (`model.module`, dsv4_jax.DeepseekV4) and the numerics
+options, validates inputs eagerly on the host, and calls the jitted programs of `engine` (each compiled once per
+shape) on `model.params`, the engine's parameter tree of the module's arrays (the same arrays, regrouped once).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from . import engine
 from .config import ModelConfig
 from .model import RunOptions
+from .module import DeepseekV4
 from .state import DecodeState, init_state, state_bytes
 
 
@@ -33,8 +35,11 @@ class Model:
                  act_quant: str = "none", max_seq_len: int = 4096, max_batch: int = 1, prefill_chunk: int = 512,
                  track_mtp: bool = False, kernels: str = "auto"):
         self.config = cfg
-        self.params = params
         self.options = RunOptions(dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant, kernels=kernels)
+        self.module = DeepseekV4(cfg, params=params, options=self.options)
+        # Regrouped once, not per call: a step's jitted program takes this tree (no Python walk of the module).
+        # After replacing a variable of `module`, build a new Model from `module.params()`.
+        self.params = params
         for name, value in (("max_seq_len", max_seq_len), ("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -139,7 +139,8 @@ def weight_specs(cfg: ModelConfig, stored: dict[str, str] | None = None) -> list
         if kind is None or fmt not in STORED_FORMATS[kind]:
             allowed = STORED_FORMATS[kind] if kind else "none (only expert stacks and the head have a choice)"
             raise ValueError(f"stored format {fmt!r} for {name}: expected one of {allowed}")
-        specs[by_name[name]] = dataclasses.replace(spec, fmt=fmt.split("+")[0], input_scale=fmt.endswith("+input_scale"))
+        specs[by_name[name]] = dataclasses.replace(spec, fmt=fmt.split("+")[0],
+                                                   input_scale=fmt.endswith("+input_scale"))
     return specs
 
 

@@ -214,18 +214,21 @@ def test_bf16_agrees_with_float32(tiny_checkpoint, tiny_tokens, forward_f32):
 
 @pytest.mark.parametrize("preset, expected", [(presets.flash, 284e9), (presets.pro, 1.6e12)])
 def test_presets_parameter_count_via_eval_shape(preset, expected):
-    from dsv4_jax.params import init_params, logical_param_count
-    cfg = preset()
-    shapes = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0))
-    def count(path, x):
-        """Elements of one stored array: FP4 packed bytes hold two parameters; block scales and the
-        tid2eid routing table are not parameters."""
-        last = path[-1]
-        if getattr(last, "name", None) == "scale" or getattr(last, "key", None) == "tid2eid":
-            return 0
-        return math.prod(x.shape) * (2 if getattr(last, "name", None) == "packed" else 1)
+    from flax import nnx
 
-    leaves = jax.tree_util.tree_leaves_with_path(shapes)
+    from dsv4_jax.params import logical_param_count
+    cfg = preset()
+    module = nnx.eval_shape(lambda: dsv4_jax.DeepseekV4(cfg, rngs=nnx.Rngs(0)))   # sizes without allocating
+
+    def count(path, x):
+        """Elements of one stored array: packed FP4 bytes hold two parameters; block / global scales and the
+        tid2eid routing table are not parameters."""
+        name = getattr(path[-1], "key", None)
+        if name in ("scale", "weight_scale", "weight_scale_2", "input_scale", "tid2eid"):
+            return 0
+        return math.prod(x.shape) * (2 if name == "weight" and x.dtype == jnp.uint8 else 1)
+
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(module)))
     total = sum(count(p, x) for p, x in leaves)
     assert total == logical_param_count(cfg)
     mtp = sum(count(p, x) for p, x in leaves if getattr(p[0], "key", None) == "mtp")
