@@ -24,20 +24,36 @@ def init_random(config: ModelConfig, seed: int = 0, quantize_head: bool = False,
     return Model(config, params, **options)
 
 
+def save(model, directory: str) -> None:
+    """Save a Model's (or a DeepseekV4 module's) weights, every stored format bit for bit, as an Orbax checkpoint
+    directory that `load` reads back."""
+    from .orbax_checkpoint import save as save_module
+    save_module(getattr(model, "module", model), directory)
+
+
 def load(path, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int = 1, simulate_quant: bool = True,
          act_quant: str = "none", mesh=None, progress=None, prefill_chunk: int = 512,
          quantize_head: bool = False, track_mtp: bool = False, kernels: str = "auto") -> Model:
     """Load an official DeepSeek-V4 checkpoint directory (config.json + safetensors), weights kept as stored
-    (MXFP4 or NVFP4 routed experts). `quantize_head=True` quantizes the bf16 lm_head to NVFP4 once at load (standard
-    recipe, on device) and frees the bf16 copy; the router gate is never quantized."""
+    (MXFP4 or NVFP4 routed experts), or a directory written by `save` (Orbax). `quantize_head=True` quantizes the
+    bf16 lm_head to NVFP4 once at load (standard recipe, on device) and frees the bf16 copy; the router gate is
+    never quantized."""
     import os
 
     from .checkpoint import CheckpointError, load_params
+    from .orbax_checkpoint import is_orbax_checkpoint, restore
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a directory (expected an official DeepSeek-V4 checkpoint)")
     if mesh is not None:
         raise NotImplementedError("multi-device loading (mesh=...) is not implemented yet")
-    cfg, params = load_params(path, progress=progress, quantize_head=quantize_head)
+    if is_orbax_checkpoint(path):
+        if quantize_head:
+            raise ValueError(f"{path}: quantize_head applies to official checkpoints; this one was saved with its "
+                             f"head as it is")
+        cfg, module = restore(path)
+        params = module.params()
+    else:
+        cfg, params = load_params(path, progress=progress, quantize_head=quantize_head)
     return Model(cfg, params, dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant,
                  max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk, track_mtp=track_mtp,
                  kernels=kernels)

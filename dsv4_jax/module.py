@@ -133,6 +133,19 @@ def _lookup(tree, dotted: str):
     return node
 
 
+def stored_formats_of(module) -> dict[str, str]:
+    """The stored formats of a module's weights that differ from the description's defaults (params.weight_specs'
+    `stored`): NVFP4 expert stacks ('+input_scale' when they carry it) and an NVFP4 head."""
+    pure = nnx.to_pure_dict(nnx.state(module))
+    stored = {}
+    for spec in weight_specs(module.config):
+        if is_expert_stack(spec) or spec.name == "head.weight":
+            node = _lookup(pure, _module_path(spec))
+            if "weight_scale" in node:
+                stored[spec.name] = "nvfp4+input_scale" if "input_scale" in node else "nvfp4"
+    return stored
+
+
 class DeepseekV4(nnx.Module):
     """DeepSeek-V4 (any configuration). With `rngs`: random weights in the stored formats (`stored`: per-weight
     formats other than the defaults, as params.weight_specs takes them); with `params`: that parameter tree's
