@@ -108,8 +108,10 @@ def test_module_call_and_state_run_the_engine_programs(tiny_tokens):
     graphdef, state = nnx.split(module)
     forward = jax.jit(lambda state, t: engine.forward.__wrapped__(engine_params(module.config, state), t,
                                                                    cfg=module.config, opts=options))
-    np.testing.assert_allclose(np.asarray(forward(state, tokens)), np.asarray(model.forward(tokens)), atol=1e-6,
-                               rtol=0)
+    # another compiled program (its arguments in the state's order): float32 noise only, no fake-quant ties;
+    # measured 0 on the CPU, 2.5e-5 on an H200 (XLA picks its GPU algorithms per program)
+    np.testing.assert_allclose(np.asarray(forward(state, tokens)), np.asarray(model.forward(tokens)), atol=1e-4,
+                               rtol=1e-4)
     rebuilt = nnx.merge(graphdef, state)
     assert rebuilt.layers[2].attn.wo_b.weight[...] is module.layers[2].attn.wo_b.weight[...]
 
