@@ -104,14 +104,15 @@ def test_module_call_and_state_run_the_engine_programs(tiny_tokens):
     assert all(a is b for a, b in zip(jax.tree.leaves(regrouped), jax.tree.leaves(model.params))), \
         "the module holds the model's arrays themselves"
     tokens = jnp.asarray(tiny_tokens[:, :40])
-    np.testing.assert_array_equal(np.asarray(module(tokens)), np.asarray(model.forward(tokens)))
+    want = np.asarray(model.forward(tokens))
+    # The same program, then another one (its arguments in the state's order). Float32 noise only, no fake-quant
+    # ties: measured 0 on the CPU; 2.5e-5 on an H200, where even one program's scatter-adds (MoE combine) are not
+    # deterministic from run to run.
+    np.testing.assert_allclose(np.asarray(module(tokens)), want, atol=1e-4, rtol=1e-4)
     graphdef, state = nnx.split(module)
     forward = jax.jit(lambda state, t: engine.forward.__wrapped__(engine_params(module.config, state), t,
                                                                    cfg=module.config, opts=options))
-    # another compiled program (its arguments in the state's order): float32 noise only, no fake-quant ties;
-    # measured 0 on the CPU, 2.5e-5 on an H200 (XLA picks its GPU algorithms per program)
-    np.testing.assert_allclose(np.asarray(forward(state, tokens)), np.asarray(model.forward(tokens)), atol=1e-4,
-                               rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(forward(state, tokens)), want, atol=1e-4, rtol=1e-4)
     rebuilt = nnx.merge(graphdef, state)
     assert rebuilt.layers[2].attn.wo_b.weight[...] is module.layers[2].attn.wo_b.weight[...]
 
