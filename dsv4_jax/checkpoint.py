@@ -29,7 +29,7 @@ import numpy as np
 
 from .config import ModelConfig, load_hf_config
 from .params import WeightSpec, disk_tensor_specs, expert_disk_names, is_expert_stack, tree_set, weight_specs
-from .quant.formats import MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from .quant.formats import NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from .quant.kernel_dispatch import nvfp4_weights_kernels_approximate
 
 # safetensors dtype -> numpy dtype of the raw storage
