@@ -4,7 +4,7 @@
     python scripts/eval_perplexity.py --npz out/train_tiny/params.npz    # add the unquantized master weights
     python scripts/eval_perplexity.py --samples 64 --json out/eval.json  # + greedy / sampled continuations
 
-Text: `--valid` (default /work/data/corpus/valid.txt), one document (chapter) per blank-line-separated block, each
+Text: `--valid` (default data/corpus/valid.txt), one document (chapter) per blank-line-separated block, each
 encoded as BOS + tokens + EOS and concatenated. The stream is cut into non-overlapping windows of `--seq-len` tokens;
 each window runs teacher-forced from a fresh state (position 0), so every token except the very first is predicted
 exactly once with 0..seq_len-1 tokens of context. Perplexity = exp(mean negative log-likelihood).
@@ -37,6 +37,7 @@ from dsv4_jax.params import tree_set, weight_specs  # noqa: E402
 from train_tiny import eval_windows, token_stream  # noqa: E402  (same data pipeline as training)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS_DIR = os.path.join(REPO, "data", "corpus")   # inside the repository; data/ is gitignored
 DEFAULT_CKPT = os.path.join(REPO, "dsv4_jax", "default_model")
 BOS, EOS = 0, 1
 
@@ -112,7 +113,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt", default=DEFAULT_CKPT, help="official-format checkpoint directory")
     ap.add_argument("--npz", default=None, help="float32 master weights (params.npz of scripts/train_tiny.py)")
-    ap.add_argument("--valid", default="/work/data/corpus/valid.txt")
+    ap.add_argument("--valid", default=os.path.join(CORPUS_DIR, "valid.txt"))
     ap.add_argument("--tokenizer", default=None, help="default: <ckpt>/tokenizer.json")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8)

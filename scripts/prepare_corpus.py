@@ -18,7 +18,7 @@ number removed and whitespace normalised. Chapters are numbered 0..1188 in canon
 index i satisfies i % every == every - 1 (default every = 50, i.e. 23 chapters, ~2%) goes to valid.txt, the rest to
 train.txt. The procedure is fully deterministic.
 
-Usage: python scripts/prepare_corpus.py [--out-dir /work/data/corpus] [--every 50]
+Usage: python scripts/prepare_corpus.py [--out-dir data/corpus] [--every 50]
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ import re
 import shutil
 import subprocess
 import sys
+
+# The corpus lives inside the repository (data/ is gitignored), wherever the script is run from.
+CORPUS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "corpus")
 
 PACKAGES = ("bible-kjv", "bible-kjv-text")
 DATA_FILE = "/usr/lib/bible.data"
@@ -93,7 +96,7 @@ def write(path: str, chapters: list[list[str]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out-dir", default="/work/data/corpus", help="where train.txt and valid.txt are written")
+    ap.add_argument("--out-dir", default=CORPUS_DIR, help="where train.txt and valid.txt are written")
     ap.add_argument("--every", type=int, default=50, help="every N-th chapter (index %% N == N-1) goes to valid")
     ap.add_argument("--bible-bin", default="bible", help="the reader program from package bible-kjv")
     args = ap.parse_args()

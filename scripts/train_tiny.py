@@ -1,7 +1,7 @@
 """Train the small default model (every DeepSeek-V4 mechanism present) on the KJV corpus and export it in the
 official on-disk format into dsv4_jax/default_model/.
 
-    python scripts/train_tiny.py                       # defaults: /work/data/corpus, out/train_tiny, 1200 steps
+    python scripts/train_tiny.py                       # defaults: data/corpus, out/train_tiny, 1200 steps
     python scripts/train_tiny.py --time-budget 240     # fit the run (compilation included) into 240 s
 
 What is trained: `default_config()` below (6 layers: window-only + hash-routed, CSA + hash-routed, HCA, CSA, HCA,
@@ -63,6 +63,7 @@ from dsv4_jax.config import ModelConfig, to_hf_config  # noqa: E402
 from dsv4_jax.params import disk_tensor_specs, expert_disk_names, tree_set, weight_specs  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS_DIR = os.path.join(REPO, "data", "corpus")   # inside the repository; data/ is gitignored
 DEFAULT_OUT = os.path.join(REPO, "dsv4_jax", "default_model")
 BOS, EOS = 0, 1
 T_START = time.time()
@@ -511,8 +512,8 @@ def load_npz(path: str):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--train", default="/work/data/corpus/train.txt")
-    ap.add_argument("--valid", default="/work/data/corpus/valid.txt")
+    ap.add_argument("--train", default=os.path.join(CORPUS_DIR, "train.txt"))
+    ap.add_argument("--valid", default=os.path.join(CORPUS_DIR, "valid.txt"))
     ap.add_argument("--tokenizer", default=os.path.join(DEFAULT_OUT, "tokenizer.json"))
     ap.add_argument("--out-dir", default=DEFAULT_OUT, help="where the official-format checkpoint is written")
     ap.add_argument("--run-dir", default=os.path.join(REPO, "out", "train_tiny"),

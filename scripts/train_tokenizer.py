@@ -6,7 +6,7 @@
   added tokens, so they are matched whole in the input and skipped by `decode(..., skip_special_tokens=True)`.
 - No BOS/EOS are added automatically (`add_bos_token: false` in the official config); callers add them.
 
-Usage: python scripts/train_tokenizer.py [--train /work/data/corpus/train.txt] [--valid /work/data/corpus/valid.txt]
+Usage: python scripts/train_tokenizer.py [--train data/corpus/train.txt] [--valid data/corpus/valid.txt]
                                          [--out dsv4_jax/default_model/tokenizer.json] [--vocab-size 4096]
 """
 
@@ -17,6 +17,9 @@ import os
 import time
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+# The corpus lives inside the repository (data/ is gitignored), wherever the script is run from.
+CORPUS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "corpus")
 
 # The DeepSeek-V4 special tokens (spec section 8), `｜` = U+FF5C, `▁` = U+2581. `<tool_result>` is not in the list:
 # in V4 it is plain text inside user turns, not a special token.
@@ -88,8 +91,8 @@ def count_tokens(tok: Tokenizer, docs: list[str]) -> tuple[int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--train", default="/work/data/corpus/train.txt")
-    ap.add_argument("--valid", default="/work/data/corpus/valid.txt")
+    ap.add_argument("--train", default=os.path.join(CORPUS_DIR, "train.txt"))
+    ap.add_argument("--valid", default=os.path.join(CORPUS_DIR, "valid.txt"))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "dsv4_jax", "default_model",
                                                   "tokenizer.json"))
     ap.add_argument("--vocab-size", type=int, default=4096, help="total, special tokens included")

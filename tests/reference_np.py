@@ -1,4 +1,4 @@
-"""Float64 numpy reference of DeepSeek-V4 (Flash/Pro family), written directly from /work/shared/spec/dsv4.md.
+"""Float64 numpy reference of DeepSeek-V4 (Flash/Pro family), written directly from the DeepSeek-V4 specification.
 
 Independent of the `dsv4_jax` implementation. It operates on the LOGICAL weight dict returned by
 `tests/ckpt_writer.write_checkpoint` (name -> float64 array, dequantized; `tid2eid` int64), with official tensor names.
