@@ -26,7 +26,7 @@ from flax import nnx
 from . import engine
 from .config import ModelConfig
 from .model import RunOptions
-from .params import WeightSpec, init_params, is_expert_stack, tree_get, weight_specs
+from .params import WeightSpec, init_params, is_expert_stack, tree_get, tree_set, weight_specs
 from .quant.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
 
@@ -116,21 +116,13 @@ def engine_params(cfg: ModelConfig, state) -> dict:
     """The parameter tree the engine's programs take (params.init_params' layout) from a module's state
     (`nnx.split(module)[1]`, `nnx.state(module)`) or its pure dict: the same arrays, regrouped. Traceable, so a
     jitted function of the state regroups at trace time only."""
-    from .params import tree_set
     pure = nnx.to_pure_dict(state) if isinstance(state, nnx.State) else state
     tree: dict = {}
     for spec in weight_specs(cfg):
         path = _module_path(spec)
-        node = _lookup(pure, path) if path else pure
+        node = tree_get(pure, path) if path else pure
         tree_set(tree, spec.name, _engine_value(spec, node))
     return tree
-
-
-def _lookup(tree, dotted: str):
-    node = tree
-    for part in dotted.split("."):
-        node = node[int(part)] if part.isdigit() else node[part]
-    return node
 
 
 def stored_formats_of(module) -> dict[str, str]:
@@ -140,7 +132,7 @@ def stored_formats_of(module) -> dict[str, str]:
     stored = {}
     for spec in weight_specs(module.config):
         if is_expert_stack(spec) or spec.name == "head.weight":
-            node = _lookup(pure, _module_path(spec))
+            node = tree_get(pure, _module_path(spec))
             if "weight_scale" in node:
                 stored[spec.name] = "nvfp4+input_scale" if "input_scale" in node else "nvfp4"
     return stored
@@ -167,6 +159,7 @@ class DeepseekV4(nnx.Module):
 
     @classmethod
     def from_params(cls, config: ModelConfig, params: dict, options: RunOptions = RunOptions()) -> DeepseekV4:
+        """The module holding an existing parameter tree's arrays."""
         return cls(config, params=params, options=options)
 
     def _group(self, dotted: str) -> Weights:
