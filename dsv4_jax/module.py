@@ -26,7 +26,7 @@ from flax import nnx
 from . import engine
 from .config import ModelConfig
 from .model import RunOptions
-from .params import WeightSpec, init_params, is_expert_stack, tree_get, tree_set, weight_specs
+from .params import FP4_FORMATS, WeightSpec, init_params, is_expert_stack, tree_get, tree_set, weight_specs
 from .quant.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
 
@@ -105,7 +105,7 @@ def _engine_value(spec: WeightSpec, node: dict) -> object:
 def _module_path(spec: WeightSpec) -> str:
     """Where a weight's variables live: quantized weights get a module of their own at their name (less the
     trailing 'weight'); a plain array is a variable of the module above it."""
-    if spec.fmt in ("fp8", "mxfp4", "nvfp4"):
+    if spec.fmt == "fp8" or spec.fmt in FP4_FORMATS:
         return spec.name.rsplit(".", 1)[0]
     if spec.name == "head.weight":           # bf16 or NVFP4: its own module either way
         return "head"

@@ -62,8 +62,8 @@ def test_forward_matches_reference_with_quant_simulation(tiny_checkpoint, tiny_f
 
 def test_forward_check_holds_when_float32_noise_moves(tiny_checkpoint, tiny_f32, tiny_tokens, recorded_forward):
     """Rounding ties decided differently on purpose, as another CPU's float32 code decides them: every float32
-    parameter of the model moved by 128 ulps (~8e-6 relative) in random directions (the reference keeps the exact weights). The
-    model then rounds some values differently than unperturbed, and the comparison still holds."""
+    parameter of the model moved by 128 ulps (~8e-6 relative) in random directions (the reference keeps the exact
+    weights). The model then rounds some values differently than unperturbed, and the comparison still holds."""
     cfg = tiny_f32.config
     rng = np.random.default_rng(16)
 
