@@ -33,11 +33,12 @@ def save(model, directory: str) -> None:
 
 def load(path, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int = 1, simulate_quant: bool = True,
          act_quant: str = "none", mesh=None, progress=None, prefill_chunk: int = 512,
-         quantize_head: bool = False, track_mtp: bool = False, kernels: str = "auto") -> Model:
+         quantize_head: bool = False, track_mtp: bool = False, kernels: str = "auto", target=None) -> Model:
     """Load an official DeepSeek-V4 checkpoint directory (config.json + safetensors), weights kept as stored
     (MXFP4 or NVFP4 routed experts), or a directory written by `save` (Orbax). `quantize_head=True` quantizes the
     bf16 lm_head to NVFP4 once at load (standard recipe, on device) and frees the bf16 copy; the router gate is
-    never quantized."""
+    never quantized. `kernels` is planned once, here, for `target` (default: JAX's default device; Model says
+    more)."""
     import os
 
     from .checkpoint import CheckpointError, load_params
@@ -56,4 +57,4 @@ def load(path, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int 
         cfg, params = load_params(path, progress=progress, quantize_head=quantize_head)
     return Model(cfg, params, dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant,
                  max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk, track_mtp=track_mtp,
-                 kernels=kernels)
+                 kernels=kernels, target=target)

@@ -1,7 +1,7 @@
 """`Model`: the user-facing object returned by `dsv4_jax.load` and `dsv4_jax.init_random`.
 
-It holds the config, the weights as a Flax NNX module (`model.module`, dsv4_jax.DeepseekV4) and the numerics
-options, validates inputs eagerly on the host, and calls the jitted programs of `engine` (each compiled once per
+It holds the config, the weights as a Flax NNX module (`model.module`, dsv4_jax.DeepseekV4) and the run context
+(`model.context`: numerics and the kernel plan, resolved once here), validates inputs eagerly on the host, and calls the jitted programs of `engine` (each compiled once per
 shape) on `model.params`, the engine's parameter tree of the module's arrays (the same arrays, regrouped once).
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 
 from . import engine
 from .config import ModelConfig
-from .model import RunOptions
+from .run_context import RunContext
 from .module import DeepseekV4
 from .state import DecodeState, init_state, state_bytes
 
@@ -33,10 +33,12 @@ class GenerationResult:
 class Model:
     def __init__(self, cfg: ModelConfig, params, *, dtype: str = "bfloat16", simulate_quant: bool = True,
                  act_quant: str = "none", max_seq_len: int = 4096, max_batch: int = 1, prefill_chunk: int = 512,
-                 track_mtp: bool = False, kernels: str = "auto"):
+                 track_mtp: bool = False, kernels: str = "auto", target=None):
+        """`kernels`: a mode ("auto", "reference", "pallas", "interpret") planned for `target` (a jax Device or
+        jax.sharding.AbstractDevice to compile for; default: JAX's default device), or a KernelPlan."""
         self.config = cfg
-        self.options = RunOptions(dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant, kernels=kernels)
-        self.module = DeepseekV4(cfg, params=params, options=self.options)
+        self.context = RunContext.create(dtype, simulate_quant, act_quant, kernels, device=target)
+        self.module = DeepseekV4(cfg, params=params, context=self.context)
         # Regrouped once, not per call: a step's jitted program takes this tree (no Python walk of the module).
         # After replacing a variable of `module`, build a new Model from `module.params()`.
         self.params = params
@@ -67,7 +69,7 @@ class Model:
     def forward(self, tokens) -> jax.Array:
         """int32 [B, S] -> float32 logits [B, S, V], teacher-forced from position 0."""
         tokens = self._check_tokens(tokens, 2, "tokens")
-        return engine.forward(self.params, jnp.asarray(tokens), cfg=self.config, opts=self.options)
+        return engine.forward(self.params, jnp.asarray(tokens), cfg=self.config, ctx=self.context)
 
     def forward_mtp(self, tokens, next_tokens) -> jax.Array:
         """MTP logits [B, S, V]: position i uses the main model's streams at i and next_tokens[:, i]."""
@@ -76,17 +78,17 @@ class Model:
         if tokens.shape != next_tokens.shape:
             raise ValueError(f"next_tokens shape {next_tokens.shape} must equal tokens shape {tokens.shape}")
         return engine.forward_mtp(self.params, jnp.asarray(tokens), jnp.asarray(next_tokens), cfg=self.config,
-                                  opts=self.options)
+                                  ctx=self.context)
 
     # ---- decoding -------------------------------------------------------------------------------------------
     def init_state(self, batch: int | None = None) -> DecodeState:
         batch = self.max_batch if batch is None else batch
         self._check_batch(batch)
-        return _init_state_jit(self.config, batch, self.max_seq_len, self.options.jnp_dtype)
+        return _init_state_jit(self.config, batch, self.max_seq_len, self.context.jnp_dtype)
 
     def state_bytes(self, batch: int | None = None) -> int:
         return state_bytes(self.config, self.max_batch if batch is None else batch, self.max_seq_len,
-                           self.options.dtype)
+                           self.context.dtype)
 
     def prefill(self, tokens, lengths=None, state: DecodeState | None = None):
         """Consume prompts tokens [B, S] (row b's first lengths[b] tokens are real). Without `state` a fresh one
@@ -121,7 +123,7 @@ class Model:
         for k in range(n_chunks):
             n_valid = np.clip(lengths - k * chunk, 0, chunk).astype(np.int32)
             logits, state = engine.prefill_chunk(self.params, state, jnp.asarray(padded[:, k * chunk:(k + 1) * chunk]),
-                                                 jnp.asarray(n_valid), logits, cfg=self.config, opts=self.options,
+                                                 jnp.asarray(n_valid), logits, cfg=self.config, ctx=self.context,
                                                  track_mtp=self.track_mtp)
         return logits, state
 
@@ -129,7 +131,7 @@ class Model:
         """One step: tokens [B] -> (logits [B, V], state). The state is donated (do not reuse the old one)."""
         if not isinstance(tokens, jax.Array):
             tokens = jnp.asarray(self._check_tokens(tokens, 1, "tokens"))
-        return engine.decode_step(self.params, state, tokens, cfg=self.config, opts=self.options,
+        return engine.decode_step(self.params, state, tokens, cfg=self.config, ctx=self.context,
                                   max_seq_len=self.max_seq_len, track_mtp=self.track_mtp)
 
     def mtp_draft(self, next_tokens, state: DecodeState) -> jax.Array:
@@ -139,7 +141,7 @@ class Model:
             raise ValueError("mtp_draft needs a model created with track_mtp=True (and a config with an MTP block)")
         if not isinstance(next_tokens, jax.Array):
             next_tokens = jnp.asarray(self._check_tokens(next_tokens, 1, "next_tokens"))
-        return engine.mtp_draft(self.params, state, next_tokens, cfg=self.config, opts=self.options)
+        return engine.mtp_draft(self.params, state, next_tokens, cfg=self.config, ctx=self.context)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_tokens: Sequence[int] | None = None,
@@ -191,7 +193,7 @@ class Model:
         while pending is not None:
             out = None
             if not all(finished):
-                out, gen = engine.generate_chunk(self.params, gen, sp, cfg=self.config, opts=self.options,
+                out, gen = engine.generate_chunk(self.params, gen, sp, cfg=self.config, ctx=self.context,
                                                  max_seq_len=self.max_seq_len, chunk=chunk,
                                                  track_mtp=self.track_mtp)
             drain(pending)

@@ -1,7 +1,8 @@
 """Jitted programs over explicit pytrees: forward, prefill chunk, decode step and the on-device generation loop.
 
 Research code may call these directly; `dsv4_jax.Model` wraps them with validation and host-side chunking.
-Nothing here reads a device value on the host.
+Nothing here reads a device value on the host. Every program takes the model config `cfg` and the run context
+`ctx` (run_context.RunContext, kernel plan resolved) as static arguments: one compiled program per pair.
 """
 
 from __future__ import annotations
@@ -13,26 +14,27 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .model import RunOptions, backbone, head_logits, mtp_block, mtp_streams
+from .model import backbone, head_logits, mtp_block, mtp_streams
+from .run_context import RunContext
 from .sampling import sample
 from .state import DecodeState, init_state
 
 
-def _run_chunk(params, cfg: ModelConfig, opts: RunOptions, state: DecodeState, tokens, n_valid,
+def _run_chunk(params, cfg: ModelConfig, ctx: RunContext, state: DecodeState, tokens, n_valid,
                track_mtp: bool = False):
     """Consume tokens [B, S] (the first n_valid[b] real) at each sequence's position. Returns (final streams
     X [B, S, n, D], state). With `track_mtp` the MTP block's window is updated too (see `_mtp_window_update`)."""
     start = state.positions
-    X, layers = backbone(params, cfg, opts, tokens, start, n_valid, state.layers)
+    X, layers, _ = backbone(params, cfg, ctx, tokens, start, n_valid, state.layers)
     new_state = state.replace(layers=layers, positions=start + n_valid)
     if track_mtp and cfg.n_mtp_layers:
-        new_state = new_state.replace(mtp=[_mtp_window_update(params, cfg, opts, state, X, tokens, n_valid)])
+        new_state = new_state.replace(mtp=[_mtp_window_update(params, cfg, ctx, state, X, tokens, n_valid)])
     last = jnp.take_along_axis(X, jnp.maximum(n_valid - 1, 0)[:, None, None, None], axis=1)[:, 0]
     hidden = jnp.where((n_valid > 0)[:, None, None], last.astype(state.mtp_hidden.dtype), state.mtp_hidden)
     return X, new_state.replace(mtp_hidden=hidden)
 
 
-def _mtp_window_update(params, cfg, opts, state, X, tokens, n_valid):
+def _mtp_window_update(params, cfg, ctx, state, X, tokens, n_valid):
     """The MTP block at position q reads the main streams of q and the token at q+1, so its window runs one
     position behind the backbone: a chunk at positions start..start+S-1 feeds MTP positions start-1..start+S-2
     (0..S-2 for a fresh sequence), using the streams saved from the previous chunk for position start-1."""
@@ -42,68 +44,68 @@ def _mtp_window_update(params, cfg, opts, state, X, tokens, n_valid):
     streams = jnp.concatenate([state.mtp_hidden[:, None].astype(X.dtype), X], axis=1)
     mtp_X = jnp.take_along_axis(streams, idx[:, :, None, None], axis=1)
     next_tokens = jnp.take_along_axis(tokens, jnp.minimum(idx, seq - 1), axis=1)
-    _, cache = mtp_streams(params, cfg, opts, mtp_X, next_tokens, state.positions - 1 + fresh,
+    _, cache, _ = mtp_streams(params, cfg, ctx, mtp_X, next_tokens, state.positions - 1 + fresh,
                            jnp.maximum(n_valid - fresh, 0), state.mtp[0])
     return cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts"))
-def mtp_draft(params, state: DecodeState, next_tokens, *, cfg: ModelConfig, opts: RunOptions):
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx"))
+def mtp_draft(params, state: DecodeState, next_tokens, *, cfg: ModelConfig, ctx: RunContext):
     """Draft logits [B, V] for the token after `next_tokens` [B] (the tokens that follow each sequence's last
     consumed position p): the MTP block at p reads the main streams of p and next_tokens and predicts p+2.
     Needs a state built with track_mtp; the state itself is left unchanged."""
     ones = jnp.ones_like(state.positions)
-    X, _ = mtp_streams(params, cfg, opts, state.mtp_hidden[:, None], next_tokens[:, None], state.positions - 1,
+    X, _, _ = mtp_streams(params, cfg, ctx, state.mtp_hidden[:, None], next_tokens[:, None], state.positions - 1,
                        ones, state.mtp[0])
-    return head_logits(params, params["mtp"][0], cfg, X, opts.kernels)[:, 0]
+    return head_logits(params, params["mtp"][0], cfg, X, ctx)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts"))
-def forward(params, tokens, *, cfg: ModelConfig, opts: RunOptions):
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx"))
+def forward(params, tokens, *, cfg: ModelConfig, ctx: RunContext):
     """Teacher-forced logits float32 [B, S, V] of tokens [B, S] from position 0."""
     batch, seq = tokens.shape
-    state = init_state(cfg, batch, seq, opts.jnp_dtype)
-    X, _ = _run_chunk(params, cfg, opts, state, tokens, jnp.full((batch,), seq, jnp.int32))
-    return head_logits(params, params, cfg, X, opts.kernels)
+    state = init_state(cfg, batch, seq, ctx.jnp_dtype)
+    X, _ = _run_chunk(params, cfg, ctx, state, tokens, jnp.full((batch,), seq, jnp.int32))
+    return head_logits(params, params, cfg, X, ctx)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts"))
-def forward_mtp(params, tokens, next_tokens, *, cfg: ModelConfig, opts: RunOptions):
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx"))
+def forward_mtp(params, tokens, next_tokens, *, cfg: ModelConfig, ctx: RunContext):
     """Teacher-forced MTP logits [B, S, V]: position i sees the main streams of i and next_tokens[:, i]
     (the token at i+1) and predicts the token at i+2."""
     batch, seq = tokens.shape
-    state = init_state(cfg, batch, seq, opts.jnp_dtype)
+    state = init_state(cfg, batch, seq, ctx.jnp_dtype)
     n_valid = jnp.full((batch,), seq, jnp.int32)
-    X, _ = _run_chunk(params, cfg, opts, state, tokens, n_valid)
-    logits, _ = mtp_block(params, cfg, opts, X, next_tokens, state.positions, n_valid, state.mtp[0])
+    X, _ = _run_chunk(params, cfg, ctx, state, tokens, n_valid)
+    logits, _, _ = mtp_block(params, cfg, ctx, X, next_tokens, state.positions, n_valid, state.mtp[0])
     return logits
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "track_mtp"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx", "track_mtp"), donate_argnames=("state",))
 def prefill_chunk(params, state: DecodeState, tokens, n_valid, last_logits, *, cfg: ModelConfig,
-                  opts: RunOptions, track_mtp: bool = False):
+                  ctx: RunContext, track_mtp: bool = False):
     """Consume tokens [B, C] (the first n_valid[b] real) at each sequence's current position. Returns
     (logits of each row's last real token in this chunk, or `last_logits` where the row had none; state)."""
-    X, state = _run_chunk(params, cfg, opts, state, tokens, n_valid, track_mtp)
+    X, state = _run_chunk(params, cfg, ctx, state, tokens, n_valid, track_mtp)
     last = jnp.maximum(n_valid - 1, 0)
     X_last = jnp.take_along_axis(X, last[:, None, None, None], axis=1)
-    logits = head_logits(params, params, cfg, X_last, opts.kernels)[:, 0]
+    logits = head_logits(params, params, cfg, X_last, ctx)[:, 0]
     return jnp.where((n_valid > 0)[:, None], logits, last_logits), state
 
 
-def _decode(params, state, tokens, active, cfg, opts, max_seq_len, track_mtp):
-    X, new_state = _run_chunk(params, cfg, opts, state, tokens[:, None], active.astype(jnp.int32), track_mtp)
-    logits = head_logits(params, params, cfg, X, opts.kernels)[:, 0]
+def _decode(params, state, tokens, active, cfg, ctx, max_seq_len, track_mtp):
+    X, new_state = _run_chunk(params, cfg, ctx, state, tokens[:, None], active.astype(jnp.int32), track_mtp)
+    logits = head_logits(params, params, cfg, X, ctx)[:, 0]
     # Past the buffers' capacity the caches would be wrong: say so with NaN rather than a plausible token.
     overflow = state.positions >= max_seq_len
     return jnp.where(overflow[:, None], jnp.nan, logits), new_state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "max_seq_len", "track_mtp"), donate_argnames=("state",))
-def decode_step(params, state: DecodeState, tokens, *, cfg: ModelConfig, opts: RunOptions, max_seq_len: int,
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx", "max_seq_len", "track_mtp"), donate_argnames=("state",))
+def decode_step(params, state: DecodeState, tokens, *, cfg: ModelConfig, ctx: RunContext, max_seq_len: int,
                 track_mtp: bool = False):
     """One token per sequence: tokens [B] -> (logits [B, V] float32, state)."""
-    return _decode(params, state, tokens, jnp.ones(tokens.shape, bool), cfg, opts, max_seq_len, track_mtp)
+    return _decode(params, state, tokens, jnp.ones(tokens.shape, bool), cfg, ctx, max_seq_len, track_mtp)
 
 
 @flax.struct.dataclass
@@ -133,9 +135,9 @@ def first_generation_state(state: DecodeState, logits, key, sp: SamplingParams) 
     return GenerationState(state, token, jnp.ones_like(token), done, key)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "max_seq_len", "chunk", "track_mtp"),
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx", "max_seq_len", "chunk", "track_mtp"),
                    donate_argnames=("gen",))
-def generate_chunk(params, gen: GenerationState, sp: SamplingParams, *, cfg: ModelConfig, opts: RunOptions,
+def generate_chunk(params, gen: GenerationState, sp: SamplingParams, *, cfg: ModelConfig, ctx: RunContext,
                    max_seq_len: int, chunk: int, track_mtp: bool = False):
     """Up to `chunk` decode steps in one `lax.while_loop`, stopping early once every sequence is done.
     Returns (tokens [B, chunk] with -1 where nothing was produced, gen)."""
@@ -149,7 +151,7 @@ def generate_chunk(params, gen: GenerationState, sp: SamplingParams, *, cfg: Mod
     def body(carry):
         i, gen, out = carry
         active = ~gen.done
-        logits, decode = _decode(params, gen.decode, gen.last_token, active, cfg, opts, max_seq_len, track_mtp)
+        logits, decode = _decode(params, gen.decode, gen.last_token, active, cfg, ctx, max_seq_len, track_mtp)
         key, sub = jax.random.split(gen.key)
         token = sample(logits, sub, sp.temperature, sp.top_k, sp.top_p)
         token = jnp.where(active, token, -1)

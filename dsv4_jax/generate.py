@@ -314,6 +314,11 @@ def run(args) -> int:
 
     import dsv4_jax
     from .checkpoint import CheckpointError
+    from .quant.kernel_plan import plan_kernels
+    try:
+        kernels = plan_kernels(args.kernels)        # before the load: e.g. 'pallas' needs a GPU
+    except ValueError as err:
+        raise CLIError(f"--kernels {args.kernels}: {err}") from None
     _setup_compile_cache(args)
     progress = _LoadProgress()
     t_load = time.perf_counter()
@@ -321,7 +326,7 @@ def run(args) -> int:
         model = dsv4_jax.load(directory, dtype=args.dtype, max_seq_len=args.max_seq_len, max_batch=len(prompts),
                               simulate_quant=not args.no_simulate_quant, act_quant=args.act_quant,
                               prefill_chunk=args.prefill_chunk, progress=progress, quantize_head=args.quantize_head,
-                              kernels=args.kernels)
+                              kernels=kernels)
     except (CheckpointError, OSError) as err:
         raise CLIError(_one_line(err)) from None
     finally:

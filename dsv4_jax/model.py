@@ -2,12 +2,11 @@
 
 embed -> hc_mult residual streams -> blocks (mHC-wrapped attention, mHC-wrapped MoE) -> hc head -> norm ->
 float32 logits; plus the MTP block (spec 4.8). Every function works on a chunk of S tokens at per-sequence
-positions start[b] + i, of which the first n_valid[b] are real; the caches carry everything earlier.
+positions start[b] + i, of which the first n_valid[b] are real; the caches carry everything earlier. Every function
+takes the run context `ctx` (run_context.py): numerics, kernel plan, training switches.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -19,47 +18,22 @@ from .layers.moe import moe
 from .layers.norm import rms_norm
 from .layers.rope import rope_inv_freq
 from .quant import linear
-from .quant.kernel_dispatch import KERNEL_MODES
-from .quant.linear import ACT_QUANT_MODES
+from .run_context import RunContext
 
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-
-
-@dataclasses.dataclass(frozen=True)
-class RunOptions:
-    """Numerics switches (design.md "Numerics modes"); static under jit."""
-    dtype: str = "bfloat16"
-    simulate_quant: bool = True
-    act_quant: str = "none"
-    kernels: str = "auto"       # GPU kernels or the pure-jnp reference for quantized matmuls (quant/kernel_dispatch.py)
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.act_quant not in ACT_QUANT_MODES:
-            raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, got {self.act_quant!r}")
-        if self.kernels not in KERNEL_MODES:
-            raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
-
-    @property
-    def jnp_dtype(self):
-        return DTYPES[self.dtype]
-
-
-def block(params: dict, cfg: ModelConfig, opts: RunOptions, layer: int, X: jax.Array, token_ids: jax.Array,
+def block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, X: jax.Array, token_ids: jax.Array,
           start: jax.Array, n_valid: jax.Array, cache: dict):
-    """One transformer block on streams X [B, S, n, D]. Returns (X, cache)."""
+    """One transformer block on streams X [B, S, n, D]. Returns (X, cache, statistics): the statistics are {} for
+    inference and, under training, the layer's `indexer_kl` and `expert_load` (run_context.Training)."""
     ratio = cfg.compress_ratios[layer]
     u, post, comb = hc_pre(X, params["hc_attn_fn"], params["hc_attn_base"], params["hc_attn_scale"], cfg)
     x = rms_norm(u, params["attn_norm"]["weight"], cfg.norm_eps)
-    y, cache = attention(params["attn"], cfg, ratio, x, start, n_valid, cache, rope_inv_freq(cfg, ratio),
-                         opts.simulate_quant, act_quant=opts.act_quant, kernels=opts.kernels)
+    y, cache, attn_stats = attention(params["attn"], cfg, ratio, x, start, n_valid, cache,
+                                     rope_inv_freq(cfg, ratio), ctx)
     X = hc_post(y, X, post, comb)
     u, post, comb = hc_pre(X, params["hc_ffn_fn"], params["hc_ffn_base"], params["hc_ffn_scale"], cfg)
     x = rms_norm(u, params["ffn_norm"]["weight"], cfg.norm_eps)
-    y = moe(params["ffn"], cfg, x, token_ids, hash_routed=cfg.is_hash_layer(layer), act_quant=opts.act_quant,
-            kernels=opts.kernels)
-    return hc_post(y, X, post, comb), cache
+    y, moe_stats = moe(params["ffn"], cfg, x, token_ids, cfg.is_hash_layer(layer), ctx)
+    return hc_post(y, X, post, comb), cache, attn_stats | moe_stats
 
 
 def embed(params: dict, cfg: ModelConfig, tokens: jax.Array, dtype) -> jax.Array:
@@ -68,40 +42,43 @@ def embed(params: dict, cfg: ModelConfig, tokens: jax.Array, dtype) -> jax.Array
     return jnp.broadcast_to(e[:, :, None, :], (*tokens.shape, cfg.hc_mult, cfg.dim))
 
 
-def backbone(params: dict, cfg: ModelConfig, opts: RunOptions, tokens: jax.Array, start: jax.Array,
+def backbone(params: dict, cfg: ModelConfig, ctx: RunContext, tokens: jax.Array, start: jax.Array,
              n_valid: jax.Array, caches: list):
-    """All backbone layers. Returns (final streams X [B, S, n, D] before the hc head, new caches)."""
-    X = embed(params, cfg, tokens, opts.jnp_dtype)
-    new_caches = []
+    """All backbone layers. Returns (final streams X [B, S, n, D] before the hc head, new caches, statistics per
+    layer as `block` returns them)."""
+    X = embed(params, cfg, tokens, ctx.jnp_dtype)
+    new_caches, stats = [], []
     for layer in range(cfg.n_layers):
-        X, cache = block(params["layers"][layer], cfg, opts, layer, X, tokens, start, n_valid, caches[layer])
+        X, cache, layer_stats = block(params["layers"][layer], cfg, ctx, layer, X, tokens, start, n_valid,
+                                      caches[layer])
         new_caches.append(cache)
-    return X, new_caches
+        stats.append(layer_stats)
+    return X, new_caches, stats
 
 
-def head_logits(params: dict, head_params: dict, cfg: ModelConfig, X: jax.Array, kernels: str = "auto") -> jax.Array:
+def head_logits(params: dict, head_params: dict, cfg: ModelConfig, X: jax.Array, ctx: RunContext) -> jax.Array:
     """hc head collapse -> final RMSNorm -> float32 logits. `head_params` holds hc_head_* and norm (the main
-    model's or the MTP block's); the output matrix is always the shared `head`."""
+    model's or the MTP block's); the output matrix is always the shared `head`, its input never quantized."""
     h = hc_head(X, head_params["hc_head_fn"], head_params["hc_head_base"], head_params["hc_head_scale"], cfg)
     h = rms_norm(h, head_params["norm"]["weight"], cfg.norm_eps)
-    return linear(h.astype(jnp.float32), params["head"]["weight"], jnp.float32, kernels=kernels)
+    return linear(h.astype(jnp.float32), params["head"]["weight"], jnp.float32, ctx=ctx.without_act_quant())
 
 
-def mtp_streams(params: dict, cfg: ModelConfig, opts: RunOptions, X_main: jax.Array, next_tokens: jax.Array,
+def mtp_streams(params: dict, cfg: ModelConfig, ctx: RunContext, X_main: jax.Array, next_tokens: jax.Array,
                 start: jax.Array, n_valid: jax.Array, cache: dict, k: int = 0):
     """MTP block k (spec 4.8) up to its residual streams: at position i it reads the main streams of i and the
-    embedding of token i+1 (`next_tokens`). Returns (streams [B, S, n, D], cache)."""
+    embedding of token i+1 (`next_tokens`). Returns (streams [B, S, n, D], cache, statistics as `block`'s)."""
     p = params["mtp"][k]
-    dtype = opts.jnp_dtype
+    dtype = ctx.jnp_dtype
     e = rms_norm(params["embed"]["weight"][next_tokens].astype(dtype), p["enorm"]["weight"], cfg.norm_eps)
     h = rms_norm(X_main.astype(dtype), p["hnorm"]["weight"], cfg.norm_eps)
-    mode = dict(act_quant=opts.act_quant, kernels=opts.kernels)
-    X = linear(h, p["h_proj"]["weight"], **mode) + linear(e, p["e_proj"]["weight"], **mode)[:, :, None, :]
-    return block(p, cfg, opts, cfg.n_layers + k, X, next_tokens, start, n_valid, cache)
+    X = linear(h, p["h_proj"]["weight"], ctx=ctx) + linear(e, p["e_proj"]["weight"], ctx=ctx)[:, :, None, :]
+    return block(p, cfg, ctx, cfg.n_layers + k, X, next_tokens, start, n_valid, cache)
 
 
-def mtp_block(params: dict, cfg: ModelConfig, opts: RunOptions, X_main: jax.Array, next_tokens: jax.Array,
+def mtp_block(params: dict, cfg: ModelConfig, ctx: RunContext, X_main: jax.Array, next_tokens: jax.Array,
               start: jax.Array, n_valid: jax.Array, cache: dict, k: int = 0):
-    """MTP block k with its head: logits [B, S, V] float32 predicting token i+2 at position i, and the cache."""
-    X, cache = mtp_streams(params, cfg, opts, X_main, next_tokens, start, n_valid, cache, k)
-    return head_logits(params, params["mtp"][k], cfg, X, opts.kernels), cache
+    """MTP block k with its head: logits [B, S, V] float32 predicting token i+2 at position i, the cache and the
+    block's statistics."""
+    X, cache, stats = mtp_streams(params, cfg, ctx, X_main, next_tokens, start, n_valid, cache, k)
+    return head_logits(params, params["mtp"][k], cfg, X, ctx), cache, stats

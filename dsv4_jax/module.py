@@ -25,7 +25,7 @@ from flax import nnx
 
 from . import engine
 from .config import ModelConfig
-from .model import RunOptions
+from .run_context import RunContext
 from .params import FP4_FORMATS, WeightSpec, init_params, is_expert_stack, tree_get, tree_set, weight_specs
 from .quant.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
@@ -141,16 +141,17 @@ def stored_formats_of(module) -> dict[str, str]:
 class DeepseekV4(nnx.Module):
     """DeepSeek-V4 (any configuration). With `rngs`: random weights in the stored formats (`stored`: per-weight
     formats other than the defaults, as params.weight_specs takes them); with `params`: that parameter tree's
-    arrays (e.g. a loaded checkpoint's), nothing random built first. `options`: the numerics of `module(tokens)`."""
+    arrays (e.g. a loaded checkpoint's), nothing random built first. `context`: how `module(tokens)` runs
+    (default: RunContext.create(), resolved here, once)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None = None, params: dict | None = None,
-                 stored: dict[str, str] | None = None, options: RunOptions = RunOptions()):
+                 stored: dict[str, str] | None = None, context: RunContext | None = None):
         if (rngs is None) == (params is None):
             raise ValueError("DeepseekV4: give either rngs (random weights) or params (existing arrays)")
         if params is None:
             params = jax.jit(lambda key: init_params(config, key, stored))(rngs.params())
         self.config = config
-        self.options = options
+        self.context = RunContext.create() if context is None else context
         for spec in weight_specs(config):
             path = _module_path(spec)
             owner = self._group(path) if path else self
@@ -158,9 +159,9 @@ class DeepseekV4(nnx.Module):
                 setattr(owner, name, nnx.Param(array, out_sharding=axes, eager_sharding=False))
 
     @classmethod
-    def from_params(cls, config: ModelConfig, params: dict, options: RunOptions = RunOptions()) -> DeepseekV4:
+    def from_params(cls, config: ModelConfig, params: dict, context: RunContext | None = None) -> DeepseekV4:
         """The module holding an existing parameter tree's arrays."""
-        return cls(config, params=params, options=options)
+        return cls(config, params=params, context=context)
 
     def _group(self, dotted: str) -> Weights:
         """The module at a dotted path, creating it (and any list of blocks on the way) on first use."""
@@ -188,4 +189,4 @@ class DeepseekV4(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Teacher-forced logits float32 [B, S, V] of tokens [B, S] from position 0 (engine.forward)."""
-        return engine.forward(self.params(), tokens, cfg=self.config, opts=self.options)
+        return engine.forward(self.params(), tokens, cfg=self.config, ctx=self.context)

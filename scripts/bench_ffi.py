@@ -36,8 +36,8 @@ from dsv4_jax.layers.moe import clamped_swiglu  # noqa: E402
 from dsv4_jax.quant.formats import weight_bytes  # noqa: E402
 from dsv4_jax.quant.linear import linear  # noqa: E402
 from pallas_kernels import gemv, moe  # noqa: E402
-from scripts.bench_kernels import (MAX_COPIES, ROTATE_BYTES, make_weight, nbytes, profiled_kernel_us,  # noqa: E402
-                                   recorder, rel_err, routed_expert_ids, time_calls)
+from scripts.bench_kernels import (MAX_COPIES, REFERENCE, ROTATE_BYTES, make_weight, nbytes,  # noqa: E402
+                                   profiled_kernel_us, recorder, rel_err, routed_expert_ids, time_calls)
 
 SHAPES = [("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096), ("wo_a", 8192, 4096),
           ("w_18432x7168", 18432, 7168), ("wq_a", 1024, 4096), ("wkv", 512, 4096), ("shared_w1", 2048, 4096),
@@ -99,7 +99,7 @@ def main():
                       gbps=bf16_bytes / base[0] / 1e3))
             for fmt in args.formats.split(","):
                 wb = weight_bytes(ws[fmt][0]) + m * k * 2
-                ref = jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32, kernels="reference"))(x, ws[fmt][0])
+                ref = jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32, ctx=REFERENCE))(x, ws[fmt][0])
                 swept = schedules if fmt == "mxfp4" else schedules[:4]         # the full sweep on MXFP4 only
                 cases = [("pallas", 0, PALLAS[fmt], ws[fmt])] + [
                     ("ffi", s, functools.partial(ffi.gemv, schedule=s), ws[fmt]) for s in swept]

@@ -39,7 +39,12 @@ import numpy as np  # noqa: E402
 from dsv4_jax.quant.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, weight_bytes  # noqa: E402
 from dsv4_jax.quant.linear import grouped_linear, linear  # noqa: E402
 from dsv4_jax.quant.activations import quantize_fp8  # noqa: E402
+from dsv4_jax.run_context import RunContext  # noqa: E402
 from pallas_kernels import gemv, moe, prefill  # noqa: E402
+
+REFERENCE = RunContext.create(kernels="reference")            # the pure-jnp baselines
+REFERENCE_FP8 = RunContext.create(act_quant="fp8", kernels="reference")
+AUTO = RunContext.create()                                    # what the model takes on this machine
 
 DENSE = [("wq_a", 1024, 4096), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096), ("wkv", 512, 4096),
          ("wq_b", 32768, 1024), ("wo_a", 8192, 4096), ("shared_w1", 2048, 4096), ("shared_w2", 4096, 2048)]
@@ -240,7 +245,7 @@ def main():
                 wb = weight_bytes(w0) + m * k * 2
                 if m <= gemv.MP:
                     err = rel_err(jax.jit(lambda x, w: fn(x, w, jnp.float32))(x, w0),
-                                  jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32))(x, w0))
+                                  jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32, ctx=AUTO))(x, w0))
                     t = time_calls(fn, ws[fmt], x, reps) if err < 1e-3 else (float("nan"),) * 3
                     kt = profiled_kernel_us(fn, x, ws[fmt]) if PROFILE and err < 1e-3 else None
                     emit(dict(name=name, shape=[m, n, k], fmt=fmt, impl="pallas", time_us=t[0], min_us=t[1],
@@ -251,7 +256,7 @@ def main():
                 if m <= 8 and not args.smoke:
                     run_ffi_gemv(name, n, k, m, x, ws[fmt], base, base_k, bf16_bytes, emit)
                 if m in (4, 64) or (m == ms[0] and fmt == "mxfp4"):
-                    t = time_calls(lambda x, w: linear(x, w), ws[fmt][:2], x, max(2, reps // 4), repeats=3)
+                    t = time_calls(lambda x, w: linear(x, w, ctx=AUTO), ws[fmt][:2], x, max(2, reps // 4), repeats=3)
                     emit(dict(name=name, shape=[m, n, k], fmt=fmt, impl="xla_naive_dequant", time_us=t[0],
                               min_us=t[1], max_us=t[2], bytes=wb, gbps=wb / t[0] / 1e3,
                               speedup_vs_bf16=base[0] / t[0]))
@@ -271,7 +276,7 @@ def run_ffi_gemv(name, n, k, m, x, weights, base, base_k, bf16_bytes, emit):
         import ffi
         w0 = weights[0]
         err = rel_err(jax.jit(lambda x, w: ffi.gemv(x, w, jnp.float32))(x, w0),
-                      jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32, kernels="reference"))(x, w0))
+                      jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32, ctx=REFERENCE))(x, w0))
         if err > 1e-3:
             raise RuntimeError(f"wrong result: rel. err {err:.3g}")
         reps = max(2, int(2000 / (len(weights) * max(1, n * k // (1 << 24)))))
@@ -364,7 +369,7 @@ def run_prefill(args, key, ms, t_start, emit):
                 x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(jnp.bfloat16),
                 xq, [w8_plain, w8_plain])
             try:
-                ref = jax.jit(lambda x, w: linear(x, w, jnp.float32, act_quant="fp8", kernels="reference"))(x, w)
+                ref = jax.jit(lambda x, w: linear(x, w, jnp.float32, ctx=REFERENCE_FP8))(x, w)
                 err = rel_err(jax.jit(lambda x: prefill.fp8_block_matmul(xq, sx, wq, sw, jnp.float32))(x), ref)
             except Exception as e:  # noqa: BLE001
                 err, msg = float("inf"), f"{type(e).__name__}: {e}"[:400]
@@ -386,8 +391,8 @@ def run_prefill(args, key, ms, t_start, emit):
                     continue
                 run(label, lambda x, w, cfg=cfg: prefill.fp8_block_matmul(x, sx, w, sw, **cfg), xq, [wq, wq],
                     rel_err=cfg_err, config=cfg)
-            run("linear_fp8_end_to_end", lambda x, w: linear(x, w, act_quant="fp8", kernels=KERNELS), x, [w, w])
-            run("xla_naive_dequant", lambda x, w: linear(x, w, kernels="reference"), x, [w, w])
+            run("linear_fp8_end_to_end", lambda x, w: linear(x, w, ctx=RunContext.create(act_quant="fp8", kernels=KERNELS)), x, [w, w])
+            run("xla_naive_dequant", lambda x, w: linear(x, w, ctx=REFERENCE), x, [w, w])
         del w, wb, wq, w8_plain
 
 
@@ -406,8 +411,8 @@ def run_moe_prefill(args, key, row_counts, emit):
         sizes = jnp.asarray(np.bincount(ids, minlength=n_exp), jnp.int32)
         x = jax.random.normal(jax.random.fold_in(key, 7000 + rows), (len(ids), k), jnp.float32).astype(jnp.bfloat16)
         flops = 2 * len(ids) * n * k
-        cases = [("pallas_moe_prefill", lambda x, w: grouped_linear(x, w, sizes, jnp.float32, kernels=KERNELS), w4),
-                 ("xla_dequant_ragged_dot", lambda x, w: grouped_linear(x, w, sizes, jnp.float32, kernels="reference"),
+        cases = [("pallas_moe_prefill", lambda x, w: grouped_linear(x, w, sizes, jnp.float32, ctx=RunContext.create(kernels=KERNELS)), w4),
+                 ("xla_dequant_ragged_dot", lambda x, w: grouped_linear(x, w, sizes, jnp.float32, ctx=REFERENCE),
                   w4),
                  ("ragged_dot_bf16", lambda x, w: jax.lax.ragged_dot(x, w, sizes), wb)]
         ref = jax.jit(cases[1][1])(x, w4).astype(jnp.float32)
@@ -433,7 +438,7 @@ def run_moe_sweep(args, key, name, n, k, x, ids, w4, ref, flops, emit):
     reference first."""
     sizes = jnp.bincount(ids, length=w4.shape[0]).astype(jnp.int32)
     w_nv = make_weight(jax.random.fold_in(key, 43), "nvfp4", w4.shape)
-    ref_nv = jax.jit(lambda x, w: grouped_linear(x, w, sizes, jnp.float32, kernels="reference"))(x, w_nv)
+    ref_nv = jax.jit(lambda x, w: grouped_linear(x, w, sizes, jnp.float32, ctx=REFERENCE))(x, w_nv)
     configs = [("mxfp4", c) for c in MOE_CONFIGS] + [("nvfp4", c) for c in MOE_CONFIGS[:MOE_SWEEP_NVFP4]]
     for fmt, (bn, k_step, warps, stages, cols) in configs[:2] if args.smoke else configs:
         w, want = (w4, ref) if fmt == "mxfp4" else (w_nv, ref_nv)

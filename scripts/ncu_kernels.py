@@ -22,7 +22,7 @@ Cases (--cases, comma-separated; default all):
   probe_loads      the 811 skeleton's loads alone (probe 1: weights + scales), lm_head M = 1
   probe_decode     its decode + MMAs alone (probe 3), lm_head M = 1
   fp8_gemv         ffi.gemv FP8-block 18432 x 7168, M = 1 (1.34-1.6x where lm_head reaches 1.72-1.79x)
-  prefill_fp8      linear(act_quant="fp8") on FP8-block 2048 x 4096, M = 4096: quantize, operand, FP8 wgmma kernel
+  prefill_fp8      linear, act_quant="fp8", on FP8-block 2048 x 4096, M = 4096: quantize, operand, FP8 wgmma kernel
   prefill_mxfp4    the same on MXFP4 2048 x 4096 (operand: e4m3 + per-row scales): 52% of XLA's FP8 rate
   moe_prefill      grouped_linear of 24576 routed rows (4096 tokens x 6) on 256 MXFP4 experts 2048 x 4096
 Each case prints its name first (stdout, before ncu's report of its kernels).
@@ -43,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import ffi  # noqa: E402
 from dsv4_jax.quant import grouped_linear, linear  # noqa: E402
 from pallas_kernels.quantize import quantize_fp8_kernel, quantize_nvfp4_kernel  # noqa: E402
-from scripts.bench_kernels import make_weight  # noqa: E402
+from scripts.bench_kernels import AUTO, make_weight  # noqa: E402
 from scripts.probe_gemv import probe_call  # noqa: E402
 
 CASES = ("nvfp4_quantize", "fp8_quantize", "xla_bf16_gemv", "mxfp4_gemv", "mxfp4_gemv_layout", "probe_loads",
@@ -109,14 +109,14 @@ def main():
     for fmt in ("fp8", "mxfp4"):
         if f"prefill_{fmt}" in cases:
             profile(f"prefill_{fmt} 2048x4096 M=4096",
-                    lambda x, w: linear(x, w, jnp.float32, act_quant="fp8"), x_pre,
+                    lambda x, w: linear(x, w, jnp.float32, ctx=AUTO.replace(act_quant="fp8")), x_pre,
                     make_weight(jax.random.fold_in(key, 6), fmt, (2048, 4096)))
     if "moe_prefill" in cases:
         n_exp, rows = 256, 24576                                  # 4096 tokens x 6 experts, rows sorted by expert
         ids = jax.random.randint(jax.random.fold_in(key, 7), (rows,), 0, n_exp)
         sizes = jnp.bincount(ids, length=n_exp).astype(jnp.int32)
         xs = jax.random.normal(jax.random.fold_in(key, 8), (rows, 4096), jnp.float32).astype(jnp.bfloat16)
-        profile("moe_prefill 24576 rows", lambda x, w, s: grouped_linear(x, w, s, jnp.float32), xs,
+        profile("moe_prefill 24576 rows", lambda x, w, s: grouped_linear(x, w, s, jnp.float32, ctx=AUTO), xs,
                 make_weight(jax.random.fold_in(key, 9), "mxfp4", (n_exp, 2048, 4096)), sizes)
 
 

@@ -31,8 +31,8 @@ import numpy as np  # noqa: E402
 import ffi  # noqa: E402
 from dsv4_jax.quant.formats import Mxfp4Weight, weight_bytes  # noqa: E402
 from dsv4_jax.quant.linear import linear  # noqa: E402
-from scripts.bench_kernels import (MAX_COPIES, ROTATE_BYTES, make_weight, profiled_kernel_us, recorder,  # noqa: E402
-                                   rel_err, time_calls)
+from scripts.bench_kernels import (MAX_COPIES, REFERENCE, ROTATE_BYTES, make_weight, profiled_kernel_us,  # noqa: E402
+                                   recorder, rel_err, time_calls)
 
 SHAPES = {"lm_head": (129280, 4096), "w_18432x7168": (18432, 7168), "wo_b": (4096, 8192), "wq_b": (32768, 1024)}
 PROBES = {0: "loads only", 1: "loads + scales", 2: "wide loads", 3: "decode only", 4: "decode only, GEMV layout"}
@@ -72,7 +72,7 @@ def main():
             x_half = x[:, : k // 2]
             reps = max(2, int(2000 / (len(bf16) * max(1, n * k // (1 << 24)))))
             rows = [("xla_bf16_dot", None, lambda x, w: x @ w.T, bf16, x, n * k * 2)]
-            ref = jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32, kernels="reference"))(x, mx[0])
+            ref = jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32, ctx=REFERENCE))(x, mx[0])
             for impl, weights in (("mxfp4", mx), ("mxfp4_gemv_layout", laid)):
                 err = rel_err(jax.jit(lambda x, w: ffi.gemv(x, w, jnp.float32))(x, weights[0]), ref)
                 if err > 1e-4:

@@ -109,9 +109,9 @@ class DecisionRecorder:
         weight_names = {}   # id of a weight in the traced params -> its official name
 
         def recording_activation(function):
-            def wrapper(x, weight, act_quant, *a):
-                out = function(x, weight, act_quant, *a)
-                if activation_quantizer(weight, act_quant) != "none":
+            def wrapper(x, weight, ctx, *a):
+                out = function(x, weight, ctx, *a)
+                if activation_quantizer(weight, ctx.act_quant) != "none":
                     calls.append((ACTIVATION + weight_names[id(weight)], x, out))
                 return out
             return wrapper

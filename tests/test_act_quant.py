@@ -23,7 +23,7 @@ import reference_np as R
 import dsv4_jax
 import dsv4_jax.checkpoint
 from dsv4_jax import engine, presets
-from dsv4_jax.model import RunOptions
+from dsv4_jax.run_context import RunContext
 from dsv4_jax.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from dsv4_jax.quant.activations import nvfp4_global_scale, quantize_fp8, quantize_nvfp4
 from shared_decisions import DecisionRecorder, ModelDecisions, model_layers
@@ -99,11 +99,11 @@ def test_which_linears_quantize_their_input():
                      "nvfp4": dict(bf16="none", fp8="fp8", mxfp4="nvfp4", nvfp4="nvfp4")}
 
 
-def test_run_options_accept_every_mode():
+def test_run_context_accepts_every_mode():
     for mode in ("none", "fp8", "nvfp4"):
-        assert RunOptions(act_quant=mode).act_quant == mode
+        assert RunContext.create(act_quant=mode).act_quant == mode
     with pytest.raises(ValueError, match=r"act_quant must be one of \('none', 'fp8', 'nvfp4'\), got 'w4a4'"):
-        RunOptions(act_quant="w4a4")
+        RunContext.create(act_quant="w4a4")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def _forward_recording_decisions(directory, mode, tokens):
     quantization sites; tests/shared_decisions.py)."""
     model = dsv4_jax.load(directory, dtype="float32", act_quant=mode)
     cfg = model.config
-    recorder = DecisionRecorder(cfg, model_layers(cfg), engine.forward.__wrapped__, cfg=cfg, opts=model.options)
+    recorder = DecisionRecorder(cfg, model_layers(cfg), engine.forward.__wrapped__, cfg=cfg, ctx=model.context)
     logits, records = recorder(model.params, jnp.asarray(tokens))
     return np.asarray(logits), records
 

@@ -59,8 +59,8 @@ def test_decode_with_quant_simulation_matches_reference(tiny_checkpoint, tiny_f3
     steps to 200: across multiples of 4, the 128 window and the HCA entry completed at position 127."""
     model, cfg = tiny_f32, tiny_f32.config
     layers, prompt, end = model_layers(cfg), 64, 200
-    prefill = DecisionRecorder(cfg, layers, engine.prefill_chunk.__wrapped__, cfg=cfg, opts=model.options)
-    step = DecisionRecorder(cfg, layers, engine.decode_step.__wrapped__, cfg=cfg, opts=model.options,
+    prefill = DecisionRecorder(cfg, layers, engine.prefill_chunk.__wrapped__, cfg=cfg, ctx=model.context)
+    step = DecisionRecorder(cfg, layers, engine.decode_step.__wrapped__, cfg=cfg, ctx=model.context,
                             max_seq_len=model.max_seq_len)
     (logits, state), records = prefill(model.params, model.init_state(1), jnp.asarray(tiny_tokens[:, :prompt]),
                                        jnp.array([prompt], jnp.int32), jnp.zeros((1, cfg.vocab_size), jnp.float32))
@@ -187,7 +187,7 @@ def test_decode_and_generate_never_touch_the_host(tiny_f32, tiny_tokens):
     _, state = tiny_f32.decode(token, state)                     # compile outside the guard
     sp = engine.SamplingParams(jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0), jnp.full((1,), 50, jnp.int32),
                                jnp.asarray([1], jnp.int32))
-    kwargs = dict(cfg=tiny_f32.config, opts=tiny_f32.options, max_seq_len=tiny_f32.max_seq_len, chunk=8)
+    kwargs = dict(cfg=tiny_f32.config, ctx=tiny_f32.context, max_seq_len=tiny_f32.max_seq_len, chunk=8)
     gen = engine.first_generation_state(tiny_f32.prefill(tiny_tokens[:, :9])[1], logits, jax.random.PRNGKey(0), sp)
     out, gen = engine.generate_chunk(tiny_f32.params, gen, sp, **kwargs)
     with jax.transfer_guard("disallow"):

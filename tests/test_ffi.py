@@ -308,16 +308,16 @@ def test_gemv_gpu_no_host_sync_and_no_retrace():
 
 
 def test_dispatch_falls_back_to_pallas_without_nvcc(monkeypatch):
-    """No nvcc on a CUDA machine: one warning, and the dispatch keeps the Pallas kernels."""
-    from dsv4_jax.quant import kernel_dispatch
+    """No nvcc on a CUDA machine: one warning, and the kernel plan keeps the Pallas kernels (ffi=False)."""
+    from dsv4_jax.quant import kernel_plan
     def no_nvcc():
         raise build.FfiBuildError("nvcc not found")
     monkeypatch.setattr(build, "_nvcc", no_nvcc)
     monkeypatch.setattr(build, "device_arch", lambda: "sm_90a")
     monkeypatch.setattr(build, "_registered", set())
-    kernel_dispatch.ffi_available.cache_clear()
+    kernel_plan.ffi_available.cache_clear()
     try:
         with pytest.warns(UserWarning, match="using the Pallas kernels: nvcc not found"):
-            assert kernel_dispatch.ffi_available() is False
+            assert kernel_plan.ffi_available() is False
     finally:
-        kernel_dispatch.ffi_available.cache_clear()
+        kernel_plan.ffi_available.cache_clear()

@@ -17,13 +17,25 @@ import jax.numpy as jnp
 
 import dsv4_jax
 from dsv4_jax import engine
-from dsv4_jax.model import RunOptions
 from dsv4_jax.quant import (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, group_linear, grouped_linear,
                             grouped_linear_pair, linear, linear_pair)
 from dsv4_jax.quant import kernel_dispatch
 from dsv4_jax.quant.activations import fp8_activation
+from dsv4_jax.quant.kernel_plan import KernelPlan, plan_kernels
+from dsv4_jax.run_context import RunContext
 from dsv4_jax.state import init_state
 from logit_checks import top_tokens_agree
+
+# A compile-only H200 (nothing attached): plans and lowerings target it from this machine.
+H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+# The plan "auto" makes on a real H200 with the ffi/ kernels built (tests that use it only lower, never run).
+FFI_ON_H200 = KernelPlan("auto", "cuda", ffi=True, target="NVIDIA H200")
+REFERENCE = RunContext.create(kernels="reference")
+INTERPRET = RunContext.create(kernels="interpret")
+
+
+def _ctx(kernels: str, act_quant: str = "none") -> RunContext:
+    return RunContext.create(act_quant=act_quant, kernels=kernels)
 
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 DEFAULT_MODEL = dsv4_jax.__path__[0] + "/default_model"
@@ -63,7 +75,7 @@ def test_linear_takes_the_kernel(fmt, dtype):
     w = _weight(rng, fmt, (128, 256))
     x = jnp.asarray(rng.standard_normal((2, 3, 256)), dtype)             # 6 rows: batch 2 x 3 tokens
     with kernel_dispatch.record_dispatch() as rec:
-        y = linear(x, w, jnp.float32, kernels="interpret")
+        y = linear(x, w, jnp.float32, ctx=INTERPRET)
     assert rec == [("linear", type(w).__name__, (128, 256), "interpret", "gemv")]
     assert y.shape == (2, 3, 128)
     ref = np.asarray(x.astype(jnp.float32), np.float64) @ _dense64(w).T
@@ -75,8 +87,8 @@ def test_quantized_activations_meet_the_kernel_like_the_reference(act_quant):
     rng = np.random.default_rng()
     w = _weight(rng, "mxfp4", (64, 512))
     x = jnp.asarray(rng.standard_normal((4, 512)) * np.exp(rng.uniform(-3, 3, (4, 1))), jnp.float32)
-    got = linear(x, w, act_quant=act_quant, kernels="interpret")
-    want = linear(x, w, act_quant=act_quant, kernels="reference")
+    got = linear(x, w, ctx=_ctx("interpret", act_quant))
+    want = linear(x, w, ctx=_ctx("reference", act_quant))
     assert _rel(got, want) < 2e-5
 
 
@@ -90,11 +102,11 @@ def test_prefill_linear_takes_the_fp8_tensor_core_kernel(fmt):
         w = Mxfp4Weight(w.packed, jnp.clip(w.scale, 118, 131))
     x = jnp.asarray(rng.standard_normal((2, 21, 384)) * np.exp(rng.uniform(-4, 4, (2, 21, 1))), jnp.bfloat16)
     with kernel_dispatch.record_dispatch() as rec:
-        y = linear(x, w, jnp.float32, act_quant="fp8", kernels="interpret")
+        y = linear(x, w, jnp.float32, ctx=_ctx("interpret", "fp8"))
     assert [r[3:] for r in rec] == [("interpret", "prefill_fp8")]
-    assert _rel(y, linear(x, w, jnp.float32, act_quant="fp8", kernels="reference")) < 1e-6
+    assert _rel(y, linear(x, w, jnp.float32, ctx=_ctx("reference", "fp8"))) < 1e-6
     with kernel_dispatch.record_dispatch() as rec:                        # bf16 activations: the reference
-        linear(x, w, jnp.float32, act_quant="none", kernels="interpret")
+        linear(x, w, jnp.float32, ctx=_ctx("interpret", "none"))
     assert [r[3] for r in rec] == ["reference"]
 
 
@@ -130,7 +142,7 @@ def test_group_linear_takes_the_kernel(fmt, out):
     w = _weight(rng, fmt, (groups * out, k))
     x = jnp.asarray(rng.standard_normal((3, 1, groups, k)), jnp.bfloat16)
     with kernel_dispatch.record_dispatch() as rec:
-        y = group_linear(x, w, jnp.float32, kernels="interpret")
+        y = group_linear(x, w, jnp.float32, ctx=INTERPRET)
     assert _paths(rec) == {"interpret": 1}
     dense = _dense64(w).reshape(groups, out, k)
     ref = np.einsum("bsgk,gok->bsgo", np.asarray(x.astype(jnp.float32), np.float64), dense)
@@ -146,7 +158,7 @@ def test_grouped_linear_takes_the_moe_kernel(fmt):
     m = sizes.sum() + 2
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     with kernel_dispatch.record_dispatch() as rec:
-        y = grouped_linear(x, w, jnp.asarray(sizes, jnp.int32), jnp.float32, kernels="interpret")
+        y = grouped_linear(x, w, jnp.asarray(sizes, jnp.int32), jnp.float32, ctx=INTERPRET)
     assert _paths(rec) == {"interpret": 1}
     experts = np.repeat(np.arange(n_exp), sizes)
     xs = np.asarray(x.astype(jnp.float32), np.float64)
@@ -171,7 +183,7 @@ def test_grouped_linear_prefill_rows_take_wide_slots(fmt, dtype, n):
     assert tiling["slot_cols"] == (64 if dtype == jnp.bfloat16 else 128)
     assert tiling["block_n"] == (128 if n == 128 else 64)
     assert tiling["unroll"] * (32 if fmt == "mxfp4" else 16) == (128 if dtype == jnp.float32 else 256)
-    y = grouped_linear(x, w, jnp.asarray(sizes, jnp.int32), jnp.float32, kernels="interpret")
+    y = grouped_linear(x, w, jnp.asarray(sizes, jnp.int32), jnp.float32, ctx=INTERPRET)
     ref = np.einsum("rk,rnk->rn", np.asarray(x.astype(jnp.float32), np.float64),
                     _dense64(w)[np.repeat(np.arange(n_exp), sizes)])
     assert _rel(y, ref) < (1e-5 if dtype == jnp.bfloat16 else 2e-5)
@@ -194,18 +206,34 @@ def test_fallbacks_and_modes():
     odd = _weight(rng, "mxfp4", (96, 256))                                # N % 64 != 0: no kernel
     x = jnp.asarray(rng.standard_normal((1, 256)), jnp.bfloat16)
     with kernel_dispatch.record_dispatch() as rec:
-        linear(x, w, kernels="reference")
-        linear(x, w, kernels="auto")                                      # CPU: the reference
-        linear(jnp.tile(x, (17, 1)), w, kernels="interpret")              # > 16 rows: prefill, the reference
-        linear(jnp.tile(x, (9, 1)).astype(jnp.float32), w, kernels="interpret")   # > 8 float32 rows
-        linear(x, odd, kernels="interpret")
-        linear(x, jnp.ones((64, 256), jnp.bfloat16), kernels="interpret")  # bf16 weights: XLA's dot, unrecorded
-    expected_auto = "cuda" if kernel_dispatch.on_cuda() else "reference"
+        linear(x, w, ctx=REFERENCE)
+        linear(x, w, ctx=RunContext.create(kernels="auto"))                                      # CPU: the reference
+        linear(jnp.tile(x, (17, 1)), w, ctx=INTERPRET)              # > 16 rows: prefill, the reference
+        linear(jnp.tile(x, (9, 1)).astype(jnp.float32), w, ctx=INTERPRET)   # > 8 float32 rows
+        linear(x, odd, ctx=INTERPRET)
+        linear(x, jnp.ones((64, 256), jnp.bfloat16), ctx=INTERPRET)  # bf16 weights: XLA's dot, unrecorded
+    expected_auto = "cuda" if jax.default_backend() == "gpu" else "reference"
     assert [r[3] for r in rec] == ["reference", expected_auto, "reference", "reference", "reference"]
     with pytest.raises(ValueError, match="kernels must be one of"):
-        linear(x, w, kernels="cuda")
+        RunContext.create(kernels="cuda")
     with pytest.raises(ValueError, match="kernels must be one of"):
-        RunOptions(kernels="triton")
+        KernelPlan("triton", None)
+    with pytest.raises(TypeError, match="RunContext.kernels must be a KernelPlan"):
+        RunContext("float32", True, "none", "auto")
+
+
+def test_kernel_plan_is_resolved_for_a_device():
+    """The plan names its backend once, for the device given (here JAX's CPU and a compile-only H200); 'pallas'
+    on a CPU is refused in one line; the ffi/ kernels are never planned without a GPU to build them for."""
+    cpu = jax.devices("cpu")[0]
+    assert plan_kernels("auto", cpu) == KernelPlan("auto", None, target=cpu.device_kind)
+    assert plan_kernels("interpret", cpu).backend == "interpret"
+    with pytest.raises(ValueError, match="kernels='pallas' needs an NVIDIA GPU.*use 'interpret'"):
+        plan_kernels("pallas", cpu)
+    assert plan_kernels("auto", H200) == KernelPlan("auto", "cuda", ffi=False, target="NVIDIA H200")
+    assert plan_kernels("pallas", H200).backend == "pallas"
+    with pytest.raises(ValueError, match="the ffi/ kernels run only on the 'cuda' backend"):
+        KernelPlan("pallas", "pallas", ffi=True)
 
 
 def _prefill_decode_generate(model, prompt, steps, decode_step=True):
@@ -246,13 +274,12 @@ def test_linear_pair_takes_the_concat_kernel_for_two_fp8_widths(monkeypatch):
     """On CUDA (simulated: only lowered) linear_pair of FP8 weights of one K and different N is one
     ffi.gemv_concat call, of FP4 weights of different N two ffi.gemv calls, and prefill rows take two calls."""
     import ffi
-    monkeypatch.setattr(kernel_dispatch, "on_cuda", lambda: True)
-    monkeypatch.setattr(kernel_dispatch, "ffi_available", lambda: True)
-    monkeypatch.setattr(ffi, "register", lambda *args: None)
+    monkeypatch.setattr(ffi, "register", lambda *args: None)               # lowering needs no library
     rng = np.random.default_rng()
+    ctx = RunContext.create(kernels=FFI_ON_H200)
 
     def lowered(x, a, b):
-        fn = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32))
+        fn = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32, ctx=ctx))
         with kernel_dispatch.record_dispatch() as rec:
             text = fn.trace(x, a, b).lower(lowering_platforms=("cuda",)).as_text()
         return [r[4] for r in rec], text
@@ -267,16 +294,15 @@ def test_linear_pair_takes_the_concat_kernel_for_two_fp8_widths(monkeypatch):
     assert "ffi_gemv_concat" not in kinds and len(kinds) == 2
 
 
-def _decode_step_lowered_for_h200(kernels: str):
+def _decode_step_lowered_for_h200(kernels):
     """(dispatch records, StableHLO text) of the default model's jitted decode step (batch 2), lowered for an H200
-    on this CPU machine with the given kernels mode."""
-    model = dsv4_jax.load(DEFAULT_MODEL, kernels=kernels, max_seq_len=256, max_batch=2)
+    on this CPU machine with the given kernels mode (planned for the H200) or plan."""
+    model = dsv4_jax.load(DEFAULT_MODEL, kernels=kernels, max_seq_len=256, max_batch=2, target=H200)
     state = jax.eval_shape(lambda: init_state(model.config, 2, 256, jnp.bfloat16))
     tokens = jax.ShapeDtypeStruct((2,), jnp.int32)
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     with kernel_dispatch.record_dispatch() as rec:
-        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
-            text = engine.decode_step.trace(model.params, state, tokens, cfg=model.config, opts=model.options,
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
+            text = engine.decode_step.trace(model.params, state, tokens, cfg=model.config, ctx=model.context,
                                             max_seq_len=256).lower(lowering_platforms=("cuda",)).as_text()
     return rec, text
 
@@ -294,10 +320,8 @@ def test_decode_step_lowers_for_cuda_with_the_ffi_kernels(monkeypatch):
     """kernels="auto" on a CUDA device (simulated here: the step is only lowered, not built or run): every
     quantized matmul of the decode step is one XLA FFI call of ffi/ in the program."""
     import ffi
-    monkeypatch.setattr(kernel_dispatch, "on_cuda", lambda: True)
-    monkeypatch.setattr(kernel_dispatch, "ffi_available", lambda: True)
     monkeypatch.setattr(ffi, "register", lambda *args: None)               # lowering needs no library
-    rec, text = _decode_step_lowered_for_h200(kernels="auto")
+    rec, text = _decode_step_lowered_for_h200(kernels=FFI_ON_H200)
     # 6 layers x 6 calls: the gate and up projections (shared and routed) are one call each, and so are wq_a and
     # wkv (a pair of one shape here: the tiny model's q_lora_rank equals its head_dim; Flash's take gemv_concat)
     assert {r[3] for r in rec} == {"cuda"} and len(rec) >= 6 * 6
@@ -332,7 +356,7 @@ def test_prefill_kernel_gpu(fmt):
         w = Mxfp4Weight(w.packed, jnp.clip(w.scale, 118, 131))
     x = jnp.asarray(rng.standard_normal((300, 1024)) * np.exp(rng.uniform(-4, 4, (300, 1))), jnp.bfloat16)
     with kernel_dispatch.record_dispatch() as rec:
-        y = jax.jit(lambda x, w: linear(x, w, jnp.float32, act_quant="fp8", kernels="pallas"))(x, w)
+        y = jax.jit(lambda x, w: linear(x, w, jnp.float32, ctx=_ctx("pallas", "fp8")))(x, w)
     assert [r[3:] for r in rec] == [("pallas", "prefill_fp8")]
     # the oracle: float64 products of the very e4m3 x 2^k activations the reference quantizer makes
     xq = np.asarray(jax.jit(lambda x: fp8_activation(x).astype(jnp.float32))(x), np.float64)
@@ -357,7 +381,7 @@ def test_grouped_linear_prefill_wide_slots_gpu(fmt, n):
     tiling = kernel_dispatch._moe_schedule(x, w, kernel_dispatch._fp4_unroll(w, k))
     assert tiling["block_n"] == (128 if n % 128 == 0 and fmt == "mxfp4" else 64)
     with kernel_dispatch.record_dispatch() as rec:
-        y = jax.jit(lambda x, w, s: grouped_linear(x, w, s, jnp.float32, kernels="pallas"))(
+        y = jax.jit(lambda x, w, s: grouped_linear(x, w, s, jnp.float32, ctx=_ctx("pallas")))(
             x, w, jnp.asarray(sizes, jnp.int32))
     assert [r[3:] for r in rec] == [("pallas", "moe")]
     rows = int(sizes.sum())
@@ -386,10 +410,10 @@ def test_gate_up_pairs_match_two_reference_calls_gpu(fmt, act_quant):
     x = jnp.asarray(rng.standard_normal((5, 512)) * np.exp(rng.uniform(-3, 3, (5, 1))), jnp.bfloat16)
     w1, w3 = _weight(rng, fmt, (256, 512)), _weight(rng, fmt, (256, 512))
     with kernel_dispatch.record_dispatch() as rec:
-        got = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32, act_quant=act_quant))(x, w1, w3)
+        got = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32, ctx=_ctx("auto", act_quant)))(x, w1, w3)
     assert [r[4] for r in rec] == ["ffi_gemv_pair"]
     for y, w in zip(got, (w1, w3)):
-        ref = on_cpu(lambda x, w: linear(x, w, jnp.float32, act_quant=act_quant, kernels="reference"), x, w)
+        ref = on_cpu(lambda x, w: linear(x, w, jnp.float32, ctx=_ctx("reference", act_quant)), x, w)
         assert _rel(y, ref) < 1e-5
     if fmt == "fp8":                                                     # routed experts are FP4
         return
@@ -397,11 +421,11 @@ def test_gate_up_pairs_match_two_reference_calls_gpu(fmt, act_quant):
     sizes = jnp.asarray([3, 0, 1, 4, 2, 0], jnp.int32)                   # an empty expert; 2 padding rows
     xs = jnp.asarray(rng.standard_normal((12, 512)) * np.exp(rng.uniform(-3, 3, (12, 1))), jnp.bfloat16)
     with kernel_dispatch.record_dispatch() as rec:
-        got = jax.jit(lambda x, a, b, s: grouped_linear_pair(x, a, b, s, jnp.float32, act_quant=act_quant))(
+        got = jax.jit(lambda x, a, b, s: grouped_linear_pair(x, a, b, s, jnp.float32, ctx=_ctx("auto", act_quant)))(
             xs, w1, w3, sizes)
     assert [r[4] for r in rec] == ["ffi_moe_gemv_pair"]
     for y, w in zip(got, (w1, w3)):
-        ref = on_cpu(lambda x, w, s: grouped_linear(x, w, s, jnp.float32, act_quant=act_quant, kernels="reference"),
+        ref = on_cpu(lambda x, w, s: grouped_linear(x, w, s, jnp.float32, ctx=_ctx("reference", act_quant)),
                      xs, w, sizes)
         assert _rel(y, ref) < 1e-5 and np.all(np.asarray(y)[10:] == 0)
 
@@ -417,11 +441,11 @@ def test_wq_a_wkv_concat_matches_two_reference_calls_gpu(act_quant):
     x = jnp.asarray(rng.standard_normal((2, 3, 512)) * np.exp(rng.uniform(-3, 3, (2, 3, 1))), jnp.bfloat16)
     w_q, w_kv = _weight(rng, "fp8", (384, 512)), _weight(rng, "fp8", (128, 512))
     with kernel_dispatch.record_dispatch() as rec:
-        got = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32, act_quant=act_quant))(x, w_q, w_kv)
+        got = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32, ctx=_ctx("auto", act_quant)))(x, w_q, w_kv)
     assert [r[4] for r in rec] == ["ffi_gemv_concat"]
     for y, w in zip(got, (w_q, w_kv)):
         with jax.default_device(cpu):
-            ref = linear(*jax.device_put((x, w), cpu), jnp.float32, act_quant=act_quant, kernels="reference")
+            ref = linear(*jax.device_put((x, w), cpu), jnp.float32, ctx=_ctx("reference", act_quant))
         assert y.shape == (2, 3, w.shape[0]) and _rel(y, ref) < 1e-5
 
 
@@ -432,7 +456,7 @@ def test_default_model_with_kernels_matches_reference_gpu(dtype, act_quant):
     prompt = np.random.default_rng().integers(0, 4096, (2, 12)).astype(np.int32)
     kw = dict(dtype=dtype, max_seq_len=128, max_batch=2, act_quant=act_quant)
     auto = dsv4_jax.load(DEFAULT_MODEL, **kw)
-    assert auto.options.kernels == "auto" and kernel_dispatch.kernel_backend("auto") == "cuda"
+    assert auto.context.kernels.mode == "auto" and auto.context.kernels.backend == "cuda" and auto.context.kernels.ffi
     ref = _prefill_decode_generate(dsv4_jax.load(DEFAULT_MODEL, kernels="reference", **kw), prompt, 8)
     with kernel_dispatch.record_dispatch() as rec:
         got = _prefill_decode_generate(auto, prompt, 8)
@@ -475,14 +499,14 @@ def test_activation_quantization_takes_the_quantize_kernels():
     from dsv4_jax.quant import activations
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((3, 320)) * np.exp(rng.uniform(-6, 6, (3, 1))), jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(kernel_dispatch.fp8_activation(x, "interpret"), np.float32),
+    np.testing.assert_array_equal(np.asarray(kernel_dispatch.fp8_activation(x, plan_kernels("interpret")), np.float32),
                                   np.asarray(activations.fp8_activation(x), np.float32))
-    values, gsa = kernel_dispatch.nvfp4_activation(x, "interpret")
+    values, gsa = kernel_dispatch.nvfp4_activation(x, plan_kernels("interpret"))
     ref_values, ref_gsa = activations.nvfp4_activation(x)
     np.testing.assert_array_equal(np.asarray(values, np.float32), np.asarray(ref_values, np.float32))
     np.testing.assert_array_equal(np.asarray(gsa), np.asarray(ref_gsa))
-    assert kernel_dispatch.nvfp4_activation(x, "reference") is None
+    assert kernel_dispatch.nvfp4_activation(x, plan_kernels("reference")) is None
     w = _weight(rng, "nvfp4", (128, 320))
     for mode in ("fp8", "nvfp4"):
-        got = linear(x, w, jnp.float32, act_quant=mode, kernels="interpret")
-        assert _rel(got, linear(x, w, jnp.float32, act_quant=mode, kernels="reference")) < 1e-5
+        got = linear(x, w, jnp.float32, ctx=_ctx("interpret", mode))
+        assert _rel(got, linear(x, w, jnp.float32, ctx=_ctx("reference", mode))) < 1e-5

@@ -28,6 +28,7 @@ from dsv4_jax.layers.hyper import hc_head, hc_post, hc_pre
 from dsv4_jax.layers.moe import clamped_swiglu, moe, route
 from dsv4_jax.layers.rope import apply_rope, rope_inv_freq
 from dsv4_jax.quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, round_to_e2m1
+from dsv4_jax.run_context import RunContext
 from dsv4_jax.state import init_layer_cache
 from shared_decisions import DecisionRecorder, ModelDecisions
 
@@ -109,12 +110,17 @@ def fp4_quantum(want):
     return np.maximum(0.5 * s, np.abs(v) / 2).reshape(want.shape) + 1e-30
 
 
+def _ctx(simulate_quant: bool) -> RunContext:
+    """The run context of these layer tests: float32, the kernels this machine plans ("auto")."""
+    return RunContext.create(dtype="float32", simulate_quant=simulate_quant)
+
+
 @functools.lru_cache(maxsize=None)
 def _jit_compressor(ratio, head_dim, nope_dim, rotate, simulate_quant):
     cfg = presets.tiny()
     inv_freq = rope_inv_freq(cfg, ratio)
     fn = functools.partial(compressor_update, ratio=ratio, head_dim=head_dim, nope_dim=nope_dim, inv_freq=inv_freq,
-                           rotate=rotate, simulate_quant=simulate_quant, norm_eps=cfg.norm_eps)
+                           rotate=rotate, ctx=_ctx(simulate_quant), norm_eps=cfg.norm_eps)
     return jax.jit(fn)
 
 
@@ -466,7 +472,7 @@ def test_indexer_select(tiny, xseq, simulate_quant):
     poison = jnp.full((B, n_entries + 2, cfg.index_head_dim), 1e3, jnp.float32)   # shape as in test_compressor
     comp = functools.partial(compressor_update, ratio=4, head_dim=cfg.index_head_dim,
                              nope_dim=cfg.index_head_dim - cfg.rope_head_dim, inv_freq=f32, rotate=True,
-                             simulate_quant=simulate_quant, norm_eps=cfg.norm_eps)
+                             ctx=_ctx(simulate_quant), norm_eps=cfg.norm_eps)
     positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
     p_index = params["layers"][CSA]["attn"]["indexer"]
     fresh = init_compressor_state(B, 4, cfg.index_head_dim)
@@ -474,7 +480,7 @@ def test_indexer_select(tiny, xseq, simulate_quant):
     def select(p, x, q, pos):
         keys, _ = comp(p["compressor"], x, jnp.zeros(B, jnp.int32), jnp.full(B, L, jnp.int32), fresh, poison)
         # looked up at call time: DecisionRecorder records the module's indexer_select
-        return attention_module.indexer_select(p, cfg, x, q, pos, keys, f32, simulate_quant)
+        return attention_module.indexer_select(p, cfg, x, q, pos, keys, f32, _ctx(simulate_quant))
 
     ref_decisions = R.SPEC_DECISIONS
     if simulate_quant:
@@ -528,7 +534,9 @@ def test_attention(tiny, xseq, layer, simulate_quant):
             cache)
 
     def fn(p, x, s, n, c):
-        return attention(p, cfg, ratio, x, s, n, c, f32, simulate_quant)
+        out, new_cache, stats = attention(p, cfg, ratio, x, s, n, c, f32, _ctx(simulate_quant))
+        assert stats == {}, "inference returns no training statistics"
+        return out, new_cache
 
     decisions = R.SPEC_DECISIONS
     if simulate_quant:
@@ -618,8 +626,9 @@ def test_moe(tiny, layer):
     x = (rng.standard_normal((B, S, cfg.dim)) * 6).astype(np.float32)
     tokens = rng.integers(0, cfg.vocab_size, (B, S)).astype(np.int32)
     hashed = cfg.is_hash_layer(layer)
-    got = jax.jit(functools.partial(moe, cfg=cfg, hash_routed=hashed))(
+    got, stats = jax.jit(functools.partial(moe, cfg=cfg, hash_routed=hashed, ctx=_ctx(False)))(
         params["layers"][layer]["ffn"], x=jnp.asarray(x), token_ids=jnp.asarray(tokens))
+    assert stats == {}
     x64 = x.astype(np.float64)
     want = R.moe(cfg, weights, f"layers.{layer}.", layer, x64, tokens)
     f = R.sub(weights, f"layers.{layer}.ffn.")

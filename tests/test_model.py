@@ -39,7 +39,7 @@ def recorded_forward(tiny_f32, tiny_tokens):
     """The float32 forward's logits and its decisions at every rounding / top-k site (shared_decisions.py)."""
     cfg = tiny_f32.config
     logits, records = run_recording_decisions(cfg, model_layers(cfg), engine.forward.__wrapped__, tiny_f32.params,
-                                              jnp.asarray(tiny_tokens), cfg=cfg, opts=tiny_f32.options)
+                                              jnp.asarray(tiny_tokens), cfg=cfg, ctx=tiny_f32.context)
     return np.asarray(logits), records
 
 
@@ -75,7 +75,7 @@ def test_forward_check_holds_when_float32_noise_moves(tiny_checkpoint, tiny_f32,
 
     params = jax.tree.map(nudge, tiny_f32.params)
     logits, records = run_recording_decisions(cfg, model_layers(cfg), engine.forward.__wrapped__, params,
-                                              jnp.asarray(tiny_tokens), cfg=cfg, opts=tiny_f32.options)
+                                              jnp.asarray(tiny_tokens), cfg=cfg, ctx=tiny_f32.context)
     _, unperturbed = recorded_forward
     moved = {site: int(np.sum(np.asarray(records[site][1]) != np.asarray(unperturbed[site][1])))
              for site in records if not site.endswith(("ffn.gate", "attn.indexer"))}
@@ -126,7 +126,7 @@ def test_forward_check_catches_model_bugs(monkeypatch, tiny_checkpoint, tiny_f32
     monkeypatch.setattr(module, name, make_bug(getattr(module, name)))
     cfg = tiny_f32.config
     logits, records = run_recording_decisions(cfg, model_layers(cfg), engine.forward.__wrapped__, tiny_f32.params,
-                                              jnp.asarray(tiny_tokens), cfg=cfg, opts=tiny_f32.options)
+                                              jnp.asarray(tiny_tokens), cfg=cfg, ctx=tiny_f32.context)
     with pytest.raises(AssertionError, match=message):
         _check_against_reference(cfg, tiny_checkpoint[1], tiny_tokens, np.asarray(logits), records)
 
@@ -137,7 +137,7 @@ def test_mtp_matches_reference(tiny_checkpoint, tiny_f32, tiny_tokens):
     next_tokens = np.roll(tiny_tokens, -1, axis=1)
     ours, records = run_recording_decisions(cfg, model_layers(cfg, mtp=True),
                                             engine.forward_mtp.__wrapped__, tiny_f32.params, jnp.asarray(tiny_tokens),
-                                            jnp.asarray(next_tokens), cfg=cfg, opts=tiny_f32.options)
+                                            jnp.asarray(next_tokens), cfg=cfg, ctx=tiny_f32.context)
     decisions = ModelDecisions(records)
     ref = reference_mtp(cfg, weights, tiny_tokens, next_tokens, simulate_quant=True, decisions=decisions)
     print(f"{decisions.summary()}; max |logit diff| {np.abs(np.asarray(ours) - ref).max():.2e}")

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import dsv4_jax
 from dsv4_jax import engine, presets
 from dsv4_jax.checkpoint import open_checkpoint
-from dsv4_jax.model import RunOptions
+from dsv4_jax.run_context import RunContext
 from dsv4_jax.module import (Attention, Block, Compressor, Indexer, MoE, MTPBlock, RoutedExperts, Router,
                              SharedExpert, engine_params)
 from dsv4_jax.params import disk_tensor_specs, nvidia_formats
@@ -96,7 +96,7 @@ def test_logical_axes_reach_the_partition_specs():
 def test_module_call_and_state_run_the_engine_programs(tiny_tokens):
     """module(tokens) is engine.forward on the module's arrays (the very tree Model passes: the same program); a
     jitted function of nnx.split's state regroups the same arrays at trace time."""
-    options = RunOptions(dtype="float32", simulate_quant=False)
+    ctx = RunContext.create(dtype="float32", simulate_quant=False)
     model = dsv4_jax.init_random(presets.tiny(), seed=3, dtype="float32", simulate_quant=False)
     module = model.module
     regrouped = module.params()
@@ -111,7 +111,7 @@ def test_module_call_and_state_run_the_engine_programs(tiny_tokens):
     np.testing.assert_allclose(np.asarray(module(tokens)), want, atol=1e-4, rtol=1e-4)
     graphdef, state = nnx.split(module)
     forward = jax.jit(lambda state, t: engine.forward.__wrapped__(engine_params(module.config, state), t,
-                                                                   cfg=module.config, opts=options))
+                                                                   cfg=module.config, ctx=ctx))
     np.testing.assert_allclose(np.asarray(forward(state, tokens)), want, atol=1e-4, rtol=1e-4)
     rebuilt = nnx.merge(graphdef, state)
     assert rebuilt.layers[2].attn.wo_b.weight[...] is module.layers[2].attn.wo_b.weight[...]

@@ -27,6 +27,7 @@ from dsv4_jax import presets
 from dsv4_jax.checkpoint import (CheckpointError, abstract_params, load_params, quantize_head_to_nvfp4,
                                  write_safetensors)
 from dsv4_jax.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, linear
+from dsv4_jax.run_context import RunContext
 from test_quant_formats import nvfp4_weight_np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,7 +184,7 @@ def test_quantize_head_standard_recipe_and_frees_bf16(converted):
     rel_w = np.linalg.norm(dequantized - weights["head.weight"]) / np.linalg.norm(weights["head.weight"])
     h = np.random.default_rng(62).standard_normal((256, cfg.dim)).astype(np.float32)
     exact = h.astype(np.float64) @ weights["head.weight"].T
-    got = np.asarray(jax.jit(lambda x, w: linear(x, w, jnp.float32))(jnp.asarray(h), head))
+    got = np.asarray(jax.jit(lambda x, w: linear(x, w, jnp.float32, ctx=RunContext.create()))(jnp.asarray(h), head))
     np.testing.assert_allclose(got, h.astype(np.float64) @ dequantized.T, rtol=0, atol=1e-5 * np.abs(exact).max())
     rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
     top1 = np.mean(got.argmax(-1) == exact.argmax(-1))

@@ -26,6 +26,9 @@ from dsv4_jax.quant import (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, dequantize
 from dsv4_jax.quant.fake_quant import correctly_rounded_divide, round_to_e2m1, round_to_e4m3
 from dsv4_jax.quant.formats import e8m0_to_float, unpack_fp4_codes
 from dsv4_jax.quant.nvfp4 import pack_fp4_codes, quantize_blocks
+from dsv4_jax.run_context import RunContext
+
+REFERENCE = RunContext.create(kernels="reference")
 
 F32 = np.float32
 deq = jax.jit(dequantize)
@@ -317,10 +320,12 @@ GROUP_SIZES = np.array([7, 0, 10, 5], np.int32)    # 22 of 24 rows: the last two
 
 @functools.lru_cache(maxsize=None)
 def _matmuls(mode: str):
+    ctx = RunContext.create(act_quant=mode)
+
     def run(x, w2d, w3d, wgrp, xg):
-        return (linear(x, w2d, jnp.float32, act_quant=mode),
-                grouped_linear(x, w3d, jnp.asarray(GROUP_SIZES), jnp.float32, act_quant=mode),
-                group_linear(xg, wgrp, jnp.float32, act_quant=mode))
+        return (linear(x, w2d, jnp.float32, ctx=ctx),
+                grouped_linear(x, w3d, jnp.asarray(GROUP_SIZES), jnp.float32, ctx=ctx),
+                group_linear(xg, wgrp, jnp.float32, ctx=ctx))
     return jax.jit(run)
 
 
@@ -399,16 +404,16 @@ def test_default_output_dtype_and_errors():
     rng = np.random.default_rng(43)
     w, _ = make_weight("nvfp4", (32, 64), rng)
     x = jnp.ones((3, 64), jnp.bfloat16)
-    assert linear(x, w).dtype == jnp.bfloat16
+    assert linear(x, w, ctx=REFERENCE).dtype == jnp.bfloat16
     with pytest.raises(ValueError, match=r"act_quant must be one of \('none', 'fp8', 'nvfp4'\), got 'int8'"):
-        linear(x, w, act_quant="int8")
+        linear(x, w, ctx=RunContext.create(act_quant="int8"))
     with pytest.raises(ValueError, match=r"linear: input has 32 features but the weight \[32, 64\] expects 64"):
-        linear(jnp.ones((3, 32)), w)
+        linear(jnp.ones((3, 32)), w, ctx=REFERENCE)
     with pytest.raises(TypeError, match="linear weight must be a jax/numpy array, Fp8BlockWeight, Mxfp4Weight or "
                                         "Nvfp4Weight, got dict"):
-        linear(x, {"weight": w})
+        linear(x, {"weight": w}, ctx=REFERENCE)
     with pytest.raises(ValueError, match="group_linear: 32 weight rows do not split into 3 groups"):
-        group_linear(jnp.ones((2, 3, 64)), w)
+        group_linear(jnp.ones((2, 3, 64)), w, ctx=REFERENCE)
 
 
 def test_quantized_matmuls_have_no_host_transfers():

@@ -18,14 +18,15 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..quant import group_linear, linear, linear_pair
-from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard
+from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
 from .compressor import compressor_update
+from .indexer_loss import indexer_kl
 from .norm import rms_norm
 from .rope import apply_rope
 
 
-def _kv_fake_quant(kv: jax.Array, nope_dim: int) -> jax.Array:
-    return jnp.concatenate([fp8_fake_quant(kv[..., :nope_dim]), kv[..., nope_dim:]], axis=-1)
+def _kv_fake_quant(kv: jax.Array, nope_dim: int, ctx) -> jax.Array:
+    return jnp.concatenate([trained_rounding(fp8_fake_quant, kv[..., :nope_dim], ctx), kv[..., nope_dim:]], axis=-1)
 
 
 def ring_positions(start: jax.Array, window: int) -> jax.Array:
@@ -47,51 +48,61 @@ def write_ring(ring: jax.Array, kv: jax.Array, start: jax.Array, n_valid: jax.Ar
     return ring.at[batch_idx, slot].set(kv.astype(ring.dtype), mode="drop")
 
 
-def indexer_select(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array, positions: jax.Array,
-                   index_keys: jax.Array, inv_freq: np.ndarray, simulate_quant: bool, act_quant: str = "none",
-                   kernels: str = "auto"):
-    """Lightning indexer: top-min(index_topk, N) compressed entries per query. Returns (idx, valid) [B, S, k];
-    an entry is valid iff it is visible (j < (t+1)//4); invisible picks only fill the static k slots."""
+def compressed_visible(positions: jax.Array, n_entries: int, ratio: int) -> jax.Array:
+    """[B, S, N]: compressed entry j is visible to the query at position t iff j < (t+1)//ratio."""
+    return jnp.arange(n_entries)[None, None, :] < ((positions + 1) // ratio)[:, :, None]
+
+
+def indexer_scores(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array, positions: jax.Array,
+                   index_keys: jax.Array, inv_freq: np.ndarray, ctx) -> jax.Array:
+    """Lightning indexer scores float32 [B, S, N] of every compressed entry (visible or not) for every query:
+    sum over heads of weight_h(x) * ReLU(q_h . key)."""
     batch, seq, _ = x.shape
     n_heads, head_dim = cfg.index_n_heads, cfg.index_head_dim
-    q = linear(q_latent, params["wq_b"]["weight"], act_quant=act_quant, kernels=kernels).reshape(
-        batch, seq, n_heads, head_dim)
+    q = linear(q_latent, params["wq_b"]["weight"], ctx=ctx).reshape(batch, seq, n_heads, head_dim)
     q = apply_rope(q, positions[:, :, None], inv_freq)
-    if simulate_quant:
-        q = fp4_fake_quant(hadamard(q))
-    head_weights = linear(x, params["weights_proj"]["weight"], out_dtype=jnp.float32, kernels=kernels)
+    if ctx.simulate_quant:
+        q = trained_rounding(fp4_fake_quant, hadamard(q), ctx)
+    head_weights = linear(x, params["weights_proj"]["weight"], out_dtype=jnp.float32, ctx=ctx)
     head_weights = head_weights * (head_dim ** -0.5 * n_heads ** -0.5)
     scores = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), index_keys.astype(jnp.float32))
-    scores = jnp.einsum("bshn,bsh->bsn", jax.nn.relu(scores), head_weights)
+    return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(scores), head_weights)
+
+
+def indexer_select(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array, positions: jax.Array,
+                   index_keys: jax.Array, inv_freq: np.ndarray, ctx, scores: jax.Array | None = None):
+    """Lightning indexer: top-min(index_topk, N) compressed entries per query. Returns (idx, valid) [B, S, k];
+    an entry is valid iff it is visible (j < (t+1)//4); invisible picks only fill the static k slots. `scores`:
+    indexer_scores already computed for these inputs (training reuses them for its loss)."""
+    if scores is None:
+        scores = indexer_scores(params, cfg, x, q_latent, positions, index_keys, inv_freq, ctx)
     n_entries = index_keys.shape[1]
-    visible = jnp.arange(n_entries)[None, None, :] < ((positions + 1) // 4)[:, :, None]
-    scores = jnp.where(visible, scores, -jnp.inf)
+    scores = jnp.where(compressed_visible(positions, n_entries, 4), scores, -jnp.inf)
     k = min(cfg.index_topk, n_entries)
     top_scores, idx = jax.lax.top_k(scores, k)
     return idx, top_scores > -jnp.inf
 
 
 def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: jax.Array, n_valid: jax.Array,
-              cache: dict, inv_freq: np.ndarray, simulate_quant: bool, act_quant: str = "none", kernels: str = "auto"):
-    """x [B, S, D] (attn_norm'd) at positions start[b] + i. Returns (output [B, S, D], updated layer cache)."""
+              cache: dict, inv_freq: np.ndarray, ctx):
+    """x [B, S, D] (attn_norm'd) at positions start[b] + i. Returns (output [B, S, D], updated layer cache,
+    statistics: {} for inference; under training {"indexer_kl": ...} in CSA layers, run_context.Training)."""
     batch, seq, _ = x.shape
     n_heads, head_dim, nope = cfg.n_heads, cfg.head_dim, cfg.nope_head_dim
     dtype = x.dtype
     positions = start[:, None] + jnp.arange(seq, dtype=jnp.int32)[None, :]
 
     # wq_a and wkv read the same x: one launch for both where a decode kernel takes them (linear_pair)
-    q_a, kv_a = linear_pair(x, params["wq_a"]["weight"], params["wkv"]["weight"], act_quant=act_quant,
-                            kernels=kernels)
+    q_a, kv_a = linear_pair(x, params["wq_a"]["weight"], params["wkv"]["weight"], ctx=ctx)
     q_latent = rms_norm(q_a, params["q_norm"]["weight"], cfg.norm_eps)
-    q = linear(q_latent, params["wq_b"]["weight"], act_quant=act_quant, kernels=kernels).reshape(
-        batch, seq, n_heads, head_dim)
+    q = linear(q_latent, params["wq_b"]["weight"], ctx=ctx).reshape(batch, seq, n_heads, head_dim)
     q = rms_norm(q, None, cfg.norm_eps)
     q = apply_rope(q, positions[:, :, None], inv_freq)
 
     kv = rms_norm(kv_a, params["kv_norm"]["weight"], cfg.norm_eps)
     kv = apply_rope(kv, positions, inv_freq)
-    if simulate_quant:
-        kv = _kv_fake_quant(kv, nope)
+    if ctx.simulate_quant:
+        kv = _kv_fake_quant(kv, nope, ctx)
 
     # Window: the ring (positions before the chunk) followed by the chunk itself.
     window = cfg.window_size
@@ -104,33 +115,41 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     masks = [window_mask[:, :, None, :]]
     values = [("window", keys)]
     new_cache = {"window_kv": write_ring(cache["window_kv"], kv, start, n_valid)}
+    stats = {}
 
     if ratio > 0:
         comp_params = params["compressor"]
         compressed, new_cache["compressor"] = compressor_update(
             comp_params, x, start, n_valid, cache["compressor"], cache["compressed_kv"], ratio=ratio,
-            head_dim=head_dim, nope_dim=nope, inv_freq=inv_freq, rotate=False, simulate_quant=simulate_quant,
-            norm_eps=cfg.norm_eps)
+            head_dim=head_dim, nope_dim=nope, inv_freq=inv_freq, rotate=False, ctx=ctx, norm_eps=cfg.norm_eps)
         new_cache["compressed_kv"] = compressed
         compressed = compressed.astype(dtype)
+        # The indexer only picks entries (top-k has no gradient); under training its inputs are detached so that
+        # its own loss (indexer_kl) trains the indexer and nothing else.
+        x_idx, q_latent_idx = (x, q_latent) if ctx.training is None else jax.lax.stop_gradient((x, q_latent))
         if ratio == 4:
             index_keys, new_cache["indexer_compressor"] = compressor_update(
-                params["indexer"]["compressor"], x, start, n_valid, cache["indexer_compressor"],
+                params["indexer"]["compressor"], x_idx, start, n_valid, cache["indexer_compressor"],
                 cache["index_keys"], ratio=ratio, head_dim=cfg.index_head_dim,
-                nope_dim=cfg.index_head_dim - cfg.rope_head_dim, inv_freq=inv_freq, rotate=True,
-                simulate_quant=simulate_quant, norm_eps=cfg.norm_eps)
+                nope_dim=cfg.index_head_dim - cfg.rope_head_dim, inv_freq=inv_freq, rotate=True, ctx=ctx,
+                norm_eps=cfg.norm_eps)
             new_cache["index_keys"] = index_keys
         has_entries = compressed.shape[1] > 0     # buffers shorter than c never complete an entry
         if has_entries and ratio == 4:
-            idx, valid = indexer_select(params["indexer"], cfg, x, q_latent, positions, index_keys, inv_freq,
-                                        simulate_quant, act_quant, kernels)
+            scores = indexer_scores(params["indexer"], cfg, x_idx, q_latent_idx, positions, index_keys, inv_freq,
+                                    ctx)
+            idx, valid = indexer_select(params["indexer"], cfg, x_idx, q_latent_idx, positions, index_keys,
+                                        inv_freq, ctx, scores)
+            if ctx.training is not None:
+                stats["indexer_kl"] = indexer_kl(q, compressed, scores, compressed_visible(positions,
+                                                                                           compressed.shape[1], 4))
             selected = jax.vmap(lambda cache_b, idx_b: cache_b[idx_b])(compressed, idx)  # [B, S, k, hd]
             logits.append(jnp.einsum("bshd,bskd->bshk", q, selected, preferred_element_type=jnp.float32) * scale)
             masks.append(valid[:, :, None, :])
             values.append(("selected", selected))
         elif has_entries:
             n_entries = compressed.shape[1]
-            visible = jnp.arange(n_entries)[None, None, :] < ((positions + 1) // ratio)[:, :, None]
+            visible = compressed_visible(positions, n_entries, ratio)
             logits.append(jnp.einsum("bshd,bnd->bshn", q, compressed, preferred_element_type=jnp.float32) * scale)
             masks.append(visible[:, :, None, :])
             values.append(("all", compressed))
@@ -154,6 +173,6 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     groups = cfg.o_groups
     out = out.reshape(batch, seq, groups, (n_heads // groups) * head_dim)
     # wo_a: the reference multiplies it in bf16 (convert.py dequantizes it), so its input is never quantized.
-    z = group_linear(out, params["wo_a"]["weight"], act_quant="none", kernels=kernels)
-    return linear(z.reshape(batch, seq, groups * cfg.o_lora_rank), params["wo_b"]["weight"],
-                  act_quant=act_quant, kernels=kernels), new_cache
+    z = group_linear(out, params["wo_a"]["weight"], ctx=ctx.without_act_quant())
+    y = linear(z.reshape(batch, seq, groups * cfg.o_lora_rank), params["wo_b"]["weight"], ctx=ctx)
+    return y, new_cache, stats

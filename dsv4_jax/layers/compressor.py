@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..quant import linear
-from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard
+from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
 from .norm import rms_norm
 from .rope import apply_rope
 
@@ -45,11 +45,12 @@ def _take_rows(buffer: jax.Array, offset: jax.Array, size: int) -> jax.Array:
 
 def compressor_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax.Array, state: dict,
                       cache: jax.Array, *, ratio: int, head_dim: int, nope_dim: int, inv_freq: np.ndarray,
-                      rotate: bool, simulate_quant: bool, norm_eps: float):
+                      rotate: bool, ctx, norm_eps: float):
     """Feed a chunk x [B, S, D] (tokens at positions start[b] + i, the first n_valid[b] real) to a compressor.
 
     Returns (cache [B, N, head_dim] with every entry completed in this chunk written, new state).
-    `rotate` selects the indexer flavour of the fake quant (Hadamard + FP4) instead of FP8 on the nope dims.
+    `rotate` selects the indexer flavour of the fake quant (Hadamard + FP4) instead of FP8 on the nope dims, which
+    runs when the run context `ctx` simulates the model's quantization.
     """
     batch, seq, _ = x.shape
     c, coff = ratio, overlap_factor(ratio)
@@ -57,9 +58,9 @@ def compressor_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax
     positions = start[:, None] + jnp.arange(seq, dtype=jnp.int32)[None, :]
 
     x32 = x.astype(jnp.float32)
-    kv = linear(x32, params["wkv"]["weight"])                                    # [B, S, coff*hd] fp32
+    kv = linear(x32, params["wkv"]["weight"], ctx=ctx)                           # [B, S, coff*hd] fp32
     ape = params["ape"].astype(jnp.float32)                                      # [c, coff*hd]
-    score = linear(x32, params["wgate"]["weight"]) + ape[positions % c]
+    score = linear(x32, params["wgate"]["weight"], ctx=ctx) + ape[positions % c]
 
     # Lay pending tokens and the chunk out on one window-aligned grid starting at position `base`.
     base = (start // c) * c - (coff - 1) * c
@@ -91,11 +92,12 @@ def compressor_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax
 
     entries = rms_norm(entries, params["norm"]["weight"], norm_eps)
     entries = apply_rope(entries, entry_idx * c, inv_freq)
-    if simulate_quant:
+    if ctx.simulate_quant:
         if rotate:
-            entries = fp4_fake_quant(hadamard(entries))
+            entries = trained_rounding(fp4_fake_quant, hadamard(entries), ctx)
         else:
-            entries = jnp.concatenate([fp8_fake_quant(entries[..., :nope_dim]), entries[..., nope_dim:]], -1)
+            nope = trained_rounding(fp8_fake_quant, entries[..., :nope_dim], ctx)
+            entries = jnp.concatenate([nope, entries[..., nope_dim:]], -1)
 
     n_cache = cache.shape[1]
     target = jnp.where(complete, entry_idx, n_cache)                              # out of range -> dropped

@@ -7,11 +7,13 @@ routing weights are the unbiased scores of the picked experts, renormalised and 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-from ..quant import grouped_linear, grouped_linear_pair, linear, linear_pair
+from ..quant import dequantize, grouped_linear, grouped_linear_pair, linear, linear_pair
 
 
 def route(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool):
@@ -35,16 +37,13 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def shared_expert(params: dict, cfg: ModelConfig, x: jax.Array, act_quant: str = "none",
-                  kernels: str = "auto") -> jax.Array:
-    mode = dict(act_quant=act_quant, kernels=kernels)
-    gate, up = linear_pair(x, params["w1"]["weight"], params["w3"]["weight"], jnp.float32, **mode)
+def shared_expert(params: dict, cfg: ModelConfig, x: jax.Array, ctx) -> jax.Array:
+    gate, up = linear_pair(x, params["w1"]["weight"], params["w3"]["weight"], jnp.float32, ctx=ctx)
     h = clamped_swiglu(gate, up, cfg.swiglu_limit)
-    return linear(h.astype(x.dtype), params["w2"]["weight"], jnp.float32, **mode)
+    return linear(h.astype(x.dtype), params["w2"]["weight"], jnp.float32, ctx=ctx)
 
 
-def routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
-                   act_quant: str = "none", kernels: str = "auto"):
+def routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax.Array, weights: jax.Array, ctx):
     """Sum over each token's K experts of weight * expert(x); tokens are grouped by expert for one grouped matmul
     per projection. Returns float32 [T, D]."""
     n_tokens, k = expert_ids.shape
@@ -53,20 +52,55 @@ def routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax
     token_of = order // k
     group_sizes = jnp.bincount(flat_ids, length=cfg.n_routed_experts).astype(jnp.int32)
     xs = x[token_of]
-    mode = dict(act_quant=act_quant, kernels=kernels)
     gate, up = grouped_linear_pair(xs, params["w1"]["weight"], params["w3"]["weight"], group_sizes, jnp.float32,
-                                   **mode)
+                                   ctx=ctx)
     h = clamped_swiglu(gate, up, cfg.swiglu_limit) * weights.reshape(-1)[order][:, None]
-    y = grouped_linear(h.astype(x.dtype), params["w2"]["weight"], group_sizes, jnp.float32, **mode)
+    y = grouped_linear(h.astype(x.dtype), params["w2"]["weight"], group_sizes, jnp.float32, ctx=ctx)
     return jnp.zeros((n_tokens, x.shape[-1]), jnp.float32).at[token_of].add(y)
 
 
-def moe(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool,
-        act_quant: str = "none", kernels: str = "auto") -> jax.Array:
-    """x [..., D] (ffn_norm'd), token_ids [...] -> [..., D] in x.dtype."""
+def capacity_routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax.Array,
+                            weights: jax.Array, capacity_factor: float):
+    """routed_experts as one batched matmul over fixed-size per-expert slots (GShard-style capacity
+    C = ceil(factor * T * K / E); assignments past an expert's capacity, in token order, are dropped), on the
+    dequantized weights. For training (run_context.Training.moe_capacity): on the CPU, lax.ragged_dot runs every
+    expert over every row (~E times the work); with balanced routing almost nothing is dropped."""
+    n_tokens, k = expert_ids.shape
+    n_exp = cfg.n_routed_experts
+    cap = max(1, math.ceil(capacity_factor * n_tokens * k / n_exp))
+    flat = expert_ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    sizes = jnp.bincount(flat, length=n_exp)
+    rank = jnp.arange(flat.shape[0]) - (jnp.cumsum(sizes) - sizes)[sorted_ids]   # place within its expert
+    keep = rank < cap
+    slot = jnp.where(keep, sorted_ids * cap + rank, n_exp * cap)                 # n_exp * cap: dropped
+    token_of = order // k
+    xs = jnp.zeros((n_exp * cap, x.shape[-1]), x.dtype).at[slot].set(x[token_of], mode="drop")
+    ws = jnp.zeros((n_exp * cap,), jnp.float32).at[slot].set(weights.reshape(-1)[order], mode="drop")
+    xs = xs.reshape(n_exp, cap, -1)
+    w1, w3, w2 = (dequantize(params[p]["weight"], x.dtype) for p in ("w1", "w3", "w2"))
+    gate = jnp.einsum("ecd,eid->eci", xs, w1, preferred_element_type=jnp.float32)
+    up = jnp.einsum("ecd,eid->eci", xs, w3, preferred_element_type=jnp.float32)
+    h = clamped_swiglu(gate, up, cfg.swiglu_limit) * ws.reshape(n_exp, cap, 1)
+    y = jnp.einsum("eci,edi->ecd", h.astype(x.dtype), w2, preferred_element_type=jnp.float32)
+    y = y.reshape(n_exp * cap, -1)[jnp.minimum(slot, n_exp * cap - 1)] * keep[:, None]
+    return jnp.zeros((n_tokens, x.shape[-1]), jnp.float32).at[token_of].add(y)
+
+
+def moe(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool, ctx):
+    """x [..., D] (ffn_norm'd), token_ids [...] -> ([..., D] in x.dtype, statistics: {} for inference; under
+    training {"expert_load": assignments per expert [E]} in score-routed layers)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     expert_ids, weights = route(params["gate"], cfg, x2, token_ids.reshape(-1), hash_routed)
-    y = routed_experts(params["experts"], cfg, x2, expert_ids, weights, act_quant, kernels)
-    y = y + shared_expert(params["shared_experts"], cfg, x2, act_quant, kernels)
-    return y.astype(x.dtype).reshape(*lead, x.shape[-1])
+    training = ctx.training
+    if training is not None and training.moe_capacity > 0:
+        y = capacity_routed_experts(params["experts"], cfg, x2, expert_ids, weights, training.moe_capacity)
+    else:
+        y = routed_experts(params["experts"], cfg, x2, expert_ids, weights, ctx)
+    y = y + shared_expert(params["shared_experts"], cfg, x2, ctx)
+    stats = {}
+    if training is not None and not hash_routed:
+        stats["expert_load"] = jnp.bincount(expert_ids.reshape(-1), length=cfg.n_routed_experts)
+    return y.astype(x.dtype).reshape(*lead, x.shape[-1]), stats

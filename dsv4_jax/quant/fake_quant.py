@@ -127,3 +127,22 @@ def hadamard(x: jax.Array) -> jax.Array:
     h = jnp.asarray(_hadamard_matrix(x.shape[-1]))
     return jnp.einsum("...i,ij->...j", x.astype(jnp.float32), h,
                       precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+
+
+def straight_through(fn):
+    """fn's value forward, the identity backward (the straight-through estimator): the derivative JAX gives a cast
+    to float8 / float4 is zero, so a rounding site would otherwise stop every gradient."""
+    @jax.custom_vjp
+    def rounded(x):
+        return fn(x)
+
+    rounded.defvjp(lambda x: (fn(x), None), lambda _, g: (g,))
+    return rounded
+
+
+def trained_rounding(fn, x: jax.Array, ctx) -> jax.Array:
+    """The model's rounding `fn` (fp8_fake_quant, or fp4_fake_quant after the Hadamard) at one site under the run
+    context: straight-through when training asks for it."""
+    if ctx.training is not None and ctx.training.straight_through:
+        return straight_through(fn)(x)
+    return fn(x)

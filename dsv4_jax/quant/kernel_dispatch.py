@@ -1,13 +1,10 @@
 """Which matmuls run on the GPU kernels (`ffi/` CUDA, `pallas_kernels/`) and which on the pure-jnp reference.
 
-`kernels` (RunOptions.kernels, and a keyword of every function in quant/linear.py) picks the path:
-
-    "auto"       on a CUDA device the fastest kernels: the CUDA decode GEMVs of ffi/ where they apply (built with
-                 nvcc on first use; without nvcc, a warning and the Pallas kernels), the Pallas kernels for the
-                 rest; the reference elsewhere (the default)
-    "reference"  always the pure-jnp reference (dequantize + XLA dot / ragged_dot)
-    "pallas"     the Pallas kernels only, wherever one applies (needs a CUDA device, or lowering for one)
-    "interpret"  the Pallas kernels in interpret mode: runs anywhere, slowly (tests and debugging)
+The kernel plan (quant/kernel_plan.py, resolved once for a device and carried by the run context) names the
+backend: None (the reference everywhere), "cuda" (the CUDA decode GEMVs of ffi/ where they apply, if they were
+built; the Pallas kernels for the rest), "pallas" (the Pallas kernels only) or "interpret" (the Pallas kernels in
+interpret mode: runs anywhere, slowly; tests and debugging). `kernels="auto"` plans "cuda" on an NVIDIA GPU and the
+reference elsewhere.
 
 A kernel applies where one exists for the call; every other call takes the reference, whatever the mode:
 
@@ -50,14 +47,13 @@ is 2^15 below its matrix maximum; the ffi/ kernels read any finite scale exactly
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from .formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from .kernel_plan import KernelPlan
 
-KERNEL_MODES = ("auto", "reference", "pallas", "interpret")
 MAX_DECODE_ROWS = 16          # bf16 activation rows per decode kernel call (float32: half, split into hi + lo)
 MAX_MOE_ROWS = 128            # routed rows (tokens x top-k) up to which the MoE kernel keeps its decode schedule
 
@@ -82,40 +78,6 @@ def _record(call: str, weight, path: str, kernel: str | None = None) -> None:
         _records.append((call, type(weight).__name__, tuple(weight.shape), path, used))
 
 
-@functools.cache
-def on_cuda() -> bool:
-    """True when JAX's default device is an NVIDIA GPU (the Pallas kernels here are CUDA-only)."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and "nvidia" in device.device_kind.lower()
-
-
-def kernel_backend(kernels: str) -> str | None:
-    """None (reference), "cuda" (ffi/ kernels, then Pallas), "pallas" or "interpret" for a `kernels` mode."""
-    if kernels not in KERNEL_MODES:
-        raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
-    if kernels == "reference":
-        return None
-    if kernels == "auto":
-        return "cuda" if on_cuda() else None
-    return kernels
-
-
-@functools.cache
-def ffi_available() -> bool:
-    """Whether the CUDA kernels of ffi/ are built and registered (building them now if needed) for this GPU; warns
-    once and returns False when nvcc is missing or the build or the library load fails (the Pallas kernels then
-    take their calls)."""
-    import warnings
-
-    import ffi
-    try:
-        ffi.register_all()
-    except (ffi.FfiBuildError, OSError) as err:
-        warnings.warn(f"CUDA decode kernels of ffi/ unavailable, using the Pallas kernels: {err}", stacklevel=2)
-        return False
-    return True
-
-
 def _ffi_fits(rows: int, dtype, n: int, k: int) -> bool:
     """Shapes the ffi/ GEMV takes: <= 8 bf16 rows (4 float32) per slot, N % 16 == 0, K % 128 == 0."""
     import ffi
@@ -123,50 +85,52 @@ def _ffi_fits(rows: int, dtype, n: int, k: int) -> bool:
     return dtype in (jnp.bfloat16, jnp.float32) and rows <= ffi.max_rows(dtype) and n % 16 == 0 and k % 128 == 0
 
 
-def _ffi_takes(x2: jax.Array, weight, routed: bool) -> bool:
-    """Whether the ffi/ decode GEMV takes rows x2 [R, K] times a quantized weight: 2-D (dense), or stacked FP4
-    experts [E, N, K] with one slot per routed row (routed); builds the kernels on first use (ffi_available)."""
+def _ffi_takes(x2: jax.Array, weight, routed: bool, plan: KernelPlan) -> bool:
+    """Whether the ffi/ decode GEMV takes rows x2 [R, K] times a quantized weight under `plan` (the kernels built):
+    2-D (dense), or stacked FP4 experts [E, N, K] with one slot per routed row (routed)."""
+    if not plan.ffi:
+        return False
     n, k = weight.shape[-2:]
     if routed:
         fits = (x2.shape[0] <= MAX_MOE_ROWS and _ffi_fits(1, x2.dtype, n, k)
                 and isinstance(weight, (Mxfp4Weight, Nvfp4Weight)))
     else:
         fits = _ffi_fits(x2.shape[0], x2.dtype, n, k)
-    return fits and ffi_available()
+    return fits
 
 
-def quantize_fp8(x: jax.Array, kernels: str) -> tuple[jax.Array, jax.Array]:
+def quantize_fp8(x: jax.Array, plan: KernelPlan) -> tuple[jax.Array, jax.Array]:
     """FP8 per-128 activation quantization (e4m3 [..., K], power-of-two float32 scales [..., K/128]): the Pallas
     quantize kernel on a kernel backend (bit-identical to the reference, pallas_kernels/quantize.py), else the
     reference (activations.quantize_fp8)."""
     from . import activations
 
-    backend = kernel_backend(kernels)
+    backend = plan.backend
     if backend is None:
         return activations.quantize_fp8(x)
     from pallas_kernels.quantize import quantize_fp8_kernel
     return quantize_fp8_kernel(x, interpret=backend == "interpret")
 
 
-def fp8_activation(x: jax.Array, kernels: str) -> jax.Array:
+def fp8_activation(x: jax.Array, plan: KernelPlan) -> jax.Array:
     """The FP8-quantized activation as exact x.dtype values (activations.fp8_activation), quantized by the kernel
     on a kernel backend."""
     from . import activations
 
-    if kernel_backend(kernels) is None:
+    if plan.backend is None:
         return activations.fp8_activation(x)
-    q, scale = quantize_fp8(x, kernels)
+    q, scale = quantize_fp8(x, plan)
     scale = jnp.repeat(scale, activations.FP8_ACT_BLOCK, axis=-1)[..., :x.shape[-1]]
     return (q.astype(jnp.float32) * scale).astype(x.dtype)
 
 
-def nvfp4_activation(x: jax.Array, kernels: str) -> tuple[jax.Array, jax.Array] | None:
+def nvfp4_activation(x: jax.Array, plan: KernelPlan) -> tuple[jax.Array, jax.Array] | None:
     """(NVFP4-quantized activation as exact x.dtype values, runtime per-row global scale [..., 1]) from the Pallas
     quantize kernel on a kernel backend (the same amax / (6 * 448) rule, computed in the kernel); None on the
     reference path (the caller quantizes with activations.nvfp4_activation)."""
     from .formats import e4m3_to_float, fp4_codes_to_float, unpack_fp4_codes
 
-    backend = kernel_backend(kernels)
+    backend = plan.backend
     if backend is None:
         return None
     from pallas_kernels.quantize import quantize_nvfp4_kernel
@@ -230,12 +194,12 @@ def _is_quantized_matrix(weight, ndim: int) -> bool:
     return isinstance(weight, (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight)) and len(weight.shape) == ndim
 
 
-def dense_matmul(x2: jax.Array, weight, kernels: str, call: str = "linear"):
+def dense_matmul(x2: jax.Array, weight, plan: KernelPlan, call: str = "linear"):
     """float32 x2 [M, K] @ dequant(W)^T (global scale included) through a kernel, or None: use the reference."""
-    backend = kernel_backend(kernels)
+    backend = plan.backend
     if not _is_quantized_matrix(weight, 2):
         return None
-    if backend == "cuda" and _ffi_takes(x2, weight, routed=False):
+    if backend == "cuda" and _ffi_takes(x2, weight, False, plan):
         import ffi
         _record(call, weight, backend, "ffi_gemv")
         return ffi.gemv(x2, weight, jnp.float32)
@@ -244,12 +208,12 @@ def dense_matmul(x2: jax.Array, weight, kernels: str, call: str = "linear"):
     return kernel(x2, weight, backend == "interpret") if kernel else None
 
 
-def prefill_matmul(x2: jax.Array, weight, activation_kind: str, kernels: str):
+def prefill_matmul(x2: jax.Array, weight, activation_kind: str, plan: KernelPlan):
     """float32 x2 [M, K] (M > 16 rows) @ dequant(W)^T on FP8 tensor cores with x2 quantized by the fp8 activation
     quantizer (`activation_kind` == "fp8"), or None: another path applies."""
     from pallas_kernels import prefill
 
-    backend = kernel_backend(kernels)
+    backend = plan.backend
     if (backend is None or activation_kind != "fp8" or x2.shape[0] <= MAX_DECODE_ROWS
             or not _is_quantized_matrix(weight, 2) or isinstance(weight, Nvfp4Weight)):
         return None
@@ -259,7 +223,7 @@ def prefill_matmul(x2: jax.Array, weight, activation_kind: str, kernels: str):
     _record("linear", weight, backend, "prefill_fp8")
     operand = prefill.fp8_weight_operand if isinstance(weight, Fp8BlockWeight) else prefill.mxfp4_weight_operand
     wq, sw = operand(weight)
-    xq, sx = quantize_fp8(x2, kernels)                                    # the FP8 quantize kernel
+    xq, sx = quantize_fp8(x2, plan)                                       # the FP8 quantize kernel
     return prefill.fp8_block_matmul(xq, sx, wq, sw, jnp.float32, interpret=backend == "interpret")
 
 
@@ -283,14 +247,14 @@ def _split_groups(w, groups: int):
     return None
 
 
-def group_matmul(x3: jax.Array, weight, kernels: str):
+def group_matmul(x3: jax.Array, weight, plan: KernelPlan):
     """Block-diagonal x3 [M, G, K] @ W [G * out, K]^T per group -> float32 [M, G, out], or None (reference)."""
-    backend = kernel_backend(kernels)
+    backend = plan.backend
     if not _is_quantized_matrix(weight, 2):
         return None
     stacked = _split_groups(weight, x3.shape[1]) if backend and _rows_fit(x3, x3.shape[0]) else None
     if (backend == "cuda" and stacked is not None and _ffi_fits(x3.shape[0], x3.dtype, *stacked.shape[-2:])
-            and ffi_available()):
+            and plan.ffi):
         import ffi
         _record("group_linear", weight, backend, "ffi_grouped_gemv")
         groups = jnp.arange(x3.shape[1], dtype=jnp.int32)                # slot g = group g's rows
@@ -307,15 +271,15 @@ def group_matmul(x3: jax.Array, weight, kernels: str):
     return jnp.swapaxes(y, 0, 1)
 
 
-def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, kernels: str):
+def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, plan: KernelPlan):
     """Rows xs [R, K] each times its own expert of a stacked FP4 weight -> float32 [R, N], or None (reference)."""
     from pallas_kernels import moe
 
-    backend = kernel_backend(kernels)
+    backend = plan.backend
     if not _is_quantized_matrix(weight, 3):
         return None
     n_experts, n, k = weight.shape
-    if backend == "cuda" and _ffi_takes(xs, weight, routed=True):
+    if backend == "cuda" and _ffi_takes(xs, weight, True, plan):
         import ffi
         _record("grouped_linear", weight, backend, "ffi_moe_gemv")
         return ffi.moe_gemv(xs, weight, row_experts, jnp.float32)
@@ -330,7 +294,7 @@ def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, kernels: str):
                           **_moe_schedule(xs, weight, unroll))
 
 
-def pair_matmul(x2: jax.Array, w_a, w_b, kernels: str, routed: bool):
+def pair_matmul(x2: jax.Array, w_a, w_b, plan: KernelPlan, routed: bool):
     """Two weights of one format times the same rows in one launch: a function (xq [R, K], row_experts [R] or None)
     -> float32 [R, N + N2] (w_a's products in columns 0 .. N), or None where no such kernel applies (the caller then
     makes two calls). The ffi/ decode GEMVs only. One shape (a gate and an up projection): each activation load and
@@ -341,8 +305,8 @@ def pair_matmul(x2: jax.Array, w_a, w_b, kernels: str, routed: bool):
     same_shape = tuple(w_a.shape) == tuple(w_b.shape)
     concat = not routed and not same_shape and isinstance(w_a, Fp8BlockWeight) and w_a.shape[1:] == w_b.shape[1:]
     if (type(w_a) is not type(w_b) or not _is_quantized_matrix(w_a, ndim) or not (same_shape or concat)
-            or kernel_backend(kernels) != "cuda" or not _ffi_takes(x2, w_a, routed)
-            or (concat and not _ffi_takes(x2, w_b, routed))):
+            or plan.backend != "cuda" or not _ffi_takes(x2, w_a, routed, plan)
+            or (concat and not _ffi_takes(x2, w_b, routed, plan))):
         return None
     import ffi
     if concat:

@@ -1,7 +1,7 @@
 """Matmuls against stored weights: the dispatcher between GPU kernels and the pure-jnp reference.
 
-Every function takes a weight in any stored format (bf16/fp32 array, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight)
-and an `act_quant` mode (design.md "Numerics modes"), passed explicitly by the caller:
+Every function takes a weight in any stored format (bf16/fp32 array, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight);
+the `act_quant` mode of the run context (design.md "Numerics modes") says how its input is quantized:
 
     act_quant   FP8 weight                      FP4 weight (MXFP4, NVFP4)            bf16 / fp32 weight
     "none"      x.dtype activations (W8A16)     x.dtype activations (W4A16)          x.dtype activations
@@ -18,8 +18,9 @@ float32, and the output is multiplied by the NVFP4 activation global scale x the
 every operand is exact this equals a tensor-core FP8 / FP4 GEMM with per-block rescaling up to float32 summation
 order.
 
-`kernels` ("auto" | "reference" | "pallas" | "interpret") picks between that reference and the GPU kernels of
-ffi/ and pallas_kernels/ (kernel_dispatch.py says which calls have a kernel). Activation quantization takes the
+Every function takes the run context `ctx` (dsv4_jax/run_context.py), a required keyword: `ctx.act_quant` is the
+mode above and `ctx.kernels` the kernel plan, which picks between that reference and the GPU kernels of ffi/ and
+pallas_kernels/ (kernel_dispatch.py says which calls have a kernel). Activation quantization takes the
 Pallas quantize kernels on a kernel backend; they are bit-identical to the jnp definition, so both paths see the
 same exact operands.
 """
@@ -55,15 +56,15 @@ def _nvfp4_activation_global_scale(x: jax.Array, weight, row_groups: jax.Array |
     return nvfp4_global_scale(x)
 
 
-def _quantize_input(x: jax.Array, weight, act_quant: str, kernels: str, row_groups=None):
+def _quantize_input(x: jax.Array, weight, ctx, row_groups=None):
     """(GEMM operand exact in x.dtype, per-row output factor [..., 1] float32 or None); the quantize kernels on a
     kernel backend (bit-identical), the jnp reference otherwise."""
-    kind = activation_quantizer(weight, act_quant)
+    kind = activation_quantizer(weight, ctx.act_quant)
     if kind == "none":
         return x, None
     if kind == "fp8":
-        return kernel_dispatch.fp8_activation(x, kernels), None
-    quantized = kernel_dispatch.nvfp4_activation(x, kernels)
+        return kernel_dispatch.fp8_activation(x, ctx.kernels), None
+    quantized = kernel_dispatch.nvfp4_activation(x, ctx.kernels)
     if quantized is not None:
         return quantized
     return nvfp4_activation(x, _nvfp4_activation_global_scale(x, weight, row_groups))
@@ -87,16 +88,16 @@ def _check_in_features(x: jax.Array, shape, what: str, ndim: int):
         raise ValueError(f"{what}: input has {x.shape[-1]} features but the weight {list(shape)} expects {shape[-1]}")
 
 
-def linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none", kernels: str = "auto") -> jax.Array:
+def linear(x: jax.Array, weight, out_dtype=None, *, ctx) -> jax.Array:
     """y = x @ W^T for W [out, in] in any stored format; fp32 accumulation; returns out_dtype (default x.dtype)."""
     check_weight(weight, "linear weight")
     _check_in_features(x, weight.shape, "linear", 2)
-    y = kernel_dispatch.prefill_matmul(x.reshape(-1, x.shape[-1]), weight, activation_quantizer(weight, act_quant),
-                                       kernels)
+    y = kernel_dispatch.prefill_matmul(x.reshape(-1, x.shape[-1]), weight,
+                                       activation_quantizer(weight, ctx.act_quant), ctx.kernels)
     if y is not None:
         return y.reshape(*x.shape[:-1], weight.shape[0]).astype(out_dtype or x.dtype)
-    xq, row_scale = _quantize_input(x, weight, act_quant, kernels)
-    y = kernel_dispatch.dense_matmul(xq.reshape(-1, x.shape[-1]), weight, kernels)
+    xq, row_scale = _quantize_input(x, weight, ctx)
+    y = kernel_dispatch.dense_matmul(xq.reshape(-1, x.shape[-1]), weight, ctx.kernels)
     if y is not None:
         y = y.reshape(*x.shape[:-1], weight.shape[0])
         return _rescale(y, row_scale, None).astype(out_dtype or x.dtype)
@@ -105,8 +106,7 @@ def linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none", ker
     return _rescale(y, row_scale, weight_scale).astype(out_dtype or x.dtype)
 
 
-def linear_pair(x: jax.Array, w_a, w_b, out_dtype=None, *, act_quant: str = "none",
-                kernels: str = "auto") -> tuple[jax.Array, jax.Array]:
+def linear_pair(x: jax.Array, w_a, w_b, out_dtype=None, *, ctx) -> tuple[jax.Array, jax.Array]:
     """(linear(x, w_a), linear(x, w_b)) for two weights of one input width, e.g. a gate and an up projection, or the
     attention's wq_a and wkv: one kernel launch where the decode kernels of ffi/ take both (decode rows on CUDA; one
     format and shape, or two FP8-block weights of one K), the input quantized once; otherwise two `linear` calls."""
@@ -114,11 +114,10 @@ def linear_pair(x: jax.Array, w_a, w_b, out_dtype=None, *, act_quant: str = "non
     for weight in (w_a, w_b):
         check_weight(weight, "linear_pair weight")
         _check_in_features(x, weight.shape, "linear_pair", 2)
-    kernel = kernel_dispatch.pair_matmul(x2, w_a, w_b, kernels, routed=False)
+    kernel = kernel_dispatch.pair_matmul(x2, w_a, w_b, ctx.kernels, routed=False)
     if kernel is None:
-        return (linear(x, w_a, out_dtype, act_quant=act_quant, kernels=kernels),
-                linear(x, w_b, out_dtype, act_quant=act_quant, kernels=kernels))
-    xq, row_scale = _quantize_input(x2, w_a, act_quant, kernels)
+        return linear(x, w_a, out_dtype, ctx=ctx), linear(x, w_b, out_dtype, ctx=ctx)
+    xq, row_scale = _quantize_input(x2, w_a, ctx)
     y = _rescale(kernel(xq, None), row_scale, None).astype(out_dtype or x.dtype)
     n, n2 = w_a.shape[0], w_b.shape[0]
     return y[:, :n].reshape(*x.shape[:-1], n), y[:, n:].reshape(*x.shape[:-1], n2)
@@ -141,14 +140,13 @@ def _grouped_kernel_output(y: jax.Array, row_scale, group_sizes: jax.Array, out_
     return jnp.where(real_row[:, None], _rescale(y, row_scale, None), 0).astype(out_dtype)
 
 
-def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array, out_dtype=None, *,
-                   act_quant: str = "none", kernels: str = "auto") -> jax.Array:
+def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array, out_dtype=None, *, ctx) -> jax.Array:
     """Rows of x [m, in] sorted by group; group g multiplies W[g]^T (W [G, out, in], e.g. stacked experts);
     rows past sum(group_sizes) give zeros. Returns [m, out]."""
     row_groups = _row_groups(x, weight, group_sizes, "grouped_linear")
     n_groups = weight.shape[0]
-    xq, row_scale = _quantize_input(x, weight, act_quant, kernels, row_groups)
-    y = kernel_dispatch.expert_matmul(xq, weight, jnp.clip(row_groups, 0, n_groups - 1), kernels)
+    xq, row_scale = _quantize_input(x, weight, ctx, row_groups)
+    y = kernel_dispatch.expert_matmul(xq, weight, jnp.clip(row_groups, 0, n_groups - 1), ctx.kernels)
     if y is not None:
         return _grouped_kernel_output(y, row_scale, group_sizes, out_dtype or x.dtype)
     w, weight_scale = dequantize_blocks(weight, x.dtype)
@@ -159,25 +157,24 @@ def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array, out_dtype=None,
 
 
 def grouped_linear_pair(x: jax.Array, w_a, w_b, group_sizes: jax.Array, out_dtype=None, *,
-                        act_quant: str = "none", kernels: str = "auto") -> tuple[jax.Array, jax.Array]:
+                        ctx) -> tuple[jax.Array, jax.Array]:
     """(grouped_linear(x, w_a, ...), grouped_linear(x, w_b, ...)) for two stacked weights of one input width, e.g.
     the routed experts' gate and up projections: one kernel launch where the decode kernels of ffi/ take both (one
     FP4 format and shape, decode rows on CUDA), the input quantized once; otherwise two `grouped_linear` calls."""
     row_groups = _row_groups(x, w_a, group_sizes, "grouped_linear_pair")
     _check_grouped_weight(x, w_b, "grouped_linear_pair")
-    kernel = kernel_dispatch.pair_matmul(x, w_a, w_b, kernels, routed=True)
+    kernel = kernel_dispatch.pair_matmul(x, w_a, w_b, ctx.kernels, routed=True)
     if kernel is None:
-        return (grouped_linear(x, w_a, group_sizes, out_dtype, act_quant=act_quant, kernels=kernels),
-                grouped_linear(x, w_b, group_sizes, out_dtype, act_quant=act_quant, kernels=kernels))
-    xq, row_scale = _quantize_input(x, w_a, act_quant, kernels, row_groups)
+        return (grouped_linear(x, w_a, group_sizes, out_dtype, ctx=ctx),
+                grouped_linear(x, w_b, group_sizes, out_dtype, ctx=ctx))
+    xq, row_scale = _quantize_input(x, w_a, ctx, row_groups)
     y = kernel(xq, jnp.clip(row_groups, 0, w_a.shape[0] - 1))
     y = _grouped_kernel_output(y, row_scale, group_sizes, out_dtype or x.dtype)
     n = w_a.shape[1]
     return y[:, :n], y[:, n:]
 
 
-def group_linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none",
-                 kernels: str = "auto") -> jax.Array:
+def group_linear(x: jax.Array, weight, out_dtype=None, *, ctx) -> jax.Array:
     """Block-diagonal linear (the grouped output projection wo_a): x [..., G, in], W [G * out, in]; group g
     multiplies rows [g * out, (g + 1) * out) of W. Returns [..., G, out]."""
     check_weight(weight, "group_linear weight")
@@ -185,8 +182,8 @@ def group_linear(x: jax.Array, weight, out_dtype=None, *, act_quant: str = "none
     groups, (rows, cols) = x.shape[-2], weight.shape
     if rows % groups:
         raise ValueError(f"group_linear: {rows} weight rows do not split into {groups} groups")
-    xq, row_scale = _quantize_input(x, weight, act_quant, kernels)
-    y = kernel_dispatch.group_matmul(xq.reshape(-1, groups, cols), weight, kernels)
+    xq, row_scale = _quantize_input(x, weight, ctx)
+    y = kernel_dispatch.group_matmul(xq.reshape(-1, groups, cols), weight, ctx.kernels)
     if y is not None:
         y = y.reshape(*x.shape[:-1], rows // groups)
         return _rescale(y, row_scale, None).astype(out_dtype or x.dtype)

@@ -1,0 +1,84 @@
+"""The kernel plan: which kernel backend a compiled program uses, decided once for the device it will run on.
+
+    plan = plan_kernels("auto")                    # JAX's default device; builds the ffi/ kernels on a CUDA GPU
+    plan = plan_kernels("pallas", device=h200)     # a jax Device or jax.sharding.AbstractDevice to compile for
+
+A plan is a frozen, hashable value: it travels inside the run context (dsv4_jax/run_context.py) as a static
+argument of every jitted program, so tracing never probes the devices and never builds a library. Which call takes
+which kernel under a plan, from static shapes only: quant/kernel_dispatch.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+
+KERNEL_MODES = ("auto", "reference", "pallas", "interpret")
+BACKENDS = (None, "cuda", "pallas", "interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """mode: what was asked ("auto", "reference", "pallas", "interpret"); backend: what runs, None (the pure-jnp
+    reference everywhere), "cuda" (the ffi/ CUDA GEMVs where they apply when `ffi`, the Pallas kernels for the
+    rest), "pallas" (the Pallas kernels only) or "interpret" (the Pallas kernels in interpret mode); ffi: the ffi/
+    kernels are built and registered in this process; target: the device kind planned for."""
+    mode: str
+    backend: str | None
+    ffi: bool = False
+    target: str = ""
+
+    def __post_init__(self):
+        if self.mode not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.mode!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"kernel backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.ffi and self.backend != "cuda":
+            raise ValueError(f"the ffi/ kernels run only on the 'cuda' backend, not {self.backend!r}")
+
+
+REFERENCE = KernelPlan("reference", None)
+
+
+def is_nvidia_gpu(device) -> bool:
+    """Whether `device` (a jax Device or AbstractDevice) is an NVIDIA GPU (the Pallas kernels here are CUDA-only)."""
+    return device.platform == "gpu" and "nvidia" in device.device_kind.lower()
+
+
+@functools.cache
+def ffi_available() -> bool:
+    """Whether the CUDA kernels of ffi/ are built and registered (building them now if needed) for this process's
+    GPU; warns once and returns False when nvcc is missing or the build or the library load fails (the Pallas
+    kernels then take their calls)."""
+    import ffi
+    try:
+        ffi.register_all()
+    except (ffi.FfiBuildError, OSError) as err:
+        warnings.warn(f"CUDA decode kernels of ffi/ unavailable, using the Pallas kernels: {err}", stacklevel=2)
+        return False
+    return True
+
+
+def plan_kernels(mode: str, device=None) -> KernelPlan:
+    """The plan for a `kernels` mode on `device` (default: JAX's default device). "auto": the CUDA kernels on an
+    NVIDIA GPU (ffi/ built now, once per process; on an AbstractDevice, which has no GPU to build for, the Pallas
+    kernels), the reference elsewhere. "pallas" needs an NVIDIA GPU as the device (or as the compile target)."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {mode!r}")
+    device = jax.devices()[0] if device is None else device
+    target = device.device_kind
+    nvidia = is_nvidia_gpu(device)
+    if mode == "reference" or (mode == "auto" and not nvidia):
+        return KernelPlan(mode, None, target=target)
+    if mode == "interpret":
+        return KernelPlan(mode, "interpret", target=target)
+    if not nvidia:
+        raise ValueError(f"kernels='pallas' needs an NVIDIA GPU, and the device is {target!r} "
+                         f"({device.platform}); use 'interpret' to run the Pallas kernels here, or 'reference'")
+    if mode == "pallas":
+        return KernelPlan(mode, "pallas", target=target)
+    real_gpu = isinstance(device, jax.Device)
+    return KernelPlan(mode, "cuda", ffi=real_gpu and ffi_available(), target=target)

@@ -1,0 +1,86 @@
+"""The run context: how a compiled program runs, as one static value that every model function takes (`ctx`).
+
+    ctx = RunContext.create(dtype="float32", act_quant="fp8", kernels="auto")   # resolves the kernel plan now
+    logits = engine.forward(params, tokens, cfg=cfg, ctx=ctx)
+
+It holds the numerics (design.md "Numerics modes"), the kernel plan resolved for a device (quant/kernel_plan.py)
+and, for training, `Training`. Every layer and every matmul takes it as a required argument, so no call can fall
+back to a default mode, and a new option is a new field here, not a new parameter of every function. It is frozen
+and hashable: a static argument of jit, one compiled program per distinct context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from .quant.kernel_plan import KernelPlan, plan_kernels
+from .quant.linear import ACT_QUANT_MODES
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """What a training forward pass needs from the model (scripts/train_tiny.py uses it):
+
+    straight_through  the fake-quant roundings (FP8 KV, Hadamard + FP4 indexer q / keys) pass gradients through
+                      unchanged (straight-through estimator): the derivative of a cast to float8 / float4 is zero,
+                      so otherwise no gradient reaches the KV projections.
+    moe_capacity      > 0: the routed experts as one batched matmul over per-expert slots of capacity
+                      ceil(factor * tokens * top_k / experts), assignments past it dropped (GShard); on the CPU,
+                      ragged_dot runs every expert over every row, so this is what makes training affordable there.
+
+    Under training every layer also returns its statistics (model.block): `expert_load` [E] (how many of the
+    chunk's assignments each expert got, score-routed layers) and `indexer_kl` (CSA layers: the KL divergence from
+    the main attention's distribution over the compressed entries to the indexer's, on detached inputs, so that it
+    trains only the indexer; layers/indexer_loss.py)."""
+    straight_through: bool = True
+    moe_capacity: float = 0.0
+
+    def __post_init__(self):
+        if self.moe_capacity < 0:
+            raise ValueError(f"moe_capacity must be >= 0, got {self.moe_capacity}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+    """dtype: activations ("bfloat16" | "float32"); simulate_quant: the model's trained fake-quant roundings;
+    act_quant: activation quantization into quantized weights ("none" | "fp8" | "nvfp4", quant/linear.py);
+    kernels: the resolved KernelPlan; training: None for inference."""
+    dtype: str
+    simulate_quant: bool
+    act_quant: str
+    kernels: KernelPlan
+    training: Training | None = None
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.act_quant not in ACT_QUANT_MODES:
+            raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, got {self.act_quant!r}")
+        if not isinstance(self.kernels, KernelPlan):
+            raise TypeError(f"RunContext.kernels must be a KernelPlan, got {self.kernels!r} (RunContext.create "
+                            f"resolves a mode)")
+        if self.training is not None and not isinstance(self.training, Training):
+            raise TypeError(f"RunContext.training must be a Training or None, got {self.training!r}")
+
+    @classmethod
+    def create(cls, dtype: str = "bfloat16", simulate_quant: bool = True, act_quant: str = "none",
+               kernels: str | KernelPlan = "auto", training: Training | None = None, device=None) -> RunContext:
+        """A context with its kernel plan resolved now for `device` (default: JAX's default device; a
+        jax.sharding.AbstractDevice to compile for one that is not attached), unless `kernels` is a plan already."""
+        plan = kernels if isinstance(kernels, KernelPlan) else plan_kernels(kernels, device)
+        return cls(dtype, simulate_quant, act_quant, plan, training)
+
+    @property
+    def jnp_dtype(self):
+        return DTYPES[self.dtype]
+
+    def replace(self, **changes) -> RunContext:
+        return dataclasses.replace(self, **changes)
+
+    def without_act_quant(self) -> RunContext:
+        """This context for a matmul whose input is never quantized (the grouped output projection wo_a, the head)."""
+        return self if self.act_quant == "none" else self.replace(act_quant="none")
