@@ -8,24 +8,25 @@ What is trained: `default_config()` below (6 layers: window-only + hash-routed, 
 CSA, then one window-only MTP block; mHC with 4 streams; 16 routed experts top-2 plus a shared expert). The
 parameter tree has the structure of `dsv4_jax.params.weight_specs` with float32 arrays at every leaf (FP8 linears as
 dense [out, in], routed experts as dense [E, out, in]); the model code (`dsv4_jax.model.backbone`, `head_logits`,
-`mtp_block`) runs unchanged on it with `RunOptions(dtype="float32", simulate_quant=True)`.
+`mtp_block`) runs on it with a float32 training run context (below).
 
 Loss = next-token cross-entropy + `--mtp-weight` x the MTP block's next-next-token cross-entropy + `--indexer-weight`
 x the indexer's KL loss (below). Optimiser: AdamW written here (no optax dependency), linear warmup + cosine decay,
 global-norm clipping.
 
-Things the model code does not provide for training, and how this script supplies them (all local to this process,
-installed by `install_training_hooks`):
+What training needs from the model is part of the model, asked for with `RunContext(training=Training(...))`
+(dsv4_jax/run_context.py):
 
 - Straight-through fake quant. The architecture's activation roundings (KV nope dims -> FP8, indexer q / keys ->
-  Hadamard + FP4) cast through float8/float4 dtypes, and JAX's derivative of those casts is zero (the cotangent is
-  itself cast to the narrow type), so no gradient would reach the KV projections. The module-level references to
-  `fp8_fake_quant` / `fp4_fake_quant` in `layers.attention` and `layers.compressor` are replaced by custom-VJP
-  versions: forward exactly the original rounding, backward the identity (straight-through estimator).
+  Hadamard + FP4) cast through float8/float4 dtypes, and JAX's derivative of those casts is zero, so no gradient
+  would reach the KV projections; under training they pass the gradient through unchanged.
 - Lightning-indexer training. The indexer only chooses which compressed entries a CSA query reads (top-k), so the
-  language-model loss gives its weights no gradient. As in DeepSeek-V3.2's DSA, each CSA layer adds a KL loss
+  language-model loss gives its weights no gradient. As in DeepSeek-V3.2's DSA, each CSA layer returns a KL loss
   between the main attention's distribution over the compressed entries (summed over heads, normalised; a constant
-  target) and the softmax of the indexer scores, on detached inputs, so it trains only the indexer.
+  target) and the softmax of the indexer scores, on detached inputs, so it trains only the indexer
+  (dsv4_jax/layers/indexer_loss.py).
+- Capacity-slot routed experts (`--moe-capacity`, the default on the CPU), where lax.ragged_dot would run every
+  expert over every row.
 - Aux-loss-free load balancing (DeepSeek-V3): after every step each score-routed layer's `gate.bias` moves by
   `--bias-rate` x sign(mean load - load of expert e). Hash-routed layers use a fixed seeded random `tid2eid`
   (K distinct experts per token id).
@@ -190,166 +191,14 @@ def mxfp4_quant(w: jax.Array) -> jax.Array:
 def apply_qat(params: dict, fp8_names, fp4_names, qat) -> dict:
     """Forward with the shipped quantization when qat == 1 (straight-through), the master weights when qat == 0."""
     out = dict(params)
-    for name in fp8_names:
+    # sorted: a set's order changes from process to process, and with it the program (no compilation cache hit)
+    for name in sorted(fp8_names):
         w = params[name]
         out[name] = w + qat * jax.lax.stop_gradient(fp8_block_quant(w) - w)
-    for name in fp4_names:
+    for name in sorted(fp4_names):
         w = params[name]
         out[name] = w + qat * jax.lax.stop_gradient(mxfp4_quant(w) - w)
     return out
-
-
-# ---- training hooks (see the module docstring) ----------------------------------------------------------------
-
-_RECORD: dict = {"active": False, "loads": [], "indexer_kl": [], "attn": None}
-
-
-def _straight_through(fn):
-    """fn(x) forward, identity backward."""
-    @jax.custom_vjp
-    def wrapped(x):
-        return fn(x)
-
-    def fwd(x):
-        return fn(x), None
-
-    def bwd(_, g):
-        return (g,)
-
-    wrapped.defvjp(fwd, bwd)
-    return wrapped
-
-
-def _indexer_kl(idx_params, attn_params, cfg, x, q_latent, positions, inv_freq, simulate_quant):
-    """KL(main attention over compressed entries || indexer distribution) for one CSA layer, on detached inputs."""
-    from dsv4_jax.layers import attention as attn_mod
-    from dsv4_jax.layers.compressor import compressor_update, init_compressor_state
-    from dsv4_jax.layers.norm import rms_norm
-    from dsv4_jax.layers.rope import apply_rope
-    from dsv4_jax.quant import linear
-    batch, seq, _ = x.shape
-    x = jax.lax.stop_gradient(x)
-    q_latent = jax.lax.stop_gradient(q_latent)
-    start = positions[:, 0]
-    n_valid = jnp.full((batch,), seq, jnp.int32)
-    n_entries = seq // 4
-    visible = jnp.arange(n_entries)[None, None, :] < ((positions + 1) // 4)[:, :, None]      # [B, S, N]
-
-    # Target: the main attention's logits on the compressed entries (all of them, before top-k).
-    sg = jax.lax.stop_gradient
-    ap = jax.tree_util.tree_map(sg, attn_params)
-    q = linear(q_latent, ap["wq_b"]["weight"]).reshape(batch, seq, cfg.n_heads, cfg.head_dim)
-    q = apply_rope(rms_norm(q, None, cfg.norm_eps), positions[:, :, None], inv_freq)
-    comp, _ = compressor_update(ap["compressor"], x, start, n_valid, init_compressor_state(batch, 4, cfg.head_dim),
-                                jnp.zeros((batch, n_entries, cfg.head_dim), x.dtype), ratio=4,
-                                head_dim=cfg.head_dim, nope_dim=cfg.nope_head_dim, inv_freq=inv_freq, rotate=False,
-                                simulate_quant=simulate_quant, norm_eps=cfg.norm_eps)
-    logits = jnp.einsum("bshd,bnd->bshn", q, comp) * cfg.head_dim ** -0.5
-    probs = jax.nn.softmax(jnp.where(visible[:, :, None, :], logits, -jnp.inf), axis=-1)
-    target = jnp.sum(jnp.nan_to_num(probs), axis=2)
-    target = sg(target / jnp.maximum(jnp.sum(target, axis=-1, keepdims=True), 1e-9))
-
-    # Prediction: the indexer's scores (same math as attention.indexer_select), differentiable in its weights.
-    keys, _ = compressor_update(idx_params["compressor"], x, start, n_valid,
-                                init_compressor_state(batch, 4, cfg.index_head_dim),
-                                jnp.zeros((batch, n_entries, cfg.index_head_dim), x.dtype), ratio=4,
-                                head_dim=cfg.index_head_dim, nope_dim=cfg.index_head_dim - cfg.rope_head_dim,
-                                inv_freq=inv_freq, rotate=True, simulate_quant=simulate_quant, norm_eps=cfg.norm_eps)
-    qi = linear(q_latent, idx_params["wq_b"]["weight"]).reshape(batch, seq, cfg.index_n_heads, cfg.index_head_dim)
-    qi = apply_rope(qi, positions[:, :, None], inv_freq)
-    if simulate_quant:
-        qi = attn_mod.fp4_fake_quant(attn_mod.hadamard(qi))
-    hw = linear(x, idx_params["weights_proj"]["weight"], out_dtype=jnp.float32)
-    hw = hw * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
-    scores = jnp.einsum("bshd,bnd->bshn", qi.astype(jnp.float32), keys.astype(jnp.float32))
-    scores = jnp.einsum("bshn,bsh->bsn", jax.nn.relu(scores), hw)
-    logp = jax.nn.log_softmax(jnp.where(visible, scores, -1e30), axis=-1)
-    kl = jnp.sum(jnp.where(visible, target * (jnp.log(jnp.maximum(target, 1e-9)) - logp), 0.0), axis=-1)
-    has = visible[:, :, 0]
-    return jnp.sum(jnp.where(has, kl, 0.0)) / jnp.maximum(jnp.sum(has), 1)
-
-
-def capacity_routed_experts(capacity_factor: float):
-    """A drop-in for layers.moe.routed_experts that computes the experts as one batched matmul over fixed-size
-    per-expert slots (GShard-style capacity C = ceil(factor * T * K / E); assignments past an expert's capacity,
-    in token order, are dropped). On CPU, lax.ragged_dot runs every group over every row (~E times the work), so
-    this is what makes CPU training affordable; with balanced routing almost nothing is dropped."""
-    from dsv4_jax.layers.moe import clamped_swiglu
-    from dsv4_jax.quant import dequantize
-
-    def routed_experts(params, cfg, x, expert_ids, weights, act_quant="none", kernels="auto"):
-        n_tokens, k = expert_ids.shape
-        n_exp = cfg.n_routed_experts
-        cap = max(1, math.ceil(capacity_factor * n_tokens * k / n_exp))
-        flat = expert_ids.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        sorted_ids = flat[order]
-        sizes = jnp.bincount(flat, length=n_exp)
-        first = jnp.cumsum(sizes) - sizes
-        rank = jnp.arange(flat.shape[0]) - first[sorted_ids]
-        keep = rank < cap
-        slot = jnp.where(keep, sorted_ids * cap + rank, n_exp * cap)
-        token_of = order // k
-        xs = jnp.zeros((n_exp * cap, x.shape[-1]), x.dtype).at[slot].set(x[token_of], mode="drop")
-        ws = jnp.zeros((n_exp * cap,), jnp.float32).at[slot].set(weights.reshape(-1)[order], mode="drop")
-        xs = xs.reshape(n_exp, cap, -1)
-        w1, w3, w2 = (dequantize(params[p]["weight"], x.dtype) for p in ("w1", "w3", "w2"))
-        gate = jnp.einsum("ecd,eid->eci", xs, w1, preferred_element_type=jnp.float32)
-        up = jnp.einsum("ecd,eid->eci", xs, w3, preferred_element_type=jnp.float32)
-        h = clamped_swiglu(gate, up, cfg.swiglu_limit) * ws.reshape(n_exp, cap, 1)
-        y = jnp.einsum("eci,edi->ecd", h.astype(x.dtype), w2, preferred_element_type=jnp.float32)
-        y = y.reshape(n_exp * cap, -1)[jnp.minimum(slot, n_exp * cap - 1)] * keep[:, None]
-        return jnp.zeros((n_tokens, x.shape[-1]), jnp.float32).at[token_of].add(y)
-
-    return routed_experts
-
-
-def install_training_hooks(moe_capacity: float = 0.0):
-    """Patch this process's model modules for training (idempotent); inference code paths are unchanged.
-    `moe_capacity` > 0 replaces the routed experts' grouped matmul by capacity-slot dispatch."""
-    from dsv4_jax import model as model_mod
-    from dsv4_jax.layers import attention as attn_mod
-    from dsv4_jax.layers import compressor as comp_mod
-    from dsv4_jax.layers import moe as moe_mod
-    from dsv4_jax.quant import fake_quant
-    if getattr(moe_mod, "_train_tiny_hooked", False):
-        return
-    fp8_ste = _straight_through(fake_quant.fp8_fake_quant)
-    fp4_ste = _straight_through(fake_quant.fp4_fake_quant)
-    for mod in (attn_mod, comp_mod):
-        mod.fp8_fake_quant = fp8_ste
-        mod.fp4_fake_quant = fp4_ste
-
-    orig_route = moe_mod.route
-
-    def route(params, cfg, x, token_ids, hash_routed):
-        expert_ids, weights = orig_route(params, cfg, x, token_ids, hash_routed)
-        if _RECORD["active"] and not hash_routed:
-            _RECORD["loads"].append(jnp.bincount(expert_ids.reshape(-1), length=cfg.n_routed_experts))
-        return expert_ids, weights
-
-    orig_attention = model_mod.attention
-
-    def attention(params, *args, **kwargs):
-        _RECORD["attn"] = params
-        return orig_attention(params, *args, **kwargs)
-
-    orig_select = attn_mod.indexer_select
-
-    def indexer_select(params, cfg, x, q_latent, positions, index_keys, inv_freq, simulate_quant, act_quant="none",
-                       kernels="auto"):
-        if _RECORD["active"]:
-            _RECORD["indexer_kl"].append(_indexer_kl(params, _RECORD["attn"], cfg, x, q_latent, positions, inv_freq,
-                                                     simulate_quant))
-        return orig_select(params, cfg, x, q_latent, positions, index_keys, inv_freq, simulate_quant, act_quant,
-                           kernels)
-
-    moe_mod.route = route
-    if moe_capacity > 0:
-        moe_mod.routed_experts = capacity_routed_experts(moe_capacity)
-    model_mod.attention = attention
-    attn_mod.indexer_select = indexer_select
-    moe_mod._train_tiny_hooked = True
 
 
 # ---- loss -----------------------------------------------------------------------------------------------------
@@ -360,8 +209,9 @@ def _cross_entropy(logits, targets, mask):
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
-def forward_losses(params, buffers, inputs, targets, mask, next_targets, next_mask, qat, *, cfg, opts, qnames):
-    """Sums and counts of the main and MTP cross-entropies, the mean indexer KL, and the per-layer expert loads."""
+def forward_losses(params, buffers, inputs, targets, mask, next_targets, next_mask, qat, *, cfg, ctx, qnames):
+    """Sums and counts of the main and MTP cross-entropies, the mean indexer KL over the CSA layers, and the
+    expert loads of the score-routed layers [layers, E] (the model's training statistics, ctx.training)."""
     from dsv4_jax.model import backbone, head_logits, mtp_block
     from dsv4_jax.state import init_state
     batch, seq = inputs.shape
@@ -369,16 +219,15 @@ def forward_losses(params, buffers, inputs, targets, mask, next_targets, next_ma
     state = init_state(cfg, batch, seq, jnp.float32)
     start = jnp.zeros((batch,), jnp.int32)
     n_valid = jnp.full((batch,), seq, jnp.int32)
-    _RECORD.update(active=True, loads=[], indexer_kl=[])
-    try:
-        X, _ = backbone(tree, cfg, opts, inputs, start, n_valid, state.layers)
-        main_sum, main_count = _cross_entropy(head_logits(tree, tree, cfg, X), targets, mask)
-        mtp_logits, _ = mtp_block(tree, cfg, opts, X, targets, start, n_valid, state.mtp[0])
-        mtp_sum, mtp_count = _cross_entropy(mtp_logits, next_targets, next_mask)
-        kl = sum(_RECORD["indexer_kl"]) / max(len(_RECORD["indexer_kl"]), 1)
-        loads = jnp.stack(_RECORD["loads"]) if _RECORD["loads"] else jnp.zeros((0, cfg.n_routed_experts))
-    finally:
-        _RECORD.update(active=False, loads=[], indexer_kl=[], attn=None)
+    X, _, stats = backbone(tree, cfg, ctx, inputs, start, n_valid, state.layers)
+    main_sum, main_count = _cross_entropy(head_logits(tree, tree, cfg, X, ctx), targets, mask)
+    mtp_logits, _, mtp_stats = mtp_block(tree, cfg, ctx, X, targets, start, n_valid, state.mtp[0])
+    mtp_sum, mtp_count = _cross_entropy(mtp_logits, next_targets, next_mask)
+    stats = stats + [mtp_stats]
+    kls = [s["indexer_kl"] for s in stats if "indexer_kl" in s]
+    kl = sum(kls) / max(len(kls), 1)
+    loads = [s["expert_load"] for s in stats if "expert_load" in s]
+    loads = jnp.stack(loads) if loads else jnp.zeros((0, cfg.n_routed_experts))
     return main_sum, main_count, mtp_sum, mtp_count, kl, loads
 
 
@@ -548,13 +397,13 @@ def main(argv=None):
         ap.error("--seq-len must be >= 256 so that the ratio-128 (HCA) layers produce compressed entries")
 
     from tokenizers import Tokenizer
-    from dsv4_jax.model import RunOptions
+    from dsv4_jax.run_context import RunContext, Training
 
     if args.moe_capacity < 0:
         args.moe_capacity = 2.0 if jax.default_backend() == "cpu" else 0.0
-    install_training_hooks(args.moe_capacity)
     cfg = default_config()
-    opts = RunOptions(dtype="float32", simulate_quant=not args.no_simulate_quant)
+    ctx = RunContext.create(dtype="float32", simulate_quant=not args.no_simulate_quant, kernels="reference",
+                            training=Training(straight_through=True, moe_capacity=args.moe_capacity))
     qnames = tuple(frozenset(s) for s in quant_names(cfg))
     t0 = time.time()
     tokenizer = Tokenizer.from_file(args.tokenizer)
@@ -577,7 +426,7 @@ def main(argv=None):
     opt = adamw_init(params)
     decay_names = frozenset(k for k, v in params_np.items() if k.endswith(".weight") and v.ndim >= 2)
     score_bias_names = [s.name for s in weight_specs(cfg) if s.name.endswith("gate.bias")]
-    losses = functools.partial(forward_losses, cfg=cfg, opts=opts, qnames=qnames)
+    losses = functools.partial(forward_losses, cfg=cfg, ctx=ctx, qnames=qnames)
 
     def loss_fn(params, buffers, tokens, qat):
         inputs, targets, mask, nxt, nmask = split_batch(tokens)
