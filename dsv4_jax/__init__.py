@@ -13,15 +13,22 @@ from . import presets  # noqa: F401
 from .api import GenerationResult, Model  # noqa: F401
 from .config import ModelConfig, from_hf_config, load_hf_config  # noqa: F401
 from .module import DeepseekV4  # noqa: F401
+from .sharding import make_mesh  # noqa: F401
 
 
-def init_random(config: ModelConfig, seed: int = 0, quantize_head: bool = False, **options) -> Model:
-    """A model with random weights in the stored formats (an NVFP4 head with `quantize_head`); options as for
-    `load`."""
+def init_random(config: ModelConfig, seed: int = 0, quantize_head: bool = False, mesh=None, **options) -> Model:
+    """A model with random weights in the stored formats (an NVFP4 head with `quantize_head`), generated on the
+    device (on a `mesh`: each device generates its own shards, no host copy); options as for `load`."""
     from .params import init_params
+    from .sharding import check_mesh, param_shardings
     stored = {"head.weight": "nvfp4"} if quantize_head else None
-    params = jax.jit(lambda key: init_params(config, key, stored))(jax.random.PRNGKey(seed))
-    return Model(config, params, **options)
+    make = lambda key: init_params(config, key, stored)  # noqa: E731
+    shardings = None
+    if mesh is not None:
+        check_mesh(config, mesh)
+        shardings = param_shardings(config, mesh, jax.eval_shape(make, jax.random.PRNGKey(seed)))
+    params = jax.jit(make, out_shardings=shardings)(jax.random.PRNGKey(seed))
+    return Model(config, params, mesh=mesh, **options)
 
 
 def save(model, directory: str) -> None:
@@ -38,23 +45,22 @@ def load(path, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int 
     (MXFP4 or NVFP4 routed experts), or a directory written by `save` (Orbax). `quantize_head=True` quantizes the
     bf16 lm_head to NVFP4 once at load (standard recipe, on device) and frees the bf16 copy; the router gate is
     never quantized. `kernels` is planned once, here, for `target` (default: JAX's default device; Model says
-    more)."""
+    more). `mesh` (make_mesh): each tensor goes from its memory map straight to the devices that hold its shards
+    (sharding.RULES: the routed experts split on the "expert" axis, the rest replicated)."""
     import os
 
     from .checkpoint import CheckpointError, load_params
     from .orbax_checkpoint import is_orbax_checkpoint, restore
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a directory (expected an official DeepSeek-V4 checkpoint)")
-    if mesh is not None:
-        raise NotImplementedError("multi-device loading (mesh=...) is not implemented yet")
     if is_orbax_checkpoint(path):
         if quantize_head:
             raise ValueError(f"{path}: quantize_head applies to official checkpoints; this one was saved with its "
                              f"head as it is")
-        cfg, module = restore(path)
+        cfg, module = restore(path)           # on the default device; Model places it on a mesh
         params = module.params()
     else:
-        cfg, params = load_params(path, progress=progress, quantize_head=quantize_head)
+        cfg, params = load_params(path, progress=progress, quantize_head=quantize_head, mesh=mesh)
     return Model(cfg, params, dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant,
                  max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk, track_mtp=track_mtp,
-                 kernels=kernels, target=target)
+                 kernels=kernels, target=target, mesh=mesh)

@@ -8,6 +8,7 @@ shape) on `model.params`, the engine's parameter tree of the module's arrays (th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -17,11 +18,23 @@ import numpy as np
 from . import engine
 from .config import ModelConfig
 from .run_context import RunContext
+from .sharding import check_mesh, param_shardings, state_shardings
 from .module import DeepseekV4
 from .state import DecodeState, init_state, state_bytes
 
 
 _init_state_jit = jax.jit(init_state, static_argnums=(0, 1, 2, 3))   # one program instead of many small ops
+
+
+@functools.cache
+def _state_maker(cfg: ModelConfig, batch: int, max_seq_len: int, dtype, mesh):
+    shapes = jax.eval_shape(lambda: init_state(cfg, batch, max_seq_len, dtype))
+    return jax.jit(lambda: init_state(cfg, batch, max_seq_len, dtype), out_shardings=state_shardings(shapes, mesh))
+
+
+def _init_state_on_mesh(cfg: ModelConfig, batch: int, max_seq_len: int, dtype, mesh) -> DecodeState:
+    """A fresh state made on the mesh's devices, each buffer's batch rows on the "data" axis."""
+    return _state_maker(cfg, batch, max_seq_len, dtype, mesh)()
 
 
 @dataclasses.dataclass
@@ -33,11 +46,17 @@ class GenerationResult:
 class Model:
     def __init__(self, cfg: ModelConfig, params, *, dtype: str = "bfloat16", simulate_quant: bool = True,
                  act_quant: str = "none", max_seq_len: int = 4096, max_batch: int = 1, prefill_chunk: int = 512,
-                 track_mtp: bool = False, kernels: str = "auto", target=None):
+                 track_mtp: bool = False, kernels: str = "auto", target=None, mesh=None):
         """`kernels`: a mode ("auto", "reference", "pallas", "interpret") planned for `target` (a jax Device or
-        jax.sharding.AbstractDevice to compile for; default: JAX's default device), or a KernelPlan."""
+        jax.sharding.AbstractDevice to compile for; default: the mesh's first device, else JAX's default device),
+        or a KernelPlan. `mesh` (sharding.make_mesh): the devices the model runs on; parameters not yet placed on
+        it are placed by sharding.RULES, and decode states are made on it."""
         self.config = cfg
-        self.context = RunContext.create(dtype, simulate_quant, act_quant, kernels, device=target)
+        self.mesh = mesh
+        if mesh is not None:
+            check_mesh(cfg, mesh, max_batch)
+            params = jax.device_put(params, param_shardings(cfg, mesh, params))    # no copy where already placed
+        self.context = RunContext.create(dtype, simulate_quant, act_quant, kernels, device=target, mesh=mesh)
         self.module = DeepseekV4(cfg, params=params, context=self.context)
         # Regrouped once, not per call: a step's jitted program takes this tree (no Python walk of the module).
         # After replacing a variable of `module`, build a new Model from `module.params()`.
@@ -84,7 +103,9 @@ class Model:
     def init_state(self, batch: int | None = None) -> DecodeState:
         batch = self.max_batch if batch is None else batch
         self._check_batch(batch)
-        return _init_state_jit(self.config, batch, self.max_seq_len, self.context.jnp_dtype)
+        if self.mesh is None:
+            return _init_state_jit(self.config, batch, self.max_seq_len, self.context.jnp_dtype)
+        return _init_state_on_mesh(self.config, batch, self.max_seq_len, self.context.jnp_dtype, self.mesh)
 
     def state_bytes(self, batch: int | None = None) -> int:
         return state_bytes(self.config, self.max_batch if batch is None else batch, self.max_seq_len,

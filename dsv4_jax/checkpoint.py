@@ -28,7 +28,9 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig, load_hf_config
-from .params import WeightSpec, disk_tensor_specs, expert_disk_names, is_expert_stack, tree_set, weight_specs
+from .params import (WeightSpec, disk_tensor_specs, expert_disk_names, init_params, is_expert_stack, tree_get,
+                     tree_set, weight_specs)
+from .sharding import expert_slice
 from .quant.formats import NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from .quant.kernel_dispatch import nvfp4_weights_kernels_approximate
 
@@ -66,6 +68,10 @@ class SafetensorsFile:
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
         entry = self.entries[name]
         return entry["dtype"], tuple(entry["shape"])
+
+    def nbytes(self, name: str) -> int:
+        begin, end = self.entries[name]["data_offsets"]
+        return end - begin
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as stored (uint8, memory-mapped)."""
@@ -257,17 +263,47 @@ def _positive_scalars(names: list[str], read) -> np.ndarray:
     return values
 
 
-def _read_experts(spec: WeightSpec, read):
+def _place(shape: tuple, sharding, read_slice):
+    """A device array of `shape` whose shards come from read_slice(index) (numpy, read from the memory map): on a
+    mesh each device's slice only; without one the whole array to the default device."""
+    if sharding is None:
+        return jnp.asarray(read_slice(tuple(slice(None) for _ in shape)))
+    return jax.make_array_from_callback(shape, sharding, read_slice)
+
+
+def _place_tensor(array: np.ndarray, sharding):
+    """One checkpoint tensor (a memory-mapped view) onto its devices."""
+    return _place(array.shape, sharding, lambda index: np.ascontiguousarray(array[index]))
+
+
+def _place_stack(names: list[str], read, sharding, convert=lambda a: a):
+    """The stack [E, ...] of one tensor per expert (`names`), each device's shard stacked from its own experts
+    only (sharding.expert_slice), so no host copy of the whole stack exists on a mesh."""
+    first = convert(read(names[0]))
+    shape = (len(names), *first.shape)
+
+    def read_slice(index):
+        experts = expert_slice(index, len(names))
+        rest = tuple(index[1:])
+        return np.stack([np.asarray(convert(read(names[e])))[rest] for e in experts])
+    return _place(shape, sharding, read_slice)
+
+
+def _read_experts(spec: WeightSpec, read, shardings=None):
+    """An expert stack in its stored format; `shardings`: the NamedShardings of its arrays (same pytree) or None."""
     names = [expert_disk_names(spec, e) for e in range(spec.shape[0])]
     stems = [_stem(n) for n in names]
-    packed = jnp.asarray(np.stack([read(n).view(np.uint8) for n in names]))
+    sharding = (lambda field: getattr(shardings, field)) if shardings is not None else (lambda field: None)
+    packed = _place_stack(names, read, sharding("packed"), lambda a: a.view(np.uint8))
     if spec.fmt == "mxfp4":
-        return Mxfp4Weight(packed, jnp.asarray(np.stack([read(s + "scale") for s in stems])))
+        return Mxfp4Weight(packed, _place_stack([s + "scale" for s in stems], read, sharding("scale")))
     input_scale = None
     if spec.input_scale:
-        input_scale = jnp.asarray(_positive_scalars([s + "input_scale" for s in stems], read))
-    return Nvfp4Weight(packed, jnp.asarray(np.stack([read(s + "weight_scale") for s in stems])),
-                       jnp.asarray(_positive_scalars([s + "weight_scale_2" for s in stems], read)), input_scale)
+        input_scale = _place_tensor(_positive_scalars([s + "input_scale" for s in stems], read),
+                                    sharding("input_scale"))
+    return Nvfp4Weight(packed, _place_stack([s + "weight_scale" for s in stems], read, sharding("scale")),
+                       _place_tensor(_positive_scalars([s + "weight_scale_2" for s in stems], read),
+                                     sharding("global_scale")), input_scale)
 
 
 def quantize_head_to_nvfp4(params: dict) -> dict:
@@ -283,36 +319,55 @@ def quantize_head_to_nvfp4(params: dict) -> dict:
     return params
 
 
-def load_params(directory: str, progress: Callable[[int, int], None] | None = None, quantize_head: bool = False):
+def load_params(directory: str, progress: Callable[[int, int], None] | None = None, quantize_head: bool = False,
+                mesh=None):
     """Read an official checkpoint directory (MXFP4 or NVFP4 experts). Returns (config, parameter tree with
-    stored formats). `quantize_head` turns the bf16 lm_head into NVFP4 once, on device."""
+    stored formats). `quantize_head` turns the bf16 lm_head into NVFP4 once, on device. `mesh`: every tensor goes
+    from its memory map straight to the devices holding its shards (sharding.param_shardings). `progress(bytes
+    read, total bytes)` is called after each weight."""
+    from .sharding import param_shardings
     cfg = load_hf_config(directory)
     tensors = open_checkpoint(directory)
     stored = stored_formats(cfg, tensors, directory, quantize_head)
     validate(cfg, tensors, stored)
 
+    seen: set[str] = set()
+    done = 0
+
     def read(name):
+        nonlocal done
+        if name not in seen:
+            seen.add(name)
+            done += tensors[name].nbytes(name)
         return tensors[name].read(name)
 
     specs = weight_specs(cfg, stored)
+    shardings = None
+    if mesh is not None:
+        shardings = param_shardings(cfg, mesh, jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0),
+                                                                                  stored)))
+    total = sum(tensors[n].nbytes(n) for n in disk_tensor_specs(cfg, stored))
     tree: dict = {}
-    for done, spec in enumerate(specs):
+    for spec in specs:
+        where = tree_get(shardings, spec.name) if shardings is not None else None
         if spec.name == "head.weight" and spec.fmt == "nvfp4":
             value = quantize_head_to_nvfp4({"head": {"weight": jnp.asarray(read(spec.name))}})["head"]["weight"]
+            value = value if where is None else jax.device_put(value, where)
         elif spec.fmt in ("bf16", "f32"):
-            value = jnp.asarray(read(spec.name))
+            value = _place_tensor(read(spec.name), where)
         elif spec.fmt == "i64":
             ids = read(spec.name)
             if ids.min() < 0 or ids.max() >= cfg.n_routed_experts:
                 raise CheckpointError(f"tensor {spec.name}: expert ids outside [0, {cfg.n_routed_experts})")
-            value = jnp.asarray(ids.astype(np.int32))
+            value = _place_tensor(ids.astype(np.int32), where)
         elif spec.fmt == "fp8":
-            value = Fp8BlockWeight(jnp.asarray(read(spec.name)), jnp.asarray(read(spec.name[:-6] + "scale")))
+            value = Fp8BlockWeight(_place_tensor(read(spec.name), where and where.weight),
+                                   _place_tensor(read(spec.name[:-6] + "scale"), where and where.scale))
         else:
-            value = _read_experts(spec, read)
+            value = _read_experts(spec, read, where)
         tree_set(tree, spec.name, value)
         if progress is not None:
-            progress(done + 1, len(specs))
+            progress(done, total)
     approximate = nvfp4_weights_kernels_approximate(tree)
     if approximate:
         warnings.warn(f"{len(approximate)} NVFP4 weight(s) have subnormal or non-positive block scales (first: "

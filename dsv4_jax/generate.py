@@ -31,7 +31,7 @@ PROG = "python -m dsv4_jax.generate"
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
 DEFAULT_PROMPT = "And it came to pass, when the king"
 DEFAULT_CHAT_PROMPT = "Who was the first king of Israel?"
-PROGRESS_MIN_TENSORS = 500          # show the loading bar for checkpoints this large even when stderr is no TTY
+PROGRESS_MIN_BYTES = 2 ** 30        # show the loading bar for checkpoints this large even when stderr is no TTY
 HEADER_PROMPT_CHARS = 60
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -237,7 +237,8 @@ def _setup_compile_cache(args):
 
 
 class _LoadProgress:
-    """tqdm bar on stderr for the weight loading; shown for large checkpoints or when stderr is a terminal."""
+    """tqdm bar on stderr for the weight loading (bytes read, and the rate in GB/s); shown for large checkpoints
+    or when stderr is a terminal."""
 
     def __init__(self):
         self.bar = None
@@ -246,8 +247,9 @@ class _LoadProgress:
         if self.bar is None:
             from tqdm import tqdm
             tty = sys.stderr.isatty()
-            self.bar = tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr, leave=False,
-                            disable=not (tty or total >= PROGRESS_MIN_TENSORS), mininterval=0.1 if tty else 5.0)
+            self.bar = tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1000,
+                            file=sys.stderr, leave=False, disable=not (tty or total >= PROGRESS_MIN_BYTES),
+                            mininterval=0.1 if tty else 5.0)
         self.bar.update(done - self.bar.n)
 
     def close(self):

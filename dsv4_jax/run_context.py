@@ -3,8 +3,8 @@
     ctx = RunContext.create(dtype="float32", act_quant="fp8", kernels="auto")   # resolves the kernel plan now
     logits = engine.forward(params, tokens, cfg=cfg, ctx=ctx)
 
-It holds the numerics (design.md "Numerics modes"), the kernel plan resolved for a device (quant/kernel_plan.py)
-and, for training, `Training`. Every layer and every matmul takes it as a required argument, so no call can fall
+It holds the numerics (design.md "Numerics modes"), the kernel plan resolved for a device (quant/kernel_plan.py),
+the device mesh the program runs on (sharding.py; None: one device) and, for training, `Training`. Every layer and every matmul takes it as a required argument, so no call can fall
 back to a default mode, and a new option is a new field here, not a new parameter of every function. It is frozen
 and hashable: a static argument of jit, one compiled program per distinct context.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from .quant.kernel_plan import KernelPlan, plan_kernels
 from .quant.linear import ACT_QUANT_MODES
@@ -48,12 +49,14 @@ class Training:
 class RunContext:
     """dtype: activations ("bfloat16" | "float32"); simulate_quant: the model's trained fake-quant roundings;
     act_quant: activation quantization into quantized weights ("none" | "fp8" | "nvfp4", quant/linear.py);
-    kernels: the resolved KernelPlan; training: None for inference."""
+    kernels: the resolved KernelPlan; training: None for inference; mesh: a (data, expert) jax.sharding.Mesh
+    (sharding.make_mesh) whose "expert" axis splits the routed experts, or None for one device."""
     dtype: str
     simulate_quant: bool
     act_quant: str
     kernels: KernelPlan
     training: Training | None = None
+    mesh: Mesh | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -63,16 +66,22 @@ class RunContext:
         if not isinstance(self.kernels, KernelPlan):
             raise TypeError(f"RunContext.kernels must be a KernelPlan, got {self.kernels!r} (RunContext.create "
                             f"resolves a mode)")
+        if self.mesh is not None and not isinstance(self.mesh, Mesh):
+            raise TypeError(f"RunContext.mesh must be a jax.sharding.Mesh or None, got {self.mesh!r}")
         if self.training is not None and not isinstance(self.training, Training):
             raise TypeError(f"RunContext.training must be a Training or None, got {self.training!r}")
 
     @classmethod
     def create(cls, dtype: str = "bfloat16", simulate_quant: bool = True, act_quant: str = "none",
-               kernels: str | KernelPlan = "auto", training: Training | None = None, device=None) -> RunContext:
-        """A context with its kernel plan resolved now for `device` (default: JAX's default device; a
-        jax.sharding.AbstractDevice to compile for one that is not attached), unless `kernels` is a plan already."""
+               kernels: str | KernelPlan = "auto", training: Training | None = None, device=None,
+               mesh: Mesh | None = None) -> RunContext:
+        """A context with its kernel plan resolved now for `device` (default: the mesh's first device, else JAX's
+        default device; a jax.sharding.AbstractDevice to compile for one that is not attached), unless `kernels`
+        is a plan already."""
+        if device is None and mesh is not None:
+            device = mesh.devices.flat[0]
         plan = kernels if isinstance(kernels, KernelPlan) else plan_kernels(kernels, device)
-        return cls(dtype, simulate_quant, act_quant, plan, training)
+        return cls(dtype, simulate_quant, act_quant, plan, training, mesh)
 
     @property
     def jnp_dtype(self):

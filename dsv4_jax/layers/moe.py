@@ -11,9 +11,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from ..config import ModelConfig
 from ..quant import dequantize, grouped_linear, grouped_linear_pair, linear, linear_pair
+from ..sharding import DATA, EXPERT
 
 
 def route(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool):
@@ -43,20 +45,44 @@ def shared_expert(params: dict, cfg: ModelConfig, x: jax.Array, ctx) -> jax.Arra
     return linear(h.astype(x.dtype), params["w2"]["weight"], jnp.float32, ctx=ctx)
 
 
-def routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax.Array, weights: jax.Array, ctx):
-    """Sum over each token's K experts of weight * expert(x); tokens are grouped by expert for one grouped matmul
-    per projection. Returns float32 [T, D]."""
+def _grouped_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
+                     n_groups: int, ctx):
+    """The routed rows of x [T, D] grouped by expert for one grouped matmul per projection; expert_ids [T, K] in
+    [0, n_groups] (n_groups: not one of these experts, sorted past the groups, so its rows give zeros). Returns
+    float32 [T, D]."""
     n_tokens, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)
     token_of = order // k
-    group_sizes = jnp.bincount(flat_ids, length=cfg.n_routed_experts).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat_ids, length=n_groups).astype(jnp.int32)
     xs = x[token_of]
     gate, up = grouped_linear_pair(xs, params["w1"]["weight"], params["w3"]["weight"], group_sizes, jnp.float32,
                                    ctx=ctx)
     h = clamped_swiglu(gate, up, cfg.swiglu_limit) * weights.reshape(-1)[order][:, None]
     y = grouped_linear(h.astype(x.dtype), params["w2"]["weight"], group_sizes, jnp.float32, ctx=ctx)
     return jnp.zeros((n_tokens, x.shape[-1]), jnp.float32).at[token_of].add(y)
+
+
+def routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax.Array, weights: jax.Array, ctx):
+    """Sum over each token's K experts of weight * expert(x). Returns float32 [T, D].
+
+    On a mesh whose "expert" axis splits the experts (sharding.py) each device runs, inside shard_map on its local
+    shards (so the kernels see local shapes and no weight is gathered), the rows routed to its own E / n experts;
+    one psum over the axis adds the partial outputs."""
+    mesh = ctx.mesh
+    if mesh is None or mesh.shape[EXPERT] == 1:
+        return _grouped_experts(params, cfg, x, expert_ids, weights, cfg.n_routed_experts, ctx)
+    n_local = cfg.n_routed_experts // mesh.shape[EXPERT]
+
+    def local(params, x, expert_ids, weights):
+        ids = expert_ids - jax.lax.axis_index(EXPERT) * n_local
+        ids = jnp.where((ids >= 0) & (ids < n_local), ids, n_local)       # another device's expert
+        return jax.lax.psum(_grouped_experts(params, cfg, x, ids, weights, n_local, ctx), EXPERT)
+
+    expert_shards = jax.tree.map(lambda a: P(EXPERT, *([None] * (a.ndim - 1))), params)
+    rows = P(DATA, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(expert_shards, rows, rows, rows), out_specs=rows,
+                         check_vma=False)(params, x, expert_ids, weights)
 
 
 def capacity_routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax.Array,
@@ -96,6 +122,8 @@ def moe(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash
     expert_ids, weights = route(params["gate"], cfg, x2, token_ids.reshape(-1), hash_routed)
     training = ctx.training
     if training is not None and training.moe_capacity > 0:
+        if ctx.mesh is not None and ctx.mesh.shape[EXPERT] > 1:
+            raise NotImplementedError("capacity-slot experts (Training.moe_capacity) on an expert-split mesh")
         y = capacity_routed_experts(params["experts"], cfg, x2, expert_ids, weights, training.moe_capacity)
     else:
         y = routed_experts(params["experts"], cfg, x2, expert_ids, weights, ctx)

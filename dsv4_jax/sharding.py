@@ -1,0 +1,105 @@
+"""Where every array lives on a device mesh: the mesh, and the rules from logical axes to mesh axes.
+
+    mesh = dsv4_jax.make_mesh()                  # every local device on the "expert" axis
+    model = dsv4_jax.load(path, mesh=mesh)       # weights and decode state placed by the rules below
+
+Mesh axes:
+    "data"    splits the batch: each group of devices along it serves its own rows of the batch (its decode
+              state, its tokens). Size 1 unless asked for (large batches).
+    "expert"  splits the routed experts: each device holds E / n experts of every stacked expert weight, computes
+              the routed rows that chose them, and one psum over the axis sums the partial outputs per MoE layer
+              (layers/moe.py). Everything else is replicated along it.
+
+The rules (RULES) map the logical axes of the weight description (params.LOGICAL_AXES) to mesh axes: only
+"experts" is split. Attention, the shared expert, the embedding and the head stay replicated: at decode a
+collective costs ~10-25 us whatever its size, so one all-reduce per layer (the MoE output) beats tensor
+parallelism's two, and DeepSeek-V4's single KV head keeps the whole KV cache on every tensor-parallel device
+anyway. docs/sharding.md has the bytes-read and collectives arithmetic for Flash at 2 and 8 devices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .config import ModelConfig
+from .params import LOGICAL_AXES, tree_get, tree_set, weight_specs
+
+DATA, EXPERT = "data", "expert"
+MESH_AXES = (DATA, EXPERT)
+# logical axis (params.LOGICAL_AXES) -> mesh axis; a logical axis not listed is replicated
+RULES = {"experts": EXPERT}
+assert set(RULES) <= set(LOGICAL_AXES)
+
+
+def make_mesh(n_devices: int | None = None, data: int = 1, devices=None) -> Mesh:
+    """A (data, expert) mesh over the first `n_devices` of `devices` (default: all local devices of the default
+    backend): `data` devices along the batch, n_devices / data along the experts."""
+    devices = list(jax.local_devices() if devices is None else devices)
+    n_devices = len(devices) if n_devices is None else n_devices
+    if not isinstance(n_devices, int) or not 1 <= n_devices <= len(devices):
+        raise ValueError(f"n_devices must be an integer in [1, {len(devices)}] (the devices there are), "
+                         f"got {n_devices!r}")
+    if not isinstance(data, int) or data < 1 or n_devices % data:
+        raise ValueError(f"data must be a positive divisor of n_devices={n_devices}, got {data!r}")
+    grid = np.array(devices[:n_devices], dtype=object).reshape(data, n_devices // data)
+    return Mesh(grid, MESH_AXES)
+
+
+def check_mesh(cfg: ModelConfig, mesh: Mesh, max_batch: int | None = None) -> None:
+    """One-line errors for a mesh this model cannot use."""
+    if tuple(mesh.axis_names) != MESH_AXES:
+        raise ValueError(f"the mesh must have axes {MESH_AXES} (dsv4_jax.make_mesh), got {tuple(mesh.axis_names)}")
+    experts = mesh.shape[EXPERT]
+    if cfg.n_routed_experts % experts:
+        raise ValueError(f"{cfg.n_routed_experts} routed experts do not split over {experts} devices of the "
+                         f"'{EXPERT}' axis")
+    if max_batch is not None and max_batch % mesh.shape[DATA]:
+        raise ValueError(f"max_batch={max_batch} does not split over the {mesh.shape[DATA]} devices of the "
+                         f"'{DATA}' axis")
+
+
+def partition_spec(axes, ndim: int) -> P:
+    """The PartitionSpec of an array of `ndim` dims whose leading dims carry logical `axes` (a stack's per-matrix
+    scalars carry the stack's leading axes only)."""
+    axes = tuple(axes or ())[:ndim]
+    return P(*(RULES.get(a) for a in axes), *([None] * (ndim - len(axes))))
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh, params) -> dict:
+    """NamedShardings in the layout of `params` (a parameter tree or its shapes, e.g. checkpoint.abstract_params),
+    from each weight's logical axes: every stored array of a weight (FP8 bytes and scales, FP4 codes, block and
+    global scales) follows the weight's axes over its own leading dims."""
+    tree: dict = {}
+    for spec in weight_specs(cfg):
+        tree_set(tree, spec.name, jax.tree.map(
+            lambda leaf, axes=spec.axes: NamedSharding(mesh, partition_spec(axes, leaf.ndim)),
+            tree_get(params, spec.name)))
+    return tree
+
+
+def state_shardings(state, mesh: Mesh):
+    """NamedShardings of a DecodeState (or its abstract shape): every buffer's leading batch dim on "data"."""
+    return jax.tree.map(lambda leaf: NamedSharding(mesh, P(DATA, *([None] * (leaf.ndim - 1)))), state)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def expert_slice(index: tuple, n_experts: int) -> range:
+    """The experts a device's shard of a stacked expert array holds, from its index (make_array_from_callback)."""
+    first = index[0] if index else slice(None)
+    return range(*first.indices(n_experts))
+
+
+def bytes_per_device(tree) -> dict:
+    """{device: bytes} of a placed pytree's shards."""
+    out: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + math.prod(shard.data.shape) * shard.data.dtype.itemsize
+    return out
