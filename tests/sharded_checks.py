@@ -1,0 +1,129 @@
+"""The sharded model against the single-device one, run by tests/test_sharding.py in a process of its own with 8
+fake CPU devices (jax_num_cpu_devices must be set before JAX starts, and the rest of the suite keeps one device).
+
+    python tests/sharded_checks.py CHECKPOINT_DIR        # exits non-zero with the failed check's message
+
+On meshes of 2 and 8 devices, for a synthetic official-format tiny checkpoint loaded onto the mesh: each
+parameter has its planned sharding and each device holds 1 / n of every expert stack's bytes; prefill and
+decode-step logits and greedy generated tokens equal the single-device model's (float32, 1e-5 of the largest logit; fake quant off so that a float32 difference in the
+order of the experts' psum cannot move an FP8 rounding); a decode step compiles once; the compiled decode step
+holds one all-reduce per layer and no all-gather. Then a 2-layer Flash-geometry decode step lowered for CUDA with
+the ffi/ kernels planned, at 2 and 8 devices: every routed-expert custom call sees E / n experts and the program
+has one all-reduce per layer.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_compilation_cache_dir", os.environ.get(          # as tests/conftest.py
+    "DSV4_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dsv4_jax", "jit")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dsv4_jax  # noqa: E402
+from dsv4_jax import engine, presets  # noqa: E402
+from dsv4_jax.params import init_params  # noqa: E402
+from dsv4_jax.quant.kernel_plan import KernelPlan  # noqa: E402
+from dsv4_jax.run_context import RunContext  # noqa: E402
+from dsv4_jax.sharding import EXPERT, param_shardings, state_shardings  # noqa: E402
+from dsv4_jax.state import init_state  # noqa: E402
+
+MESHES = (2, 8)                              # devices, all along "expert"
+KW = dict(dtype="float32", simulate_quant=False, max_seq_len=64, max_batch=2)
+COLLECTIVES = r"\b(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)(?:-start)?\("
+
+
+def check(ok: bool, message: str) -> None:
+    if not ok:
+        raise SystemExit(f"FAILED: {message}")
+
+
+def run(model, tokens):
+    """prefill logits (prompts of 20 and 7 tokens), one decode step's logits, 6 greedy tokens per prompt."""
+    prefill, state = model.prefill(tokens, np.array([tokens.shape[1], 7], np.int32))
+    step, state = model.decode(np.array([5, 9], np.int32), state)
+    generated = model.generate([list(tokens[0]), list(tokens[1, :7])], max_new_tokens=6).tokens
+    return np.asarray(prefill), np.asarray(step), generated
+
+
+def check_model(directory: str) -> None:
+    tokens = np.random.default_rng().integers(0, presets.tiny().vocab_size, (2, 20)).astype(np.int32)
+    single = dsv4_jax.load(directory, **KW)
+    want = run(single, tokens)
+    scale = np.abs(want[0]).max()
+    for n in MESHES:
+        mesh = dsv4_jax.make_mesh(n)
+        model = dsv4_jax.load(directory, mesh=mesh, **KW)
+        cfg, name = model.config, f"{n} devices"
+        planned = param_shardings(cfg, mesh, model.params)
+        check(jax.tree.all(jax.tree.map(lambda a, s: a.sharding.is_equivalent_to(s, a.ndim), model.params,
+                                        planned)), f"{name}: a parameter's sharding is not the planned one")
+        for layer in model.params["layers"] + model.params["mtp"]:
+            for stack in jax.tree.leaves(layer["ffn"]["experts"]):
+                check(all(s.data.nbytes * mesh.shape[EXPERT] == stack.nbytes for s in stack.addressable_shards),
+                      f"{name}: an expert shard holds {stack.addressable_shards[0].data.nbytes} of "
+                      f"{stack.nbytes} bytes")
+        got = run(model, tokens)
+        for what, a, b in zip(("prefill", "decode step"), got[:2], want[:2]):
+            err = np.abs(a - b).max() / scale
+            check(err < 1e-5, f"{name}: {what} logits differ from one device's by {err:.3g} of the largest")
+        check(got[2] == want[2], f"{name}: greedy tokens {got[2]} != one device's {want[2]}")
+        _, state = model.prefill(tokens)
+        compiled = engine.decode_step._cache_size()
+        for t in range(3):
+            _, state = model.decode(np.array([t, t + 1], np.int32), state)
+        check(engine.decode_step._cache_size() == compiled, f"{name}: the decode step recompiled")
+        hlo = engine.decode_step.lower(model.params, state, jnp.asarray([1, 2], jnp.int32), cfg=cfg,
+                                       ctx=model.context, max_seq_len=model.max_seq_len).compile().as_text()
+        ops = collections.Counter(re.findall(COLLECTIVES, hlo))
+        check(ops == {"all-reduce": cfg.n_layers}, f"{name}: decode-step collectives {dict(ops)}, want one "
+                                                   f"all-reduce per layer ({cfg.n_layers})")
+        print(f"ok: {name}: logits, tokens, shardings, {dict(ops)}")
+
+
+def check_flash_lowering() -> None:
+    """A 2-layer Flash-geometry decode step lowered for CUDA devices with the ffi/ kernels planned."""
+    import ffi
+    ffi.register = lambda *args: None                  # lowering needs no library
+    cfg = presets.flash().replace(n_layers=2, compress_ratios=(4, 128, 0), n_hash_layers=1)
+    abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    for n in (2, 8):
+        mesh = dsv4_jax.make_mesh(n)
+        ctx = RunContext.create(kernels=KernelPlan("auto", "cuda", ffi=True, target="NVIDIA H200"), mesh=mesh)
+        on_mesh = lambda tree, shardings: jax.tree.map(  # noqa: E731
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+        params = on_mesh(abstract, param_shardings(cfg, mesh, abstract))
+        state = jax.eval_shape(lambda: init_state(cfg, 1, 4096, jnp.bfloat16))
+        state = on_mesh(state, state_shardings(state, mesh))
+        text = engine.decode_step.trace(params, state, jax.ShapeDtypeStruct((1,), jnp.int32), cfg=cfg, ctx=ctx,
+                                        max_seq_len=4096).lower(lowering_platforms=("cuda",)).as_text()
+        calls = re.findall(r"stablehlo.custom_call @(dsv4_\w+)\(.*?: \((.*?)\) ->", text)
+        routed = [operands for target, operands in calls if re.match(r"dsv4_(mx|nv)fp4_gemv", target)]
+        local = f"tensor<{cfg.n_routed_experts // n}x"
+        check(len(routed) == 2 * cfg.n_layers, f"Flash at {n}: {len(routed)} routed-expert calls, want 2 per layer")
+        check(all(operands.split(", ")[1].startswith(local) for operands in routed),
+              f"Flash at {n}: a routed-expert call does not see {cfg.n_routed_experts // n} local experts")
+        reduces = text.count("stablehlo.all_reduce")
+        check(reduces == cfg.n_layers and "all_gather" not in text,
+              f"Flash at {n}: {reduces} all-reduces (want {cfg.n_layers}), all-gather: {'all_gather' in text}")
+        print(f"ok: Flash geometry at {n} devices: {len(calls)} custom calls, routed ones on "
+              f"{cfg.n_routed_experts // n} experts, {reduces} all-reduces")
+
+
+if __name__ == "__main__":
+    check(len(jax.devices()) == 8, f"expected 8 fake CPU devices, got {jax.devices()}")
+    check_model(sys.argv[1])
+    check_flash_lowering()
+    print("all sharded checks passed")

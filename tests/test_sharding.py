@@ -1,0 +1,51 @@
+"""The model on a device mesh: shardings by the rules, expert-parallel MoE, loading straight onto the devices.
+
+The comparisons with the single-device model need 8 fake CPU devices, which JAX fixes when it starts: they run in
+a process of their own (tests/sharded_checks.py); the rest of the suite keeps one device.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import dsv4_jax
+from dsv4_jax import presets
+from dsv4_jax.params import init_params
+from dsv4_jax.sharding import make_mesh, param_shardings, partition_spec
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_sharded_model_equals_one_device_on_2_4_and_8_devices(tiny_checkpoint):
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
+    result = subprocess.run([sys.executable, os.path.join(HERE, "sharded_checks.py"), tiny_checkpoint[0]],
+                            capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0 and "all sharded checks passed" in result.stdout, (
+        result.stdout[-3000:] + result.stderr[-3000:])
+
+
+def test_rules_split_only_the_experts():
+    cfg = presets.tiny()
+    mesh = make_mesh(1)
+    shardings = param_shardings(cfg, mesh, jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0))))
+    layer = shardings["layers"][3]
+    assert layer["ffn"]["experts"]["w1"]["weight"].packed.spec == P("expert", None, None)
+    assert layer["attn"]["wq_b"]["weight"].weight.spec == P(None, None)            # heads: replicated
+    assert shardings["head"]["weight"].spec == P(None, None)
+    assert partition_spec(("experts", None, None), 1) == P("expert")               # a stack's per-expert scalars
+    assert partition_spec(None, 2) == P(None, None)
+
+
+def test_mesh_errors_are_one_line():
+    with pytest.raises(ValueError, match=r"n_devices must be an integer in \[1, 1\]"):
+        make_mesh(2)
+    with pytest.raises(ValueError, match="data must be a positive divisor of n_devices=1"):
+        make_mesh(1, data=2)
+    with pytest.raises(ValueError, match="the mesh must have axes"):
+        dsv4_jax.init_random(presets.tiny(), mesh=jax.make_mesh((1,), ("x",)))
