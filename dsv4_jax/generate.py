@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="quantized matmuls on the GPU kernels or the pure-JAX reference: auto = on a CUDA device "
                           "the CUDA (ffi/) and Pallas kernels, elsewhere the reference; pallas = Pallas kernels only "
                           "(default: auto)")
+    src.add_argument("--devices", type=_int_at_least(1), metavar="N",
+                     help="devices to run on, the routed experts split over them (docs/sharding.md); "
+                          "default: every local device of the default backend")
     src.add_argument("--no-simulate-quant", action="store_true",
                      help="turn off the model's built-in FP8/FP4 fake-quantization of KV and indexer")
     src.add_argument("--quantize-head", action="store_true", help="quantize the lm_head to NVFP4 at load")
@@ -257,6 +260,30 @@ class _LoadProgress:
             self.bar.close()
 
 
+def _mesh(args, directory: str):
+    """The mesh of --devices (None for one device: the single-device programs), checked against the model."""
+    import jax
+
+    from .config import load_hf_config
+    from .sharding import check_mesh, make_mesh
+    available = len(jax.local_devices())
+    n = available if args.devices is None else args.devices
+    if n > available:
+        raise CLIError(f"--devices {n}: only {available} local {jax.default_backend()} device(s) here")
+    if n == 1:
+        return None
+    mesh = make_mesh(n)
+    try:
+        cfg = load_hf_config(directory)
+    except (ValueError, OSError):
+        return mesh                                   # the load reports what is wrong with the checkpoint
+    try:
+        check_mesh(cfg, mesh)
+    except ValueError as err:
+        raise CLIError(f"--devices {n}: {err}") from None
+    return mesh
+
+
 def _check_checkpoint_dir(args) -> str:
     directory = args.checkpoint if args.checkpoint is not None else DEFAULT_MODEL_DIR
     if args.checkpoint is None and not os.path.isfile(os.path.join(directory, "model.safetensors")):
@@ -321,6 +348,7 @@ def run(args) -> int:
         kernels = plan_kernels(args.kernels)        # before the load: e.g. 'pallas' needs a GPU
     except ValueError as err:
         raise CLIError(f"--kernels {args.kernels}: {err}") from None
+    mesh = _mesh(args, directory)
     _setup_compile_cache(args)
     progress = _LoadProgress()
     t_load = time.perf_counter()
@@ -328,7 +356,7 @@ def run(args) -> int:
         model = dsv4_jax.load(directory, dtype=args.dtype, max_seq_len=args.max_seq_len, max_batch=len(prompts),
                               simulate_quant=not args.no_simulate_quant, act_quant=args.act_quant,
                               prefill_chunk=args.prefill_chunk, progress=progress, quantize_head=args.quantize_head,
-                              kernels=kernels)
+                              kernels=kernels, mesh=mesh)
     except (CheckpointError, OSError) as err:
         raise CLIError(_one_line(err)) from None
     finally:

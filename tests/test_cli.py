@@ -13,6 +13,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
 import pytest
 
 from dsv4_jax import generate as cli
@@ -99,7 +100,12 @@ IN_PROCESS_ERROR_CASES = {
                             "none.txt"),
     "empty_prompt": (lambda d: model_args(d) + ["--prompt", "  "], 1, "--prompt is empty"),
     "checkpoint_is_a_file": (lambda d: ["--checkpoint", d["prompts"]], 1, "not a directory"),
+    "more_devices_than_there_are": (lambda d: model_args(d) + ["--devices", "64"], 1, "--devices 64: only"),
+    "zero_devices": (lambda d: ["--devices", "0"], 2, "--devices"),
 }
+if jax.default_backend() != "gpu":
+    IN_PROCESS_ERROR_CASES["pallas_without_gpu"] = (lambda d: model_args(d) + ["--kernels", "pallas"], 1,
+                                                    "needs an NVIDIA GPU")
 if not HAS_DEFAULT_MODEL:
     IN_PROCESS_ERROR_CASES["default_model_missing"] = (lambda d: [], 1, "default model is missing")
 

@@ -1,0 +1,109 @@
+"""Bytes a batch-1 decode step reads per device, and the collectives it needs, for a partitioning of DeepSeek-V4
+over n devices: the arithmetic behind sharding.RULES (docs/sharding.md).
+
+    python scripts/sharding_arithmetic.py --preset flash --devices 1 2 8 --json out.json
+
+Layouts compared (the routed experts are split over the devices in both):
+    ep      attention, shared expert, embedding and head replicated; one all-reduce per MoE layer (the routed
+            experts' partial sums). What dsv4_jax does.
+    ep+tp   additionally attention heads (wq_b rows, wo_a groups, wo_b inputs), the indexer heads and the shared
+            expert split over the same devices, vLLM-style: an all-reduce after attention and one after the MoE.
+
+Bytes come from the weight description (params.weight_specs, in the stored formats) with jax.eval_shape, nothing
+allocated. Routed experts read at batch 1: top-k experts per layer, spread over the devices; the slowest device
+is what a step waits for, taken here as ceil(top_k / n) experts (even spread; a device that got more waits
+longer). The step's time is estimated as bytes / HBM bandwidth + collectives x latency, with the H200's measured
+4.0 TB/s read rate and 20 us per small all-reduce (../shared/sharding.md: 10-25 us measured on H100 NCCL;
+none published for 2xH200), both flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+from dsv4_jax import presets  # noqa: E402
+from dsv4_jax.params import init_params, tree_get, weight_specs  # noqa: E402
+from dsv4_jax.quant.formats import weight_bytes  # noqa: E402
+
+
+def weight_groups(cfg) -> dict[str, float]:
+    """Bytes per kind of weight for the whole model: 'attention' (all of attn.*), 'shared', 'routed' (all
+    experts), 'embed', 'head', 'other' (norms, mHC, router)."""
+    abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    groups = dict.fromkeys(("attention", "shared", "routed", "embed", "head", "other"), 0)
+    for spec in weight_specs(cfg):
+        size = weight_bytes(tree_get(abstract, spec.name))
+        if ".experts." in spec.name:
+            groups["routed"] += size
+        elif ".shared_experts." in spec.name:
+            groups["shared"] += size
+        elif ".attn." in spec.name:
+            groups["attention"] += size
+        elif spec.name.startswith(("embed", "head")):
+            groups[spec.name.split(".")[0]] += size
+        else:
+            groups["other"] += size
+    return groups
+
+
+def decode_step(cfg, groups: dict, n: int, layout: str, bandwidth: float, latency: float) -> dict:
+    layers = cfg.n_layers                                   # the MTP block is not run by a plain decode step
+    per_layer = lambda kind: groups[kind] * layers / (layers + cfg.n_mtp_layers)  # noqa: E731  backbone share
+    expert = groups["routed"] / ((layers + cfg.n_mtp_layers) * cfg.n_routed_experts)   # one expert, one layer
+    split = n if layout == "ep+tp" else 1
+    read = {
+        "attention": per_layer("attention") / split,
+        "shared": per_layer("shared") / split,
+        "routed": layers * math.ceil(cfg.n_activated_experts / n) * expert,
+        "head": groups["head"] / split,                      # vocab-parallel head in ep+tp
+        "embed_row": cfg.dim * 2,
+    }
+    collectives = layers * (2 if layout == "ep+tp" and n > 1 else 1 if n > 1 else 0)
+    if layout == "ep+tp" and n > 1:
+        collectives += 1                                     # the head's logits gathered once
+    total = sum(read.values())
+    stored = groups["routed"] / n + sum(v for k, v in groups.items() if k != "routed") / split
+    return {"devices": n, "layout": layout, "read_bytes": total, "read": read, "collectives": collectives,
+            "weights_per_device": stored, "read_ms": total / bandwidth * 1e3,
+            "collective_ms": collectives * latency * 1e3,
+            "estimate_ms": total / bandwidth * 1e3 + collectives * latency * 1e3}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=("flash", "pro"), default="flash")
+    ap.add_argument("--devices", type=int, nargs="+", default=[1, 2, 8])
+    ap.add_argument("--bandwidth", type=float, default=4.0e12, help="HBM read rate, bytes/s (default: 4.0e12)")
+    ap.add_argument("--latency", type=float, default=20e-6, help="seconds per small all-reduce (default: 20e-6)")
+    ap.add_argument("--json", help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    cfg = getattr(presets, args.preset)()
+    groups = weight_groups(cfg)
+    print(f"{args.preset}: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in groups.items()))
+    rows = []
+    print(f"{'devices':>7} {'layout':>6} {'GB/device':>9} {'read GB':>8} {'attn':>6} {'shared':>6} {'routed':>6} "
+          f"{'head':>5} {'colls':>5} {'read ms':>7} {'coll ms':>7} {'est ms':>6}")
+    for n in args.devices:
+        for layout in ("ep", "ep+tp") if n > 1 else ("ep",):
+            r = decode_step(cfg, groups, n, layout, args.bandwidth, args.latency)
+            rows.append(r)
+            g = {k: v / 1e9 for k, v in r["read"].items()}
+            print(f"{n:>7} {layout:>6} {r['weights_per_device'] / 1e9:>9.1f} {r['read_bytes'] / 1e9:>8.2f} "
+                  f"{g['attention']:>6.2f} {g['shared']:>6.2f} {g['routed']:>6.2f} {g['head']:>5.2f} "
+                  f"{r['collectives']:>5} {r['read_ms']:>7.2f} {r['collective_ms']:>7.2f} {r['estimate_ms']:>6.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"preset": args.preset, "groups": groups, "bandwidth": args.bandwidth,
+                       "latency": args.latency, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
