@@ -13,6 +13,7 @@ from . import presets  # noqa: F401
 from .api import GenerationResult, Model  # noqa: F401
 from .config import ModelConfig, from_hf_config, load_hf_config  # noqa: F401
 from .module import DeepseekV4  # noqa: F401
+from .memory_plan import memory_plan  # noqa: F401
 from .sharding import make_mesh  # noqa: F401
 
 

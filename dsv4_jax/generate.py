@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="context size the caches are allocated for; prompt + new tokens must fit (default: 4096)")
     src.add_argument("--prefill-chunk", type=_int_at_least(1), default=512, metavar="N",
                      help="prompt tokens per prefill step; bounds prefill memory (default: 512)")
+    src.add_argument("--plan", action="store_true",
+                     help="print the per-device memory plan (weights, decode state, compiled temporaries of a "
+                          "prefill chunk and a decode step) for these settings, and exit without loading weights")
     src.add_argument("--no-compile-cache", action="store_true",
                      help="do not use the persistent compilation cache")
 
@@ -284,6 +287,23 @@ def _mesh(args, directory: str):
     return mesh
 
 
+def _memory_plan(args, directory: str, mesh, batch: int) -> str:
+    """The --plan report: the checkpoint's stored formats from its headers, programs compiled abstractly."""
+    from .checkpoint import CheckpointError, open_checkpoint, stored_formats
+    from .config import load_hf_config
+    from .memory_plan import memory_plan
+    try:
+        cfg = load_hf_config(directory)
+        stored = stored_formats(cfg, open_checkpoint(directory), directory, args.quantize_head)
+    except (CheckpointError, OSError) as err:
+        raise CLIError(_one_line(err)) from None
+    plan = memory_plan(cfg, mesh=mesh, max_seq_len=args.max_seq_len, max_batch=batch,
+                       prefill_chunk=min(args.prefill_chunk, args.max_seq_len), dtype=args.dtype, stored=stored,
+                       compiled=True)
+    return f"{directory}: --max-seq-len {args.max_seq_len}, batch {batch}, --prefill-chunk {args.prefill_chunk}\n" \
+        + plan.table()
+
+
 def _check_checkpoint_dir(args) -> str:
     directory = args.checkpoint if args.checkpoint is not None else DEFAULT_MODEL_DIR
     if args.checkpoint is None and not os.path.isfile(os.path.join(directory, "model.safetensors")):
@@ -349,6 +369,9 @@ def run(args) -> int:
     except ValueError as err:
         raise CLIError(f"--kernels {args.kernels}: {err}") from None
     mesh = _mesh(args, directory)
+    if args.plan:
+        print(_memory_plan(args, directory, mesh, batch=len(prompts)))
+        return 0
     _setup_compile_cache(args)
     progress = _LoadProgress()
     t_load = time.perf_counter()
