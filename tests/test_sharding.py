@@ -18,6 +18,7 @@ import dsv4_jax
 from dsv4_jax import presets
 from dsv4_jax.params import init_params
 from dsv4_jax.sharding import make_mesh, param_shardings, partition_spec
+from dsv4_jax.state import state_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -49,3 +50,18 @@ def test_mesh_errors_are_one_line():
         make_mesh(1, data=2)
     with pytest.raises(ValueError, match="the mesh must have axes"):
         dsv4_jax.init_random(presets.tiny(), mesh=jax.make_mesh((1,), ("x",)))
+
+
+def test_memory_plan_counts_each_devices_share():
+    cfg = presets.tiny()
+    abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    nbytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
+    experts = sum(nbytes(layer["ffn"]["experts"]) for layer in abstract["layers"] + abstract["mtp"])
+    total = nbytes(abstract)
+    for n in (1, 2, 4, 8):
+        plan = dsv4_jax.memory_plan(cfg, n_devices=n, max_seq_len=256, max_batch=2, device_memory=10 ** 9)
+        assert plan.weights == total - experts + experts // n
+        assert plan.decode_state == state_bytes(cfg, 2, 256)
+        assert plan.fits and plan.prefill_temp is None
+    with pytest.raises(ValueError, match="8 routed experts do not split over 3 devices"):
+        dsv4_jax.memory_plan(cfg, n_devices=3)
