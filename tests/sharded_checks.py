@@ -3,13 +3,14 @@ fake CPU devices (jax_num_cpu_devices must be set before JAX starts, and the res
 
     python tests/sharded_checks.py CHECKPOINT_DIR        # exits non-zero with the failed check's message
 
-On meshes of 2 and 8 devices, for a synthetic official-format tiny checkpoint loaded onto the mesh: each
-parameter has its planned sharding and each device holds 1 / n of every expert stack's bytes; prefill and
-decode-step logits and greedy generated tokens equal the single-device model's (float32, 1e-5 of the largest logit; fake quant off so that a float32 difference in the
+On meshes of 2, 4 and 8 devices, for a synthetic official-format tiny checkpoint loaded onto the mesh: each
+parameter has its planned sharding and each device holds 1 / n of every expert stack's bytes; forward, prefill
+and decode-step logits and greedy generated tokens equal the single-device model's (float32, 1e-5 of the largest logit; fake quant off so that a float32 difference in the
 order of the experts' psum cannot move an FP8 rounding); a decode step compiles once; the compiled decode step
 holds one all-reduce per layer and no all-gather. Then a 2-layer Flash-geometry decode step lowered for CUDA with
 the ffi/ kernels planned, at 2 and 8 devices: every routed-expert custom call sees E / n experts and the program
-has one all-reduce per layer.
+has one all-reduce per layer. And the tiny preset's random model made on an 8-device mesh (init_random: each
+device generates its own shards) gives the logits of the same weights on one device.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from dsv4_jax.run_context import RunContext  # noqa: E402
 from dsv4_jax.sharding import EXPERT, param_shardings, state_shardings  # noqa: E402
 from dsv4_jax.state import init_state  # noqa: E402
 
-MESHES = (2, 8)                              # devices, all along "expert"
+MESHES = (2, 4, 8)                           # devices, all along "expert"
 KW = dict(dtype="float32", simulate_quant=False, max_seq_len=64, max_batch=2)
 COLLECTIVES = r"\b(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)(?:-start)?\("
 
@@ -51,11 +52,13 @@ def check(ok: bool, message: str) -> None:
 
 
 def run(model, tokens):
-    """prefill logits (prompts of 20 and 7 tokens), one decode step's logits, 6 greedy tokens per prompt."""
+    """forward logits, prefill logits (prompts of 20 and 7 tokens), one decode step's logits, 6 greedy tokens per
+    prompt."""
+    forward = np.asarray(model.forward(tokens))
     prefill, state = model.prefill(tokens, np.array([tokens.shape[1], 7], np.int32))
     step, state = model.decode(np.array([5, 9], np.int32), state)
     generated = model.generate([list(tokens[0]), list(tokens[1, :7])], max_new_tokens=6).tokens
-    return np.asarray(prefill), np.asarray(step), generated
+    return forward, np.asarray(prefill), np.asarray(step), generated
 
 
 def check_model(directory: str) -> None:
@@ -76,10 +79,10 @@ def check_model(directory: str) -> None:
                       f"{name}: an expert shard holds {stack.addressable_shards[0].data.nbytes} of "
                       f"{stack.nbytes} bytes")
         got = run(model, tokens)
-        for what, a, b in zip(("prefill", "decode step"), got[:2], want[:2]):
+        for what, a, b in zip(("forward", "prefill", "decode step"), got[:3], want[:3]):
             err = np.abs(a - b).max() / scale
             check(err < 1e-5, f"{name}: {what} logits differ from one device's by {err:.3g} of the largest")
-        check(got[2] == want[2], f"{name}: greedy tokens {got[2]} != one device's {want[2]}")
+        check(got[3] == want[3], f"{name}: greedy tokens {got[3]} != one device's {want[3]}")
         _, state = model.prefill(tokens)
         compiled = engine.decode_step._cache_size()
         for t in range(3):
@@ -122,8 +125,19 @@ def check_flash_lowering() -> None:
               f"{cfg.n_routed_experts // n} experts, {reduces} all-reduces")
 
 
+def check_random_model() -> None:
+    tokens = np.random.default_rng().integers(0, presets.tiny().vocab_size, (2, 20)).astype(np.int32)
+    single = dsv4_jax.init_random(presets.tiny(), seed=5, **KW)
+    sharded = dsv4_jax.init_random(presets.tiny(), seed=5, mesh=dsv4_jax.make_mesh(8), **KW)
+    want, got = np.asarray(single.forward(tokens)), np.asarray(sharded.forward(tokens))
+    err = np.abs(got - want).max() / np.abs(want).max()
+    check(err < 1e-5, f"init_random on 8 devices: forward logits differ by {err:.3g} of the largest")
+    print("ok: init_random on 8 devices")
+
+
 if __name__ == "__main__":
     check(len(jax.devices()) == 8, f"expected 8 fake CPU devices, got {jax.devices()}")
     check_model(sys.argv[1])
+    check_random_model()
     check_flash_lowering()
     print("all sharded checks passed")
