@@ -136,13 +136,14 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
             new_cache["index_keys"] = index_keys
         has_entries = compressed.shape[1] > 0     # buffers shorter than c never complete an entry
         if has_entries and ratio == 4:
-            scores = indexer_scores(params["indexer"], cfg, x_idx, q_latent_idx, positions, index_keys, inv_freq,
-                                    ctx)
+            scores = None
+            if ctx.training is not None:                 # its loss needs the scores of every entry
+                scores = indexer_scores(params["indexer"], cfg, x_idx, q_latent_idx, positions, index_keys,
+                                        inv_freq, ctx)
+                stats["indexer_kl"] = indexer_kl(q, compressed, scores,
+                                                 compressed_visible(positions, compressed.shape[1], 4))
             idx, valid = indexer_select(params["indexer"], cfg, x_idx, q_latent_idx, positions, index_keys,
                                         inv_freq, ctx, scores)
-            if ctx.training is not None:
-                stats["indexer_kl"] = indexer_kl(q, compressed, scores, compressed_visible(positions,
-                                                                                           compressed.shape[1], 4))
             selected = jax.vmap(lambda cache_b, idx_b: cache_b[idx_b])(compressed, idx)  # [B, S, k, hd]
             logits.append(jnp.einsum("bshd,bskd->bshk", q, selected, preferred_element_type=jnp.float32) * scale)
             masks.append(valid[:, :, None, :])
