@@ -53,10 +53,13 @@ def compressed_visible(positions: jax.Array, n_entries: int, ratio: int) -> jax.
     return jnp.arange(n_entries)[None, None, :] < ((positions + 1) // ratio)[:, :, None]
 
 
-def indexer_scores(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array, positions: jax.Array,
-                   index_keys: jax.Array, inv_freq: np.ndarray, ctx) -> jax.Array:
-    """Lightning indexer scores float32 [B, S, N] of every compressed entry (visible or not) for every query:
-    sum over heads of weight_h(x) * ReLU(q_h . key)."""
+INDEXER_BLOCK = 4096     # compressed entries scored at a time beyond it (bounds the [B, S, heads, block] scores)
+
+
+def _indexer_query(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array, positions: jax.Array,
+                   inv_freq: np.ndarray, ctx) -> tuple[jax.Array, jax.Array]:
+    """The indexer's queries [B, S, heads, head_dim] (rotated, fake-quantized as trained) and its per-head weights
+    float32 [B, S, heads] (with the score scale folded in)."""
     batch, seq, _ = x.shape
     n_heads, head_dim = cfg.index_n_heads, cfg.index_head_dim
     q = linear(q_latent, params["wq_b"]["weight"], ctx=ctx).reshape(batch, seq, n_heads, head_dim)
@@ -64,21 +67,63 @@ def indexer_scores(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.A
     if ctx.simulate_quant:
         q = trained_rounding(fp4_fake_quant, hadamard(q), ctx)
     head_weights = linear(x, params["weights_proj"]["weight"], out_dtype=jnp.float32, ctx=ctx)
-    head_weights = head_weights * (head_dim ** -0.5 * n_heads ** -0.5)
-    scores = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), index_keys.astype(jnp.float32))
-    return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(scores), head_weights)
+    return q, head_weights * (head_dim ** -0.5 * n_heads ** -0.5)
+
+
+def _scores(q: jax.Array, head_weights: jax.Array, keys: jax.Array) -> jax.Array:
+    """sum over heads of weight_h * ReLU(q_h . key): float32 [B, S, N] for keys [B, N, head_dim]."""
+    dots = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys.astype(jnp.float32))
+    return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(dots), head_weights)
+
+
+def indexer_scores(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array, positions: jax.Array,
+                   index_keys: jax.Array, inv_freq: np.ndarray, ctx) -> jax.Array:
+    """Lightning indexer scores float32 [B, S, N] of every compressed entry (visible or not) for every query:
+    sum over heads of weight_h(x) * ReLU(q_h . key)."""
+    return _scores(*_indexer_query(params, cfg, x, q_latent, positions, inv_freq, ctx), index_keys)
+
+
+def _blocked_top_k(q: jax.Array, head_weights: jax.Array, keys: jax.Array, positions: jax.Array, k: int):
+    """Top-k visible entries of every query over keys [B, N, hd] scored INDEXER_BLOCK entries at a time with a
+    running top-k, so no [B, S, heads, N] intermediate exists. The running picks (lower indices) come first in each
+    merge, so ties resolve to the lower index as one top_k over all entries does. Returns (scores, idx) [B, S, k]."""
+    batch, n_entries, head_dim = keys.shape
+    block = INDEXER_BLOCK
+    n_blocks = -(-n_entries // block)
+    keys = jnp.pad(keys, ((0, 0), (0, n_blocks * block - n_entries), (0, 0)))
+    seq = q.shape[1]
+
+    def body(b, carry):
+        best, best_idx = carry
+        first = b * block
+        entry = first + jnp.arange(block, dtype=jnp.int32)
+        scores = _scores(q, head_weights, jax.lax.dynamic_slice_in_dim(keys, first, block, axis=1))
+        visible = (entry[None, None, :] < n_entries) & (entry[None, None, :] < ((positions + 1) // 4)[:, :, None])
+        scores = jnp.where(visible, scores, -jnp.inf)
+        merged = jnp.concatenate([best, scores], axis=-1)
+        merged_idx = jnp.concatenate([best_idx, jnp.broadcast_to(entry, (batch, seq, block))], axis=-1)
+        best, pos = jax.lax.top_k(merged, k)
+        return best, jnp.take_along_axis(merged_idx, pos, axis=-1)
+
+    init = (jnp.full((batch, seq, k), -jnp.inf, jnp.float32), jnp.zeros((batch, seq, k), jnp.int32))
+    return jax.lax.fori_loop(0, n_blocks, body, init)
 
 
 def indexer_select(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array, positions: jax.Array,
                    index_keys: jax.Array, inv_freq: np.ndarray, ctx, scores: jax.Array | None = None):
     """Lightning indexer: top-min(index_topk, N) compressed entries per query. Returns (idx, valid) [B, S, k];
     an entry is valid iff it is visible (j < (t+1)//4); invisible picks only fill the static k slots. `scores`:
-    indexer_scores already computed for these inputs (training reuses them for its loss)."""
+    indexer_scores already computed for these inputs (training reuses them for its loss). Beyond INDEXER_BLOCK
+    entries the scores are formed a block at a time (_blocked_top_k): the same picks, bounded memory."""
+    n_entries = index_keys.shape[1]
+    k = min(cfg.index_topk, n_entries)
+    if scores is None and n_entries > INDEXER_BLOCK and k <= INDEXER_BLOCK:
+        q, head_weights = _indexer_query(params, cfg, x, q_latent, positions, inv_freq, ctx)
+        top_scores, idx = _blocked_top_k(q, head_weights, index_keys, positions, k)
+        return idx, top_scores > -jnp.inf
     if scores is None:
         scores = indexer_scores(params, cfg, x, q_latent, positions, index_keys, inv_freq, ctx)
-    n_entries = index_keys.shape[1]
     scores = jnp.where(compressed_visible(positions, n_entries, 4), scores, -jnp.inf)
-    k = min(cfg.index_topk, n_entries)
     top_scores, idx = jax.lax.top_k(scores, k)
     return idx, top_scores > -jnp.inf
 
