@@ -149,7 +149,9 @@ class Model:
         return logits, state
 
     def decode(self, tokens, state: DecodeState):
-        """One step: tokens [B] -> (logits [B, V], state). The state is donated (do not reuse the old one)."""
+        """One step: tokens [B] -> (logits [B, V], state). The state is donated (do not reuse the old one). Host
+        token ids are checked here; device arrays are not read back: a row whose id lies outside the vocabulary,
+        or whose sequence is past max_seq_len, gets NaN logits (and its state row is no longer meaningful)."""
         if not isinstance(tokens, jax.Array):
             tokens = jnp.asarray(self._check_tokens(tokens, 1, "tokens"))
         return engine.decode_step(self.params, state, tokens, cfg=self.config, ctx=self.context,

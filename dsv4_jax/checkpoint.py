@@ -42,6 +42,9 @@ STORAGE_DTYPES = {
 }
 
 
+MAX_HEADER_BYTES = 100_000_000       # the safetensors format's limit on the JSON header
+
+
 class CheckpointError(ValueError):
     """A checkpoint that does not match what the model expects (one line naming the tensor)."""
 
@@ -52,11 +55,21 @@ class SafetensorsFile:
     def __init__(self, path: str):
         self.path = path
         try:
+            size = os.path.getsize(path)
             with open(path, "rb") as f:
                 (header_len,) = struct.unpack("<Q", f.read(8))
+                # checked before reading: a corrupt length would otherwise read a whole multi-GB shard first
+                if header_len > min(size - 8, MAX_HEADER_BYTES):
+                    raise CheckpointError(f"{path}: header length {header_len} exceeds the file ({size} bytes) or "
+                                          f"the format's {MAX_HEADER_BYTES} byte limit: not a safetensors file")
                 header = json.loads(f.read(header_len))
         except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as err:
             raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from None
+        entries = {k: v for k, v in header.items() if k != "__metadata__"} if isinstance(header, dict) else None
+        if entries is None or not all(isinstance(v, dict) and {"dtype", "shape", "data_offsets"} <= v.keys()
+                                      for v in entries.values()):
+            raise CheckpointError(f"{path}: the header is not a JSON object of tensor entries (dtype, shape, "
+                                  f"data_offsets): not a safetensors file")
         self.data_start = 8 + header_len
         self.metadata = header.pop("__metadata__", None)
         self.entries = header

@@ -96,9 +96,11 @@ def prefill_chunk(params, state: DecodeState, tokens, n_valid, last_logits, *, c
 def _decode(params, state, tokens, active, cfg, ctx, max_seq_len, track_mtp):
     X, new_state = _run_chunk(params, cfg, ctx, state, tokens[:, None], active.astype(jnp.int32), track_mtp)
     logits = head_logits(params, params, cfg, X, ctx)[:, 0]
-    # Past the buffers' capacity the caches would be wrong: say so with NaN rather than a plausible token.
-    overflow = state.positions >= max_seq_len
-    return jnp.where(overflow[:, None], jnp.nan, logits), new_state
+    # Past the buffers' capacity the caches would be wrong, and a token id outside the vocabulary has no embedding
+    # (the gather would clamp it): say so with NaN rather than a plausible token. Checking on the host would need
+    # a device read per step.
+    invalid = (state.positions >= max_seq_len) | (tokens < 0) | (tokens >= cfg.vocab_size)
+    return jnp.where(invalid[:, None], jnp.nan, logits), new_state
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ctx", "max_seq_len", "track_mtp"), donate_argnames=("state",))

@@ -208,6 +208,18 @@ def test_decode_compiles_once(tiny_f32, tiny_tokens):
     assert engine.decode_step._cache_size() == compiled
 
 
+def test_out_of_range_device_token_ids_give_nan_rows(tiny_f32, tiny_tokens):
+    """A device array of ids is not read back on the host (that would be a sync per step): an id outside the
+    vocabulary gives NaN logits, as a sequence past max_seq_len does; host ids are refused before the step."""
+    vocab = tiny_f32.config.vocab_size
+    for token, finite in ((5, True), (vocab, False), (-1, False)):
+        _, state = tiny_f32.prefill(tiny_tokens[:, :9])
+        logits, _ = tiny_f32.decode(jnp.asarray([token], jnp.int32), state)
+        assert np.isfinite(np.asarray(logits)).all() == finite and (finite or np.isnan(np.asarray(logits)).all())
+    with pytest.raises(ValueError, match=rf"tokens must be token ids in \[0, {vocab}\)"):
+        tiny_f32.decode(np.array([vocab], np.int32), tiny_f32.prefill(tiny_tokens[:, :9])[1])
+
+
 def test_state_bytes_flash_at_one_million_tokens():
     """Spec 5.1: bf16 caches take 21 CSA x (512 + 128) x 2 / 4 + 20 HCA x 512 x 2 / 128 = 6,880 bytes per token;
     the rings and compressor pending state add a constant."""

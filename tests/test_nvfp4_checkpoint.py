@@ -333,3 +333,20 @@ def test_package_safetensors_writer_round_trips(tmp_path):
     assert (8 + header_len) % 8 == 0
     with pytest.raises(ValueError, match="tensor w: float32 items cannot be stored as BF16"):
         write_safetensors(path, {"w": ("BF16", np.zeros(2, np.float32))})
+
+
+@pytest.mark.parametrize("header, message", [
+    (None, "header length 4611686018427387904 exceeds the file"),          # 2^62: was a MemoryError
+    (b"[1, 2, 3]", "not a JSON object of tensor entries"),                  # was a TypeError
+    (b'{"w": {"dtype": "F32"}}', "not a JSON object of tensor entries"),
+    (b"{not json", "not a readable safetensors file"),
+])
+def test_corrupt_safetensors_headers_are_one_line_checkpoint_errors(tmp_path, header, message):
+    """The header is checked before anything past it is read, and a bad one names the file."""
+    from dsv4_jax.checkpoint import SafetensorsFile
+    path = tmp_path / "bad.safetensors"
+    length = 2 ** 62 if header is None else len(header)
+    path.write_bytes(length.to_bytes(8, "little") + (header or b"{}") + bytes(64))
+    with pytest.raises(CheckpointError, match=message) as err:
+        SafetensorsFile(str(path))
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
