@@ -37,6 +37,19 @@ def _init_state_on_mesh(cfg: ModelConfig, batch: int, max_seq_len: int, dtype, m
     return _state_maker(cfg, batch, max_seq_len, dtype, mesh)()
 
 
+MIN_CONTEXT_BUCKET = 4096     # the smallest context bucket: below it the whole buffers are cheap anyway
+
+
+def context_bucket(positions: int, max_seq_len: int) -> int | None:
+    """The context limit of a call whose tokens all lie below `positions`: the smallest power of two >=
+    max(positions, MIN_CONTEXT_BUCKET), or None (the whole buffers) once that reaches max_seq_len. Each bucket is
+    one compiled program, so a 1M-token context meets at most ~9 of them."""
+    bucket = MIN_CONTEXT_BUCKET
+    while bucket < positions:
+        bucket *= 2
+    return None if bucket >= max_seq_len else bucket
+
+
 @dataclasses.dataclass
 class GenerationResult:
     tokens: list[list[int]]          # generated ids per prompt (stop token included when hit)
@@ -135,6 +148,7 @@ class Model:
             b = int(np.argmax(too_long))
             raise ValueError(f"sequence {b}: {int(consumed[b] + lengths[b])} tokens exceed max_seq_len="
                              f"{self.max_seq_len}")
+        ctx = self._context_for(int((consumed + lengths).max()))
         # Chunks are padded to a power of two so prompts of many lengths share a few compiled programs.
         chunk = min(self.prefill_chunk, 1 << max(seq - 1, 0).bit_length())
         n_chunks = max(1, -(-seq // chunk))
@@ -144,9 +158,13 @@ class Model:
         for k in range(n_chunks):
             n_valid = np.clip(lengths - k * chunk, 0, chunk).astype(np.int32)
             logits, state = engine.prefill_chunk(self.params, state, jnp.asarray(padded[:, k * chunk:(k + 1) * chunk]),
-                                                 jnp.asarray(n_valid), logits, cfg=self.config, ctx=self.context,
+                                                 jnp.asarray(n_valid), logits, cfg=self.config, ctx=ctx,
                                                  track_mtp=self.track_mtp)
         return logits, state
+
+    def _context_for(self, positions: int):
+        """The run context of a call whose tokens all lie below `positions` (known on the host: no device read)."""
+        return self.context.replace(context_limit=context_bucket(positions, self.max_seq_len))
 
     def decode(self, tokens, state: DecodeState):
         """One step: tokens [B] -> (logits [B, V], state). The state is donated (do not reuse the old one). Host
@@ -213,10 +231,12 @@ class Model:
         # The host reads chunk k-1 while the device runs chunk k, so the device never waits for the host; the
         # stopping decision uses only tokens already read (a finished batch costs one empty chunk at most).
         pending = gen.last_token[:, None]
+        fed = longest          # a bound on every sequence's position, known here without reading the device
         while pending is not None:
             out = None
             if not all(finished):
-                out, gen = engine.generate_chunk(self.params, gen, sp, cfg=self.config, ctx=self.context,
+                fed += chunk
+                out, gen = engine.generate_chunk(self.params, gen, sp, cfg=self.config, ctx=self._context_for(fed),
                                                  max_seq_len=self.max_seq_len, chunk=chunk,
                                                  track_mtp=self.track_mtp)
             drain(pending)

@@ -50,13 +50,17 @@ class RunContext:
     """dtype: activations ("bfloat16" | "float32"); simulate_quant: the model's trained fake-quant roundings;
     act_quant: activation quantization into quantized weights ("none" | "fp8" | "nvfp4", quant/linear.py);
     kernels: the resolved KernelPlan; training: None for inference; mesh: a (data, expert) jax.sharding.Mesh
-    (sharding.make_mesh) whose "expert" axis splits the routed experts, or None for one device."""
+    (sharding.make_mesh) whose "expert" axis splits the routed experts, or None for one device;
+    context_limit: a bound the host knows on the positions of a call (every token at a position below it), so
+    attention reads only the compressed entries and indexer keys those positions can see instead of the whole
+    max_seq_len buffers (None: the whole buffers). Model picks it from length buckets (api.context_bucket)."""
     dtype: str
     simulate_quant: bool
     act_quant: str
     kernels: KernelPlan
     training: Training | None = None
     mesh: Mesh | None = None
+    context_limit: int | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -66,6 +70,8 @@ class RunContext:
         if not isinstance(self.kernels, KernelPlan):
             raise TypeError(f"RunContext.kernels must be a KernelPlan, got {self.kernels!r} (RunContext.create "
                             f"resolves a mode)")
+        if self.context_limit is not None and (not isinstance(self.context_limit, int) or self.context_limit < 1):
+            raise ValueError(f"context_limit must be a positive integer or None, got {self.context_limit!r}")
         if self.mesh is not None and not isinstance(self.mesh, Mesh):
             raise TypeError(f"RunContext.mesh must be a jax.sharding.Mesh or None, got {self.mesh!r}")
         if self.training is not None and not isinstance(self.training, Training):

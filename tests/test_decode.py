@@ -244,3 +244,22 @@ def test_mtp_window_tracks_the_teacher_forced_mtp(tiny_checkpoint, tiny_tokens):
         draft = np.asarray(model.mtp_draft(jnp.asarray(tokens[:, p + 1]), state))[0]
         assert _relative_error(draft, expected[p]) < 1e-4, f"position {p}"
         _, state = model.decode(jnp.asarray(tokens[:, p + 1]), state)
+
+
+def test_context_buckets_give_the_same_generation(tiny_f32, monkeypatch):
+    """With buckets of 64 positions (api.MIN_CONTEXT_BUCKET lowered from 4096 for the tiny model), prefill and
+    generation read only the compressed entries their positions can see, and produce what the whole buffers do:
+    the same greedy tokens, prefill logits within float32 noise."""
+    from dsv4_jax import api
+    model = tiny_f32
+    prompt = np.random.default_rng().integers(0, model.config.vocab_size, (1, 40)).astype(np.int32)
+    want_logits, _ = model.prefill(prompt)
+    want = model.generate([list(prompt[0])], max_new_tokens=24).tokens
+    monkeypatch.setattr(api, "MIN_CONTEXT_BUCKET", 64)
+    assert [api.context_bucket(n, 320) for n in (40, 64, 65, 200, 256, 257)] == [64, 64, 128, 256, 256, None]
+    got_logits, _ = model.prefill(prompt)
+    programs = engine.generate_chunk._cache_size()
+    got = model.generate([list(prompt[0])], max_new_tokens=24).tokens
+    assert engine.generate_chunk._cache_size() - programs == 2          # chunks of 16: bounds 56 and 72
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), rtol=1e-5, atol=1e-5)
+    assert got == want

@@ -179,7 +179,13 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
                 nope_dim=cfg.index_head_dim - cfg.rope_head_dim, inv_freq=inv_freq, rotate=True, ctx=ctx,
                 norm_eps=cfg.norm_eps)
             new_cache["index_keys"] = index_keys
-        has_entries = compressed.shape[1] > 0     # buffers shorter than c never complete an entry
+        # Only the entries this call's positions can see are read (ctx.context_limit; visible: j < (t+1)//c).
+        live = compressed.shape[1] if ctx.context_limit is None else min(compressed.shape[1],
+                                                                          ctx.context_limit // ratio)
+        compressed = compressed[:, :live]
+        if ratio == 4:
+            index_keys = index_keys[:, :live]
+        has_entries = live > 0     # buffers shorter than c never complete an entry
         if has_entries and ratio == 4:
             scores = None
             if ctx.training is not None:                 # its loss needs the scores of every entry
