@@ -18,8 +18,6 @@ anyway. docs/sharding.md has the bytes-read and collectives arithmetic for Flash
 
 from __future__ import annotations
 
-import math
-
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -90,20 +88,7 @@ def state_shardings(state, mesh: Mesh):
     return jax.tree.map(lambda leaf: NamedSharding(mesh, P(DATA, *([None] * (leaf.ndim - 1)))), state)
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
-
-
 def expert_slice(index: tuple, n_experts: int) -> range:
     """The experts a device's shard of a stacked expert array holds, from its index (make_array_from_callback)."""
     first = index[0] if index else slice(None)
     return range(*first.indices(n_experts))
-
-
-def bytes_per_device(tree) -> dict:
-    """{device: bytes} of a placed pytree's shards."""
-    out: dict = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            out[shard.device] = out.get(shard.device, 0) + math.prod(shard.data.shape) * shard.data.dtype.itemsize
-    return out
