@@ -12,9 +12,9 @@ Layouts compared (the routed experts are split over the devices in both):
 Bytes come from the weight description (params.weight_specs, in the stored formats) with jax.eval_shape, nothing
 allocated. Routed experts read at batch 1: top-k experts per layer, spread over the devices; the slowest device
 is what a step waits for, taken here as ceil(top_k / n) experts (even spread; a device that got more waits
-longer). The step's time is estimated as bytes / HBM bandwidth + collectives x latency, with the H200's measured
-4.0 TB/s read rate and 20 us per small all-reduce (../shared/sharding.md: 10-25 us measured on H100 NCCL;
-none published for 2xH200), both flags.
+longer). The step's time is estimated as bytes / HBM bandwidth + collectives x latency, with two assumptions,
+both flags: 4.0 TB/s read per H200 (its HBM3e is rated 4.8 TB/s) and 20 us per small all-reduce (published NCCL
+figures on H100: 10-25 us in sglang PR #2904, vllm PR #24532 and marin issue #6736; none for 2xH200).
 """
 
 from __future__ import annotations
