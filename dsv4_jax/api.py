@@ -1,8 +1,9 @@
 """`Model`: the user-facing object returned by `dsv4_jax.load` and `dsv4_jax.init_random`.
 
 It holds the config, the weights as a Flax NNX module (`model.module`, dsv4_jax.DeepseekV4) and the run context
-(`model.context`: numerics and the kernel plan, resolved once here), validates inputs eagerly on the host, and calls the jitted programs of `engine` (each compiled once per
-shape) on `model.params`, the engine's parameter tree of the module's arrays (the same arrays, regrouped once).
+(`model.context`: numerics and the kernel plan, resolved once here), validates inputs eagerly on the host, and
+calls the jitted programs of `engine` (each compiled once per shape) on `model.params`, the engine's parameter tree
+of the module's arrays (the same arrays, regrouped once).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from .config import ModelConfig
 from .params import init_params, tree_get, weight_specs
 from .run_context import DTYPES
 from .sharding import EXPERT, partition_spec
-from .state import init_state
+from .state import init_state, state_bytes
 
 GB = 1e9
 
@@ -81,9 +81,7 @@ def memory_plan(config: ModelConfig, mesh=None, n_devices: int | None = None, ma
     n_devices = 1 if n_devices is None else n_devices
     if config.n_routed_experts % n_devices:
         raise ValueError(f"{config.n_routed_experts} routed experts do not split over {n_devices} devices")
-    jdtype = DTYPES[dtype]
-    state_shapes = jax.eval_shape(lambda: init_state(config, max_batch, max_seq_len, jdtype))
-    state = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state_shapes))
+    state = state_bytes(config, max_batch, max_seq_len, dtype)
     prefill_temp = decode_temp = None
     if compiled:
         if mesh is None and n_devices > 1:
