@@ -36,6 +36,7 @@ def block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, X: jax.Ar
     return hc_post(y, X, post, comb), cache, attn_stats | moe_stats
 
 
+@jax.named_scope("embed")
 def embed(params: dict, cfg: ModelConfig, tokens: jax.Array, dtype) -> jax.Array:
     """tokens [B, S] -> hc_mult identical copies of the embedding, X [B, S, n, D]."""
     e = params["embed"]["weight"][tokens].astype(dtype)

@@ -34,3 +34,12 @@ def tiny(vocab_size: int = 512) -> ModelConfig:
         index_n_heads=4, index_head_dim=64, index_topk=4,
         n_routed_experts=8, n_activated_experts=2, moe_inter_dim=64, route_scale=1.5,
         n_hash_layers=2)
+
+
+def truncated(cfg: ModelConfig, n_layers: int) -> ModelConfig:
+    """The first `n_layers` backbone layers of `cfg` with its MTP block(s): the real geometry of a model too large
+    for the devices at hand (benchmarks report the layer count they ran)."""
+    if not isinstance(n_layers, int) or not 1 <= n_layers <= cfg.n_layers:
+        raise ValueError(f"layers must be an integer in [1, {cfg.n_layers}], got {n_layers!r}")
+    ratios = cfg.compress_ratios[:n_layers] + cfg.compress_ratios[cfg.n_layers:cfg.n_layers + cfg.n_mtp_layers]
+    return cfg.replace(n_layers=n_layers, compress_ratios=ratios, n_hash_layers=min(cfg.n_hash_layers, n_layers))

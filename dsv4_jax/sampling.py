@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 
+@jax.named_scope("sampling")
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array):
     """logits [B, V] float32 -> token ids [B] int32. temperature 0 means greedy; top_k 0 and top_p 1 disable."""
     vocab = logits.shape[-1]

@@ -76,6 +76,7 @@ def _scores(q: jax.Array, head_weights: jax.Array, keys: jax.Array) -> jax.Array
     return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(dots), head_weights)
 
 
+@jax.named_scope("indexer")
 def indexer_scores(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array, positions: jax.Array,
                    index_keys: jax.Array, inv_freq: np.ndarray, ctx) -> jax.Array:
     """Lightning indexer scores float32 [B, S, N] of every compressed entry (visible or not) for every query:
@@ -109,6 +110,7 @@ def _blocked_top_k(q: jax.Array, head_weights: jax.Array, keys: jax.Array, posit
     return jax.lax.fori_loop(0, n_blocks, body, init)
 
 
+@jax.named_scope("indexer")
 def indexer_select(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array, positions: jax.Array,
                    index_keys: jax.Array, inv_freq: np.ndarray, ctx, scores: jax.Array | None = None):
     """Lightning indexer: top-min(index_topk, N) compressed entries per query. Returns (idx, valid) [B, S, k];
@@ -128,6 +130,7 @@ def indexer_select(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.A
     return idx, top_scores > -jnp.inf
 
 
+@jax.named_scope("attention")
 def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: jax.Array, n_valid: jax.Array,
               cache: dict, inv_freq: np.ndarray, ctx):
     """x [B, S, D] (attn_norm'd) at positions start[b] + i. Returns (output [B, S, D], updated layer cache,

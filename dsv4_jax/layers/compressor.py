@@ -43,6 +43,7 @@ def _take_rows(buffer: jax.Array, offset: jax.Array, size: int) -> jax.Array:
     return jax.vmap(lambda buf, o: jax.lax.dynamic_slice_in_dim(buf, o, size, axis=0))(buffer, offset)
 
 
+@jax.named_scope("compressor")
 def compressor_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax.Array, state: dict,
                       cache: jax.Array, *, ratio: int, head_dim: int, nope_dim: int, inv_freq: np.ndarray,
                       rotate: bool, ctx, norm_eps: float):

@@ -32,6 +32,7 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     return jax.lax.fori_loop(0, iters - 1, row_then_column, c)
 
 
+@jax.named_scope("mhc")
 def hc_pre(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: ModelConfig):
     """Collapse the streams X [..., n, D] for a sub-layer. Returns (u [..., D] in X.dtype, post [..., n], comb)."""
     n = cfg.hc_mult
@@ -46,6 +47,7 @@ def hc_pre(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: 
     return u.astype(X.dtype), post, comb
 
 
+@jax.named_scope("mhc")
 def hc_post(y: jax.Array, X: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
     """X'_k = post_k * y + sum_j comb[j, k] * X_j (note the transpose), float32 math, stored in X.dtype."""
     mixed = jnp.einsum("...jk,...jd->...kd", comb, X.astype(jnp.float32))
@@ -53,6 +55,7 @@ def hc_post(y: jax.Array, X: jax.Array, post: jax.Array, comb: jax.Array) -> jax
     return out.astype(X.dtype)
 
 
+@jax.named_scope("mhc")
 def hc_head(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final collapse of the streams before the last norm: sum_i (sigmoid(m_i s + b_i) + eps) X_i."""
     m = _mix_logits(X, fn, cfg.norm_eps)

@@ -18,6 +18,7 @@ from ..quant import dequantize, grouped_linear, grouped_linear_pair, linear, lin
 from ..sharding import DATA, EXPERT
 
 
+@jax.named_scope("router")
 def route(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool):
     """x [T, D], token_ids [T] -> (expert ids [T, K] int32, weights [T, K] float32)."""
     gate = params["weight"].astype(jnp.float32)
@@ -63,6 +64,7 @@ def _grouped_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: j
     return jnp.zeros((n_tokens, x.shape[-1]), jnp.float32).at[token_of].add(y)
 
 
+@jax.named_scope("routed_experts")
 def routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax.Array, weights: jax.Array, ctx):
     """Sum over each token's K experts of weight * expert(x). Returns float32 [T, D].
 
@@ -85,6 +87,7 @@ def routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax
                          check_vma=False)(params, x, expert_ids, weights)
 
 
+@jax.named_scope("routed_experts")
 def capacity_routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax.Array,
                             weights: jax.Array, capacity_factor: float):
     """routed_experts as one batched matmul over fixed-size per-expert slots (GShard-style capacity

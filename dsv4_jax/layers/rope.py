@@ -36,6 +36,7 @@ def rope_inv_freq(cfg: ModelConfig, ratio: int) -> np.ndarray:
     return freqs.astype(np.float32)
 
 
+@jax.named_scope("rope")
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, inverse: bool = False) -> jax.Array:
     """Rotate the trailing 2*len(inv_freq) dims of x at `positions` (broadcastable to x.shape[:-1])."""
     rope_dim = 2 * inv_freq.shape[0]

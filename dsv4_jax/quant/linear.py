@@ -27,6 +27,8 @@ same exact operands.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -35,6 +37,17 @@ from .activations import nvfp4_activation, nvfp4_global_scale
 from .formats import Fp8BlockWeight, check_weight, dequantize_blocks, is_quantized
 
 ACT_QUANT_MODES = ("none", "fp8", "nvfp4")
+
+
+def _scoped_by_format(matmul):
+    """Run `matmul(x, weight, ...)` under a named scope saying the weight's stored format ("fp8_matmul",
+    "fp4_matmul", "bf16_matmul"), so profiles and kernel counts (hlo_census) can group the matmuls by kind."""
+    @functools.wraps(matmul)
+    def scoped(x, weight, *args, **kwargs):
+        kind = "fp8" if isinstance(weight, Fp8BlockWeight) else "fp4" if is_quantized(weight) else "bf16"
+        with jax.named_scope(f"{kind}_matmul"):
+            return matmul(x, weight, *args, **kwargs)
+    return scoped
 
 
 def activation_quantizer(weight, act_quant: str) -> str:
@@ -88,6 +101,7 @@ def _check_in_features(x: jax.Array, shape, what: str, ndim: int):
         raise ValueError(f"{what}: input has {x.shape[-1]} features but the weight {list(shape)} expects {shape[-1]}")
 
 
+@_scoped_by_format
 def linear(x: jax.Array, weight, out_dtype=None, *, ctx) -> jax.Array:
     """y = x @ W^T for W [out, in] in any stored format; fp32 accumulation; returns out_dtype (default x.dtype)."""
     check_weight(weight, "linear weight")
@@ -106,6 +120,7 @@ def linear(x: jax.Array, weight, out_dtype=None, *, ctx) -> jax.Array:
     return _rescale(y, row_scale, weight_scale).astype(out_dtype or x.dtype)
 
 
+@_scoped_by_format
 def linear_pair(x: jax.Array, w_a, w_b, out_dtype=None, *, ctx) -> tuple[jax.Array, jax.Array]:
     """(linear(x, w_a), linear(x, w_b)) for two weights of one input width, e.g. a gate and an up projection, or the
     attention's wq_a and wkv: one kernel launch where the decode kernels of ffi/ take both (decode rows on CUDA; one
@@ -140,6 +155,7 @@ def _grouped_kernel_output(y: jax.Array, row_scale, group_sizes: jax.Array, out_
     return jnp.where(real_row[:, None], _rescale(y, row_scale, None), 0).astype(out_dtype)
 
 
+@_scoped_by_format
 def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array, out_dtype=None, *, ctx) -> jax.Array:
     """Rows of x [m, in] sorted by group; group g multiplies W[g]^T (W [G, out, in], e.g. stacked experts);
     rows past sum(group_sizes) give zeros. Returns [m, out]."""
@@ -156,6 +172,7 @@ def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array, out_dtype=None,
     return _rescale(y, row_scale, weight_scale).astype(out_dtype or x.dtype)
 
 
+@_scoped_by_format
 def grouped_linear_pair(x: jax.Array, w_a, w_b, group_sizes: jax.Array, out_dtype=None, *,
                         ctx) -> tuple[jax.Array, jax.Array]:
     """(grouped_linear(x, w_a, ...), grouped_linear(x, w_b, ...)) for two stacked weights of one input width, e.g.
@@ -174,6 +191,7 @@ def grouped_linear_pair(x: jax.Array, w_a, w_b, group_sizes: jax.Array, out_dtyp
     return y[:, :n], y[:, n:]
 
 
+@_scoped_by_format
 def group_linear(x: jax.Array, weight, out_dtype=None, *, ctx) -> jax.Array:
     """Block-diagonal linear (the grouped output projection wo_a): x [..., G, in], W [G * out, in]; group g
     multiplies rows [g * out, (g + 1) * out) of W. Returns [..., G, out]."""

@@ -1,0 +1,249 @@
+"""python -m dsv4_jax.bench: what a token costs, on this machine, against its memory roofline.
+
+    python -m dsv4_jax.bench --preset flash --layers 8 --out flash8.json --plot figs/
+    python -m dsv4_jax.bench --preset tiny --batches 1,8 --contexts 512 --prompts 256   # a quick look on a CPU
+
+Builds a model of the preset's geometry (`--layers N`: its first N layers and the MTP block) with random weights
+made on the device in the stored formats (FP8 attention and shared experts, MXFP4 routed experts, bf16 head), and
+measures in one process:
+- the device: XLA's bf16 GEMV bandwidth and its FP8 / bf16 matmul rates (bench/probes.py);
+- decode ms per step for every --batches x --contexts, from the jitted generation loop (bench/cases.py), against
+  the step's floor (dsv4_jax.roofline bytes / measured bandwidth);
+- time to first token and prefill tokens/s for every --prompts length at batch 1, against the FP8 matmul rate;
+- compile time of the decode step and of a generation chunk;
+- all of it again on kernels="reference" (XLA only) unless --reference says otherwise.
+`--profile DIR` adds a per-op table of one batch-1 decode step from a jax.profiler trace, and its launch count.
+Prints tables, writes `--out` JSON, and `--plot DIR` PNGs (or `--replot JSON --plot DIR` from an earlier run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+DEFAULT_PROBES = {"gpu": (1 << 30, 16384), "cpu": (64 << 20, 512)}   # bandwidth weight bytes, matmul n
+
+
+def _ints(text: str) -> list[int]:
+    if text == "none":
+        return []
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers (or none), got {text!r}")
+    return values
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dsv4_jax.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=("tiny", "flash", "pro"), default="tiny")
+    p.add_argument("--layers", type=int, default=None, help="first N backbone layers (default: all)")
+    p.add_argument("--devices", type=int, default=1, help="devices of the mesh (default 1: no mesh)")
+    p.add_argument("--batches", type=_ints, default=[1, 8, 32, 64])
+    p.add_argument("--contexts", type=_ints, default=[4096, 65536], help="tokens in each sequence's state")
+    p.add_argument("--prompts", type=_ints, default=[1024, 8192, 32768], help="prefill prompt lengths")
+    p.add_argument("--steps", type=int, default=32, help="decode steps per timed call")
+    p.add_argument("--calls", type=int, default=3, help="timed calls per decode case (after one warm-up)")
+    p.add_argument("--prefill-calls", type=int, default=2)
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--reference", choices=("all", "decode", "none"), default="all",
+                   help="which cases also run on kernels='reference' (default all)")
+    p.add_argument("--kernels", default="auto", help="kernel mode of the main side (default auto)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--bandwidth-bytes", type=int, default=None, help="bandwidth probe's weight size")
+    p.add_argument("--matmul-n", type=int, default=None, help="matmul rate probe's n")
+    p.add_argument("--profile", metavar="DIR", help="trace one batch-1 decode step into DIR and tabulate it")
+    p.add_argument("--out", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--plot", metavar="DIR", help="write PNG figures (needs matplotlib)")
+    p.add_argument("--replot", metavar="JSON", help="only make --plot figures from an earlier --out file")
+    args = p.parse_args(argv)
+    if args.replot and not args.plot:
+        p.error("--replot needs --plot DIR")
+    if not args.replot and not (args.batches and args.contexts):
+        p.error("--batches and --contexts need at least one value each")
+    for name in ("steps", "calls", "prefill_calls", "prefill_chunk", "devices"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def _model_config(args):
+    from .. import presets
+    cfg = {"tiny": presets.tiny, "flash": presets.flash, "pro": presets.pro}[args.preset]()
+    return cfg if args.layers is None else presets.truncated(cfg, args.layers)
+
+
+def _machine() -> dict:
+    import jax
+    device = jax.devices()[0]
+    return {"backend": jax.default_backend(), "device_kind": device.device_kind, "n_devices": jax.device_count(),
+            "host": platform.node(), "cpu_count": os.cpu_count(), "jax": jax.__version__}
+
+
+def _save(result: dict, path: str | None) -> None:
+    """Write the results so far (a long run that is stopped keeps every case it finished)."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def run(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import dsv4_jax
+    from ..roofline import prefill_flops, roofline, weight_bytes_by_part
+    from ..run_context import RunContext
+    from . import cases, op_profile, probes
+
+    cfg = _model_config(args)
+    backend = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    probe_bytes, probe_n = DEFAULT_PROBES[backend]
+    probe_bytes, probe_n = args.bandwidth_bytes or probe_bytes, args.matmul_n or probe_n
+    mesh = dsv4_jax.make_mesh(args.devices) if args.devices > 1 else None
+    result = {"date": datetime.date.today().isoformat(), "command": " ".join(["python -m dsv4_jax.bench"] +
+                                                                             sys.argv[1:]),
+              "machine": _machine()}
+
+    t0 = time.perf_counter()
+    model = dsv4_jax.init_random(cfg, seed=0, mesh=mesh, dtype=args.dtype, kernels=args.kernels)
+    jax.block_until_ready(model.params)
+    held = sum(weight_bytes_by_part(cfg).values())
+    result["model"] = {"preset": args.preset, "layers": cfg.n_layers, "weights_bytes": held,
+                       "init_s": time.perf_counter() - t0, "dtype": args.dtype, "kernels": args.kernels,
+                       "kernel_backend": model.context.kernels.backend, "devices": args.devices}
+    print(f"{args.preset} geometry, {cfg.n_layers} layers: {held / 1e9:.3f} GB of weights on "
+          f"{result['machine']['device_kind']} ({model.context.kernels.backend or 'reference'} kernels)", flush=True)
+
+    bandwidth = probes.memory_bandwidth(probe_bytes)
+    fp8_rate = probes.matmul_rate(probe_n, jnp.float8_e4m3fn)
+    bf16_rate = probes.matmul_rate(probe_n, jnp.bfloat16)
+    result["device"] = {"bandwidth_bytes_per_s": bandwidth, "bandwidth_probe_bytes": probe_bytes,
+                        "fp8_flops_per_s": fp8_rate, "bf16_flops_per_s": bf16_rate, "matmul_probe_n": probe_n}
+    print(f"device: {bandwidth / 1e9:.0f} GB/s (bf16 GEMV), {fp8_rate / 1e12:.1f} TFLOP/s fp8, "
+          f"{bf16_rate / 1e12:.1f} TFLOP/s bf16 (XLA matmul n={probe_n})", flush=True)
+
+    contexts = {"auto": model.context}
+    if args.reference != "none":
+        contexts["reference"] = RunContext.create(args.dtype, model.context.simulate_quant, model.context.act_quant,
+                                                  "reference", mesh=mesh)
+    result["compile"] = {}
+    for side, ctx in contexts.items():
+        seconds, program, state = cases.decode_step_compile_seconds(model.params, cfg, ctx, 1, args.contexts[0], mesh)
+        result["compile"][f"decode_step_s_{side}"] = seconds
+        if args.profile and side == "auto":
+            tokens = jnp.zeros((1,), jnp.int32)
+            steps = 5
+            op_profile.trace_decode_steps(program, model.params, state, tokens, steps, args.profile)
+            table = op_profile.op_table(args.profile, program.as_text(), steps)
+            result["profile"] = {"batch": 1, "context": args.contexts[0], **table}
+            _save(result, args.out)
+        del program, state
+
+    result["decode"] = []
+    for context in args.contexts:
+        for batch in args.batches:
+            floor = roofline(cfg, batch, context, args.dtype)
+            for side, ctx in contexts.items():
+                case = cases.time_decode(model.params, cfg, ctx, batch, context, args.steps, args.calls, mesh)
+                case["kernels"] = side
+                case["floor_bytes"] = floor.total_bytes
+                case["floor_ms"] = 1e3 * floor.seconds(bandwidth)
+                case["fraction_of_floor"] = case["floor_ms"] / case["ms_per_step"]
+                case["tokens_per_s"] = batch * 1e3 / case["ms_per_step"]
+                result["decode"].append(case)
+                _save(result, args.out)
+                print(f"decode  batch {batch:3d}  context {context:7d}  {side:9s}  {case['ms_per_step']:9.3f} ms/step"
+                      f"  floor {case['floor_ms']:.3f} ms ({100 * case['fraction_of_floor']:.0f}%)", flush=True)
+    first = [c for c in result["decode"] if c["batch"] == args.batches[0] and c["context"] == args.contexts[0]]
+    for case in first:
+        result["compile"][f"generate_chunk_s_{case['kernels']}"] = case["generate_chunk_compile_s"]
+
+    result["prefill"] = []
+    prefill_sides = {k: v for k, v in contexts.items() if k == "auto" or args.reference == "all"}
+    for tokens in args.prompts:
+        flops = prefill_flops(cfg, tokens)
+        for side, ctx in prefill_sides.items():
+            case = cases.time_prefill(model.params, cfg, ctx.kernels, tokens, args.prefill_chunk, args.prefill_calls,
+                                      args.dtype, mesh)
+            case["kernels"] = side
+            case["flops"] = flops
+            case["fraction_of_fp8_rate"] = flops / (case["ttft_ms"] / 1e3) / fp8_rate
+            result["prefill"].append(case)
+            _save(result, args.out)
+            print(f"prefill {tokens:7d} tokens  {side:9s}  ttft {case['ttft_ms']:10.1f} ms  "
+                  f"{case['tokens_per_s']:9.0f} tok/s  ({100 * case['fraction_of_fp8_rate']:.1f}% of fp8 rate)",
+                  flush=True)
+    return result
+
+
+def _reference_of(cases: list[dict], keys: tuple[str, ...]) -> dict:
+    return {tuple(c[k] for k in keys): c for c in cases if c["kernels"] == "reference"}
+
+
+def tables(result: dict) -> str:
+    """The result as the text tables the benchmark prints."""
+    model, dev = result["model"], result["device"]
+    lines = [f"{model['preset']} geometry, {model['layers']} layers, {result['machine']['device_kind']}, "
+             f"{result['date']}",
+             f"device: {dev['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s bf16 GEMV, {dev['fp8_flops_per_s'] / 1e12:.1f} "
+             f"TFLOP/s fp8, {dev['bf16_flops_per_s'] / 1e12:.1f} TFLOP/s bf16 (XLA)", "",
+             f"{'batch':>5} {'context':>8} {'ms/step':>9} {'tok/s':>9} {'floor ms':>9} {'of floor':>8} "
+             f"{'ref ms':>9} {'speedup':>8}"]
+    ref = _reference_of(result["decode"], ("batch", "context"))
+    for c in result["decode"]:
+        if c["kernels"] != "auto":
+            continue
+        r = ref.get((c["batch"], c["context"]))
+        ref_ms, speedup = (f"{r['ms_per_step']:.3f}", f"{r['ms_per_step'] / c['ms_per_step']:.1f}x") if r else ("-", "-")
+        lines.append(f"{c['batch']:5d} {c['context']:8d} {c['ms_per_step']:9.3f} {c['tokens_per_s']:9.1f} "
+                     f"{c['floor_ms']:9.3f} {100 * c['fraction_of_floor']:7.0f}% {ref_ms:>9} {speedup:>8}")
+    lines += ["", f"{'prompt':>7} {'ttft ms':>10} {'tok/s':>9} {'of fp8':>7} {'ref ttft ms':>12} {'speedup':>8}"]
+    ref = _reference_of(result["prefill"], ("prompt_tokens",))
+    for c in result["prefill"]:
+        if c["kernels"] != "auto":
+            continue
+        r = ref.get((c["prompt_tokens"],))
+        ref_ms, speedup = (f"{r['ttft_ms']:.1f}", f"{r['ttft_ms'] / c['ttft_ms']:.1f}x") if r else ("-", "-")
+        lines.append(f"{c['prompt_tokens']:7d} {c['ttft_ms']:10.1f} {c['tokens_per_s']:9.0f} "
+                     f"{100 * c['fraction_of_fp8_rate']:6.1f}% {ref_ms:>12} {speedup:>8}")
+    lines += ["", "compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in result["compile"].items())]
+    if "profile" in result:
+        prof = result["profile"]
+        lines += ["", f"one batch-{prof['batch']} decode step: {prof['kernel_ms_per_step']:.3f} ms of kernels, "
+                      f"{prof['launches']['launches_per_call']} launches"]
+        lines += [f"  {fam:<22} {row['ms']:8.3f} ms {row['percent']:5.1f}%" for fam, row in prof["by_family"].items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.replot:
+        from .plots import write_plots
+        with open(args.replot) as f:
+            for path in write_plots(json.load(f), args.plot):
+                print(path)
+        return 0
+    result = run(args)
+    print()
+    print(tables(result))
+    if args.out:
+        _save(result, args.out)
+        print(f"wrote {args.out}")
+    if args.plot:
+        from .plots import write_plots
+        for path in write_plots(result, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

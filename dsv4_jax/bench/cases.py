@@ -1,0 +1,125 @@
+"""The timed cases of the model benchmark: decode steps inside the jitted generation loop, and prefills.
+
+Decode: `generate_chunk` (the on-device loop `Model.generate` runs) is compiled once per (batch, context, kernels)
+and called several times; each call runs `steps` decode steps, and a step's time is the median call time divided
+by `steps`. The state is built directly at the context under test (caches filled with random values, every
+sequence `context - steps * calls` tokens in, so the last step reads `context` tokens): decoding at 64K context
+does not need a 64K-token prefill first, and the work of a step does not depend on the cached values. Sampling
+is greedy and no stop token can end a sequence early (every call is checked to have produced `steps` tokens per
+sequence).
+
+Prefill: `Model.prefill` of a random prompt (chunked as users run it) followed by sampling the first token: the time
+to first token once compiled; tokens/s is prompt length / that time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import engine
+from ..api import Model
+from ..config import ModelConfig
+from ..run_context import RunContext
+from ..sharding import state_shardings
+from ..state import DecodeState, init_state
+
+CACHE_BUFFERS = ("window_kv", "compressed_kv", "index_keys")
+
+
+def synthetic_state(cfg: ModelConfig, batch: int, max_seq_len: int, position: int, dtype, mesh=None,
+                    seed: int = 0) -> DecodeState:
+    """A decode state of `batch` sequences each `position` tokens in, its caches random (made on the device)."""
+    def make(key):
+        state = init_state(cfg, batch, max_seq_len, dtype)
+        keys = iter(jax.random.split(key, 4 * (cfg.n_layers + cfg.n_mtp_layers) + 1))
+
+        def fill(cache):
+            out = dict(cache)
+            for name in CACHE_BUFFERS:
+                if name in cache:
+                    out[name] = jax.random.normal(next(keys), cache[name].shape, jnp.float32).astype(dtype)
+            return out
+        return state.replace(layers=[fill(c) for c in state.layers], mtp=[fill(c) for c in state.mtp],
+                             mtp_hidden=jax.random.normal(next(keys), state.mtp_hidden.shape).astype(dtype),
+                             positions=jnp.full((batch,), position, jnp.int32))
+    shardings = None
+    if mesh is not None:
+        shardings = state_shardings(jax.eval_shape(make, jax.random.PRNGKey(seed)), mesh)
+    return jax.jit(make, out_shardings=shardings)(jax.random.PRNGKey(seed))
+
+
+def _sampling(batch: int) -> engine.SamplingParams:
+    """Greedy, no length limit within the benchmark, and no stop token (-1 matches no token)."""
+    return engine.SamplingParams(jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0),
+                                 jnp.full((batch,), 2 ** 30, jnp.int32), jnp.asarray([-1], jnp.int32))
+
+
+def time_decode(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: int, steps: int, calls: int,
+                mesh=None) -> dict:
+    """ms per decode step at (batch, context) from `calls` timed calls of `steps` steps each (after one warm-up
+    call), and the compile time of that generation chunk."""
+    start = context - steps * (calls + 1)
+    if start < 0:
+        raise ValueError(f"context {context} is shorter than the {steps * (calls + 1)} steps the case runs "
+                         f"(steps x (calls + 1))")
+    state = synthetic_state(cfg, batch, context, start, ctx.jnp_dtype, mesh)
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab_size, jnp.int32)
+    gen = engine.GenerationState(state, tokens, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
+                                 jax.random.PRNGKey(3))
+    sp = _sampling(batch)
+    t0 = time.perf_counter()
+    program = engine.generate_chunk.lower(params, gen, sp, cfg=cfg, ctx=ctx, max_seq_len=context,
+                                          chunk=steps).compile()
+    compile_s = time.perf_counter() - t0
+    times, produced = [], []
+    for _ in range(calls + 1):
+        t0 = time.perf_counter()
+        out, gen = program(params, gen, sp)
+        out.block_until_ready()
+        times.append(time.perf_counter() - t0)
+        produced.append(out)
+    produced = np.asarray(jax.device_get(jnp.stack(produced)))
+    if (produced < 0).any():
+        raise RuntimeError(f"batch {batch}, context {context}: a generation chunk stopped early; the steps were not "
+                           f"all timed")
+    return {"batch": batch, "context": context, "kernels": ctx.kernels.mode, "steps_per_call": steps,
+            "calls": calls, "ms_per_step": 1e3 * statistics.median(times[1:]) / steps,
+            "first_call_ms": 1e3 * times[0], "generate_chunk_compile_s": compile_s}
+
+
+def decode_step_compile_seconds(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: int,
+                                mesh=None) -> tuple[float, object, DecodeState]:
+    """Seconds to trace, lower and compile one decode step; also returns the compiled step and a state for it."""
+    state = synthetic_state(cfg, batch, context, context - 8, ctx.jnp_dtype, mesh)
+    tokens = jnp.zeros((batch,), jnp.int32)
+    t0 = time.perf_counter()
+    program = engine.decode_step.lower(params, state, tokens, cfg=cfg, ctx=ctx, max_seq_len=context).compile()
+    return time.perf_counter() - t0, program, state
+
+
+def time_prefill(params, cfg: ModelConfig, kernels, prompt_tokens: int, chunk: int, calls: int, dtype: str,
+                 mesh=None) -> dict:
+    """Time to first token of a `prompt_tokens`-token prompt at batch 1 (median of `calls` after a warm-up call,
+    which compiles; its time is reported as the cold figure)."""
+    model = Model(cfg, params, dtype=dtype, max_seq_len=prompt_tokens + 1, max_batch=1, prefill_chunk=chunk,
+                  kernels=kernels, mesh=mesh)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, prompt_tokens), dtype=np.int32)
+    sp = _sampling(1)
+    key = jax.random.PRNGKey(0)
+    times = []
+    for _ in range(calls + 1):
+        t0 = time.perf_counter()
+        logits, state = model.prefill(prompt)
+        gen = engine.first_generation_state(state, logits, key, sp)
+        gen.last_token.block_until_ready()
+        times.append(time.perf_counter() - t0)
+        del gen, state
+    ttft = statistics.median(times[1:])
+    return {"prompt_tokens": prompt_tokens, "kernels": model.context.kernels.mode, "prefill_chunk": chunk,
+            "calls": calls, "ttft_ms": 1e3 * ttft, "tokens_per_s": prompt_tokens / ttft,
+            "cold_ttft_s": times[0]}

@@ -1,0 +1,178 @@
+"""Count the kernels of a compiled program from its optimized HLO text (`compiled.as_text()`).
+
+    census = hlo_census.census(jax.jit(f).lower(*args).compile().as_text())
+    census.launches_per_call, census.by_family
+
+Every instruction of the entry computation (and of the computations it reaches through `call`, `while` and
+`conditional`) that runs as a kernel of its own counts as one launch: fusions, custom calls (our FFI and Pallas
+kernels, cuBLAS GEMMs), copies, gathers, sorts, collectives and so on; parameters, constants, tuples, bitcasts and
+control flow do not. A `while` body counts once per iteration where XLA knows the trip count
+(`known_trip_count`); a loop without one counts once and is listed in `unknown_trip_counts`. Each launch is
+attributed to the model part named by the innermost `jax.named_scope` of its `op_name` metadata (the scopes the
+model sets: see FAMILY_OF_SCOPE), collectives by their opcode.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+# named_scope set in the model code -> the op family it is reported as
+FAMILY_OF_SCOPE = {
+    "fp8_matmul": "fp8 matmul", "fp4_matmul": "fp4 matmul", "bf16_matmul": "bf16 matmul",
+    "attention": "attention", "indexer": "indexer", "compressor": "compressor", "mhc": "mhc",
+    "norm": "norm/rope", "rope": "norm/rope", "router": "router", "routed_experts": "moe dispatch/combine",
+    "embed": "embed", "sampling": "sampling",
+}
+FAMILIES = tuple(dict.fromkeys(FAMILY_OF_SCOPE.values())) + ("collectives", "other")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+               "collective-broadcast", "ragged-all-to-all")
+# Opcodes that never launch a kernel of their own.
+_NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "call", "while", "conditional",
+                "after-all", "add-dependency", "opt-barrier", "partition-id", "replica-id", "domain",
+                "get-dimension-size", "set-dimension-size"}
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<rest>.*)$")
+_COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[^\s(]+)\s*\(.*\{\s*$")
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    opcode: str
+    op_name: str
+    callees: dict[str, list[str]]      # "to_apply" / "body" / "condition" / "branches" -> computation names
+    trip_count: int | None
+
+
+@dataclasses.dataclass
+class Census:
+    top_level_kernels: int             # kernels outside any while loop
+    launches_per_call: int             # loop bodies counted once per iteration
+    custom_calls: int                  # per call
+    while_loops: int                   # loops reached from the entry computation
+    collectives: int                   # per call
+    by_family: dict[str, int]          # launches per call, by op family
+    unknown_trip_counts: int = 0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _opcode(rest: str) -> str:
+    """`rest` is the text after 'name = ': a shape (possibly a parenthesised tuple) then 'opcode(...'."""
+    i = 0
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                break
+        i += 1
+    else:
+        i = rest.find(" ")
+    rest = rest[i:].lstrip()
+    return rest[:rest.find("(")] if "(" in rest else rest
+
+
+def _callees(rest: str, opcode: str) -> dict[str, list[str]]:
+    out = {}
+    if opcode == "call":
+        m = re.search(r"to_apply=%?([^\s,}]+)", rest)
+        out["to_apply"] = [m.group(1)] if m else []
+    elif opcode == "while":
+        for key in ("body", "condition"):
+            m = re.search(key + r"=%?([^\s,}]+)", rest)
+            out[key] = [m.group(1)] if m else []
+    elif opcode == "conditional":
+        m = re.search(r"branch_computations=\{([^}]*)\}", rest)
+        names = m.group(1).split(",") if m else re.findall(r"(?:true|false)_computation=%?([^\s,}]+)", rest)
+        out["branches"] = [n.strip().lstrip("%") for n in names if n.strip()]
+    return out
+
+
+def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
+    """Computations (name -> instructions) and the entry computation's name."""
+    computations: dict[str, list[Instruction]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        if current is None:
+            m = _COMPUTATION.match(line)
+            if m:
+                current = m.group("name")
+                computations[current] = []
+                if m.group("entry"):
+                    entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        rest = m.group("rest")
+        opcode = _opcode(rest)
+        op_name = re.search(r'op_name="([^"]*)"', rest)
+        trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
+        computations[current].append(Instruction(m.group("name"), opcode, op_name.group(1) if op_name else "",
+                                                 _callees(rest, opcode), int(trip.group(1)) if trip else None))
+    if entry is None:
+        raise ValueError("no ENTRY computation in this HLO text")
+    return computations, entry
+
+
+def family(instruction: Instruction) -> str:
+    """The op family of one launch: collectives by opcode, else the innermost model scope of its op_name."""
+    if instruction.opcode.removesuffix("-start") in COLLECTIVES:
+        return "collectives"
+    for part in reversed(instruction.op_name.split("/")):
+        if part in FAMILY_OF_SCOPE:
+            return FAMILY_OF_SCOPE[part]
+    return "other"
+
+
+def is_kernel(instruction: Instruction) -> bool:
+    op = instruction.opcode
+    return op not in _NOT_KERNELS and not op.endswith("-done")
+
+
+def census(hlo_text: str) -> Census:
+    computations, entry = parse(hlo_text)
+    by_family = collections.Counter()
+    totals = collections.Counter()
+
+    def walk(name: str, multiplier: int, in_loop: bool):
+        for ins in computations.get(name, []):
+            if ins.opcode == "while":
+                totals["while_loops"] += 1
+                trips = ins.trip_count
+                if trips is None:
+                    totals["unknown_trip_counts"] += 1
+                    trips = 1
+                walk(ins.callees["body"][0], multiplier * trips, True)
+                walk(ins.callees["condition"][0], multiplier * (trips + 1), True)
+            elif ins.opcode == "call":
+                walk(ins.callees["to_apply"][0], multiplier, in_loop)
+            elif ins.opcode == "conditional":
+                for branch in ins.callees["branches"]:      # an upper bound: every branch counted
+                    walk(branch, multiplier, in_loop)
+            elif is_kernel(ins):
+                totals["launches"] += multiplier
+                totals["top_level"] += 0 if in_loop else 1
+                totals["custom_calls"] += multiplier if ins.opcode == "custom-call" else 0
+                totals["collectives"] += multiplier if family(ins) == "collectives" else 0
+                by_family[family(ins)] += multiplier
+
+    walk(entry, 1, False)
+    return Census(top_level_kernels=totals["top_level"], launches_per_call=totals["launches"],
+                  custom_calls=totals["custom_calls"], while_loops=totals["while_loops"],
+                  collectives=totals["collectives"], by_family={f: by_family[f] for f in FAMILIES if by_family[f]},
+                  unknown_trip_counts=totals["unknown_trip_counts"])
+
+
+def op_families(hlo_text: str) -> dict[str, str]:
+    """Every instruction name of every computation -> its op family (to attribute profiler events by HLO op)."""
+    computations, _ = parse(hlo_text)
+    return {ins.name: family(ins) for instructions in computations.values() for ins in instructions}
