@@ -25,12 +25,13 @@ def block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, X: jax.Ar
     """One transformer block on streams X [B, S, n, D]. Returns (X, cache, statistics): the statistics are {} for
     inference and, under training, the layer's `indexer_kl` and `expert_load` (run_context.Training)."""
     ratio = cfg.compress_ratios[layer]
-    u, post, comb = hc_pre(X, params["hc_attn_fn"], params["hc_attn_base"], params["hc_attn_scale"], cfg)
+    unroll = ctx.kernels.on_gpu
+    u, post, comb = hc_pre(X, params["hc_attn_fn"], params["hc_attn_base"], params["hc_attn_scale"], cfg, unroll)
     x = rms_norm(u, params["attn_norm"]["weight"], cfg.norm_eps)
     y, cache, attn_stats = attention(params["attn"], cfg, ratio, x, start, n_valid, cache,
                                      rope_inv_freq(cfg, ratio), ctx)
     X = hc_post(y, X, post, comb)
-    u, post, comb = hc_pre(X, params["hc_ffn_fn"], params["hc_ffn_base"], params["hc_ffn_scale"], cfg)
+    u, post, comb = hc_pre(X, params["hc_ffn_fn"], params["hc_ffn_base"], params["hc_ffn_scale"], cfg, unroll)
     x = rms_norm(u, params["ffn_norm"]["weight"], cfg.norm_eps)
     y, moe_stats = moe(params["ffn"], cfg, x, token_ids, cfg.is_hash_layer(layer), ctx)
     return hc_post(y, X, post, comb), cache, attn_stats | moe_stats

@@ -288,17 +288,18 @@ def _random_streams(rng, cfg, lead=(2, 5)):
     return (rng.standard_normal(lead + (cfg.hc_mult, cfg.dim)) * rng.uniform(0.5, 3.0, lead + (cfg.hc_mult, 1)))
 
 
-@pytest.mark.parametrize("sharpen", [1.0, 40.0])
-def test_hc_pre_post(tiny, sharpen):
+@pytest.mark.parametrize("sharpen,unroll", [(1.0, False), (40.0, False), (40.0, True)])
+def test_hc_pre_post(tiny, sharpen, unroll):
     """sharpen scales hc_attn_fn so the Sinkhorn logits are large (|logit| ~ 10): then the result depends on
-    running exactly 20 iterations (checked against 19 and 21 in the reference)."""
+    running exactly 20 iterations (checked against 19 and 21 in the reference). `unroll`: the straight-line
+    Sinkhorn the model compiles on a GPU."""
     cfg, params, weights = tiny
     rng = np.random.default_rng(21)
     X = _random_streams(rng, cfg).astype(np.float32)
     w = R.sub(weights, f"layers.{CSA}.")
     fn = (w["hc_attn_fn"] * sharpen).astype(np.float32)
     base, scale = w["hc_attn_base"], w["hc_attn_scale"]
-    u, post, comb = jax.jit(functools.partial(hc_pre, cfg=cfg))(
+    u, post, comb = jax.jit(functools.partial(hc_pre, cfg=cfg, unroll_sinkhorn=unroll))(
         jnp.asarray(X), jnp.asarray(fn), params["layers"][CSA]["hc_attn_base"], params["layers"][CSA]["hc_attn_scale"])
     ru, rpost, rcomb = R.hc_pre(X.astype(np.float64), fn.astype(np.float64), base, scale, cfg)
     assert_close(post, rpost, 1e-6, 1e-5, "hc_pre post = 2 sigmoid(.) (atol 1e-6 rtol 1e-5)")

@@ -39,6 +39,11 @@ class KernelPlan:
         if self.ffi and self.backend != "cuda":
             raise ValueError(f"the ffi/ kernels run only on the 'cuda' backend, not {self.backend!r}")
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the programs run on a GPU (a GPU kernel backend; "interpret" emulates the kernels on a CPU)."""
+        return self.backend in ("cuda", "pallas")
+
 
 REFERENCE = KernelPlan("reference", None)
 
