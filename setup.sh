@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv with Python >= 3.12 and install dsv4_jax (editable) with its test extra (and jax's CUDA build where
-# nvidia-smi finds a GPU).
+# Create .venv with Python >= 3.12 and install dsv4_jax (editable) with its test and bench extras (and jax's CUDA
+# build where nvidia-smi finds a GPU).
 set -euo pipefail
 cd "$(dirname "$0")"
 find_python() {
@@ -23,10 +23,10 @@ if [ ! -x .venv/bin/python ]; then
     $PY -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-EXTRAS="test"
+EXTRAS="test,bench"
 # A machine with an NVIDIA GPU gets the CUDA build of jax (the `cuda` extra), so the same two commands serve it.
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    EXTRAS="test,cuda"
+    EXTRAS="test,bench,cuda"
     echo "setup.sh: NVIDIA GPU found ($(nvidia-smi -L | head -1)); installing jax's CUDA build"
 fi
 .venv/bin/python -m pip install -q -e ".[$EXTRAS]"

@@ -9,7 +9,8 @@ kernels, cuBLAS GEMMs), copies, gathers, sorts, collectives and so on; parameter
 control flow do not. A `while` body counts once per iteration where XLA knows the trip count
 (`known_trip_count`); a loop without one counts once and is listed in `unknown_trip_counts`. Each launch is
 attributed to the model part named by the innermost `jax.named_scope` of its `op_name` metadata (the scopes the
-model sets: see FAMILY_OF_SCOPE), collectives by their opcode.
+model sets: see FAMILY_OF_SCOPE), collectives by their opcode, and to the kind of layer whose scope it lies in
+(LAYER_SCOPES).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ FAMILY_OF_SCOPE = {
     "embed": "embed", "sampling": "sampling",
 }
 FAMILIES = tuple(dict.fromkeys(FAMILY_OF_SCOPE.values())) + ("collectives", "other")
+# model.block's scope per layer kind (model.layer_kind); launches outside every layer are "outside layers"
+LAYER_SCOPES = {"window_layer": "window", "csa_layer": "csa", "hca_layer": "hca", "mtp_layer": "mtp"}
+LAYER_KINDS = tuple(LAYER_SCOPES.values()) + ("outside layers",)
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                "collective-broadcast", "ragged-all-to-all")
 # Opcodes that never launch a kernel of their own.
@@ -54,6 +58,7 @@ class Census:
     while_loops: int                   # loops reached from the entry computation
     collectives: int                   # per call
     by_family: dict[str, int]          # launches per call, by op family
+    by_layer_kind: dict[str, int]      # launches per call, by the kind of layer that launched them
     unknown_trip_counts: int = 0
 
     def as_dict(self) -> dict:
@@ -133,6 +138,14 @@ def family(instruction: Instruction) -> str:
     return "other"
 
 
+def layer_of(instruction: Instruction) -> str:
+    """The kind of layer (LAYER_KINDS) whose scope an instruction lies in."""
+    for part in instruction.op_name.split("/"):
+        if part in LAYER_SCOPES:
+            return LAYER_SCOPES[part]
+    return "outside layers"
+
+
 def is_kernel(instruction: Instruction) -> bool:
     op = instruction.opcode
     return op not in _NOT_KERNELS and not op.endswith("-done")
@@ -141,6 +154,7 @@ def is_kernel(instruction: Instruction) -> bool:
 def census(hlo_text: str) -> Census:
     computations, entry = parse(hlo_text)
     by_family = collections.Counter()
+    by_layer = collections.Counter()
     totals = collections.Counter()
 
     def walk(name: str, multiplier: int, in_loop: bool):
@@ -164,11 +178,13 @@ def census(hlo_text: str) -> Census:
                 totals["custom_calls"] += multiplier if ins.opcode == "custom-call" else 0
                 totals["collectives"] += multiplier if family(ins) == "collectives" else 0
                 by_family[family(ins)] += multiplier
+                by_layer[layer_of(ins)] += multiplier
 
     walk(entry, 1, False)
     return Census(top_level_kernels=totals["top_level"], launches_per_call=totals["launches"],
                   custom_calls=totals["custom_calls"], while_loops=totals["while_loops"],
                   collectives=totals["collectives"], by_family={f: by_family[f] for f in FAMILIES if by_family[f]},
+                  by_layer_kind={k: by_layer[k] for k in LAYER_KINDS if by_layer[k]},
                   unknown_trip_counts=totals["unknown_trip_counts"])
 
 

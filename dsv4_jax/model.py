@@ -1,7 +1,7 @@
 """The DeepSeek-V4 transformer as pure functions over explicit pytrees (params, per-layer caches).
 
 embed -> hc_mult residual streams -> blocks (mHC-wrapped attention, mHC-wrapped MoE) -> hc head -> norm ->
-float32 logits; plus the MTP block (spec 4.8). Every function works on a chunk of S tokens at per-sequence
+float32 logits; plus the MTP block (docs/model.md 4.8). Every function works on a chunk of S tokens at per-sequence
 positions start[b] + i, of which the first n_valid[b] are real; the caches carry everything earlier. Every function
 takes the run context `ctx` (run_context.py): numerics, kernel plan, training switches.
 """
@@ -20,10 +20,24 @@ from .layers.rope import rope_inv_freq
 from .quant import linear
 from .run_context import RunContext
 
+def layer_kind(cfg: ModelConfig, layer: int) -> str:
+    """"window", "csa" (ratio 4), "hca" (other ratios) or "mtp": the named scope of a layer's ops is
+    f"{kind}_layer" (hlo_census counts kernels per layer kind by it)."""
+    if layer >= cfg.n_layers:
+        return "mtp"
+    ratio = cfg.compress_ratios[layer]
+    return "window" if ratio == 0 else "csa" if ratio == 4 else "hca"
+
+
 def block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, X: jax.Array, token_ids: jax.Array,
           start: jax.Array, n_valid: jax.Array, cache: dict):
     """One transformer block on streams X [B, S, n, D]. Returns (X, cache, statistics): the statistics are {} for
     inference and, under training, the layer's `indexer_kl` and `expert_load` (run_context.Training)."""
+    with jax.named_scope(f"{layer_kind(cfg, layer)}_layer"):
+        return _block(params, cfg, ctx, layer, X, token_ids, start, n_valid, cache)
+
+
+def _block(params, cfg, ctx, layer, X, token_ids, start, n_valid, cache):
     ratio = cfg.compress_ratios[layer]
     unroll = ctx.kernels.on_gpu
     u, post, comb = hc_pre(X, params["hc_attn_fn"], params["hc_attn_base"], params["hc_attn_scale"], cfg, unroll)
@@ -68,7 +82,7 @@ def head_logits(params: dict, head_params: dict, cfg: ModelConfig, X: jax.Array,
 
 def mtp_streams(params: dict, cfg: ModelConfig, ctx: RunContext, X_main: jax.Array, next_tokens: jax.Array,
                 start: jax.Array, n_valid: jax.Array, cache: dict, k: int = 0):
-    """MTP block k (spec 4.8) up to its residual streams: at position i it reads the main streams of i and the
+    """MTP block k (docs/model.md 4.8) up to its residual streams: at position i it reads the main streams of i and the
     embedding of token i+1 (`next_tokens`). Returns (streams [B, S, n, D], cache, statistics as `block`'s)."""
     p = params["mtp"][k]
     dtype = ctx.jnp_dtype

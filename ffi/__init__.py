@@ -59,10 +59,11 @@ def _handlers(weight_type) -> tuple[str, dict[str, str]]:
     return source, handlers
 
 
-def register_all() -> None:
-    """Build (if needed), load and register every kernel of ffi/ for this GPU; raises FfiBuildError / OSError."""
+def register_all(arch: str | None = None) -> None:
+    """Build (if needed), load and register every kernel of ffi/ for `arch` (default: this process's GPU; e.g.
+    "sm_90a" to compile for an H200 that is not attached); raises FfiBuildError / OSError."""
     for weight_type in _TARGETS:
-        register(*_handlers(weight_type))
+        register(*_handlers(weight_type), arch)
 
 
 def max_rows(dtype) -> int:

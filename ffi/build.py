@@ -35,9 +35,10 @@ def _nvcc() -> str:
     return found
 
 
-def device_arch() -> str:
-    """sm_XY(a) of JAX's first GPU ('a' for Hopper's architecture-specific features)."""
-    device = jax.devices("gpu")[0]
+def device_arch(device=None) -> str:
+    """sm_XY(a) of `device` (default: JAX's first GPU; a compile-only device of a jax.experimental.topologies
+    topology works too) ('a' for Hopper's architecture-specific features)."""
+    device = jax.devices("gpu")[0] if device is None else device
     major, minor = str(device.compute_capability).split(".")
     return f"sm_{major}{minor}" + ("a" if major == "9" else "")
 
@@ -79,12 +80,12 @@ def build_library(source: str, arch: str | None = None, cache_dir: str | None = 
     return target
 
 
-def register(source: str, handlers: dict[str, str]) -> None:
-    """Build (if needed) and load ffi/<source>, and register its handler symbols as XLA FFI targets for CUDA under
-    the given names; once per process."""
+def register(source: str, handlers: dict[str, str], arch: str | None = None) -> None:
+    """Build (if needed) and load ffi/<source> for `arch` (default: this process's GPU), and register its handler
+    symbols as XLA FFI targets for CUDA under the given names; once per process."""
     if all(name in _registered for name in handlers):
         return
-    library = ctypes.cdll.LoadLibrary(build_library(source))
+    library = ctypes.cdll.LoadLibrary(build_library(source, arch))
     for name, symbol in handlers.items():
         if name not in _registered:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="CUDA")

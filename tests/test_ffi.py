@@ -316,7 +316,7 @@ def test_dispatch_falls_back_to_pallas_without_nvcc(monkeypatch):
     def no_nvcc():
         raise build.FfiBuildError("nvcc not found")
     monkeypatch.setattr(build, "_nvcc", no_nvcc)
-    monkeypatch.setattr(build, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(build, "device_arch", lambda device=None: "sm_90a")
     monkeypatch.setattr(build, "_registered", set())
     kernel_plan.ffi_available.cache_clear()
     try:

@@ -54,13 +54,13 @@ def is_nvidia_gpu(device) -> bool:
 
 
 @functools.cache
-def ffi_available() -> bool:
-    """Whether the CUDA kernels of ffi/ are built and registered (building them now if needed) for this process's
-    GPU; warns once and returns False when nvcc is missing or the build or the library load fails (the Pallas
-    kernels then take their calls)."""
+def ffi_available(arch: str | None = None) -> bool:
+    """Whether the CUDA kernels of ffi/ are built and registered (building them now if needed) for `arch` (default:
+    this process's GPU); warns once and returns False when nvcc is missing or the build or the library load fails
+    (the Pallas kernels then take their calls)."""
     import ffi
     try:
-        ffi.register_all()
+        ffi.register_all(arch)
     except (ffi.FfiBuildError, OSError) as err:
         warnings.warn(f"CUDA decode kernels of ffi/ unavailable, using the Pallas kernels: {err}", stacklevel=2)
         return False
@@ -85,5 +85,8 @@ def plan_kernels(mode: str, device=None) -> KernelPlan:
                          f"({device.platform}); use 'interpret' to run the Pallas kernels here, or 'reference'")
     if mode == "pallas":
         return KernelPlan(mode, "pallas", target=target)
-    real_gpu = isinstance(device, jax.Device)
-    return KernelPlan(mode, "cuda", ffi=real_gpu and ffi_available(), target=target)
+    if not isinstance(device, jax.Device):              # an AbstractDevice: no architecture to build for
+        return KernelPlan(mode, "cuda", ffi=False, target=target)
+    # A real GPU, or a compile-only one of a jax.experimental.topologies topology: build for its architecture.
+    from ffi.build import device_arch
+    return KernelPlan(mode, "cuda", ffi=ffi_available(device_arch(device)), target=target)

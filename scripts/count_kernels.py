@@ -1,0 +1,159 @@
+"""Count the kernel launches of the model's GPU programs without a GPU: compile them for a compile-only H200.
+
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python scripts/count_kernels.py --preset flash --layers 4 --batch 1 \
+        --json counts.json
+
+Needs jax's CUDA build in the environment (`pip install "jax[cuda13]==0.11.2"`; no GPU or driver needed) and nvcc
+for the ffi/ kernels (built for sm_90a). The decode step, a prefill chunk and a generation chunk are compiled for an
+H200 described by `h200_target_config.txtpb` (next to this script) with `kernels="auto"` planned for that device;
+each program's optimized HLO is counted by dsv4_jax.hlo_census: top-level kernels, launches per call (loop bodies
+times their trip counts), custom calls, while loops, collectives, compile time, and launches per layer kind and
+per op family. `--dispatch` also traces the decode step at batch 1, 8, 16, 32 and 64 and reports which path
+(kernel or reference dequantize-then-dot) each quantized matmul takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+TARGET_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "h200_target_config.txtpb")
+
+
+def h200_device():
+    """The compile-only H200 of a one-device CUDA topology."""
+    from jax.experimental import topologies
+    with open(TARGET_CONFIG) as f:
+        target_config = f.read()
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=target_config)
+    except Exception as err:       # no CUDA plugin in this environment, or its checks refused to load
+        raise SystemExit(f"count_kernels.py needs jax's CUDA build (pip install 'jax[cuda13]==0.11.2'; no GPU "
+                         f"needed) and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1: {str(err).splitlines()[0]}") from None
+    return topology.devices[0]
+
+
+def _pallas_target(device):
+    """Pallas's Triton lowering asks for a GPU: on a machine without one it takes the abstract device of an
+    abstract mesh."""
+    import jax
+    abstract = jax.sharding.AbstractDevice(device_kind=device.device_kind, platform="gpu", num_cores=132)
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=abstract))
+
+
+def abstract_inputs(cfg, batch: int, max_seq_len: int, device):
+    """Parameters, decode state and generation inputs as shapes placed on the compile-only device."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dsv4_jax import engine
+    from dsv4_jax.params import init_params
+    from dsv4_jax.state import init_state
+
+    sharding = NamedSharding(jax.sharding.Mesh([device], ("x",)), PartitionSpec())
+    place = lambda tree: jax.tree.map(  # noqa: E731
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
+    params = place(jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0))))
+    state = place(jax.eval_shape(lambda: init_state(cfg, batch, max_seq_len, jnp.bfloat16)))
+    vec = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+    gen = engine.GenerationState(state, vec(jnp.int32, batch), vec(jnp.int32, batch), vec(jnp.bool_, batch),
+                                 place(jax.eval_shape(lambda: jax.random.PRNGKey(0))))
+    sp = engine.SamplingParams(vec(jnp.float32), vec(jnp.int32), vec(jnp.float32), vec(jnp.int32, batch),
+                               vec(jnp.int32, 2))
+    return params, state, gen, sp, vec
+
+
+def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, gen_chunk: int, device) -> dict:
+    import jax.numpy as jnp
+
+    from dsv4_jax import engine
+    from dsv4_jax.hlo_census import census
+
+    params, state, gen, sp, vec = abstract_inputs(cfg, batch, max_seq_len, device)
+    programs = {
+        "decode_step": lambda: engine.decode_step.trace(params, state, vec(jnp.int32, batch), cfg=cfg, ctx=ctx,
+                                                        max_seq_len=max_seq_len),
+        "prefill_chunk": lambda: engine.prefill_chunk.trace(params, state, vec(jnp.int32, batch, prefill_chunk),
+                                                            vec(jnp.int32, batch),
+                                                            vec(jnp.float32, batch, cfg.vocab_size), cfg=cfg,
+                                                            ctx=ctx),
+        "generate_chunk": lambda: engine.generate_chunk.trace(params, gen, sp, cfg=cfg, ctx=ctx,
+                                                              max_seq_len=max_seq_len, chunk=gen_chunk),
+    }
+    out = {}
+    for name, trace in programs.items():
+        t0 = time.perf_counter()
+        with _pallas_target(device):
+            compiled = trace().lower().compile()
+        seconds = time.perf_counter() - t0
+        out[name] = {**census(compiled.as_text()).as_dict(), "compile_s": seconds}
+        print(f"{name}: {out[name]['launches_per_call']} launches per call ({out[name]['top_level_kernels']} "
+              f"top-level kernels, {out[name]['while_loops']} while loops, {out[name]['custom_calls']} custom "
+              f"calls), compiled in {seconds:.1f} s", flush=True)
+    return out
+
+
+def dispatch_table(cfg, ctx, batches, max_seq_len: int, device) -> dict:
+    """Per batch size: how many quantized matmuls of the decode step take each (path, kernel)."""
+    import jax.numpy as jnp
+
+    from dsv4_jax import engine
+    from dsv4_jax.quant import kernel_dispatch
+
+    table = {}
+    for batch in batches:
+        params, state, _, _, vec = abstract_inputs(cfg, batch, max_seq_len, device)
+        with kernel_dispatch.record_dispatch() as records, _pallas_target(device):
+            engine.decode_step.trace(params, state, vec(jnp.int32, batch), cfg=cfg, ctx=ctx,
+                                     max_seq_len=max_seq_len)
+        counts = collections.Counter(f"{path}:{kernel}" if kernel else path for _, _, _, path, kernel in records)
+        table[batch] = dict(sorted(counts.items()))
+        print(f"dispatch at batch {batch}: {table[batch]}", flush=True)
+    return table
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=("tiny", "flash", "pro"), default="flash")
+    p.add_argument("--layers", type=int, default=None, help="first N backbone layers (default: all)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--gen-chunk", type=int, default=16)
+    p.add_argument("--kernels", default="auto")
+    p.add_argument("--dispatch", action="store_true", help="also the dispatch table at batch 1, 8, 16, 32, 64")
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args(argv)
+
+    from dsv4_jax import presets
+    from dsv4_jax.run_context import RunContext
+
+    cfg = {"tiny": presets.tiny, "flash": presets.flash, "pro": presets.pro}[args.preset]()
+    if args.layers is not None:
+        cfg = presets.truncated(cfg, args.layers)
+    device = h200_device()
+    ctx = RunContext.create(kernels=args.kernels, device=device)
+    print(f"{args.preset} geometry, {cfg.n_layers} layers, batch {args.batch}, compiled for {device.device_kind} "
+          f"(kernel backend {ctx.kernels.backend}, ffi {ctx.kernels.ffi})", flush=True)
+    result = {"preset": args.preset, "layers": cfg.n_layers, "batch": args.batch, "max_seq_len": args.max_seq_len,
+              "kernels": args.kernels, "kernel_backend": ctx.kernels.backend, "ffi": ctx.kernels.ffi,
+              "programs": count_programs(cfg, ctx, args.batch, args.max_seq_len, args.prefill_chunk, args.gen_chunk,
+                                         device)}
+    if args.dispatch:
+        result["dispatch"] = dispatch_table(cfg, ctx, (1, 8, 16, 32, 64), args.max_seq_len, device)
+    print(json.dumps(result["programs"]["decode_step"], indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The model benchmark runs end to end on the CPU for the tiny preset: every section of its JSON is there, the
+reference side ran, the profile attributed the step's kernels, and the figures are written. Never a time."""
+
+import json
+import os
+
+import pytest
+
+from dsv4_jax.bench.__main__ import main, parse_args
+
+
+def test_tiny_smoke_run(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    figures = tmp_path / "figures"
+    assert main(["--preset", "tiny", "--batches", "2", "--contexts", "160", "--prompts", "40", "--steps", "3",
+                 "--calls", "1", "--prefill-calls", "1", "--out", str(out), "--profile", str(tmp_path / "trace"),
+                 "--bandwidth-bytes", str(1 << 20), "--matmul-n", "128"]) == 0
+    result = json.loads(out.read_text())
+    assert result["model"]["preset"] == "tiny" and result["model"]["layers"] == 4
+    assert {"bandwidth_bytes_per_s", "fp8_flops_per_s", "bf16_flops_per_s"} <= set(result["device"])
+    decode = {c["kernels"]: c for c in result["decode"]}
+    assert set(decode) == {"auto", "reference"}
+    for case in decode.values():
+        assert (case["batch"], case["context"], case["steps_per_call"]) == (2, 160, 3)
+        assert case["ms_per_step"] > 0 and case["floor_ms"] > 0 and case["floor_bytes"] > 0
+    assert {c["kernels"] for c in result["prefill"]} == {"auto", "reference"}
+    assert all(c["prompt_tokens"] == 40 and c["tokens_per_s"] > 0 for c in result["prefill"])
+    assert {"decode_step_s_auto", "decode_step_s_reference", "generate_chunk_s_auto",
+            "generate_chunk_s_reference"} <= set(result["compile"])
+    profile = result["profile"]
+    assert profile["launches"]["launches_per_call"] > 0
+    assert "fp4 matmul" in profile["by_family"] and "mhc" in profile["by_family"]
+    assert sum(row["percent"] for row in profile["by_family"].values()) == pytest.approx(100.0)
+    printed = capsys.readouterr().out
+    assert "ms/step" in printed and "ttft ms" in printed
+
+    pytest.importorskip("matplotlib")
+    assert main(["--replot", str(out), "--plot", str(figures)]) == 0
+    assert sorted(os.listdir(figures)) == ["tiny_4l_decode.png", "tiny_4l_decode_profile.png"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--batches", "0"], "positive integers"),
+    (["--contexts", "none"], "at least one value"),
+    (["--replot", "x.json"], "--replot needs --plot"),
+    (["--steps", "0"], "--steps must be >= 1"),
+])
+def test_bad_arguments_get_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_a_context_too_short_for_the_steps_is_refused():
+    from dsv4_jax import init_random, presets
+    from dsv4_jax.bench.cases import time_decode
+    model = init_random(presets.tiny(), kernels="reference")
+    with pytest.raises(ValueError, match="shorter than the 40 steps"):
+        time_decode(model.params, model.config, model.context, 1, 30, steps=10, calls=3)

@@ -1,0 +1,91 @@
+"""hlo_census: launch counting on a hand-written HLO module whose counts are known, and on compiled programs."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dsv4_jax import hlo_census
+
+# Entry: 2 fusions, a custom call, an all-reduce start/done pair, a call into a computation with one copy, and a
+# while loop (trip count 7) whose body has 2 fusions and whose condition has 1.
+HLO = """HloModule jit_step, is_scheduled=true
+
+%fused_a (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %t = f32[4]{0} tanh(%p)
+}
+
+%body (arg: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %arg = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %x = f32[4]{0} get-tuple-element(%arg), index=1
+  %f1 = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_a, metadata={op_name="jit(step)/csa_layer/mhc/while/body/mul"}
+  %f2 = s32[] fusion(%i), kind=kLoop, calls=%fused_a, metadata={op_name="jit(step)/csa_layer/mhc/while/body/add"}
+  ROOT %out = (s32[], f32[4]{0}) tuple(%f2, %f1)
+}
+
+%cond (arg.1: (s32[], f32[4])) -> pred[] {
+  %arg.1 = (s32[], f32[4]{0}) parameter(0)
+  ROOT %lt = pred[] fusion(%arg.1), kind=kLoop, calls=%fused_a, metadata={op_name="jit(step)/csa_layer/mhc/while/cond/lt"}
+}
+
+%outlined (q: f32[4]) -> f32[4] {
+  %q = f32[4]{0} parameter(0)
+  ROOT %c = f32[4]{0} copy(%q), metadata={op_name="jit(step)/attention/copy"}
+}
+
+ENTRY %main (x.1: f32[4]) -> f32[4] {
+  %x.1 = f32[4]{0} parameter(0), metadata={op_name="x"}
+  %a = f32[4]{0} fusion(%x.1), kind=kLoop, calls=%fused_a, metadata={op_name="jit(step)/csa_layer/attention/fp8_matmul/dot_general"}
+  %b = f32[4]{0} custom-call(%a), custom_call_target="dsv4_fp8_gemv", metadata={op_name="jit(step)/csa_layer/attention/fp8_matmul/ffi_call"}
+  %ar = f32[4]{0} all-reduce-start(%b), replica_groups={}, to_apply=%fused_a, metadata={op_name="jit(step)/routed_experts/psum"}
+  %ard = f32[4]{0} all-reduce-done(%ar)
+  %cl = f32[4]{0} call(%ard), to_apply=%outlined
+  %tup = (s32[], f32[4]{0}) tuple(%cl, %cl)
+  %w = (s32[], f32[4]{0}) while(%tup), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"7"}}
+  %g = f32[4]{0} get-tuple-element(%w), index=1
+  ROOT %r = f32[4]{0} fusion(%g), kind=kLoop, calls=%fused_a, metadata={op_name="jit(step)/norm/mul"}
+}
+"""
+
+
+def test_counts_of_a_known_module():
+    c = hlo_census.census(HLO)
+    # entry kernels: a, b, ar (done is not a launch), copy in the call, r = 5; loop: 7 x 2 + 8 x 1 = 22
+    assert c.top_level_kernels == 5
+    assert c.launches_per_call == 5 + 22
+    assert (c.custom_calls, c.while_loops, c.collectives, c.unknown_trip_counts) == (1, 1, 1, 0)
+    assert c.by_family == {"fp8 matmul": 2, "attention": 1, "mhc": 22, "norm/rope": 1, "collectives": 1}
+    assert c.by_layer_kind == {"csa": 2 + 22, "outside layers": 3}
+
+
+def test_a_loop_without_a_known_trip_count_is_counted_once_and_flagged():
+    c = hlo_census.census(HLO.replace(', backend_config={"known_trip_count":{"n":"7"}}', ""))
+    assert c.launches_per_call == 5 + 2 + 2 and c.unknown_trip_counts == 1
+
+
+def test_op_families_name_every_instruction():
+    families = hlo_census.op_families(HLO)
+    assert families["b"] == "fp8 matmul" and families["f1"] == "mhc" and families["ar"] == "collectives"
+    assert families["x.1"] == "other"
+
+
+def test_an_hlo_text_without_entry_is_refused():
+    with pytest.raises(ValueError, match="no ENTRY"):
+        hlo_census.census("HloModule empty\n")
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_compiled_loops_and_scopes(unroll):
+    """A real compile: the fori_loop is a while loop with its trip count unless unrolled, and a matmul under a
+    named scope is attributed to that scope."""
+    def f(x, w):
+        with jax.named_scope("attention"):
+            y = jnp.tanh(x @ w)
+        return jax.lax.fori_loop(0, 5, lambda i, c: jnp.sin(c) * 2 + 1, y, unroll=unroll).sum()
+    text = jax.jit(f).lower(jnp.ones((4, 8)), jnp.ones((8, 8))).compile().as_text()
+    c = hlo_census.census(text)
+    assert c.while_loops == (0 if unroll else 1) and c.unknown_trip_counts == 0
+    assert c.by_family.get("attention", 0) >= 1
+    if not unroll:
+        assert c.launches_per_call > c.top_level_kernels
