@@ -1,4 +1,4 @@
-"""DeepSeek-V4 prompt encoding (spec section 8).
+"""DeepSeek-V4 prompt encoding (docs/model.md section 8).
 
 Produces exactly the strings of the official encoder, ``encoding/encoding_dsv4.py`` shipped with the
 DeepSeek-V4 checkpoints (no Jinja chat template ships with V4). Grammar, in short::

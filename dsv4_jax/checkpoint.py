@@ -6,7 +6,7 @@ stock numpy loader has no story for F8_E8M0 or packed FP4; E8M0 bytes stay uint8
 only inside the matmul.
 
 Routed experts come in either of two layouts, detected per expert stack (one layer's w1, w2 or w3) from the tensors
-present: DeepSeek's MXFP4 (`weight` I8 + `scale` F8_E8M0 per 32) or NVIDIA's NVFP4 (spec 6.6: `weight` U8,
+present: DeepSeek's MXFP4 (`weight` I8 + `scale` F8_E8M0 per 32) or NVIDIA's NVFP4 (docs/model.md 6.6: `weight` U8,
 `weight_scale` F8_E4M3 per 16, `weight_scale_2` F32 scalar, optional `input_scale` F32 scalar). An
 `hf_quant_config.json`, when present, is cross-checked against the tensors. Either way the bytes go to the
 device as stored (Mxfp4Weight / Nvfp4Weight); nothing is dequantized or requantized.

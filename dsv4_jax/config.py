@@ -1,6 +1,6 @@
 """Model hyperparameters: one frozen dataclass, the presets, and parsing of an official `config.json`.
 
-Field names follow DeepSeek's reference `ModelArgs` (spec section 2.1); `from_hf_config` maps the Hugging Face
+Field names follow DeepSeek's reference `ModelArgs` (docs/model.md section 2.1); `from_hf_config` maps the Hugging Face
 `config.json` keys onto them.
 """
 
@@ -103,7 +103,7 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-# Hugging Face config.json key -> ModelConfig field (spec section 2.1).
+# Hugging Face config.json key -> ModelConfig field (docs/model.md section 2.1).
 _HF_KEYS = {
     "vocab_size": "vocab_size",
     "hidden_size": "dim",

@@ -1,9 +1,9 @@
 """The DeepSeek-V4 transformer as pure functions over explicit pytrees (params, per-layer caches).
 
 embed -> hc_mult residual streams -> blocks (mHC-wrapped attention, mHC-wrapped MoE) -> hc head -> norm ->
-float32 logits; plus the MTP block (docs/model.md 4.8). Every function works on a chunk of S tokens at per-sequence
-positions start[b] + i, of which the first n_valid[b] are real; the caches carry everything earlier. Every function
-takes the run context `ctx` (run_context.py): numerics, kernel plan, training switches.
+float32 logits; plus the MTP block (docs/model.md 4.8). Every function works on a chunk of S tokens at
+per-sequence positions start[b] + i, of which the first n_valid[b] are real; the caches carry everything earlier.
+Every function takes the run context `ctx` (run_context.py): numerics, kernel plan, training switches.
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def head_logits(params: dict, head_params: dict, cfg: ModelConfig, X: jax.Array,
 
 def mtp_streams(params: dict, cfg: ModelConfig, ctx: RunContext, X_main: jax.Array, next_tokens: jax.Array,
                 start: jax.Array, n_valid: jax.Array, cache: dict, k: int = 0):
-    """MTP block k (docs/model.md 4.8) up to its residual streams: at position i it reads the main streams of i and the
-    embedding of token i+1 (`next_tokens`). Returns (streams [B, S, n, D], cache, statistics as `block`'s)."""
+    """MTP block k (docs/model.md 4.8) up to its residual streams: at position i it reads the main streams of i and
+    the embedding of token i+1 (`next_tokens`). Returns (streams [B, S, n, D], cache, statistics as `block`'s)."""
     p = params["mtp"][k]
     dtype = ctx.jnp_dtype
     e = rms_norm(params["embed"]["weight"][next_tokens].astype(dtype), p["enorm"]["weight"], cfg.norm_eps)

@@ -1,6 +1,6 @@
 """The one description of every weight: name, logical shape, stored format and logical axes.
 
-`weight_specs` lists the model's weights under their official checkpoint names (spec 6.3). From it come the
+`weight_specs` lists the model's weights under their official checkpoint names (docs/model.md 6.3). From it come the
 on-disk tensor list used to validate checkpoints (`disk_tensor_specs`), the in-memory parameter tree
 (`tree_set`), random initialisation (`init_params`, traceable, so `jax.eval_shape` sizes Flash and Pro
 without allocating) and, through each weight's logical axes, where it may be split across devices. Routed experts
@@ -182,8 +182,8 @@ def expert_disk_names(spec: WeightSpec, expert: int) -> str:
 
 def disk_tensor_specs(cfg: ModelConfig, stored: dict[str, str] | None = None) -> dict[str, tuple[tuple, tuple]]:
     """Every tensor an official checkpoint with these stored formats holds: name -> (safetensors dtypes it may
-    have, the first the canonical one; shape) (spec 6.2, 6.6). The one on-disk list: loading validates against it,
-    the writers produce it."""
+    have, the first the canonical one; shape) (docs/model.md 6.2, 6.6). The one on-disk list: loading validates
+    against it, the writers produce it."""
     out: dict[str, tuple[tuple, tuple]] = {}
     simple = {"bf16": "BF16", "f32": "F32", "i64": "I64"}
     for spec in weight_specs(cfg, stored):

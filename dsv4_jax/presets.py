@@ -4,7 +4,7 @@ from .config import ModelConfig
 
 
 def flash() -> ModelConfig:
-    """DeepSeek-V4-Flash (284B total / 13B active), spec section 2."""
+    """DeepSeek-V4-Flash (284B total / 13B active), docs/model.md section 2."""
     return ModelConfig(
         vocab_size=129280, dim=4096, n_layers=43, n_heads=64, head_dim=512, rope_head_dim=64,
         q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
@@ -13,7 +13,7 @@ def flash() -> ModelConfig:
 
 
 def pro() -> ModelConfig:
-    """DeepSeek-V4-Pro (1.6T total / 49B active), spec section 2."""
+    """DeepSeek-V4-Pro (1.6T total / 49B active), docs/model.md section 2."""
     return ModelConfig(
         vocab_size=129280, dim=7168, n_layers=61, n_heads=128, head_dim=512, rope_head_dim=64,
         q_lora_rank=1536, o_groups=16, o_lora_rank=1024,

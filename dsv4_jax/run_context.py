@@ -3,10 +3,12 @@
     ctx = RunContext.create(dtype="float32", act_quant="fp8", kernels="auto")   # resolves the kernel plan now
     logits = engine.forward(params, tokens, cfg=cfg, ctx=ctx)
 
-It holds the numerics (design.md "Numerics modes"), the kernel plan resolved for a device (quant/kernel_plan.py),
-the device mesh the program runs on (sharding.py; None: one device) and, for training, `Training`. Every layer and every matmul takes it as a required argument, so no call can fall
-back to a default mode, and a new option is a new field here, not a new parameter of every function. It is frozen
-and hashable: a static argument of jit, one compiled program per distinct context.
+It holds the numerics (activation dtype, the trained fake-quant roundings, the `act_quant` mode of quant/linear.py;
+docs/architecture.md "Run context and kernel plan"), the kernel plan resolved for a device (quant/kernel_plan.py),
+the device mesh the program runs on (sharding.py; None: one device) and, for training, `Training`. Every layer and
+every matmul takes it as a required argument, so no call can fall back to a default mode, and a new option is a new
+field here, not a new parameter of every function. It is frozen and hashable: a static argument of jit, one
+compiled program per distinct context.
 """
 
 from __future__ import annotations

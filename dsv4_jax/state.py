@@ -1,4 +1,4 @@
-"""Decode state: fixed-shape buffers sized by (max_batch, max_seq_len) (spec 5.1).
+"""Decode state: fixed-shape buffers sized by (max_batch, max_seq_len) (docs/model.md 5.1).
 
 Per layer: the window ring [B, 128, head_dim] (slot = position mod 128); for compressed layers the compressed
 KV cache [B, max_seq_len // c, head_dim] and the compressor's pending tokens; for ratio-4 layers also the

@@ -3,7 +3,7 @@
 Works with the official tokenizer.json (byte-level BPE, 129280 embedding rows, special tokens at
 128xxx) and with the small tokenizer we train for the tiny default model, which carries the same
 special-token strings at small ids. Ids are always looked up in the file; the table of official ids
-below is used only by `Tokenizer.is_official_vocab` (spec section 8).
+below is used only by `Tokenizer.is_official_vocab` (docs/model.md section 8).
 
 No BOS is ever added implicitly: prompts from `dsv4_jax.chat.encode_messages` already start with the
 BOS string, which `encode` maps to the BOS id like every other special-token string in the text.
@@ -53,7 +53,7 @@ SPECIAL_TOKENS: dict[str, str] = {
     "read_url": READ_URL,
 }
 
-# Ids in the official DeepSeek-V4 tokenizer.json (spec section 8; differ from V3.x).
+# Ids in the official DeepSeek-V4 tokenizer.json (docs/model.md section 8; differ from V3.x).
 OFFICIAL_SPECIAL_IDS: dict[str, int] = {
     BOS: 0,
     EOS: 1,

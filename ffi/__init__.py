@@ -28,11 +28,11 @@ MAX_ROWS = 8                     # the mma's 8 columns: bf16 activation rows per
 # moe_gemv's default schedule: 4 warps per 16-row tile instead of 8. Routed decode launches 6-48 slots x N/16 tiles
 # (768-6144 CTAs of 8 warps = 1.5-12 waves); with 4-warp CTAs the last wave is less ragged. Measured on the H200
 # in four runs of scripts/bench_ffi.py --experts (MXFP4 and NVFP4, 6 of 256 experts, M = 1 and 8): 2-13% faster
-# than 811 in every case (docs/performance.md).
+# than 811 in every case (docs/kernels.md).
 ROUTED_SCHEDULE = 411
 # moe_gemv's default for a pair of weights (the routed gate + up projections in one launch), by format: two runs of
 # scripts/bench_ffi.py --gate-up-only (6 of 256 experts, M = 1 and 8): MXFP4 811 5-6% faster than 411, NVFP4 411
-# 3-5% faster than 811 (docs/performance.md).
+# 3-5% faster than 811 (docs/kernels.md).
 ROUTED_PAIR_SCHEDULE = {Mxfp4Weight: 811, Nvfp4Weight: 411}
 _TARGETS = {Mxfp4Weight: ("fp4_gemv.cu", "dsv4_mxfp4_gemv", "DSV4Mxfp4Gemv"),
             Nvfp4Weight: ("fp4_gemv.cu", "dsv4_nvfp4_gemv", "DSV4Nvfp4Gemv"),

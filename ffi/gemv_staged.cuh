@@ -1,6 +1,6 @@
 // Staged decode GEMV schedules (Mode kStaged of gemv_kernel.cuh, which includes this file before its schedule
 // table): warp specialization with bulk async copies (TMA, 1-D) into a ring of shared-memory stages and mbarrier
-// handshakes (sm_90). Measured on the H200 (docs/performance.md): correct, but 0.46-0.96x of schedule 811: with
+// handshakes (sm_90). Measured on the H200 (docs/kernels.md): correct, but 0.46-0.96x of schedule 811: with
 // DRAM latency taken off the consumer warps, the consumers' decode, activation reloads and per-tile K-split
 // reductions bound it.
 // Not self-contained: included by gemv_kernel.cuh only (it uses load_x, store_tiles, kStep, kMaxRows from there).

@@ -15,7 +15,7 @@ wgmma A operand (64-row tiles of output features, decoded in registers), the M <
 N = 16 B operand, and a custom inline-PTX primitive decodes two packed bytes at a time. (The Triton backend is
 deprecated in JAX 0.11 but present and working in the pinned 0.11.2.)
 
-Kernel design (see docs/performance.md for measurements):
+Kernel design (see docs/kernels.md for measurements):
   * grid = (N / block_n, split_k): each program owns block_n output features and 1/split_k of K, loops over K
     in steps of `unroll` scale blocks; Triton software-pipelines the weight loads (cp.async, num_stages deep).
     Split-K partials (float32 [split_k, N, 16]) are summed in the wrapper's epilogue fusion.
@@ -301,7 +301,7 @@ def _fp4_config(n, k, block, block_n, unroll, split_k, num_warps, num_stages):
     if num_warps >= 8 and num_stages > 1 and unroll * bytes_per_block == 32:
         # H200, jax 0.11.2's Triton: 128-row tiles on 8 warps with 32 packed bytes per row per K step and a
         # pipelined loop wrote non-finite values into up to 4% of the outputs, varying by shape; 4 warps, 1 stage,
-        # 16 or 64 bytes per step were exact (scripts/probe_moe_tilings.py, docs/performance.md). Refused rather
+        # 16 or 64 bytes per step were exact (scripts/probe_moe_tilings.py, docs/kernels.md). Refused rather
         # than risked (64-row tiles with these settings were not tried).
         raise ValueError(f"FP4 matmul: {num_warps} warps with {num_stages} pipeline stages and 32 packed bytes per "
                          f"row per K step (unroll={unroll}) gave wrong results on the H200; use 4 warps, "

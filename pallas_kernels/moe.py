@@ -114,7 +114,7 @@ def moe_matmul(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=No
     # Grid: the N tiles of a slot are the fastest axis (CUDA launches blockIdx.x first), so the CTAs resident at
     # once work on a few slots and read each slot's activation tile (K x slot_cols) from L2 after its first tile;
     # slot-major order put hundreds of slots' tiles in flight at once, over L2's size, and re-read each from DRAM
-    # once per N tile (Nsight Compute: 87% of DRAM bandwidth, docs/performance.md).
+    # once per N tile (Nsight Compute: 87% of DRAM bandwidth, docs/kernels.md).
     part = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((split_k, n_slots, n, slot_cols), jnp.float32),

@@ -3,7 +3,7 @@ and FP8 (per-128 e4m3 + power-of-two f32 scales), bit-exact against the pure-jnp
 dsv4_jax/quant/activations.py (`quantize_nvfp4`, `quantize_fp8`), which stay the definition of the numerics.
 
 Backend: the Pallas **Triton** backend (`pl.pallas_call` with `jax.experimental.pallas.triton.CompilerParams`), not
-Mosaic GPU (`plgpu.kernel`), although design.md calls Mosaic GPU the maintained path. Why:
+Mosaic GPU (`plgpu.kernel`), although Mosaic GPU is the Pallas GPU backend JAX maintains. Why:
   * these kernels are memory-bound elementwise work with short reductions (per 16 / 128 elements, per row): no
     tensor cores, no TMA pipeline, nothing Mosaic GPU does better; Triton's grid + BlockSpec model fits them and
     vectorizes the loads by itself;
@@ -12,7 +12,7 @@ Mosaic GPU (`plgpu.kernel`), although design.md calls Mosaic GPU the maintained 
     but the backend has `elementwise_inline_asm`, so we emit `div.rn.f32` exactly where we need it;
   * the Triton backend is seen working on the H200 image and its interpret mode runs grid/BlockSpec kernels on CPU
     (CI), while Mosaic GPU's interpret mode needs whole-array refs with explicit copies, and a Mosaic GPU quantize
-    kernel tried in this project failed to lower ("Layout inference failed", shared/platform.md).
+    kernel tried here failed to lower ("Layout inference failed").
 The Triton backend is deprecated upstream; if it goes, these kernels move to Mosaic GPU (the arithmetic helpers
 below are plain lax ops and carry over).
 

@@ -1,11 +1,11 @@
-"""Convert a DeepSeek-V4 checkpoint's MXFP4 routed experts to NVFP4, losslessly (spec 7.3).
+"""Convert a DeepSeek-V4 checkpoint's MXFP4 routed experts to NVFP4, losslessly (docs/model.md 7.3).
 
     python scripts/convert_mxfp4_to_nvfp4.py SRC DST [--include-mtp] [--input-scale VALUE]
 
 SRC is an official checkpoint directory (or one that is already partly NVFP4). DST is created and receives:
   * the same shards, same file names and tensor order, with every converted expert matrix
     `*.experts.E.wN.weight` I8 -> U8 (the very same bytes: nibbles are unchanged) and its E8M0 `.scale` replaced
-    by `.weight_scale` F8_E4M3 [out, in/16] and `.weight_scale_2` F32 scalar (NVIDIA's layout, spec 6.6);
+    by `.weight_scale` F8_E4M3 [out, in/16] and `.weight_scale_2` F32 scalar (NVIDIA's layout, docs/model.md 6.6);
   * every other tensor copied byte for byte, `model.safetensors.index.json` rewritten for the new names;
   * `hf_quant_config.json` (ModelOpt style, quant_algo MIXED_PRECISION, one NVFP4 entry per converted layer);
   * every other file and folder of SRC (config.json, tokenizer files, inference/, encoding/, ...) byte for byte.

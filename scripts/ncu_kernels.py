@@ -1,4 +1,4 @@
-"""Hardware counters of the kernels whose limits docs/performance.md discusses, read by Nsight Compute: each case
+"""Hardware counters of the kernels whose limits docs/kernels.md discusses, read by Nsight Compute: each case
 is compiled and warmed up first, then run once between cuProfilerStart / cuProfilerStop, so ncu (started with
 --profile-from-start off) profiles exactly that case's kernels.
 

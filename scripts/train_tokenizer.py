@@ -2,8 +2,8 @@
 
 - Byte-level pre-tokenizer (GPT-2 regex) and byte-level decoder, no normaliser: any UTF-8 text round-trips exactly.
 - Vocabulary size 4096 including the special tokens, which take the lowest ids in the order of SPECIAL_TOKENS
-  (BOS = 0 and EOS = 1 as in the official DeepSeek-V4 tokenizer, spec section 8). They are registered as special
-  added tokens, so they are matched whole in the input and skipped by `decode(..., skip_special_tokens=True)`.
+  (BOS = 0 and EOS = 1 as in the official DeepSeek-V4 tokenizer, docs/model.md section 8). They are registered as
+  special added tokens, so they are matched whole in the input and skipped by `decode(..., skip_special_tokens=True)`.
 - No BOS/EOS are added automatically (`add_bos_token: false` in the official config); callers add them.
 
 Usage: python scripts/train_tokenizer.py [--train data/corpus/train.txt] [--valid data/corpus/valid.txt]
@@ -21,8 +21,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 # The corpus lives inside the repository (data/ is gitignored), wherever the script is run from.
 CORPUS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "corpus")
 
-# The DeepSeek-V4 special tokens (spec section 8), `｜` = U+FF5C, `▁` = U+2581. `<tool_result>` is not in the list:
-# in V4 it is plain text inside user turns, not a special token.
+# The DeepSeek-V4 special tokens (docs/model.md section 8), `｜` = U+FF5C, `▁` = U+2581. `<tool_result>` is not in the
+# list: in V4 it is plain text inside user turns, not a special token.
 SPECIAL_TOKENS = [
     "<｜begin▁of▁sentence｜>",
     "<｜end▁of▁sentence｜>",

@@ -1,4 +1,4 @@
-"""Synthetic DeepSeek-V4 checkpoints in the official on-disk format (spec sections 6.1-6.3, 6.6, 7).
+"""Synthetic DeepSeek-V4 checkpoints in the official on-disk format (docs/model.md sections 6.1-6.3, 6.6, 7).
 
 Independent of the `dsv4_jax` implementation: the safetensors files are serialised here with plain numpy + json,
 and every quantized tensor is produced by this file's own quantizers.
@@ -11,7 +11,7 @@ array equal to what the stored tensors represent after dequantization (`.weight`
 dequantized matrix; there are no `.scale` / `.weight_scale*` / `.input_scale` keys), every BF16/F32 tensor as float64
 (exactly the stored value) and `tid2eid` as int64.
 
-Stored dtypes (spec 6.2):
+Stored dtypes (docs/model.md 6.2):
   BF16      embed, head, every RMSNorm weight, ffn.gate.weight, compressor wkv/wgate (main and indexer),
             indexer weights_proj
   F32       attn_sink, compressor ape (main and indexer), ffn.gate.bias, every hc_* tensor
@@ -21,7 +21,7 @@ Stored dtypes (spec 6.2):
   I8        routed experts (packed FP4 e2m1, low nibble = even element) + F8_E8M0 `.scale` [out, in/32]
             (expert_format="mxfp4"); with expert_format="nvfp4" the backbone routed experts use NVIDIA's layout
             (U8 `weight`, F8_E4M3 `weight_scale` [out, in/16], F32 scalar `weight_scale_2` and `input_scale`), obtained
-            with the lossless MXFP4 -> NVFP4 cast of spec 7.3; MTP experts stay MXFP4.
+            with the lossless MXFP4 -> NVFP4 cast of docs/model.md 7.3; MTP experts stay MXFP4.
 """
 
 from __future__ import annotations
@@ -230,7 +230,8 @@ def quantize_mxfp4(w: np.ndarray):
 
 
 def mxfp4_to_nvfp4(packed: np.ndarray, scale_bytes: np.ndarray):
-    """Lossless cast of spec 7.3: -> (packed, e4m3 block scales [out, in/16], weight_scale_2 float32 scalar)."""
+    """Lossless cast (docs/model.md 7.3): -> (packed, e4m3 block scales [out, in/16], weight_scale_2 float32
+    scalar)."""
     k = scale_bytes.astype(np.int64) - 127
     m = int(k.max()) - 8
     assert int(k.max() - k.min()) <= 17, "MXFP4 -> NVFP4 cast not exact for this tensor"

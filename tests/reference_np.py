@@ -1,20 +1,22 @@
 """Float64 numpy reference of DeepSeek-V4 (Flash/Pro family), written directly from the DeepSeek-V4 specification.
 
-Independent of the `dsv4_jax` implementation. It operates on the LOGICAL weight dict returned by
-`tests/ckpt_writer.write_checkpoint` (name -> float64 array, dequantized; `tid2eid` int64), with official tensor names.
+Independent of the `dsv4_jax` implementation; docs/model.md summarises the model and numbers the sections cited
+here. It operates on the LOGICAL weight dict returned by `tests/ckpt_writer.write_checkpoint` (name -> float64 array,
+dequantized; `tid2eid` int64), with official tensor names.
 
 Conventions
 - Every activation is float64 (the spec's bf16 storage of streams / layer outputs is NOT simulated: this is the exact
-  math). Only the QAT fake-quant sites of spec 3.2 are simulated, when `simulate_quant=True`:
+  math). Only the QAT fake-quant sites of docs/model.md 3.2 are simulated, when `simulate_quant=True`:
     * window KV and main-compressor entries: FP8 e4m3 fake quant (block 64, power-of-two scale) on dims [0:nope];
     * indexer query and indexer-compressor entries: normalised Hadamard, then FP4 e2m1 fake quant (block 32).
   With `simulate_quant=False` none of these (and no Hadamard, which is orthonormal and cancels in q.k) is applied.
-  The FP8 activation quantization inside quantized linears (spec 3.1) is NOT simulated.
+  The FP8 activation quantization inside quantized linears (docs/model.md 3.1) is NOT simulated.
 - Decisions at the discontinuous sites (the fake-quant roundings, the indexer's and the router's top-k) go through
   a `decisions` object, by default `SpecDecisions` (the spec's own). A test may pass another one that makes the
   reference take an implementation's decisions where both sides are within rounding noise of a tie
   (tests/shared_decisions.py); every other value is still computed here in float64.
-- Teacher-forced full-sequence forward from position 0 (prefill semantics, spec 5.2 = per-query semantics of 4.3).
+- Teacher-forced full-sequence forward from position 0 (prefill semantics, docs/model.md 5.2 = per-query semantics
+  of 4.3).
 - `rope_head_dim` (r) replaces every "64 rope dims" in the spec, `head_dim` replaces 512, `index_head_dim` 128,
   `index_n_heads` 64, `hc_mult` 4, `n_activated_experts` 6.
 
@@ -69,7 +71,7 @@ def softmax(x, axis=-1):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# RoPE (spec 3.4): interleaved pairs (2i, 2i+1) on the LAST r dims, two tables
+# RoPE (docs/model.md 3.4): interleaved pairs (2i, 2i+1) on the LAST r dims, two tables
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -123,7 +125,7 @@ def apply_rope(x: np.ndarray, positions, freqs: np.ndarray, inverse: bool = Fals
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# fake quantization (spec 3.3) and Hadamard
+# fake quantization (docs/model.md 3.3) and Hadamard
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -184,11 +186,11 @@ class SpecDecisions:
     'layers.1.attn.indexer', 'layers.2.ffn.gate'; 'mtp.0.' for the MTP block)."""
 
     def fp8(self, site: str, x: np.ndarray) -> np.ndarray:
-        """FP8 e4m3 fake quant, block 64 (spec 3.3)."""
+        """FP8 e4m3 fake quant, block 64 (docs/model.md 3.3)."""
         return fp8_fake_quant(x, 64)
 
     def fp4(self, site: str, x: np.ndarray) -> np.ndarray:
-        """FP4 e2m1 fake quant, block 32 (spec 3.3); x is already Hadamard-rotated."""
+        """FP4 e2m1 fake quant, block 32 (docs/model.md 3.3); x is already Hadamard-rotated."""
         return fp4_fake_quant(x, 32)
 
     def top_k(self, site: str, scores: np.ndarray, k: int) -> np.ndarray:
@@ -219,7 +221,7 @@ def hadamard(x: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# mHC (spec 4.2, 4.7)
+# mHC (docs/model.md 4.2, 4.7)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -259,7 +261,8 @@ def hc_post(y: np.ndarray, X: np.ndarray, post: np.ndarray, comb: np.ndarray) ->
 
 
 def hc_head(X: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.ndarray, cfg) -> np.ndarray:
-    """Final stream collapse (spec 4.7): pre_i = sigmoid(m_i*scale + base_i) + eps; h = sum_i pre_i X_i. -> [..., D]."""
+    """Final stream collapse (docs/model.md 4.7): pre_i = sigmoid(m_i*scale + base_i) + eps; h = sum_i pre_i X_i.
+    -> [..., D]."""
     v = X.reshape(X.shape[:-2] + (-1,))
     rho = 1.0 / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + cfg.norm_eps)
     m = rho * (v @ fn.T)
@@ -268,7 +271,7 @@ def hc_head(X: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.ndarray, 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# compressor (spec 4.4) and indexer (spec 4.5)
+# compressor (docs/model.md 4.4) and indexer (docs/model.md 4.5)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -348,7 +351,7 @@ def indexer_topk(cfg, w: dict, x: np.ndarray, cq: np.ndarray, freqs: np.ndarray,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# attention (spec 4.3)
+# attention (docs/model.md 4.3)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -419,7 +422,7 @@ def attention(cfg, weights: dict, prefix: str, layer_id: int, x: np.ndarray, sim
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# MoE (spec 4.6)
+# MoE (docs/model.md 4.6)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -541,7 +544,7 @@ def reference_forward(cfg, weights: dict, tokens, simulate_quant: bool = True,
 def reference_mtp(cfg, weights: dict, tokens, next_tokens, simulate_quant: bool = True, hidden=None,
                   mtp_index: int = 0, trace: dict | None = None,
                   decisions: SpecDecisions = SPEC_DECISIONS) -> np.ndarray:
-    """MTP logits [B, S, V] (spec 4.8).
+    """MTP logits [B, S, V] (docs/model.md 4.8).
 
     e = enorm(embed[next_tokens]); Hn = hnorm(main final streams) per stream; X = h_proj(Hn) + e_proj(e) broadcast
     over streams; X = Block(X) with layer id n_layers + mtp_index (positions 0..S-1, its own window attention, score

@@ -120,7 +120,7 @@ def ckpt(tmp_path_factory):
 
 
 def moe_weight_before_w2(cfg, weights, prefix, layer_id, x, tokens, hash_layer=None, decisions=R.SPEC_DECISIONS):
-    """reference_np.moe with the routing weight applied to SiLU(g) * up before W2 (spec 4.6 step 4): the same
+    """reference_np.moe with the routing weight applied to SiLU(g) * up before W2 (docs/model.md 4.6 step 4): the same
     function without activation quantization, but W2's quantized input depends on it."""
     w = R.sub(weights, prefix + "ffn.")
     idx, rw = R.router(cfg, R.sub(w, "gate."), x, tokens, layer_id, hash_layer, decisions, prefix + "ffn.gate")

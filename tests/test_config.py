@@ -1,4 +1,4 @@
-"""Config parsing: an official Hugging Face config.json maps onto ModelConfig (spec 2.1)."""
+"""Config parsing: an official Hugging Face config.json maps onto ModelConfig (docs/model.md 2.1)."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 from dsv4_jax import presets
 from dsv4_jax.config import from_hf_config, load_hf_config, to_hf_config
 
-# The released Flash config.json, as listed in spec section 2.1 (HF keys).
+# The released Flash config.json, as listed in docs/model.md section 2.1 (HF keys).
 FLASH_HF = {
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
     "hidden_size": 4096, "num_hidden_layers": 43, "num_nextn_predict_layers": 1, "num_attention_heads": 64,

@@ -76,7 +76,7 @@ def test_eval_shape_sizes_flash_and_pro(preset, gib):
     abstract = nnx.eval_shape(lambda: dsv4_jax.DeepseekV4(preset(), rngs=nnx.Rngs(0)))
     leaves = jax.tree.leaves(nnx.state(abstract))
     assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
-    if gib is not None:   # the published 148.7 GB is 148.65 GiB (spec 6.3; tid2eid I64 -> int32 here)
+    if gib is not None:   # the published 148.7 GB is 148.65 GiB (docs/model.md 6.3; tid2eid I64 -> int32 here)
         assert abs(sum(leaf.size * leaf.dtype.itemsize for leaf in leaves) / 2 ** 30 - gib) < 0.01
 
 

@@ -1,5 +1,5 @@
-"""Weight formats (spec 6.2, 7): decoding, packing order, the NVFP4 quantization recipe, the lossless MXFP4 -> NVFP4
-cast, every format's matmul against float64 math, and the stored byte totals of Flash.
+"""Weight formats (docs/model.md 6.2, 7): decoding, packing order, the NVFP4 quantization recipe, the lossless
+MXFP4 -> NVFP4 cast, every format's matmul against float64 math, and the stored byte totals of Flash.
 
 The numpy references here are written from the spec (and, for the details the spec leaves open, from NVIDIA
 ModelOpt's NVFP4QTensor: the 2^-9 lower clamp of block scales and the sign bit of values that round to zero) and
@@ -271,7 +271,7 @@ def test_quantize_blocks_rejects_ragged_rows():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# MXFP4 -> NVFP4 lossless cast (spec 7.3)
+# MXFP4 -> NVFP4 lossless cast (docs/model.md 7.3)
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_mxfp4_to_nvfp4_cast_is_lossless_bit_for_bit():
@@ -287,7 +287,7 @@ def test_mxfp4_to_nvfp4_cast_is_lossless_bit_for_bit():
     np.testing.assert_array_equal(np.asarray(deq(nv)).view(np.uint32),
                                   np.asarray(deq(mx)).view(np.uint32))
     np.testing.assert_array_equal(np.asarray(deq(nv)), want.astype(F32))
-    for e in range(4):      # the same bytes as the test-side implementation of spec 7.3
+    for e in range(4):      # the same bytes as the test-side implementation of docs/model.md 7.3
         _, bs, ws2 = cw.mxfp4_to_nvfp4(np.asarray(mx.packed[e]), np.asarray(mx.scale[e]))
         np.testing.assert_array_equal(np.asarray(nv.scale[e]).view(np.uint8), bs.view(np.uint8))
         assert np.asarray(nv.global_scale[e]) == ws2
@@ -454,7 +454,7 @@ def _to_nvfp4_like_nvidia(tree):
 
 
 def test_flash_device_bytes_equal_checkpoint_bytes():
-    """The published Flash size, '148.7 GB' on Hugging Face, is 148.65 GiB = 159.6e9 bytes (spec 6.3)."""
+    """The published Flash size, '148.7 GB' on Hugging Face, is 148.65 GiB = 159.6e9 bytes (docs/model.md 6.3)."""
     cfg = presets.flash()
     init = functools.partial(init_params, cfg)
     mxfp4 = _tree_bytes(jax.eval_shape(init, jax.random.PRNGKey(0)))
@@ -466,7 +466,8 @@ def test_flash_device_bytes_equal_checkpoint_bytes():
     described = _tree_bytes(jax.eval_shape(functools.partial(init_params, cfg, stored=nvidia_formats(cfg)),
                                            jax.random.PRNGKey(0)))
     assert described == nvfp4, "the description with NVIDIA's stored formats sizes the converted tree"
-    assert abs(nvfp4 / 2 ** 30 - 156.7) / 156.7 < 0.01, f"Flash NVFP4 tree: {nvfp4 / 2 ** 30:.2f} GiB"  # spec 6.6
+    # docs/model.md 6.6
+    assert abs(nvfp4 / 2 ** 30 - 156.7) / 156.7 < 0.01, f"Flash NVFP4 tree: {nvfp4 / 2 ** 30:.2f} GiB"
     head = jax.eval_shape(quantize_nvfp4, jax.ShapeDtypeStruct((cfg.vocab_size, cfg.dim), jnp.bfloat16))
     assert _tree_bytes(head) == cfg.vocab_size * cfg.dim * (1 / 2 + 1 / 16) + 4
     print(f"Flash: MXFP4 {mxfp4 / 2 ** 30:.2f} GiB, NVFP4 experts {nvfp4 / 2 ** 30:.2f} GiB, "

@@ -253,7 +253,7 @@ def test_reference_causal(cfg, weights):
 
 
 def _compressor_decode(x, w, ratio, dh, rotate, cfg, freqs):
-    """Per-token decode rule of spec 5.3 (state machine), for cross-checking the full-sequence pooling."""
+    """Per-token decode rule of docs/model.md 5.3 (state machine), for cross-checking the full-sequence pooling."""
     overlap = ratio == 4
     coff = 2 if overlap else 1
     kv_state = np.zeros((coff * ratio, coff * dh))

@@ -1,4 +1,4 @@
-"""Hybrid attention of one layer (spec 4.3, 4.5, 5): a 128-token window plus compressed entries.
+"""Hybrid attention of one layer (docs/model.md 4.3, 4.5, 5): a 128-token window plus compressed entries.
 
 Single shared K = V head of head_dim 512, low-rank query with per-head unweighted RMS norm, interleaved partial
 RoPE, a learned sink logit in the softmax denominator, inverse RoPE on the output and a grouped low-rank output

@@ -1,4 +1,4 @@
-"""KV compressor (spec 4.4) and its incremental state (spec 5), for any chunk of new tokens.
+"""KV compressor (docs/model.md 4.4) and its incremental state (docs/model.md 5), for any chunk of new tokens.
 
 Entry j pools source positions [j*c, (j+1)*c) with a per-channel softmax over gate logits (+ `ape`). Ratio 4
 overlaps: each token projects to two halves, A (pooled into the NEXT entry) and B (its own entry), so entry j

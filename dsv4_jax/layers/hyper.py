@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC, spec 4.2 and 4.7).
+"""Manifold-constrained hyper-connections (mHC, docs/model.md 4.2 and 4.7).
 
 The residual stream is `hc_mult` parallel streams X [..., n, D]. Before a sub-layer they collapse with weights
 `pre`; after it, the output is added with weights `post` and the streams mix through a Sinkhorn-normalised

@@ -1,4 +1,4 @@
-"""Mixture of experts (spec 4.6): sqrt-softplus router (or token-id hash routing), routed experts with clamped
+"""Mixture of experts (docs/model.md 4.6): sqrt-softplus router (or token-id hash routing), routed experts with clamped
 SwiGLU, and the shared expert.
 
 The router never sees a quantized weight: its GEMM is float32. The selection bias only picks experts; the

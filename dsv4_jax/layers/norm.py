@@ -1,4 +1,4 @@
-"""RMSNorm, computed in float32 and cast back to the input dtype (spec 3.1)."""
+"""RMSNorm, computed in float32 and cast back to the input dtype (docs/model.md 3.1)."""
 
 import jax
 import jax.numpy as jnp

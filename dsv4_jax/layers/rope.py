@@ -1,4 +1,4 @@
-"""Interleaved, partial, trailing RoPE with the two DeepSeek-V4 tables (spec 3.4).
+"""Interleaved, partial, trailing RoPE with the two DeepSeek-V4 tables (docs/model.md 3.4).
 
 Pairs (x[2i], x[2i+1]) of the LAST `rope_head_dim` dims rotate; never Llama's rotate_half pairing.
 Window-only layers (ratio 0) use theta = rope_theta without YaRN; compressed layers use compress_rope_theta with

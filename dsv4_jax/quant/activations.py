@@ -1,11 +1,11 @@
-"""Activation quantizers for the `act_quant` modes (design.md "Numerics modes"), pure jnp, on device.
+"""Activation quantizers for the `act_quant` modes of the run context (table in linear.py), pure jnp, on device.
 
 Both quantizers work per row (one token's input vector of one linear), so a token's numerics never depend on
 the other tokens in the batch: batch composition, padding rows and prefill-vs-decode chunking cannot change it.
 
-fp8   (spec 3.1, 3.3; the reference's `act_quant`): blocks of 128 consecutive inputs, amax floored at 1e-4,
+fp8   (docs/model.md 3.1, 3.3; the reference's `act_quant`): blocks of 128 consecutive inputs, amax floored at 1e-4,
       power-of-two ("ue8m0") scale s = 2^ceil(log2(amax / 448)), q = e4m3(clamp(x / s, -448, 448)).
-nvfp4 (spec 7.2, W4A4): global scale gsa = amax(row) / (6 * 448) computed from the live activation, per-16 e4m3
+nvfp4 (docs/model.md 7.2, W4A4): global scale gsa = amax(row) / (6 * 448) computed from the live activation, per-16 e4m3
       block scales and e2m1 codes by the same recipe as weights (nvfp4.quantize_blocks). The checkpoint's
       `input_scale` is never used: it is a calibrated constant (for FP8 activations in NVIDIA's checkpoints)
       and as gsa it asks for block scales far above e4m3's 448, which saturate and clip every block.

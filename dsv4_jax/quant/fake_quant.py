@@ -1,4 +1,4 @@
-"""Quantize-dequantize ("fake quant") sites that are part of the trained model (spec 3.2, 3.3).
+"""Quantize-dequantize ("fake quant") sites that are part of the trained model (docs/model.md 3.2, 3.3).
 
 The model was trained with these roundings in place, so they run by default (`simulate_quant=True`):
 window / main-compressor KV nope dims -> FP8 e4m3 (block 64) and indexer q / keys -> Hadamard + FP4 e2m1

@@ -26,7 +26,7 @@ FP8_BLOCK = 128      # FP8 weights: one E8M0 scale per 128x128 block
 MXFP4_BLOCK = 32     # MXFP4: one E8M0 scale per 32 consecutive inputs
 NVFP4_BLOCK = 16     # NVFP4: one e4m3 scale per 16 consecutive inputs
 
-# e2m1 code -> value; bit 3 is the sign (spec 6.2).
+# e2m1 code -> value; bit 3 is the sign (docs/model.md 6.2).
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
@@ -104,8 +104,8 @@ class Mxfp4Weight:
 
 @flax.struct.dataclass
 class Nvfp4Weight:
-    """NVFP4 (spec 7.1): packed e2m1 pairs uint8 [..., out, in/2] (low nibble first), float8_e4m3fn block scales
-    [..., out, in/16], float32 global scale (`weight_scale_2`) of shape [...] (one per matrix: [] for a single
+    """NVFP4 (docs/model.md 7.1): packed e2m1 pairs uint8 [..., out, in/2] (low nibble first), float8_e4m3fn block
+    scales [..., out, in/16], float32 global scale (`weight_scale_2`) of shape [...] (one per matrix: [] for a single
     weight, [E] for stacked experts). W = e2m1 x block scale x global scale.
 
     `input_scale` is the checkpoint's static activation scale ([...] float32, or None when the checkpoint has

@@ -324,10 +324,10 @@ def _moe_schedule(xs: jax.Array, weight, unroll: int) -> dict:
     `unroll` scale blocks per K step). Prefill: slots about as wide as the rows an expert gets on average (16..128
     columns), each decoded weight tile reused that often, and no split-K (the slots fill the GPU). At 128 columns
     with the full 256-input K step available, the tile sweep on the H200 (`bench_kernels.py --sweep`,
-    docs/performance.md) picked 128-input K steps, with tiles of 128 weight rows on 8 warps for MXFP4 (1.14-1.2x
+    docs/kernels.md) picked 128-input K steps, with tiles of 128 weight rows on 8 warps for MXFP4 (1.14-1.2x
     over 64 rows, 4 warps, 256 inputs; two runs) and of 64 rows on 4 warps for NVFP4 (1.15x, one run; its
     128-row tile gained nothing). Only measured configurations are chosen: 128-row tiles with 64-input K steps gave
-    wrong results on the H200 (Triton lowering; docs/performance.md)."""
+    wrong results on the H200 (Triton lowering; docs/kernels.md)."""
     rows, (n_experts, n, _) = xs.shape[0], weight.shape
     if rows <= MAX_MOE_ROWS:
         return dict(unroll=unroll)

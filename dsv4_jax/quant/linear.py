@@ -1,15 +1,15 @@
 """Matmuls against stored weights: the dispatcher between GPU kernels and the pure-jnp reference.
 
 Every function takes a weight in any stored format (bf16/fp32 array, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight);
-the `act_quant` mode of the run context (design.md "Numerics modes") says how its input is quantized:
+the `act_quant` mode of the run context (dsv4_jax/run_context.py) says how its input is quantized:
 
     act_quant   FP8 weight                      FP4 weight (MXFP4, NVFP4)            bf16 / fp32 weight
     "none"      x.dtype activations (W8A16)     x.dtype activations (W4A16)          x.dtype activations
     "fp8"       per-128 e4m3, ue8m0 (W8A8)      per-128 e4m3, ue8m0 (the reference's fp8 x fp4 GEMM)
     "nvfp4"     per-128 e4m3, ue8m0 (W8A8)      NVFP4, runtime global scale (W4A4)   never quantized
 
-As in the reference (spec 3.1) only linears with FP8/FP4 weights quantize their input; bf16 weights (router gate,
-compressors, indexer weights_proj, the bf16 head) never do. Under "nvfp4" FP8 weights keep FP8 activations: there
+As in the reference (docs/model.md 3.1) only linears with FP8/FP4 weights quantize their input; bf16 weights (router
+gate, compressors, indexer weights_proj, the bf16 head) never do. Under "nvfp4" FP8 weights keep FP8 activations: there
 is no W8A4 GEMM anywhere, and it is how NVFP4-expert checkpoints are served (attention / shared experts W8A8).
 
 The reference math: the activation is quantized per row (activations.py) and dequantized to values that are exact

@@ -1,4 +1,4 @@
-"""NVFP4 on device (spec 7): the standard two-level quantization recipe and the lossless MXFP4 -> NVFP4 cast.
+"""NVFP4 on device (docs/model.md 7): the standard two-level quantization recipe and the lossless MXFP4 -> NVFP4 cast.
 
 Standard recipe (NVIDIA ModelOpt `NVFP4QTensor`, the one behind NVIDIA's NVFP4 checkpoints), all in float32:
     global_scale = amax(|x|) / (6 * 448)
@@ -15,8 +15,8 @@ convert(convert(x, e4m3), f32) pairs on GPU; weight quantization divides with co
 bytes equal the recipe's on CPU and GPU alike; the per-token activation path (activations.py) uses the cheaper
 exact_divide (IEEE on CPU; XLA GPU's `div.full`, <= 2 ulp, can flip a value lying on a rounding tie).
 
-Lossless cast (spec 7.3): per matrix with E8M0 exponents k_j, m = max_j k_j - 8, global scale 2^m, and each 32-block
-becomes two 16-blocks with e4m3 scale 2^(k_j - m), exact while max k - k_j <= 17; nibbles unchanged.
+Lossless cast (docs/model.md 7.3): per matrix with E8M0 exponents k_j, m = max_j k_j - 8, global scale 2^m, and each
+32-block becomes two 16-blocks with e4m3 scale 2^(k_j - m), exact while max k - k_j <= 17; nibbles unchanged.
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ def quantize_nvfp4(w: jax.Array, global_scale: jax.Array | None = None) -> Nvfp4
 
 def nvfp4_scales_from_e8m0(scale_bytes: jax.Array) -> tuple[jax.Array, jax.Array]:
     """MXFP4 E8M0 bytes [..., out, in/32] -> (e4m3 block scales [..., out, in/16], global scale [...] float32) of
-    the lossless cast (spec 7.3), per matrix. Block scales outside e4m3's powers of two (2^-9 .. 2^8) are clamped,
-    which is exact only for all-zero blocks (`mxfp4_to_nvfp4_is_exact`)."""
+    the lossless cast (docs/model.md 7.3), per matrix. Block scales outside e4m3's powers of two (2^-9 .. 2^8) are
+    clamped, which is exact only for all-zero blocks (`mxfp4_to_nvfp4_is_exact`)."""
     k = scale_bytes.astype(jnp.int32) - 127                                      # [..., out, in/32]
     m = jnp.max(k, axis=(-2, -1)) - 8                                            # [...]
     rel = jnp.clip(k - m[..., None, None], -9, 8)
@@ -106,7 +106,7 @@ def nvfp4_scales_from_e8m0(scale_bytes: jax.Array) -> tuple[jax.Array, jax.Array
 
 
 def mxfp4_to_nvfp4(w: Mxfp4Weight) -> Nvfp4Weight:
-    """The lossless cast of spec 7.3, per matrix (stacked experts each get their own global scale); the nibbles
+    """The lossless cast of docs/model.md 7.3, per matrix (stacked experts each get their own global scale); the nibbles
     are reused as they are."""
     block_scale, global_scale = nvfp4_scales_from_e8m0(w.scale)
     return Nvfp4Weight(w.packed, block_scale, global_scale)
