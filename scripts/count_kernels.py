@@ -70,7 +70,11 @@ def abstract_inputs(cfg, batch: int, max_seq_len: int, device):
     return params, state, gen, sp, vec
 
 
-def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, gen_chunk: int, device) -> dict:
+PROGRAMS = ("decode_step", "prefill_chunk", "generate_chunk")
+
+
+def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, gen_chunk: int, device,
+                   names=PROGRAMS) -> dict:
     import jax.numpy as jnp
 
     from dsv4_jax import engine
@@ -88,7 +92,8 @@ def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, g
                                                               max_seq_len=max_seq_len, chunk=gen_chunk),
     }
     out = {}
-    for name, trace in programs.items():
+    for name in names:
+        trace = programs[name]
         t0 = time.perf_counter()
         with _pallas_target(device):
             compiled = trace().lower().compile()
@@ -128,9 +133,13 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--gen-chunk", type=int, default=16)
     p.add_argument("--kernels", default="auto")
+    p.add_argument("--programs", default=",".join(PROGRAMS), help=f"comma-separated subset of {PROGRAMS}")
     p.add_argument("--dispatch", action="store_true", help="also the dispatch table at batch 1, 8, 16, 32, 64")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
+    names = [n for n in args.programs.split(",") if n]
+    if not names or set(names) - set(PROGRAMS):
+        p.error(f"--programs: expected names from {PROGRAMS}, got {args.programs!r}")
 
     from dsv4_jax import presets
     from dsv4_jax.run_context import RunContext
@@ -145,10 +154,10 @@ def main(argv=None) -> int:
     result = {"preset": args.preset, "layers": cfg.n_layers, "batch": args.batch, "max_seq_len": args.max_seq_len,
               "kernels": args.kernels, "kernel_backend": ctx.kernels.backend, "ffi": ctx.kernels.ffi,
               "programs": count_programs(cfg, ctx, args.batch, args.max_seq_len, args.prefill_chunk, args.gen_chunk,
-                                         device)}
+                                         device, names)}
     if args.dispatch:
         result["dispatch"] = dispatch_table(cfg, ctx, (1, 8, 16, 32, 64), args.max_seq_len, device)
-    print(json.dumps(result["programs"]["decode_step"], indent=1))
+    print(json.dumps(result["programs"], indent=1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
