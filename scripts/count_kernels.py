@@ -107,6 +107,7 @@ def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, g
 
 def dispatch_table(cfg, ctx, batches, max_seq_len: int, device) -> dict:
     """Per batch size: how many quantized matmuls of the decode step take each (path, kernel)."""
+    import jax
     import jax.numpy as jnp
 
     from dsv4_jax import engine
@@ -114,6 +115,7 @@ def dispatch_table(cfg, ctx, batches, max_seq_len: int, device) -> dict:
 
     table = {}
     for batch in batches:
+        jax.clear_caches()          # a step already traced would be taken from the cache, recording nothing
         params, state, _, _, vec = abstract_inputs(cfg, batch, max_seq_len, device)
         with kernel_dispatch.record_dispatch() as records, _pallas_target(device):
             engine.decode_step.trace(params, state, vec(jnp.int32, batch), cfg=cfg, ctx=ctx,
@@ -133,12 +135,12 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--gen-chunk", type=int, default=16)
     p.add_argument("--kernels", default="auto")
-    p.add_argument("--programs", default=",".join(PROGRAMS), help=f"comma-separated subset of {PROGRAMS}")
+    p.add_argument("--programs", default=",".join(PROGRAMS), help=f"comma-separated subset of {PROGRAMS}, or none")
     p.add_argument("--dispatch", action="store_true", help="also the dispatch table at batch 1, 8, 16, 32, 64")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
-    names = [n for n in args.programs.split(",") if n]
-    if not names or set(names) - set(PROGRAMS):
+    names = [] if args.programs == "none" else [n for n in args.programs.split(",") if n]
+    if (not names and args.programs != "none") or set(names) - set(PROGRAMS):
         p.error(f"--programs: expected names from {PROGRAMS}, got {args.programs!r}")
 
     from dsv4_jax import presets
@@ -157,7 +159,8 @@ def main(argv=None) -> int:
                                          device, names)}
     if args.dispatch:
         result["dispatch"] = dispatch_table(cfg, ctx, (1, 8, 16, 32, 64), args.max_seq_len, device)
-    print(json.dumps(result["programs"], indent=1))
+    if names:
+        print(json.dumps(result["programs"], indent=1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

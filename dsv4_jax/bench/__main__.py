@@ -12,6 +12,8 @@ measures in one process:
 - time to first token and prefill tokens/s for every --prompts length at batch 1, against the FP8 matmul rate;
 - compile time of the decode step and of a generation chunk;
 - all of it again on kernels="reference" (XLA only) unless --reference says otherwise.
+With `--devices N` the model runs on an N-device mesh (experts split, dsv4_jax.sharding); the floor stays the
+one-device figure (all bytes over one device's bandwidth), so "of floor" then understates the fraction per device.
 `--profile DIR` adds a per-op table of one batch-1 decode step from a jax.profiler trace, and its launch count.
 Prints tables, writes `--out` JSON, and `--plot DIR` PNGs (or `--replot JSON --plot DIR` from an earlier run).
 """
