@@ -1,11 +1,14 @@
 """dsv4_jax: DeepSeek-V4 (Flash / Pro) inference in JAX.
 
     model = dsv4_jax.load(path)                                   # official checkpoint directory
+    model = dsv4_jax.load()                                       # the small packaged default model
     model = dsv4_jax.init_random(dsv4_jax.presets.tiny(), seed=0) # random weights, same object
     logits = model.forward(tokens)                                # [B, S] -> float32 [B, S, V]
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 
@@ -15,6 +18,9 @@ from .config import ModelConfig, from_hf_config, load_hf_config  # noqa: F401
 from .module import DeepseekV4  # noqa: F401
 from .memory_plan import memory_plan  # noqa: F401
 from .sharding import make_mesh  # noqa: F401
+
+
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
 
 
 def init_random(config: ModelConfig, seed: int = 0, quantize_head: bool = False, mesh=None, **options) -> Model:
@@ -39,19 +45,20 @@ def save(model, directory: str) -> None:
     save_module(getattr(model, "module", model), directory)
 
 
-def load(path, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int = 1, simulate_quant: bool = True,
+def load(path=None, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int = 1, simulate_quant: bool = True,
          act_quant: str = "none", mesh=None, progress=None, prefill_chunk: int = 512,
          quantize_head: bool = False, track_mtp: bool = False, kernels: str = "auto", target=None) -> Model:
     """Load an official DeepSeek-V4 checkpoint directory (config.json + safetensors), weights kept as stored
-    (MXFP4 or NVFP4 routed experts), or a directory written by `save` (Orbax). `quantize_head=True` quantizes the
+    (MXFP4 or NVFP4 routed experts), or a directory written by `save` (Orbax); without `path`, the small model
+    packaged in dsv4_jax/default_model (DEFAULT_MODEL_DIR). A `tokenizer.json` in the directory becomes
+    `model.tokenizer` (dsv4_jax.tokenizer.Tokenizer; None without one). `quantize_head=True` quantizes the
     bf16 lm_head to NVFP4 once at load (standard recipe, on device) and frees the bf16 copy; the router gate is
     never quantized. `kernels` is planned once, here, for `target` (default: JAX's default device; Model says
     more). `mesh` (make_mesh): each tensor goes from its memory map straight to the devices that hold its shards
     (sharding.RULES: the routed experts split on the "expert" axis, the rest replicated)."""
-    import os
-
     from .checkpoint import CheckpointError, load_params
     from .orbax_checkpoint import is_orbax_checkpoint, restore
+    path = DEFAULT_MODEL_DIR if path is None else os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a directory (expected an official DeepSeek-V4 checkpoint)")
     if is_orbax_checkpoint(path):
@@ -62,6 +69,11 @@ def load(path, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int 
         params = module.params()
     else:
         cfg, params = load_params(path, progress=progress, quantize_head=quantize_head, mesh=mesh)
+    tokenizer_file = os.path.join(path, "tokenizer.json")
+    tokenizer = None
+    if os.path.isfile(tokenizer_file):
+        from .tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(tokenizer_file)
     return Model(cfg, params, dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant,
                  max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk, track_mtp=track_mtp,
-                 kernels=kernels, target=target, mesh=mesh)
+                 kernels=kernels, target=target, mesh=mesh, tokenizer=tokenizer)

@@ -60,12 +60,14 @@ class GenerationResult:
 class Model:
     def __init__(self, cfg: ModelConfig, params, *, dtype: str = "bfloat16", simulate_quant: bool = True,
                  act_quant: str = "none", max_seq_len: int = 4096, max_batch: int = 1, prefill_chunk: int = 512,
-                 track_mtp: bool = False, kernels: str = "auto", target=None, mesh=None):
+                 track_mtp: bool = False, kernels: str = "auto", target=None, mesh=None, tokenizer=None):
         """`kernels`: a mode ("auto", "reference", "pallas", "interpret") planned for `target` (a jax Device or
         jax.sharding.AbstractDevice to compile for; default: the mesh's first device, else JAX's default device),
         or a KernelPlan. `mesh` (sharding.make_mesh): the devices the model runs on; parameters not yet placed on
-        it are placed by sharding.RULES, and decode states are made on it."""
+        it are placed by sharding.RULES, and decode states are made on it. `tokenizer`: the checkpoint's
+        (dsv4_jax.tokenizer.Tokenizer), kept as `model.tokenizer` for the caller's text in and out."""
         self.config = cfg
+        self.tokenizer = tokenizer
         self.mesh = mesh
         if mesh is not None:
             check_mesh(cfg, mesh, max_batch)

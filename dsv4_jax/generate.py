@@ -27,8 +27,9 @@ import os
 import sys
 import time
 
+from . import DEFAULT_MODEL_DIR   # the packaged default model
+
 PROG = "python -m dsv4_jax.generate"
-DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
 DEFAULT_PROMPT = "And it came to pass, when the king"
 DEFAULT_CHAT_PROMPT = "Who was the first king of Israel?"
 PROGRESS_MIN_BYTES = 2 ** 30        # show the loading bar for checkpoints this large even when stderr is no TTY
