@@ -51,7 +51,7 @@ def load(path=None, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch:
     """Load an official DeepSeek-V4 checkpoint directory (config.json + safetensors), weights kept as stored
     (MXFP4 or NVFP4 routed experts), or a directory written by `save` (Orbax); without `path`, the small model
     packaged in dsv4_jax/default_model (DEFAULT_MODEL_DIR). A `tokenizer.json` in the directory becomes
-    `model.tokenizer` (dsv4_jax.tokenizer.Tokenizer; None without one). `quantize_head=True` quantizes the
+    `model.tokenizer` (dsv4_jax.tokenizer.Tokenizer, read on first use; None without one). `quantize_head=True` quantizes the
     bf16 lm_head to NVFP4 once at load (standard recipe, on device) and frees the bf16 copy; the router gate is
     never quantized. `kernels` is planned once, here, for `target` (default: JAX's default device; Model says
     more). `mesh` (make_mesh): each tensor goes from its memory map straight to the devices that hold its shards
@@ -70,10 +70,7 @@ def load(path=None, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch:
     else:
         cfg, params = load_params(path, progress=progress, quantize_head=quantize_head, mesh=mesh)
     tokenizer_file = os.path.join(path, "tokenizer.json")
-    tokenizer = None
-    if os.path.isfile(tokenizer_file):
-        from .tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(tokenizer_file)
+    tokenizer = tokenizer_file if os.path.isfile(tokenizer_file) else None      # read on first use
     return Model(cfg, params, dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant,
                  max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk, track_mtp=track_mtp,
                  kernels=kernels, target=target, mesh=mesh, tokenizer=tokenizer)

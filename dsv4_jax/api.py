@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Sequence
 
 import jax
@@ -64,10 +65,10 @@ class Model:
         """`kernels`: a mode ("auto", "reference", "pallas", "interpret") planned for `target` (a jax Device or
         jax.sharding.AbstractDevice to compile for; default: the mesh's first device, else JAX's default device),
         or a KernelPlan. `mesh` (sharding.make_mesh): the devices the model runs on; parameters not yet placed on
-        it are placed by sharding.RULES, and decode states are made on it. `tokenizer`: the checkpoint's
-        (dsv4_jax.tokenizer.Tokenizer), kept as `model.tokenizer` for the caller's text in and out."""
+        it are placed by sharding.RULES, and decode states are made on it. `tokenizer`: the checkpoint's, a
+        dsv4_jax.tokenizer.Tokenizer or the path of its tokenizer.json (read on first use of `model.tokenizer`)."""
         self.config = cfg
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         self.mesh = mesh
         if mesh is not None:
             check_mesh(cfg, mesh, max_batch)
@@ -85,6 +86,14 @@ class Model:
         self.prefill_chunk = prefill_chunk
         # Keep the MTP block's window current during prefill/decode (one extra block per step), for drafts.
         self.track_mtp = bool(track_mtp) and cfg.n_mtp_layers > 0
+
+    @property
+    def tokenizer(self):
+        """The checkpoint's tokenizer (dsv4_jax.tokenizer.Tokenizer), or None when it came without one."""
+        if isinstance(self._tokenizer, (str, os.PathLike)):
+            from .tokenizer import load_tokenizer
+            self._tokenizer = load_tokenizer(self._tokenizer)
+        return self._tokenizer
 
     # ---- validation ---------------------------------------------------------------------------------------
     def _check_tokens(self, tokens, ndim: int, what: str) -> np.ndarray:

@@ -44,6 +44,7 @@ def test_tiny_smoke_run(tmp_path, capsys):
     (["--contexts", "none"], "at least one value"),
     (["--replot", "x.json"], "--replot needs --plot"),
     (["--steps", "0"], "--steps must be >= 1"),
+    (["--kernels", "reference"], "add --reference none"),
 ])
 def test_bad_arguments_get_one_line(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -174,3 +174,18 @@ def test_missing_and_invalid_files(tmp_path):
 def test_encode_rejects_non_str(tok):
     with pytest.raises(ValueError, match="expects a str"):
         tok.encode(b"bytes")
+
+
+def test_load_carries_the_checkpoints_tokenizer_read_on_first_use(tmp_path):
+    import shutil
+
+    import dsv4_jax
+    model = dsv4_jax.load()                                    # the packaged default model
+    assert model.tokenizer.decode(model.tokenizer.encode("And it came to pass")) == "And it came to pass"
+    assert dsv4_jax.init_random(dsv4_jax.presets.tiny()).tokenizer is None
+    broken = tmp_path / "model"
+    shutil.copytree(dsv4_jax.DEFAULT_MODEL_DIR, broken)
+    (broken / "tokenizer.json").write_text("{}")
+    model = dsv4_jax.load(str(broken))                         # the weights load without reading it
+    with pytest.raises(ValueError, match="tokenizer"):
+        model.tokenizer

@@ -66,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", metavar="DIR", help="write PNG figures (needs matplotlib)")
     p.add_argument("--replot", metavar="JSON", help="only make --plot figures from an earlier --out file")
     args = p.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    if args.kernels == "reference" and args.reference != "none":
+        p.error("--kernels reference is already the reference side: add --reference none")
     if args.replot and not args.plot:
         p.error("--replot needs --plot DIR")
     if not args.replot and not (args.batches and args.contexts):
@@ -111,9 +114,8 @@ def run(args) -> dict:
     probe_bytes, probe_n = DEFAULT_PROBES[backend]
     probe_bytes, probe_n = args.bandwidth_bytes or probe_bytes, args.matmul_n or probe_n
     mesh = dsv4_jax.make_mesh(args.devices) if args.devices > 1 else None
-    result = {"date": datetime.date.today().isoformat(), "command": " ".join(["python -m dsv4_jax.bench"] +
-                                                                             sys.argv[1:]),
-              "machine": _machine()}
+    result = {"date": datetime.date.today().isoformat(),
+              "command": " ".join(["python -m dsv4_jax.bench"] + list(args.argv)), "machine": _machine()}
 
     t0 = time.perf_counter()
     model = dsv4_jax.init_random(cfg, seed=0, mesh=mesh, dtype=args.dtype, kernels=args.kernels)
@@ -133,7 +135,8 @@ def run(args) -> dict:
     print(f"device: {bandwidth / 1e9:.0f} GB/s (bf16 GEMV), {fp8_rate / 1e12:.1f} TFLOP/s fp8, "
           f"{bf16_rate / 1e12:.1f} TFLOP/s bf16 (XLA matmul n={probe_n})", flush=True)
 
-    contexts = {"auto": model.context}
+    main_side = args.kernels            # the label of the main side's cases ("auto" unless --kernels says)
+    contexts = {main_side: model.context}
     if args.reference != "none":
         contexts["reference"] = RunContext.create(args.dtype, model.context.simulate_quant, model.context.act_quant,
                                                   "reference", mesh=mesh)
@@ -141,7 +144,7 @@ def run(args) -> dict:
     for side, ctx in contexts.items():
         seconds, program, state = cases.decode_step_compile_seconds(model.params, cfg, ctx, 1, args.contexts[0], mesh)
         result["compile"][f"decode_step_s_{side}"] = seconds
-        if args.profile and side == "auto":
+        if args.profile and side == main_side:
             tokens = jnp.zeros((1,), jnp.int32)
             steps = 5
             op_profile.trace_decode_steps(program, model.params, state, tokens, steps, args.profile)
@@ -170,7 +173,7 @@ def run(args) -> dict:
         result["compile"][f"generate_chunk_s_{case['kernels']}"] = case["generate_chunk_compile_s"]
 
     result["prefill"] = []
-    prefill_sides = {k: v for k, v in contexts.items() if k == "auto" or args.reference == "all"}
+    prefill_sides = {k: v for k, v in contexts.items() if k == main_side or args.reference == "all"}
     for tokens in args.prompts:
         flops = prefill_flops(cfg, tokens)
         for side, ctx in prefill_sides.items():
@@ -200,9 +203,10 @@ def tables(result: dict) -> str:
              f"TFLOP/s fp8, {dev['bf16_flops_per_s'] / 1e12:.1f} TFLOP/s bf16 (XLA)", "",
              f"{'batch':>5} {'context':>8} {'ms/step':>9} {'tok/s':>9} {'floor ms':>9} {'of floor':>8} "
              f"{'ref ms':>9} {'speedup':>8}"]
+    main_side = model["kernels"]
     ref = _reference_of(result["decode"], ("batch", "context"))
     for c in result["decode"]:
-        if c["kernels"] != "auto":
+        if c["kernels"] != main_side:
             continue
         r = ref.get((c["batch"], c["context"]))
         ref_ms, speedup = (f"{r['ms_per_step']:.3f}", f"{r['ms_per_step'] / c['ms_per_step']:.1f}x") if r else ("-", "-")
@@ -211,7 +215,7 @@ def tables(result: dict) -> str:
     lines += ["", f"{'prompt':>7} {'ttft ms':>10} {'tok/s':>9} {'of fp8':>7} {'ref ttft ms':>12} {'speedup':>8}"]
     ref = _reference_of(result["prefill"], ("prompt_tokens",))
     for c in result["prefill"]:
-        if c["kernels"] != "auto":
+        if c["kernels"] != main_side:
             continue
         r = ref.get((c["prompt_tokens"],))
         ref_ms, speedup = (f"{r['ttft_ms']:.1f}", f"{r['ttft_ms'] / c['ttft_ms']:.1f}x") if r else ("-", "-")

@@ -87,7 +87,7 @@ def time_decode(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: 
     if (produced < 0).any():
         raise RuntimeError(f"batch {batch}, context {context}: a generation chunk stopped early; the steps were not "
                            f"all timed")
-    return {"batch": batch, "context": context, "kernels": ctx.kernels.mode, "steps_per_call": steps,
+    return {"batch": batch, "context": context, "steps_per_call": steps,
             "calls": calls, "ms_per_step": 1e3 * statistics.median(times[1:]) / steps,
             "first_call_ms": 1e3 * times[0], "generate_chunk_compile_s": compile_s}
 
@@ -120,6 +120,6 @@ def time_prefill(params, cfg: ModelConfig, kernels, prompt_tokens: int, chunk: i
         times.append(time.perf_counter() - t0)
         del gen, state
     ttft = statistics.median(times[1:])
-    return {"prompt_tokens": prompt_tokens, "kernels": model.context.kernels.mode, "prefill_chunk": chunk,
+    return {"prompt_tokens": prompt_tokens, "prefill_chunk": chunk,
             "calls": calls, "ttft_ms": 1e3 * ttft, "tokens_per_s": prompt_tokens / ttft,
             "cold_ttft_s": times[0]}

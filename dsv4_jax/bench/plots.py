@@ -20,14 +20,15 @@ def decode_plot(result: dict, path: str) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     contexts = sorted({case["context"] for case in result["decode"]})
+    main_side = result["model"]["kernels"]
     for context in contexts:
-        for mode, style in (("auto", "o-"), ("reference", "s--")):
+        for mode, style in ((main_side, "o-"), ("reference", "s--")):
             cases = sorted((c for c in result["decode"] if c["context"] == context and c["kernels"] == mode),
                            key=lambda c: c["batch"])
             if cases:
                 ax.plot([c["batch"] for c in cases], [c["ms_per_step"] for c in cases], style,
                         label=f"{mode}, context {context}")
-        floor = sorted((c for c in result["decode"] if c["context"] == context and c["kernels"] == "auto"),
+        floor = sorted((c for c in result["decode"] if c["context"] == context and c["kernels"] == main_side),
                        key=lambda c: c["batch"])
         if floor:
             ax.plot([c["batch"] for c in floor], [c["floor_ms"] for c in floor], ":", color="gray",
