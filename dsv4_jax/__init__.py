@@ -12,13 +12,15 @@ import os
 
 import jax
 
-from . import presets  # noqa: F401
+from . import compile_cache, presets  # noqa: F401
 from .api import GenerationResult, Model  # noqa: F401
 from .config import ModelConfig, from_hf_config, load_hf_config  # noqa: F401
 from .module import DeepseekV4  # noqa: F401
 from .memory_plan import memory_plan  # noqa: F401
 from .sharding import make_mesh  # noqa: F401
 
+
+compile_cache.enable()        # on by default (DSV4_JAX_CACHE=off turns it off); a user's own JAX setting wins
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
 
@@ -51,9 +53,9 @@ def load(path=None, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch:
     """Load an official DeepSeek-V4 checkpoint directory (config.json + safetensors), weights kept as stored
     (MXFP4 or NVFP4 routed experts), or a directory written by `save` (Orbax); without `path`, the small model
     packaged in dsv4_jax/default_model (DEFAULT_MODEL_DIR). A `tokenizer.json` in the directory becomes
-    `model.tokenizer` (dsv4_jax.tokenizer.Tokenizer, read on first use; None without one). `quantize_head=True` quantizes the
-    bf16 lm_head to NVFP4 once at load (standard recipe, on device) and frees the bf16 copy; the router gate is
-    never quantized. `kernels` is planned once, here, for `target` (default: JAX's default device; Model says
+    `model.tokenizer` (dsv4_jax.tokenizer.Tokenizer, read on first use; None without one). `quantize_head=True`
+    quantizes the bf16 lm_head to NVFP4 once at load (standard recipe, on device) and frees the bf16 copy; the
+    router gate is never quantized. `kernels` is planned once, here, for `target` (default: JAX's default device; Model says
     more). `mesh` (make_mesh): each tensor goes from its memory map straight to the devices that hold its shards
     (sharding.RULES: the routed experts split on the "expert" axis, the rest replicated)."""
     from .checkpoint import CheckpointError, load_params

@@ -235,12 +235,11 @@ def encode_prompt(prompt: str, args) -> str:
 # ---- loading ---------------------------------------------------------------------------------------------------
 
 def _setup_compile_cache(args):
-    import jax
-    if args.no_compile_cache or jax.config.jax_compilation_cache_dir:
-        return
-    cache = os.environ.get("DSV4_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dsv4_jax", "jit")
-    jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    """The library turned the cache on at import (dsv4_jax.compile_cache); --no-compile-cache turns it off, unless
+    the user set JAX's own cache directory."""
+    from . import compile_cache
+    if args.no_compile_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        compile_cache.disable()
 
 
 class _LoadProgress:

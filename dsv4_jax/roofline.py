@@ -127,7 +127,8 @@ def _state_read(cfg: ModelConfig, ratio: int, batch: int, context: int, item: in
         read["compressed_kv"] = batch * min(cfg.index_topk, entries) * cfg.head_dim * item
     else:
         read["compressed_kv"] = batch * entries * cfg.head_dim * item
-    read["compressor_state"] = batch * sum(x.size * x.dtype.itemsize for p in pending for x in jax.tree_util.tree_leaves(p))
+    leaves = jax.tree_util.tree_leaves(pending)
+    read["compressor_state"] = batch * sum(x.size * x.dtype.itemsize for x in leaves)
     return read
 
 

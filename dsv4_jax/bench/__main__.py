@@ -209,7 +209,8 @@ def tables(result: dict) -> str:
         if c["kernels"] != main_side:
             continue
         r = ref.get((c["batch"], c["context"]))
-        ref_ms, speedup = (f"{r['ms_per_step']:.3f}", f"{r['ms_per_step'] / c['ms_per_step']:.1f}x") if r else ("-", "-")
+        ref_ms, speedup = ("-", "-") if not r else (f"{r['ms_per_step']:.3f}",
+                                                     f"{r['ms_per_step'] / c['ms_per_step']:.1f}x")
         lines.append(f"{c['batch']:5d} {c['context']:8d} {c['ms_per_step']:9.3f} {c['tokens_per_s']:9.1f} "
                      f"{c['floor_ms']:9.3f} {100 * c['fraction_of_floor']:7.0f}% {ref_ms:>9} {speedup:>8}")
     lines += ["", f"{'prompt':>7} {'ttft ms':>10} {'tok/s':>9} {'of fp8':>7} {'ref ttft ms':>12} {'speedup':>8}"]
