@@ -13,7 +13,7 @@ import os
 import jax
 
 DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "dsv4_jax", "jit")
-MIN_COMPILE_SECONDS = 0.5      # programs cheaper than this to compile are not worth a disk entry
+MIN_COMPILE_SECONDS = 0.0      # every program: a CLI run has ~14, the small ones < 0.5 s each but many
 
 
 def enable() -> str | None:

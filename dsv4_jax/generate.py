@@ -28,6 +28,7 @@ import sys
 import time
 
 from . import DEFAULT_MODEL_DIR   # the packaged default model
+from .compile_time import CompileTimer
 
 PROG = "python -m dsv4_jax.generate"
 DEFAULT_PROMPT = "And it came to pass, when the king"
@@ -52,15 +53,17 @@ batches:
                   "prompt_token_ids", "completion", "token_ids" (generated
                   ids, the stop token included when hit), "finish_reason"
                   ("stop" or "length")}, ...],
-     "timing": {"load_s", "prefill_s", "decode_s", "prompt_tokens",
+     "timing": {"load_s", "prefill_s", "decode_s", "compile_s", "prompt_tokens",
                 "generated_tokens", "decode_tokens_per_s"}}
 
 timing:
   prefill is the time to the first generated token, which includes compiling
-  the programs on first use; decode tokens/s counts the tokens after each
-  sequence's first, summed over the batch. Compiled programs are cached in
-  $DSV4_JAX_CACHE (default ~/.cache/dsv4_jax/jit) unless --no-compile-cache
-  is given or JAX_COMPILATION_CACHE_DIR is set.
+  the programs on first use (compile_s, also on stderr: lowering and compiling
+  or reading each new program from the cache); decode tokens/s
+  counts the tokens after each sequence's first, summed over the batch.
+  Compiled programs are cached in $DSV4_JAX_CACHE (default
+  ~/.cache/dsv4_jax/jit; DSV4_JAX_CACHE=off or --no-compile-cache: no cache)
+  unless JAX_COMPILATION_CACHE_DIR is set, which is used instead.
 
 exit status:
   0 success; 1 bad input (checkpoint, config, tokenizer, prompt file, prompt
@@ -404,10 +407,20 @@ def run(args) -> int:
             _write(_header(0, batch, prompts[0]) + "\n")
         if echo:
             _write(prompts[0])
+    def compiling_notice():
+        import jax
+        cache = jax.config.jax_compilation_cache_dir
+        later = f"later runs read them from {cache}" if cache else "no compilation cache: every run compiles"
+        print(f"compiling the programs for these shapes ({later})", file=sys.stderr, flush=True)
+
     t_gen = time.perf_counter()
-    result = model.generate(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stream=on_tokens)
+    with CompileTimer(on_first=compiling_notice) as compile_timer:
+        result = model.generate(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stream=on_tokens)
     t_end = time.perf_counter()
+    if compile_timer.seconds:
+        print(f"compiled {compile_timer.compiled} programs and read {compile_timer.cache_hits} from the "
+              f"compilation cache in {compile_timer.seconds:.2f} s", file=sys.stderr)
 
     completions = [tokenizer.decode(toks[:-1] if toks and toks[-1] == eos else toks) for toks in result.tokens]
     if streaming:
@@ -425,6 +438,7 @@ def run(args) -> int:
     decode_tokens = generated - sum(1 for t in result.tokens if t)
     rate = decode_tokens / decode_s if decode_tokens and decode_s > 0 else None
     timing = {"load_s": round(load_s, 4), "prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
+              "compile_s": round(compile_timer.seconds, 4),
               "prompt_tokens": prompt_tokens, "generated_tokens": generated,
               "decode_tokens_per_s": None if rate is None else round(rate, 2)}
     if args.json:
@@ -448,7 +462,7 @@ def run(args) -> int:
     rate_text = "n/a" if rate is None else f"{rate:.1f} tokens/s"
     print(f"{'batch ' + str(batch) + ' | ' if batch > 1 else ''}prompt tokens: {prompt_tokens} | "
           f"generated tokens: {generated} | load: {load_s:.2f} s | prefill: {prefill_s:.2f} s "
-          f"(to first token, incl. compilation) | decode: {decode_tokens} tokens in {decode_s:.2f} s, {rate_text}",
+          f"(to first token, incl. {compile_timer.seconds:.2f} s compiling) | decode: {decode_tokens} tokens in {decode_s:.2f} s, {rate_text}",
           file=sys.stderr)
     return EXIT_OK
 

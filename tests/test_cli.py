@@ -8,6 +8,7 @@ share their compiled programs: the batch runs use the same batch size, cache siz
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -156,6 +157,10 @@ def test_default_run_streams_a_continuation(runs):
         assert part in line, line
     generated = int(line.split("generated tokens:")[1].split("|")[0])
     assert 1 <= generated <= 100
+    # compilation is announced before it starts and its time reported apart from the prefill figure
+    assert "compiling the programs for these shapes" in proc.stderr, proc.stderr
+    assert re.search(r"compiled \d+ programs and read \d+ from the compilation cache in \d+\.\d\d s", proc.stderr)
+    assert re.search(r"prefill: [\d.]+ s \(to first token, incl\. [\d.]+ s compiling\)", line), line
 
 
 def test_json_batch_structure_and_thinking_prompts(runs):
@@ -185,6 +190,7 @@ def test_json_batch_structure_and_thinking_prompts(runs):
     assert timing["prompt_tokens"] == sum(len(r["prompt_token_ids"]) for r in doc["results"])
     assert timing["generated_tokens"] == sum(len(r["token_ids"]) for r in doc["results"])
     assert timing["load_s"] >= 0 and timing["prefill_s"] > 0 and timing["decode_s"] >= 0
+    assert 0 <= timing["compile_s"] <= timing["prefill_s"] + timing["decode_s"]
     assert "tokens/s" in stats_line(proc)                        # human summary on stderr only
 
 

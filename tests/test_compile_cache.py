@@ -25,3 +25,21 @@ def _cache_dir(env_changes: dict) -> str:
 ])
 def test_cache_directory(env, want):
     assert _cache_dir(env) == want
+
+
+def test_compile_timer_counts_a_new_program_once():
+    import jax
+    import jax.numpy as jnp
+
+    from dsv4_jax.compile_time import CompileTimer
+    calls = []
+    f = jax.jit(lambda x: jnp.tanh(x) * 3 + 1)
+    x = jnp.arange(7.0)
+    with CompileTimer(on_first=lambda: calls.append(1)) as timer:
+        f(x).block_until_ready()
+        f(x).block_until_ready()                    # in memory now: no second compile
+    assert calls == [1] and timer.seconds > 0
+    assert timer.compiled + timer.cache_hits >= 1
+    with CompileTimer() as again:
+        f(x).block_until_ready()
+    assert (again.seconds, again.compiled, again.cache_hits) == (0.0, 0, 0)
