@@ -176,14 +176,13 @@ def census(hlo_text: str) -> Census:
                 totals["launches"] += multiplier
                 totals["top_level"] += 0 if in_loop else 1
                 totals["custom_calls"] += multiplier if ins.opcode == "custom-call" else 0
-                totals["collectives"] += multiplier if family(ins) == "collectives" else 0
                 by_family[family(ins)] += multiplier
                 by_layer[layer_of(ins)] += multiplier
 
     walk(entry, 1, False)
     return Census(top_level_kernels=totals["top_level"], launches_per_call=totals["launches"],
                   custom_calls=totals["custom_calls"], while_loops=totals["while_loops"],
-                  collectives=totals["collectives"], by_family={f: by_family[f] for f in FAMILIES if by_family[f]},
+                  collectives=by_family["collectives"], by_family={f: by_family[f] for f in FAMILIES if by_family[f]},
                   by_layer_kind={k: by_layer[k] for k in LAYER_KINDS if by_layer[k]},
                   unknown_trip_counts=totals["unknown_trip_counts"])
 

@@ -36,6 +36,15 @@ def tiny(vocab_size: int = 512) -> ModelConfig:
         n_hash_layers=2)
 
 
+def named(name: str, layers: int | None = None) -> ModelConfig:
+    """The preset called `name` ("tiny", "flash", "pro"), truncated to its first `layers` layers when given."""
+    presets = {"tiny": tiny, "flash": flash, "pro": pro}
+    if name not in presets:
+        raise ValueError(f"preset must be one of {sorted(presets)}, got {name!r}")
+    cfg = presets[name]()
+    return cfg if layers is None else truncated(cfg, layers)
+
+
 def truncated(cfg: ModelConfig, n_layers: int) -> ModelConfig:
     """The first `n_layers` backbone layers of `cfg` with its MTP block(s): the real geometry of a model too large
     for the devices at hand (benchmarks report the layer count they ran)."""

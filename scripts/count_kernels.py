@@ -146,9 +146,7 @@ def main(argv=None) -> int:
     from dsv4_jax import presets
     from dsv4_jax.run_context import RunContext
 
-    cfg = {"tiny": presets.tiny, "flash": presets.flash, "pro": presets.pro}[args.preset]()
-    if args.layers is not None:
-        cfg = presets.truncated(cfg, args.layers)
+    cfg = presets.named(args.preset, args.layers)
     device = h200_device()
     ctx = RunContext.create(kernels=args.kernels, device=device)
     print(f"{args.preset} geometry, {cfg.n_layers} layers, batch {args.batch}, compiled for {device.device_kind} "

@@ -81,8 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _model_config(args):
     from .. import presets
-    cfg = {"tiny": presets.tiny, "flash": presets.flash, "pro": presets.pro}[args.preset]()
-    return cfg if args.layers is None else presets.truncated(cfg, args.layers)
+    return presets.named(args.preset, args.layers)
 
 
 def _machine() -> dict:

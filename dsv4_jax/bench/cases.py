@@ -95,7 +95,7 @@ def time_decode(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: 
 def decode_step_compile_seconds(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: int,
                                 mesh=None) -> tuple[float, object, DecodeState]:
     """Seconds to trace, lower and compile one decode step; also returns the compiled step and a state for it."""
-    state = synthetic_state(cfg, batch, context, context - 8, ctx.jnp_dtype, mesh)
+    state = synthetic_state(cfg, batch, context, max(context - 8, 0), ctx.jnp_dtype, mesh)
     tokens = jnp.zeros((batch,), jnp.int32)
     t0 = time.perf_counter()
     program = engine.decode_step.lower(params, state, tokens, cfg=cfg, ctx=ctx, max_seq_len=context).compile()
