@@ -31,12 +31,12 @@ def init_random(config: ModelConfig, seed: int = 0, quantize_head: bool = False,
     from .params import init_params
     from .sharding import check_mesh, param_shardings
     stored = {"head.weight": "nvfp4"} if quantize_head else None
-    make = lambda key: init_params(config, key, stored)  # noqa: E731
+    key = jax.random.PRNGKey(seed)
     shardings = None
     if mesh is not None:
         check_mesh(config, mesh)
-        shardings = param_shardings(config, mesh, jax.eval_shape(make, jax.random.PRNGKey(seed)))
-    params = jax.jit(make, out_shardings=shardings)(jax.random.PRNGKey(seed))
+        shardings = param_shardings(config, mesh, jax.eval_shape(lambda: init_params(config, key, stored)))
+    params = init_params(config, key, stored, shardings)
     return Model(config, params, mesh=mesh, **options)
 
 

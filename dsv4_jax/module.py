@@ -149,7 +149,7 @@ class DeepseekV4(nnx.Module):
         if (rngs is None) == (params is None):
             raise ValueError("DeepseekV4: give either rngs (random weights) or params (existing arrays)")
         if params is None:
-            params = jax.jit(lambda key: init_params(config, key, stored))(rngs.params())
+            params = init_params(config, rngs.params(), stored)
         self.config = config
         self.context = RunContext.create() if context is None else context
         for spec in weight_specs(config):

@@ -15,6 +15,7 @@ them knows every leaf of the loaded tree.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -271,15 +272,26 @@ def _random_weight(spec: WeightSpec, key: jax.Array, n_experts: int):
     return Nvfp4Weight(packed, block_scales, global_scale, jnp.ones(lead, jnp.float32) if spec.input_scale else None)
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, stored: dict[str, str] | None = None) -> dict:
+def init_params(cfg: ModelConfig, key: jax.Array, stored: dict[str, str] | None = None, shardings=None) -> dict:
     """Random weights in the stored formats (FP8 attention, MXFP4 experts unless `stored` says otherwise, ...),
-    as a parameter tree."""
+    as a parameter tree; `shardings` (sharding.param_shardings) places each weight as it is generated.
+
+    Each weight comes from one small jitted generator per distinct (format, shape, std, sharding): the layers
+    of a model share a few dozen of them, so the compile cost does not grow with depth (one program for the
+    whole tree took ~9 s per Flash layer to compile on an H200)."""
     specs = weight_specs(cfg, stored)
     keys = jax.random.split(key, len(specs))
     tree: dict = {}
-    for spec, k in zip(specs, keys):
-        tree_set(tree, spec.name, _random_weight(spec, k, cfg.n_routed_experts))
+    for i, spec in enumerate(specs):
+        sharding = None if shardings is None else tree_get(shardings, spec.name)
+        generate = _weight_generator(dataclasses.replace(spec, name=""), cfg.n_routed_experts, sharding)
+        tree_set(tree, spec.name, generate(keys[i]))
     return tree
+
+
+@functools.lru_cache(maxsize=None)
+def _weight_generator(spec: WeightSpec, n_experts: int, sharding):
+    return jax.jit(lambda key: _random_weight(spec, key, n_experts), out_shardings=sharding)
 
 
 def logical_param_count(cfg: ModelConfig) -> int:
