@@ -37,7 +37,7 @@ def init_random(config: ModelConfig, seed: int = 0, quantize_head: bool = False,
         check_mesh(config, mesh)
         shardings = param_shardings(config, mesh, jax.eval_shape(lambda: init_params(config, key, stored)))
     params = init_params(config, key, stored, shardings)
-    return Model(config, params, mesh=mesh, **options)
+    return Model(config, params, mesh=mesh, consume_params=True, **options)
 
 
 def save(model, directory: str) -> None:
@@ -49,7 +49,8 @@ def save(model, directory: str) -> None:
 
 def load(path=None, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int = 1, simulate_quant: bool = True,
          act_quant: str = "none", mesh=None, progress=None, prefill_chunk: int = 512,
-         quantize_head: bool = False, track_mtp: bool = False, kernels: str = "auto", target=None) -> Model:
+         quantize_head: bool = False, track_mtp: bool = False, kernels: str = "auto", target=None,
+         scan_layers: bool = False) -> Model:
     """Load an official DeepSeek-V4 checkpoint directory (config.json + safetensors), weights kept as stored
     (MXFP4 or NVFP4 routed experts), or a directory written by `save` (Orbax); without `path`, the small model
     packaged in dsv4_jax/default_model (DEFAULT_MODEL_DIR). A `tokenizer.json` in the directory becomes
@@ -57,7 +58,8 @@ def load(path=None, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch:
     quantizes the bf16 lm_head to NVFP4 once at load (standard recipe, on device) and frees the bf16 copy; the
     router gate is never quantized. `kernels` is planned once, here, for `target` (default: JAX's default device; Model says
     more). `mesh` (make_mesh): each tensor goes from its memory map straight to the devices that hold its shards
-    (sharding.RULES: the routed experts split on the "expert" axis, the rest replicated)."""
+    (sharding.RULES: the routed experts split on the "expert" axis, the rest replicated). `scan_layers`: as
+    Model takes it."""
     from .checkpoint import CheckpointError, load_params
     from .orbax_checkpoint import is_orbax_checkpoint, restore
     path = DEFAULT_MODEL_DIR if path is None else os.fspath(path)
@@ -75,4 +77,5 @@ def load(path=None, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch:
     tokenizer = tokenizer_file if os.path.isfile(tokenizer_file) else None      # read on first use
     return Model(cfg, params, dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant,
                  max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk, track_mtp=track_mtp,
-                 kernels=kernels, target=target, mesh=mesh, tokenizer=tokenizer)
+                 kernels=kernels, target=target, mesh=mesh, tokenizer=tokenizer, scan_layers=scan_layers,
+                 consume_params=True)

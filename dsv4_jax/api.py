@@ -21,22 +21,24 @@ from . import engine
 from .config import ModelConfig
 from .run_context import RunContext
 from .sharding import check_mesh, param_shardings, state_shardings
+from .layer_scan import scan_plan, stack_layers, unstack_layers
 from .module import DeepseekV4
 from .state import DecodeState, init_state, state_bytes
 
 
-_init_state_jit = jax.jit(init_state, static_argnums=(0, 1, 2, 3))   # one program instead of many small ops
+_init_state_jit = jax.jit(init_state, static_argnums=(0, 1, 2, 3, 4))   # one program instead of many small ops
 
 
 @functools.cache
-def _state_maker(cfg: ModelConfig, batch: int, max_seq_len: int, dtype, mesh):
-    shapes = jax.eval_shape(lambda: init_state(cfg, batch, max_seq_len, dtype))
-    return jax.jit(lambda: init_state(cfg, batch, max_seq_len, dtype), out_shardings=state_shardings(shapes, mesh))
+def _state_maker(cfg: ModelConfig, batch: int, max_seq_len: int, dtype, scan_layers: bool, mesh):
+    make = lambda: init_state(cfg, batch, max_seq_len, dtype, scan_layers)  # noqa: E731
+    return jax.jit(make, out_shardings=state_shardings(jax.eval_shape(make), mesh))
 
 
-def _init_state_on_mesh(cfg: ModelConfig, batch: int, max_seq_len: int, dtype, mesh) -> DecodeState:
+def _init_state_on_mesh(cfg: ModelConfig, batch: int, max_seq_len: int, dtype, scan_layers: bool,
+                        mesh) -> DecodeState:
     """A fresh state made on the mesh's devices, each buffer's batch rows on the "data" axis."""
-    return _state_maker(cfg, batch, max_seq_len, dtype, mesh)()
+    return _state_maker(cfg, batch, max_seq_len, dtype, scan_layers, mesh)()
 
 
 MIN_CONTEXT_BUCKET = 4096     # the smallest context bucket: below it the whole buffers are cheap anyway
@@ -61,12 +63,18 @@ class GenerationResult:
 class Model:
     def __init__(self, cfg: ModelConfig, params, *, dtype: str = "bfloat16", simulate_quant: bool = True,
                  act_quant: str = "none", max_seq_len: int = 4096, max_batch: int = 1, prefill_chunk: int = 512,
-                 track_mtp: bool = False, kernels: str = "auto", target=None, mesh=None, tokenizer=None):
+                 track_mtp: bool = False, kernels: str = "auto", target=None, mesh=None, tokenizer=None,
+                 scan_layers: bool = False, consume_params: bool = False):
         """`kernels`: a mode ("auto", "reference", "pallas", "interpret") planned for `target` (a jax Device or
         jax.sharding.AbstractDevice to compile for; default: the mesh's first device, else JAX's default device),
         or a KernelPlan. `mesh` (sharding.make_mesh): the devices the model runs on; parameters not yet placed on
         it are placed by sharding.RULES, and decode states are made on it. `tokenizer`: the checkpoint's, a
-        dsv4_jax.tokenizer.Tokenizer or the path of its tokenizer.json (read on first use of `model.tokenizer`)."""
+        dsv4_jax.tokenizer.Tokenizer or the path of its tokenizer.json (read on first use of `model.tokenizer`).
+        `scan_layers`: run the repeated layer pattern under lax.scan (layer_scan.py: a deep model's programs
+        compile in a fraction of the time; a step moves each scanned cache once more); its weights are stacked
+        once, here, and with `consume_params` the given per-layer arrays are deleted as they are stacked (load and
+        init_random pass it: nothing else holds them). `model.module` of a scanned model is built on first use,
+        from copies."""
         self.config = cfg
         self._tokenizer = tokenizer
         self.mesh = mesh
@@ -74,7 +82,13 @@ class Model:
             check_mesh(cfg, mesh, max_batch)
             params = jax.device_put(params, param_shardings(cfg, mesh, params))    # no copy where already placed
         self.context = RunContext.create(dtype, simulate_quant, act_quant, kernels, device=target, mesh=mesh)
-        self.module = DeepseekV4(cfg, params=params, context=self.context)
+        plan = scan_plan(cfg) if scan_layers else None
+        self.scan_layers = plan is not None        # a model without a repeated pattern runs unrolled
+        if plan is None:
+            self._module = DeepseekV4(cfg, params=params, context=self.context)
+        else:
+            self._module = None
+            params = {**params, "layers": stack_layers(params["layers"], plan, consume=consume_params)}
         # Regrouped once, not per call: a step's jitted program takes this tree (no Python walk of the module).
         # After replacing a variable of `module`, build a new Model from `module.params()`.
         self.params = params
@@ -86,6 +100,14 @@ class Model:
         self.prefill_chunk = prefill_chunk
         # Keep the MTP block's window current during prefill/decode (one extra block per step), for drafts.
         self.track_mtp = bool(track_mtp) and cfg.n_mtp_layers > 0
+
+    @property
+    def module(self) -> DeepseekV4:
+        """The weights as a Flax NNX module (dsv4_jax.DeepseekV4)."""
+        if self._module is None:
+            layers = unstack_layers(self.params["layers"])
+            self._module = DeepseekV4(self.config, params={**self.params, "layers": layers}, context=self.context)
+        return self._module
 
     @property
     def tokenizer(self):
@@ -129,8 +151,9 @@ class Model:
         batch = self.max_batch if batch is None else batch
         self._check_batch(batch)
         if self.mesh is None:
-            return _init_state_jit(self.config, batch, self.max_seq_len, self.context.jnp_dtype)
-        return _init_state_on_mesh(self.config, batch, self.max_seq_len, self.context.jnp_dtype, self.mesh)
+            return _init_state_jit(self.config, batch, self.max_seq_len, self.context.jnp_dtype, self.scan_layers)
+        return _init_state_on_mesh(self.config, batch, self.max_seq_len, self.context.jnp_dtype, self.scan_layers,
+                                   self.mesh)
 
     def state_bytes(self, batch: int | None = None) -> int:
         return state_bytes(self.config, self.max_batch if batch is None else batch, self.max_seq_len,

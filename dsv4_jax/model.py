@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from .config import ModelConfig
 from .layers.attention import attention
 from .layers.hyper import hc_head, hc_post, hc_pre
 from .layers.moe import moe
 from .layers.norm import rms_norm
+from .layer_scan import StackedLayers
 from .layers.rope import rope_inv_freq
 from .quant import linear
 from .run_context import RunContext
@@ -59,17 +61,60 @@ def embed(params: dict, cfg: ModelConfig, tokens: jax.Array, dtype) -> jax.Array
 
 
 def backbone(params: dict, cfg: ModelConfig, ctx: RunContext, tokens: jax.Array, start: jax.Array,
-             n_valid: jax.Array, caches: list):
+             n_valid: jax.Array, caches):
     """All backbone layers. Returns (final streams X [B, S, n, D] before the hc head, new caches, statistics per
-    layer as `block` returns them)."""
+    layer as `block` returns them). With params["layers"] a layer_scan.StackedLayers (and the caches stacked the
+    same way) the repeated pattern runs under lax.scan."""
     X = embed(params, cfg, tokens, ctx.jnp_dtype)
-    new_caches, stats = [], []
-    for layer in range(cfg.n_layers):
-        X, cache, layer_stats = block(params["layers"][layer], cfg, ctx, layer, X, tokens, start, n_valid,
-                                      caches[layer])
-        new_caches.append(cache)
-        stats.append(layer_stats)
-    return X, new_caches, stats
+    layers = params["layers"]
+    run = lambda layer, X, layer_params, cache: block(layer_params, cfg, ctx, layer, X, tokens,  # noqa: E731
+                                                      start, n_valid, cache)
+    if not isinstance(layers, StackedLayers):
+        new_caches, stats = [], []
+        for layer in range(cfg.n_layers):
+            X, cache, layer_stats = run(layer, X, layers[layer], caches[layer])
+            new_caches.append(cache)
+            stats.append(layer_stats)
+        return X, new_caches, stats
+    return _scanned_backbone(run, layers, caches, X)
+
+
+def _scanned_backbone(run, layers: StackedLayers, caches: StackedLayers, X):
+    plan = layers.plan
+    before, before_stats = [], []
+    for layer, (layer_params, cache) in enumerate(zip(layers.before, caches.before)):
+        X, cache, layer_stats = run(layer, X, layer_params, cache)
+        before.append(cache)
+        before_stats.append(layer_stats)
+
+    # The stacked caches ride in the carry and each iteration writes its layers' caches back at its index, so a
+    # donated state is updated in place (as scan outputs they would be a second copy of every scanned cache).
+    def body(carry, xs):
+        X, stacked_caches = carry
+        repeat, phase_params = xs
+        new_stacked, stats = [], []
+        for phase in range(plan.period):
+            cache = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, repeat, keepdims=False),
+                                 stacked_caches[phase])
+            X, cache, layer_stats = run(plan.layer(0, phase), X, phase_params[phase], cache)
+            new_stacked.append(jax.tree.map(lambda a, c: lax.dynamic_update_index_in_dim(a, c.astype(a.dtype),
+                                                                                         repeat, 0),
+                                            stacked_caches[phase], cache))
+            stats.append(layer_stats)
+        return (X, new_stacked), stats
+
+    (X, phases), phase_stats = lax.scan(body, (X, list(caches.phases)),
+                                        (jnp.arange(plan.repeats, dtype=jnp.int32), list(layers.phases)))
+    scanned_stats = [jax.tree.map(lambda a, j=j: a[j], phase_stats[p])
+                     for j in range(plan.repeats) for p in range(plan.period)]
+
+    after, after_stats = [], []
+    for offset, (layer_params, cache) in enumerate(zip(layers.after, caches.after)):
+        X, cache, layer_stats = run(plan.stop + offset, X, layer_params, cache)
+        after.append(cache)
+        after_stats.append(layer_stats)
+    new_caches = caches.replace(before=before, phases=phases, after=after)
+    return X, new_caches, before_stats + scanned_stats + after_stats
 
 
 def head_logits(params: dict, head_params: dict, cfg: ModelConfig, X: jax.Array, ctx: RunContext) -> jax.Array:

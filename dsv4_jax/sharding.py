@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import ModelConfig
+from .layer_scan import StackedLayers
 from .params import LOGICAL_AXES, tree_get, tree_set, weight_specs
 
 DATA, EXPERT = "data", "expert"
@@ -84,8 +85,14 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, params) -> dict:
 
 
 def state_shardings(state, mesh: Mesh):
-    """NamedShardings of a DecodeState (or its abstract shape): every buffer's leading batch dim on "data"."""
-    return jax.tree.map(lambda leaf: NamedSharding(mesh, P(DATA, *([None] * (leaf.ndim - 1)))), state)
+    """NamedShardings of a DecodeState (or its abstract shape): every buffer's batch dim on "data" (the leading
+    one; in the stacked caches of a scanned model, the one after the layer axis)."""
+    shardings = jax.tree.map(lambda leaf: NamedSharding(mesh, P(DATA, *([None] * (leaf.ndim - 1)))), state)
+    if isinstance(state.layers, StackedLayers):
+        phases = jax.tree.map(lambda leaf: NamedSharding(mesh, P(None, DATA, *([None] * (leaf.ndim - 2)))),
+                              state.layers.phases)
+        shardings = shardings.replace(layers=shardings.layers.replace(phases=phases))
+    return shardings
 
 
 def expert_slice(index: tuple, n_experts: int) -> range:

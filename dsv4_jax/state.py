@@ -17,12 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
+from .layer_scan import StackedLayers, scan_plan
 from .layers.compressor import init_compressor_state
 
 
 @flax.struct.dataclass
 class DecodeState:
-    layers: list            # one cache dict per backbone layer
+    layers: list            # one cache dict per backbone layer (a layer_scan.StackedLayers for a scanned model)
     mtp: list               # one cache dict per MTP layer (its window runs one position behind, see engine)
     mtp_hidden: jax.Array   # [B, hc_mult, D]: main streams of each sequence's last consumed position
     positions: jax.Array    # [B] int32: tokens consumed so far per sequence
@@ -43,11 +44,21 @@ def init_layer_cache(cfg: ModelConfig, ratio: int, batch: int, max_seq_len: int,
     return cache
 
 
-def init_state(cfg: ModelConfig, batch: int, max_seq_len: int, dtype=jnp.bfloat16) -> DecodeState:
-    """A fresh state (every sequence at position 0, compressor logits -inf)."""
+def init_state(cfg: ModelConfig, batch: int, max_seq_len: int, dtype=jnp.bfloat16,
+               scan_layers: bool = False) -> DecodeState:
+    """A fresh state (every sequence at position 0, compressor logits -inf). With `scan_layers`, the caches of
+    the repeated layer pattern are stacked (layer_scan.StackedLayers), as a scanned model's steps take them."""
     if batch < 1 or max_seq_len < 1:
         raise ValueError(f"max_batch and max_seq_len must be >= 1, got {batch} and {max_seq_len}")
-    layers = [init_layer_cache(cfg, cfg.compress_ratios[i], batch, max_seq_len, dtype) for i in range(cfg.n_layers)]
+    cache = lambda layer: init_layer_cache(cfg, cfg.compress_ratios[layer], batch, max_seq_len, dtype)  # noqa: E731
+    plan = scan_plan(cfg) if scan_layers else None
+    if plan is None:
+        layers = [cache(i) for i in range(cfg.n_layers)]
+    else:
+        stack = lambda tree: jax.tree.map(lambda a: jnp.broadcast_to(a, (plan.repeats, *a.shape)), tree)  # noqa: E731
+        layers = StackedLayers(before=[cache(i) for i in range(plan.start)],
+                               phases=[stack(cache(plan.layer(0, p))) for p in range(plan.period)],
+                               after=[cache(i) for i in range(plan.stop, cfg.n_layers)], plan=plan)
     mtp = [init_layer_cache(cfg, cfg.compress_ratios[cfg.n_layers + k], batch, max_seq_len, dtype)
            for k in range(cfg.n_mtp_layers)]
     return DecodeState(layers=layers, mtp=mtp, mtp_hidden=jnp.zeros((batch, cfg.hc_mult, cfg.dim), dtype),
