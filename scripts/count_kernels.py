@@ -47,8 +47,9 @@ def _pallas_target(device):
     return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=abstract))
 
 
-def abstract_inputs(cfg, batch: int, max_seq_len: int, device):
-    """Parameters, decode state and generation inputs as shapes placed on the compile-only device."""
+def abstract_inputs(cfg, batch: int, max_seq_len: int, device, scan_layers: bool = False):
+    """Parameters, decode state and generation inputs as shapes placed on the compile-only device (with
+    `scan_layers`, the repeated layers stacked as a scanned Model holds them)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -60,8 +61,15 @@ def abstract_inputs(cfg, batch: int, max_seq_len: int, device):
     sharding = NamedSharding(jax.sharding.Mesh([device], ("x",)), PartitionSpec())
     place = lambda tree: jax.tree.map(  # noqa: E731
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
-    params = place(jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0))))
-    state = place(jax.eval_shape(lambda: init_state(cfg, batch, max_seq_len, jnp.bfloat16)))
+    from dsv4_jax.layer_scan import scan_plan, stack_layers
+
+    plan = scan_plan(cfg) if scan_layers else None
+
+    def make_params():
+        params = init_params(cfg, jax.random.PRNGKey(0))
+        return params if plan is None else {**params, "layers": stack_layers(params["layers"], plan)}
+    params = place(jax.eval_shape(make_params))
+    state = place(jax.eval_shape(lambda: init_state(cfg, batch, max_seq_len, jnp.bfloat16, plan is not None)))
     vec = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
     gen = engine.GenerationState(state, vec(jnp.int32, batch), vec(jnp.int32, batch), vec(jnp.bool_, batch),
                                  place(jax.eval_shape(lambda: jax.random.PRNGKey(0))))
@@ -74,13 +82,13 @@ PROGRAMS = ("decode_step", "prefill_chunk", "generate_chunk")
 
 
 def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, gen_chunk: int, device,
-                   names=PROGRAMS) -> dict:
+                   names=PROGRAMS, scan_layers: bool = False) -> dict:
     import jax.numpy as jnp
 
     from dsv4_jax import engine
     from dsv4_jax.hlo_census import census
 
-    params, state, gen, sp, vec = abstract_inputs(cfg, batch, max_seq_len, device)
+    params, state, gen, sp, vec = abstract_inputs(cfg, batch, max_seq_len, device, scan_layers)
     programs = {
         "decode_step": lambda: engine.decode_step.trace(params, state, vec(jnp.int32, batch), cfg=cfg, ctx=ctx,
                                                         max_seq_len=max_seq_len),
@@ -137,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", default="auto")
     p.add_argument("--programs", default=",".join(PROGRAMS), help=f"comma-separated subset of {PROGRAMS}, or none")
     p.add_argument("--dispatch", action="store_true", help="also the dispatch table at batch 1, 8, 16, 32, 64")
+    p.add_argument("--scan-layers", action="store_true", help="the repeated layer pattern under lax.scan")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     names = [] if args.programs == "none" else [n for n in args.programs.split(",") if n]
@@ -152,9 +161,9 @@ def main(argv=None) -> int:
     print(f"{args.preset} geometry, {cfg.n_layers} layers, batch {args.batch}, compiled for {device.device_kind} "
           f"(kernel backend {ctx.kernels.backend}, ffi {ctx.kernels.ffi})", flush=True)
     result = {"preset": args.preset, "layers": cfg.n_layers, "batch": args.batch, "max_seq_len": args.max_seq_len,
-              "kernels": args.kernels, "kernel_backend": ctx.kernels.backend, "ffi": ctx.kernels.ffi,
+              "kernels": args.kernels, "scan_layers": args.scan_layers, "kernel_backend": ctx.kernels.backend, "ffi": ctx.kernels.ffi,
               "programs": count_programs(cfg, ctx, args.batch, args.max_seq_len, args.prefill_chunk, args.gen_chunk,
-                                         device, names)}
+                                         device, names, args.scan_layers)}
     if args.dispatch:
         result["dispatch"] = dispatch_table(cfg, ctx, (1, 8, 16, 32, 64), args.max_seq_len, device)
     if names:
