@@ -19,9 +19,9 @@ import numpy as np
 
 from . import engine
 from .config import ModelConfig
+from .layer_scan import scan_plan, stack_layers, unstack_layers
 from .run_context import RunContext
 from .sharding import check_mesh, param_shardings, state_shardings
-from .layer_scan import scan_plan, stack_layers, unstack_layers
 from .module import DeepseekV4
 from .state import DecodeState, init_state, state_bytes
 

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from .config import ModelConfig
+from .layer_scan import StackedLayers
 from .layers.attention import attention
 from .layers.hyper import hc_head, hc_post, hc_pre
 from .layers.moe import moe
 from .layers.norm import rms_norm
-from .layer_scan import StackedLayers
 from .layers.rope import rope_inv_freq
 from .quant import linear
 from .run_context import RunContext
