@@ -19,7 +19,7 @@ import numpy as np
 
 from . import engine
 from .config import ModelConfig
-from .layer_scan import scan_plan, stack_layers, unstack_layers
+from .layer_scan import StackedLayers, scan_plan, stack_layers, unstack_layers
 from .run_context import RunContext
 from .sharding import check_mesh, param_shardings, state_shardings
 from .module import DeepseekV4
@@ -73,22 +73,27 @@ class Model:
         `scan_layers`: run the repeated layer pattern under lax.scan (layer_scan.py: a deep model's programs
         compile in a fraction of the time; a step moves each scanned cache once more); its weights are stacked
         once, here, and with `consume_params` the given per-layer arrays are deleted as they are stacked (load and
-        init_random pass it: nothing else holds them). `model.module` of a scanned model is built on first use,
-        from copies."""
+        init_random pass it: nothing else holds them); params already stacked (another scanned Model's) are taken
+        as they are. `model.module` of a scanned model is built on first use, from copies."""
         self.config = cfg
         self._tokenizer = tokenizer
         self.mesh = mesh
+        stacked = isinstance(params["layers"], StackedLayers)      # another scanned Model's params
         if mesh is not None:
             check_mesh(cfg, mesh, max_batch)
+            if stacked:
+                raise NotImplementedError("Model(mesh=...) from already stacked params: pass the per-layer tree "
+                                          "with scan_layers=True")
             params = jax.device_put(params, param_shardings(cfg, mesh, params))    # no copy where already placed
         self.context = RunContext.create(dtype, simulate_quant, act_quant, kernels, device=target, mesh=mesh)
-        plan = scan_plan(cfg) if scan_layers else None
+        plan = params["layers"].plan if stacked else scan_plan(cfg) if scan_layers else None
         self.scan_layers = plan is not None        # a model without a repeated pattern runs unrolled
         if plan is None:
             self._module = DeepseekV4(cfg, params=params, context=self.context)
         else:
             self._module = None
-            params = {**params, "layers": stack_layers(params["layers"], plan, consume=consume_params)}
+            if not stacked:
+                params = {**params, "layers": stack_layers(params["layers"], plan, consume=consume_params)}
         # Regrouped once, not per call: a step's jitted program takes this tree (no Python walk of the module).
         # After replacing a variable of `module`, build a new Model from `module.params()`.
         self.params = params

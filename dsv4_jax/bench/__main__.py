@@ -59,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="which cases also run on kernels='reference' (default all)")
     p.add_argument("--kernels", default="auto", help="kernel mode of the main side (default auto)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--scan-layers", action="store_true", help="the repeated layer pattern under lax.scan")
     p.add_argument("--bandwidth-bytes", type=int, default=None, help="bandwidth probe's weight size")
     p.add_argument("--matmul-n", type=int, default=None, help="matmul rate probe's n")
     p.add_argument("--profile", metavar="DIR", help="trace one batch-1 decode step into DIR and tabulate it")
@@ -117,11 +118,13 @@ def run(args) -> dict:
               "command": " ".join(["python -m dsv4_jax.bench"] + list(args.argv)), "machine": _machine()}
 
     t0 = time.perf_counter()
-    model = dsv4_jax.init_random(cfg, seed=0, mesh=mesh, dtype=args.dtype, kernels=args.kernels)
+    model = dsv4_jax.init_random(cfg, seed=0, mesh=mesh, dtype=args.dtype, kernels=args.kernels,
+                                 scan_layers=args.scan_layers)
     jax.block_until_ready(model.params)
     held = sum(weight_bytes_by_part(cfg).values())
     result["model"] = {"preset": args.preset, "layers": cfg.n_layers, "weights_bytes": held,
                        "init_s": time.perf_counter() - t0, "dtype": args.dtype, "kernels": args.kernels,
+                       "scan_layers": model.scan_layers,
                        "kernel_backend": model.context.kernels.backend, "devices": args.devices}
     print(f"{args.preset} geometry, {cfg.n_layers} layers: {held / 1e9:.3f} GB of weights on "
           f"{result['machine']['device_kind']} ({model.context.kernels.backend or 'reference'} kernels)", flush=True)

@@ -26,16 +26,18 @@ from ..api import Model
 from ..config import ModelConfig
 from ..run_context import RunContext
 from ..sharding import state_shardings
+from ..layer_scan import StackedLayers, map_layer_trees
 from ..state import DecodeState, init_state
 
 CACHE_BUFFERS = ("window_kv", "compressed_kv", "index_keys")
 
 
 def synthetic_state(cfg: ModelConfig, batch: int, max_seq_len: int, position: int, dtype, mesh=None,
-                    seed: int = 0) -> DecodeState:
-    """A decode state of `batch` sequences each `position` tokens in, its caches random (made on the device)."""
+                    seed: int = 0, scan_layers: bool = False) -> DecodeState:
+    """A decode state of `batch` sequences each `position` tokens in, its caches random (made on the device);
+    with `scan_layers`, laid out for a scanned model."""
     def make(key):
-        state = init_state(cfg, batch, max_seq_len, dtype)
+        state = init_state(cfg, batch, max_seq_len, dtype, scan_layers)
         keys = iter(jax.random.split(key, 4 * (cfg.n_layers + cfg.n_mtp_layers) + 1))
 
         def fill(cache):
@@ -44,13 +46,17 @@ def synthetic_state(cfg: ModelConfig, batch: int, max_seq_len: int, position: in
                 if name in cache:
                     out[name] = jax.random.normal(next(keys), cache[name].shape, jnp.float32).astype(dtype)
             return out
-        return state.replace(layers=[fill(c) for c in state.layers], mtp=[fill(c) for c in state.mtp],
+        return state.replace(layers=map_layer_trees(fill, state.layers), mtp=[fill(c) for c in state.mtp],
                              mtp_hidden=jax.random.normal(next(keys), state.mtp_hidden.shape).astype(dtype),
                              positions=jnp.full((batch,), position, jnp.int32))
     shardings = None
     if mesh is not None:
         shardings = state_shardings(jax.eval_shape(make, jax.random.PRNGKey(seed)), mesh)
     return jax.jit(make, out_shardings=shardings)(jax.random.PRNGKey(seed))
+
+
+def _scanned(params) -> bool:
+    return isinstance(params["layers"], StackedLayers)
 
 
 def _sampling(batch: int) -> engine.SamplingParams:
@@ -67,7 +73,7 @@ def time_decode(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: 
     if start < 0:
         raise ValueError(f"context {context} is shorter than the {steps * (calls + 1)} steps the case runs "
                          f"(steps x (calls + 1))")
-    state = synthetic_state(cfg, batch, context, start, ctx.jnp_dtype, mesh)
+    state = synthetic_state(cfg, batch, context, start, ctx.jnp_dtype, mesh, scan_layers=_scanned(params))
     tokens = jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab_size, jnp.int32)
     gen = engine.GenerationState(state, tokens, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
                                  jax.random.PRNGKey(3))
@@ -95,7 +101,8 @@ def time_decode(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: 
 def decode_step_compile_seconds(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: int,
                                 mesh=None) -> tuple[float, object, DecodeState]:
     """Seconds to trace, lower and compile one decode step; also returns the compiled step and a state for it."""
-    state = synthetic_state(cfg, batch, context, max(context - 8, 0), ctx.jnp_dtype, mesh)
+    state = synthetic_state(cfg, batch, context, max(context - 8, 0), ctx.jnp_dtype, mesh,
+                            scan_layers=_scanned(params))
     tokens = jnp.zeros((batch,), jnp.int32)
     t0 = time.perf_counter()
     program = engine.decode_step.lower(params, state, tokens, cfg=cfg, ctx=ctx, max_seq_len=context).compile()
