@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax
-from dsv4_jax import engine, presets
+from dsv4_jax import Model, engine, presets
 from dsv4_jax.layer_scan import ScanPlan, StackedLayers, scan_plan, stack_layers, unstack_layers
 
 # Tiny widths, 8 layers: 0-1 hash-routed (window, CSA), then (HCA, CSA) twice under the scan, then HCA and a
@@ -118,3 +118,9 @@ def test_scanned_decode_and_generation_never_touch_the_host(models, tokens):
             _, state = model.decode(token, state)
         out, gen = engine.generate_chunk(model.params, gen, sp, **kwargs)
     assert out.shape == (1, 8)
+
+
+def test_a_model_takes_already_stacked_params(models):
+    _, scanned = models
+    again = Model(CONFIG, scanned.params, dtype="float32", simulate_quant=False)
+    assert again.scan_layers and again.params["layers"] is scanned.params["layers"]
