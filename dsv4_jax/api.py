@@ -19,7 +19,7 @@ import numpy as np
 
 from . import engine
 from .config import ModelConfig
-from .layer_scan import StackedLayers, scan_plan, stack_layers, unstack_layers
+from .layer_scan import is_scanned, scan_plan, stack_layers, unstack_layers
 from .run_context import RunContext
 from .sharding import check_mesh, param_shardings, state_shardings
 from .module import DeepseekV4
@@ -78,7 +78,7 @@ class Model:
         self.config = cfg
         self._tokenizer = tokenizer
         self.mesh = mesh
-        stacked = isinstance(params["layers"], StackedLayers)      # another scanned Model's params
+        stacked = is_scanned(params)                    # another scanned Model's params
         if mesh is not None:
             check_mesh(cfg, mesh, max_batch)
             if stacked:

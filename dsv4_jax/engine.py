@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .layer_scan import StackedLayers
+from .layer_scan import is_scanned
 from .model import backbone, head_logits, mtp_block, mtp_streams
 from .run_context import RunContext
 from .sampling import sample
@@ -65,7 +65,7 @@ def mtp_draft(params, state: DecodeState, next_tokens, *, cfg: ModelConfig, ctx:
 def forward(params, tokens, *, cfg: ModelConfig, ctx: RunContext):
     """Teacher-forced logits float32 [B, S, V] of tokens [B, S] from position 0."""
     batch, seq = tokens.shape
-    state = init_state(cfg, batch, seq, ctx.jnp_dtype, isinstance(params["layers"], StackedLayers))
+    state = init_state(cfg, batch, seq, ctx.jnp_dtype, is_scanned(params))
     X, _ = _run_chunk(params, cfg, ctx, state, tokens, jnp.full((batch,), seq, jnp.int32))
     return head_logits(params, params, cfg, X, ctx)
 
@@ -75,7 +75,7 @@ def forward_mtp(params, tokens, next_tokens, *, cfg: ModelConfig, ctx: RunContex
     """Teacher-forced MTP logits [B, S, V]: position i sees the main streams of i and next_tokens[:, i]
     (the token at i+1) and predicts the token at i+2."""
     batch, seq = tokens.shape
-    state = init_state(cfg, batch, seq, ctx.jnp_dtype, isinstance(params["layers"], StackedLayers))
+    state = init_state(cfg, batch, seq, ctx.jnp_dtype, is_scanned(params))
     n_valid = jnp.full((batch,), seq, jnp.int32)
     X, _ = _run_chunk(params, cfg, ctx, state, tokens, n_valid)
     logits, _, _ = mtp_block(params, cfg, ctx, X, next_tokens, state.positions, n_valid, state.mtp[0])

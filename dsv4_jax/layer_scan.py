@@ -73,6 +73,11 @@ class StackedLayers:
         return len(self.before) + self.plan.period * self.plan.repeats + len(self.after)
 
 
+def is_scanned(params) -> bool:
+    """Whether a parameter tree holds its layers stacked for the scan."""
+    return isinstance(params["layers"], StackedLayers)
+
+
 def _stacked_sharding(leaf):
     """The sharding of a stack of arrays laid out like `leaf`: its own, the new leading axis not split."""
     sharding = getattr(leaf, "sharding", None)

@@ -70,22 +70,23 @@ def backbone(params: dict, cfg: ModelConfig, ctx: RunContext, tokens: jax.Array,
     run = lambda layer, X, layer_params, cache: block(layer_params, cfg, ctx, layer, X, tokens,  # noqa: E731
                                                       start, n_valid, cache)
     if not isinstance(layers, StackedLayers):
-        new_caches, stats = [], []
-        for layer in range(cfg.n_layers):
-            X, cache, layer_stats = run(layer, X, layers[layer], caches[layer])
-            new_caches.append(cache)
-            stats.append(layer_stats)
-        return X, new_caches, stats
+        return _unrolled_layers(run, 0, layers, caches, X)
     return _scanned_backbone(run, layers, caches, X)
+
+
+def _unrolled_layers(run, first: int, layers_params: list, caches: list, X):
+    """Layers first, first + 1, ... one after another. Returns (X, their new caches, their statistics)."""
+    new_caches, stats = [], []
+    for offset, (layer_params, cache) in enumerate(zip(layers_params, caches, strict=True)):
+        X, cache, layer_stats = run(first + offset, X, layer_params, cache)
+        new_caches.append(cache)
+        stats.append(layer_stats)
+    return X, new_caches, stats
 
 
 def _scanned_backbone(run, layers: StackedLayers, caches: StackedLayers, X):
     plan = layers.plan
-    before, before_stats = [], []
-    for layer, (layer_params, cache) in enumerate(zip(layers.before, caches.before)):
-        X, cache, layer_stats = run(layer, X, layer_params, cache)
-        before.append(cache)
-        before_stats.append(layer_stats)
+    X, before, before_stats = _unrolled_layers(run, 0, layers.before, caches.before, X)
 
     # The stacked caches ride in the carry and each iteration writes its layers' caches back at its index, so a
     # donated state is updated in place (as scan outputs they would be a second copy of every scanned cache).
@@ -108,11 +109,7 @@ def _scanned_backbone(run, layers: StackedLayers, caches: StackedLayers, X):
     scanned_stats = [jax.tree.map(lambda a, j=j: a[j], phase_stats[p])
                      for j in range(plan.repeats) for p in range(plan.period)]
 
-    after, after_stats = [], []
-    for offset, (layer_params, cache) in enumerate(zip(layers.after, caches.after)):
-        X, cache, layer_stats = run(plan.stop + offset, X, layer_params, cache)
-        after.append(cache)
-        after_stats.append(layer_stats)
+    X, after, after_stats = _unrolled_layers(run, plan.stop, layers.after, caches.after, X)
     new_caches = caches.replace(before=before, phases=phases, after=after)
     return X, new_caches, before_stats + scanned_stats + after_stats
 

@@ -282,10 +282,10 @@ def init_params(cfg: ModelConfig, key: jax.Array, stored: dict[str, str] | None 
     specs = weight_specs(cfg, stored)
     keys = jax.random.split(key, len(specs))
     tree: dict = {}
-    for i, spec in enumerate(specs):
+    for spec, k in zip(specs, keys):
         sharding = None if shardings is None else tree_get(shardings, spec.name)
         generate = _weight_generator(dataclasses.replace(spec, name=""), cfg.n_routed_experts, sharding)
-        tree_set(tree, spec.name, generate(keys[i]))
+        tree_set(tree, spec.name, generate(k))
     return tree
 
 

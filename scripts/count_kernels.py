@@ -161,7 +161,8 @@ def main(argv=None) -> int:
     print(f"{args.preset} geometry, {cfg.n_layers} layers, batch {args.batch}, compiled for {device.device_kind} "
           f"(kernel backend {ctx.kernels.backend}, ffi {ctx.kernels.ffi})", flush=True)
     result = {"preset": args.preset, "layers": cfg.n_layers, "batch": args.batch, "max_seq_len": args.max_seq_len,
-              "kernels": args.kernels, "scan_layers": args.scan_layers, "kernel_backend": ctx.kernels.backend, "ffi": ctx.kernels.ffi,
+              "kernels": args.kernels, "scan_layers": args.scan_layers, "kernel_backend": ctx.kernels.backend,
+              "ffi": ctx.kernels.ffi,
               "programs": count_programs(cfg, ctx, args.batch, args.max_seq_len, args.prefill_chunk, args.gen_chunk,
                                          device, names, args.scan_layers)}
     if args.dispatch:

@@ -24,9 +24,9 @@ import numpy as np
 from .. import engine
 from ..api import Model
 from ..config import ModelConfig
+from ..layer_scan import is_scanned, map_layer_trees
 from ..run_context import RunContext
 from ..sharding import state_shardings
-from ..layer_scan import StackedLayers, map_layer_trees
 from ..state import DecodeState, init_state
 
 CACHE_BUFFERS = ("window_kv", "compressed_kv", "index_keys")
@@ -55,10 +55,6 @@ def synthetic_state(cfg: ModelConfig, batch: int, max_seq_len: int, position: in
     return jax.jit(make, out_shardings=shardings)(jax.random.PRNGKey(seed))
 
 
-def _scanned(params) -> bool:
-    return isinstance(params["layers"], StackedLayers)
-
-
 def _sampling(batch: int) -> engine.SamplingParams:
     """Greedy, no length limit within the benchmark, and no stop token (-1 matches no token)."""
     return engine.SamplingParams(jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0),
@@ -73,7 +69,7 @@ def time_decode(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: 
     if start < 0:
         raise ValueError(f"context {context} is shorter than the {steps * (calls + 1)} steps the case runs "
                          f"(steps x (calls + 1))")
-    state = synthetic_state(cfg, batch, context, start, ctx.jnp_dtype, mesh, scan_layers=_scanned(params))
+    state = synthetic_state(cfg, batch, context, start, ctx.jnp_dtype, mesh, scan_layers=is_scanned(params))
     tokens = jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab_size, jnp.int32)
     gen = engine.GenerationState(state, tokens, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
                                  jax.random.PRNGKey(3))
@@ -102,7 +98,7 @@ def decode_step_compile_seconds(params, cfg: ModelConfig, ctx: RunContext, batch
                                 mesh=None) -> tuple[float, object, DecodeState]:
     """Seconds to trace, lower and compile one decode step; also returns the compiled step and a state for it."""
     state = synthetic_state(cfg, batch, context, max(context - 8, 0), ctx.jnp_dtype, mesh,
-                            scan_layers=_scanned(params))
+                            scan_layers=is_scanned(params))
     tokens = jnp.zeros((batch,), jnp.int32)
     t0 = time.perf_counter()
     program = engine.decode_step.lower(params, state, tokens, cfg=cfg, ctx=ctx, max_seq_len=context).compile()
