@@ -12,7 +12,7 @@ from the profiler for the bf16 dot and the schedules in PROFILED. A schedule is 
 L2::256B load hint), 3 pipelined (each warp loads its next step's weights before computing the current one);
 B = the CTAs per SM the registers are capped for; 4 staged (a producer warp copies whole tiles into shared memory
 with bulk async copies, `warps` consumer warps decode from there; B = CTAs per SM); warps digit 0 = 16
-(ffi/gemv_kernel.cuh).
+(dsv4_jax/ffi/gemv_kernel.cuh).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import ffi  # noqa: E402
+from dsv4_jax import ffi  # noqa: E402
 from dsv4_jax.layers.moe import clamped_swiglu  # noqa: E402
 from dsv4_jax.quant.formats import weight_bytes  # noqa: E402
 from dsv4_jax.quant.linear import linear  # noqa: E402
-from pallas_kernels import gemv, moe  # noqa: E402
+from dsv4_jax.pallas_kernels import gemv, moe  # noqa: E402
 from scripts.bench_kernels import (MAX_COPIES, REFERENCE, ROTATE_BYTES, make_weight, nbytes,  # noqa: E402
                                    profiled_kernel_us, recorder, rel_err, routed_expert_ids, time_calls)
 
@@ -46,7 +46,7 @@ SCHEDULES = [811, 411, 43811, 2811, 24011, 4011, 4811, 24811, 4411, 50811, 83411
              1811, 11, 12]                                   # staged (P = 4): FP4 only
 MOE_SCHEDULES = [811, 411, 24011, 4011, 24811]
 ROUTED = ffi.ROUTED_SCHEDULE
-GEMV_LAYOUT_FORMATS = ("mxfp4", "nvfp4")              # also timed in the GEMV layout (ffi/fp4_layout.py)
+GEMV_LAYOUT_FORMATS = ("mxfp4", "nvfp4")              # also timed in the GEMV layout (dsv4_jax/ffi/fp4_layout.py)
 GEMV_LAYOUT_SCHEDULES = [811, 24011, 4011, 24811]
 # schedules timed by the profiler too (kernel time)
 PROFILED = (0, 811, 24011, 4011, 4811, 24811, 4411, 43811, 2811, 83411, 814, 414, 821, 1811, 11, 12)

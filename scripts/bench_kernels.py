@@ -40,7 +40,7 @@ from dsv4_jax.quant.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, wei
 from dsv4_jax.quant.linear import grouped_linear, linear  # noqa: E402
 from dsv4_jax.quant.activations import quantize_fp8  # noqa: E402
 from dsv4_jax.run_context import RunContext  # noqa: E402
-from pallas_kernels import gemv, moe, prefill  # noqa: E402
+from dsv4_jax.pallas_kernels import gemv, moe, prefill  # noqa: E402
 
 REFERENCE = RunContext.create(kernels="reference")            # the pure-jnp baselines
 REFERENCE_FP8 = RunContext.create(act_quant="fp8", kernels="reference")
@@ -269,11 +269,11 @@ PROFILE = True
 
 
 def run_ffi_gemv(name, n, k, m, x, weights, base, base_k, bf16_bytes, emit):
-    """The CUDA decode GEMV of ffi/ (default schedule), checked against the reference first; errors are
+    """The CUDA decode GEMV of dsv4_jax/ffi/ (default schedule), checked against the reference first; errors are
     reported."""
     fmt = {"Fp8BlockWeight": "fp8", "Mxfp4Weight": "mxfp4", "Nvfp4Weight": "nvfp4"}[type(weights[0]).__name__]
     try:
-        import ffi
+        from dsv4_jax import ffi
         w0 = weights[0]
         err = rel_err(jax.jit(lambda x, w: ffi.gemv(x, w, jnp.float32))(x, w0),
                       jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32, ctx=REFERENCE))(x, w0))
@@ -291,11 +291,11 @@ def run_ffi_gemv(name, n, k, m, x, weights, base, base_k, bf16_bytes, emit):
               pct_bf16_bw=100 * (wb / t[0]) / (bf16_bytes / base[0]), speedup_vs_bf16=base[0] / t[0],
               kernel_speedup_vs_bf16=base_k / kt if kt and base_k else None))
 def run_ffi_moe(name, n, k, fmt, x, ref, w_sets, reps, wb, touched, emit):
-    """The routed-expert CUDA GEMV of ffi/ (one slot per row), checked against the reference (`ref`: float32
+    """The routed-expert CUDA GEMV of dsv4_jax/ffi/ (one slot per row), checked against the reference (`ref`: float32
     products with w_sets[0]'s experts) first."""
     rows = x.shape[0]
     try:
-        import ffi
+        from dsv4_jax import ffi
         err = rel_err(jax.jit(lambda x, wi: ffi.moe_gemv(x, *wi, jnp.float32))(x, w_sets[0]), ref)
         if err > 1e-3:
             raise RuntimeError(f"wrong result: rel. err {err:.3g}")

@@ -1,4 +1,4 @@
-"""Benchmark the Pallas activation-quantization kernels (pallas_kernels/quantize.py) on a GPU.
+"""Benchmark the Pallas activation-quantization kernels (dsv4_jax/pallas_kernels/quantize.py) on a GPU.
 
 For NVFP4 (amax -> per-row global scale -> e4m3 per-16 scales + packed e2m1) and FP8 (per-128 e4m3 + power-of-two
 scales), at decode sizes ([1..16, 4096 / 7168]) and large sizes (>= 64 MiB of bf16 input):
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.quantize import (quantize_fp8_kernel, quantize_fp8_reference, quantize_nvfp4_kernel,
+from dsv4_jax.pallas_kernels.quantize import (quantize_fp8_kernel, quantize_fp8_reference, quantize_nvfp4_kernel,
                                      quantize_nvfp4_reference)
 
 DECODE = [(1, 4096), (1, 7168), (16, 4096), (16, 7168)]

@@ -5,7 +5,7 @@ count of non-finite outputs, the rows / columns they fall in, and the relative d
     PYTHONPATH=. python3 scripts/probe_moe_tilings.py        # on the GPU; result: docs/bench/*moe_tiling_probe.txt
 
 The tiling found faulty (8 warps, pipelined, 32 packed bytes per row per K step) is now refused by
-pallas_kernels/gemv.py's _fp4_config; the check is skipped here so it can be probed again under a new Triton.
+dsv4_jax/pallas_kernels/gemv.py's _fp4_config; the check is skipped here so it can be probed again under a new Triton.
 """
 
 import os
@@ -18,7 +18,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels import gemv, moe  # noqa: E402
+from dsv4_jax.pallas_kernels import gemv, moe  # noqa: E402
 from scripts.bench_kernels import make_weight, routed_expert_ids  # noqa: E402
 
 SHAPES = ((256, 2048, 4096, 24576), (256, 2048, 1024, 24576), (256, 2048, 4096, 3072), (16, 2048, 4096, 6144),
@@ -46,7 +46,7 @@ def main():
             def run(x, w, i, bn=bn, u=u, nw=nw, ns=ns):
                 return moe.moe_matmul(x, w, i, jnp.float32, block_n=bn, unroll=u, num_warps=nw, num_stages=ns,
                                       slot_cols=128, split_k=1)
-            with mock.patch("pallas_kernels.moe._fp4_config", unchecked_config):
+            with mock.patch("dsv4_jax.pallas_kernels.moe._fp4_config", unchecked_config):
                 y = jax.jit(run)(x, w, ids)
             bad = np.asarray(~jnp.isfinite(y))
             bad_rows, bad_cols = np.unique(np.nonzero(bad)[0]), np.unique(np.nonzero(bad)[1])

@@ -6,9 +6,10 @@ import sys
 
 import jax
 
-jax.config.update("jax_compilation_cache_dir", os.environ.get(
-    "DSV4_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dsv4_jax", "jit")))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+from dsv4_jax import compile_cache   # importing dsv4_jax turns the cache on, as it does for users
+
+if compile_cache.enable():                     # None: DSV4_JAX_CACHE=off
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)   # the suite's many tiny programs stay out
 jax.config.update("jax_default_matmul_precision", "highest")
 
 sys.path.insert(0, os.path.dirname(__file__))   # tests import their own helpers (ckpt_writer, reference_np)

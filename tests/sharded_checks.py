@@ -101,8 +101,8 @@ def check_model(directory: str) -> None:
 
 
 def check_flash_lowering() -> None:
-    """A 2-layer Flash-geometry decode step lowered for CUDA devices with the ffi/ kernels planned."""
-    import ffi
+    """A 2-layer Flash-geometry decode step lowered for CUDA devices with the dsv4_jax/ffi/ kernels planned."""
+    from dsv4_jax import ffi
     ffi.register = lambda *args: None                  # lowering needs no library
     cfg = presets.flash().replace(n_layers=2, compress_ratios=(4, 128, 0), n_hash_layers=1)
     abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))

@@ -11,8 +11,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-import ffi
-from ffi import build
+from dsv4_jax import ffi
+from dsv4_jax.ffi import build
 from dsv4_jax.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())

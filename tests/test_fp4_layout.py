@@ -1,4 +1,4 @@
-"""The FP4 GEMV layout (ffi/fp4_layout.py): lossless, and the kernel's decode of it (ffi/fp4_gemv.cu,
+"""The FP4 GEMV layout (dsv4_jax/ffi/fp4_layout.py): lossless, and the kernel's decode of it (dsv4_jax/ffi/fp4_gemv.cu,
 decode_fp4_word_gemv_layout, transcribed here) gives every weight pair the same bf16 bits as decoding the
 checkpoint's nibbles directly; on the GPU the kernels on the layout match float64 math."""
 
@@ -8,8 +8,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-import ffi
-from ffi.fp4_layout import GemvLayoutFp4, to_gemv_layout
+from dsv4_jax import ffi
+from dsv4_jax.ffi.fp4_layout import GemvLayoutFp4, to_gemv_layout
 from dsv4_jax.quant import Mxfp4Weight, Nvfp4Weight
 
 from tests.test_ffi import HAS_GPU, _dequant64, _f64, _weight

@@ -28,7 +28,7 @@ from logit_checks import top_tokens_agree
 
 # A compile-only H200 (nothing attached): plans and lowerings target it from this machine.
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-# The plan "auto" makes on a real H200 with the ffi/ kernels built (tests that use it only lower, never run).
+# The plan "auto" makes on a real H200 with the dsv4_jax/ffi/ kernels built (tests that use it only lower, never run).
 FFI_ON_H200 = KernelPlan("auto", "cuda", ffi=True, target="NVIDIA H200")
 REFERENCE = RunContext.create(kernels="reference")
 INTERPRET = RunContext.create(kernels="interpret")
@@ -113,7 +113,7 @@ def test_prefill_linear_takes_the_fp8_tensor_core_kernel(fmt):
 def test_mxfp4_as_fp8_operand_exact_within_fourteen_binades():
     """MXFP4 -> e4m3 per 128 block is exact while the block's four E8M0 exponents span <= 14; beyond, the small
     block rounds (never the large one)."""
-    from pallas_kernels import prefill
+    from dsv4_jax.pallas_kernels import prefill
     rng = np.random.default_rng()
     n, k = 64, 256
     packed = jnp.asarray(rng.integers(0, 256, (n, k // 2)), jnp.uint8)
@@ -224,7 +224,7 @@ def test_fallbacks_and_modes():
 
 def test_kernel_plan_is_resolved_for_a_device():
     """The plan names its backend once, for the device given (here JAX's CPU and a compile-only H200); 'pallas'
-    on a CPU is refused in one line; the ffi/ kernels are never planned without a GPU to build them for."""
+    on a CPU is refused in one line; the dsv4_jax/ffi/ kernels are never planned without a GPU to build them for."""
     cpu = jax.devices("cpu")[0]
     assert plan_kernels("auto", cpu) == KernelPlan("auto", None, target=cpu.device_kind)
     assert plan_kernels("interpret", cpu).backend == "interpret"
@@ -232,7 +232,7 @@ def test_kernel_plan_is_resolved_for_a_device():
         plan_kernels("pallas", cpu)
     assert plan_kernels("auto", H200) == KernelPlan("auto", "cuda", ffi=False, target="NVIDIA H200")
     assert plan_kernels("pallas", H200).backend == "pallas"
-    with pytest.raises(ValueError, match="the ffi/ kernels run only on the 'cuda' backend"):
+    with pytest.raises(ValueError, match="the dsv4_jax/ffi/ kernels run only on the 'cuda' backend"):
         KernelPlan("pallas", "pallas", ffi=True)
 
 
@@ -273,7 +273,7 @@ def test_model_decode_and_generation_loop_run_the_kernels(tiny_checkpoint):
 def test_linear_pair_takes_the_concat_kernel_for_two_fp8_widths(monkeypatch):
     """On CUDA (simulated: only lowered) linear_pair of FP8 weights of one K and different N is one
     ffi.gemv_concat call, of FP4 weights of different N two ffi.gemv calls, and prefill rows take two calls."""
-    import ffi
+    from dsv4_jax import ffi
     monkeypatch.setattr(ffi, "register", lambda *args: None)               # lowering needs no library
     rng = np.random.default_rng()
     ctx = RunContext.create(kernels=FFI_ON_H200)
@@ -318,8 +318,8 @@ def test_decode_step_lowers_for_cuda_with_the_kernels():
 
 def test_decode_step_lowers_for_cuda_with_the_ffi_kernels(monkeypatch):
     """kernels="auto" on a CUDA device (simulated here: the step is only lowered, not built or run): every
-    quantized matmul of the decode step is one XLA FFI call of ffi/ in the program."""
-    import ffi
+    quantized matmul of the decode step is one XLA FFI call of dsv4_jax/ffi/ in the program."""
+    from dsv4_jax import ffi
     monkeypatch.setattr(ffi, "register", lambda *args: None)               # lowering needs no library
     rec, text = _decode_step_lowered_for_h200(kernels=FFI_ON_H200)
     # 6 layers x 6 calls: the gate and up projections (shared and routed) are one call each, and so are wq_a and
@@ -461,7 +461,7 @@ def test_default_model_with_kernels_matches_reference_gpu(dtype, act_quant):
     with kernel_dispatch.record_dispatch() as rec:
         got = _prefill_decode_generate(auto, prompt, 8)
     assert _paths(rec)["cuda"] >= 6 * 7
-    used = {r[4] for r in rec}                                           # the CUDA GEMVs of ffi/ took decode
+    used = {r[4] for r in rec}                                           # the CUDA GEMVs of dsv4_jax/ffi/ took decode
     assert {"ffi_gemv", "ffi_grouped_gemv", "ffi_moe_gemv", "ffi_gemv_pair", "ffi_moe_gemv_pair"} <= used, used
     if act_quant == "fp8":                                               # 24 prompt rows: the FP8 prefill kernel
         assert any(r[4] == "prefill_fp8" for r in rec)

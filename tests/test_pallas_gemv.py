@@ -1,4 +1,4 @@
-"""Pallas decode kernels (pallas_kernels/gemv.py, moe.py) against float64 dequantized math.
+"""Pallas decode kernels (dsv4_jax/pallas_kernels/gemv.py, moe.py) against float64 dequantized math.
 
 CPU: the FP4 decode constants checked for every byte, the kernels in interpret mode (the inline-PTX decode is
 replaced by its exact jnp emulation there) on fresh random weights, and the CUDA lowering of every kernel for an
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax.quant.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
-from pallas_kernels import gemv, moe, prefill
+from dsv4_jax.pallas_kernels import gemv, moe, prefill
 
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 

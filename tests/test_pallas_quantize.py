@@ -1,4 +1,4 @@
-"""Pallas activation-quantization kernels (pallas_kernels/quantize.py) against the pure-jnp references of
+"""Pallas activation-quantization kernels (dsv4_jax/pallas_kernels/quantize.py) against the pure-jnp references of
 dsv4_jax/quant/activations.py, bit for bit.
 
 CPU (CI): the kernels in interpret mode on fresh random inputs (the seed is in each failure message), every output
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.quantize import (quantize_fp8_kernel, quantize_fp8_reference, quantize_nvfp4_kernel,
+from dsv4_jax.pallas_kernels.quantize import (quantize_fp8_kernel, quantize_fp8_reference, quantize_nvfp4_kernel,
                                      quantize_nvfp4_reference)
 
 E2M1_TIES = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])

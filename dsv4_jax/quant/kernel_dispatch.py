@@ -1,7 +1,7 @@
 """Which matmuls run on the GPU kernels (`ffi/` CUDA, `pallas_kernels/`) and which on the pure-jnp reference.
 
 The kernel plan (quant/kernel_plan.py, resolved once for a device and carried by the run context) names the
-backend: None (the reference everywhere), "cuda" (the CUDA decode GEMVs of ffi/ where they apply, if they were
+backend: None (the reference everywhere), "cuda" (the CUDA decode GEMVs of dsv4_jax/ffi/ where they apply, if they were
 built; the Pallas kernels for the rest), "pallas" (the Pallas kernels only) or "interpret" (the Pallas kernels in
 interpret mode: runs anywhere, slowly; tests and debugging). `kernels="auto"` plans "cuda" on an NVIDIA GPU and the
 reference elsewhere.
@@ -28,7 +28,7 @@ A kernel applies where one exists for the call; every other call takes the refer
                                                                           about the rows per expert)
     bf16 / fp32 weights, larger batches    XLA dot (reference)            -
 
-Activation quantization (act_quant fp8 / nvfp4) runs the Pallas quantize kernels of pallas_kernels/quantize.py
+Activation quantization (act_quant fp8 / nvfp4) runs the Pallas quantize kernels of dsv4_jax/pallas_kernels/quantize.py
 on every kernel backend (`quantize_fp8`, `fp8_activation`, `nvfp4_activation` below): bit-identical to the
 reference definition, which XLA:GPU's own run of the jnp reference is not (docs/kernels_quantize.md).
 
@@ -40,7 +40,7 @@ static shapes only, so it never costs a host sync; `record_dispatch()` lists the
 it to prove the kernels were really taken).
 
 The NVFP4 Pallas kernels assume normal positive e4m3 block scales (what the NVFP4 recipe writes unless a block
-is 2^15 below its matrix maximum; the ffi/ kernels read any finite scale exactly);
+is 2^15 below its matrix maximum; the dsv4_jax/ffi/ kernels read any finite scale exactly);
 `nvfp4_weights_kernels_approximate(params)` lists the weights that break it (checkpoint loading warns about them).
 """
 
@@ -79,8 +79,8 @@ def _record(call: str, weight, path: str, kernel: str | None = None) -> None:
 
 
 def _ffi_fits(rows: int, dtype, n: int, k: int) -> bool:
-    """Shapes the ffi/ GEMV takes: <= 8 bf16 rows (4 float32) per slot, N % 16 == 0, K % 128 == 0."""
-    import ffi
+    """Shapes the dsv4_jax/ffi/ GEMV takes: <= 8 bf16 rows (4 float32) per slot, N % 16 == 0, K % 128 == 0."""
+    from dsv4_jax import ffi
 
     return dtype in (jnp.bfloat16, jnp.float32) and rows <= ffi.max_rows(dtype) and n % 16 == 0 and k % 128 == 0
 
@@ -101,14 +101,14 @@ def _ffi_takes(x2: jax.Array, weight, routed: bool, plan: KernelPlan) -> bool:
 
 def quantize_fp8(x: jax.Array, plan: KernelPlan) -> tuple[jax.Array, jax.Array]:
     """FP8 per-128 activation quantization (e4m3 [..., K], power-of-two float32 scales [..., K/128]): the Pallas
-    quantize kernel on a kernel backend (bit-identical to the reference, pallas_kernels/quantize.py), else the
+    quantize kernel on a kernel backend (bit-identical to the reference, dsv4_jax/pallas_kernels/quantize.py), else the
     reference (activations.quantize_fp8)."""
     from . import activations
 
     backend = plan.backend
     if backend is None:
         return activations.quantize_fp8(x)
-    from pallas_kernels.quantize import quantize_fp8_kernel
+    from dsv4_jax.pallas_kernels.quantize import quantize_fp8_kernel
     return quantize_fp8_kernel(x, interpret=backend == "interpret")
 
 
@@ -133,7 +133,7 @@ def nvfp4_activation(x: jax.Array, plan: KernelPlan) -> tuple[jax.Array, jax.Arr
     backend = plan.backend
     if backend is None:
         return None
-    from pallas_kernels.quantize import quantize_nvfp4_kernel
+    from dsv4_jax.pallas_kernels.quantize import quantize_nvfp4_kernel
     packed, scale, gsa = quantize_nvfp4_kernel(x, interpret=backend == "interpret")
     scale = jnp.repeat(e4m3_to_float(scale), 16, axis=-1)[..., :x.shape[-1]]
     return (fp4_codes_to_float(unpack_fp4_codes(packed)) * scale).astype(x.dtype), gsa
@@ -142,7 +142,7 @@ def nvfp4_activation(x: jax.Array, plan: KernelPlan) -> tuple[jax.Array, jax.Arr
 def nvfp4_weights_kernels_approximate(params) -> list[str]:
     """Paths of the NVFP4 weights in a parameter tree with a block scale the GPU kernels do not read exactly
     (subnormal, zero, negative or NaN e4m3). One device reduction per weight and one host read in all."""
-    from pallas_kernels.gemv import nvfp4_kernel_exact
+    from dsv4_jax.pallas_kernels.gemv import nvfp4_kernel_exact
 
     leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda a: isinstance(a, Nvfp4Weight))
     nvfp4 = [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves if isinstance(leaf, Nvfp4Weight)]
@@ -173,7 +173,7 @@ def _fp4_unroll(w, k: int) -> int | None:
 def _dense_kernel(w, n: int, k: int):
     """A function (x [M, K], w, interpret) -> float32 [M, N] for 2-D weights of w's format and shape [n, k], or
     None if no kernel applies."""
-    from pallas_kernels import gemv
+    from dsv4_jax.pallas_kernels import gemv
 
     if n % 64:
         return None
@@ -200,7 +200,7 @@ def dense_matmul(x2: jax.Array, weight, plan: KernelPlan, call: str = "linear"):
     if not _is_quantized_matrix(weight, 2):
         return None
     if backend == "cuda" and _ffi_takes(x2, weight, False, plan):
-        import ffi
+        from dsv4_jax import ffi
         _record(call, weight, backend, "ffi_gemv")
         return ffi.gemv(x2, weight, jnp.float32)
     kernel = _dense_kernel(weight, *weight.shape) if backend and _rows_fit(x2, x2.shape[0]) else None
@@ -211,7 +211,7 @@ def dense_matmul(x2: jax.Array, weight, plan: KernelPlan, call: str = "linear"):
 def prefill_matmul(x2: jax.Array, weight, activation_kind: str, plan: KernelPlan):
     """float32 x2 [M, K] (M > 16 rows) @ dequant(W)^T on FP8 tensor cores with x2 quantized by the fp8 activation
     quantizer (`activation_kind` == "fp8"), or None: another path applies."""
-    from pallas_kernels import prefill
+    from dsv4_jax.pallas_kernels import prefill
 
     backend = plan.backend
     if (backend is None or activation_kind != "fp8" or x2.shape[0] <= MAX_DECODE_ROWS
@@ -255,7 +255,7 @@ def group_matmul(x3: jax.Array, weight, plan: KernelPlan):
     stacked = _split_groups(weight, x3.shape[1]) if backend and _rows_fit(x3, x3.shape[0]) else None
     if (backend == "cuda" and stacked is not None and _ffi_fits(x3.shape[0], x3.dtype, *stacked.shape[-2:])
             and plan.ffi):
-        import ffi
+        from dsv4_jax import ffi
         _record("group_linear", weight, backend, "ffi_grouped_gemv")
         groups = jnp.arange(x3.shape[1], dtype=jnp.int32)                # slot g = group g's rows
         y = ffi.grouped_gemv(jnp.swapaxes(x3, 0, 1), stacked, groups, jnp.float32)
@@ -273,14 +273,14 @@ def group_matmul(x3: jax.Array, weight, plan: KernelPlan):
 
 def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, plan: KernelPlan):
     """Rows xs [R, K] each times its own expert of a stacked FP4 weight -> float32 [R, N], or None (reference)."""
-    from pallas_kernels import moe
+    from dsv4_jax.pallas_kernels import moe
 
     backend = plan.backend
     if not _is_quantized_matrix(weight, 3):
         return None
     n_experts, n, k = weight.shape
     if backend == "cuda" and _ffi_takes(xs, weight, True, plan):
-        import ffi
+        from dsv4_jax import ffi
         _record("grouped_linear", weight, backend, "ffi_moe_gemv")
         return ffi.moe_gemv(xs, weight, row_experts, jnp.float32)
     fits = (isinstance(weight, (Mxfp4Weight, Nvfp4Weight)) and n % 64 == 0
@@ -308,7 +308,7 @@ def pair_matmul(x2: jax.Array, w_a, w_b, plan: KernelPlan, routed: bool):
             or plan.backend != "cuda" or not _ffi_takes(x2, w_a, routed, plan)
             or (concat and not _ffi_takes(x2, w_b, routed, plan))):
         return None
-    import ffi
+    from dsv4_jax import ffi
     if concat:
         _record("linear pair", w_a, "cuda", "ffi_gemv_concat")
         return lambda xq, row_experts: ffi.gemv_concat(xq, (w_a, w_b), jnp.float32)

@@ -23,7 +23,7 @@ BACKENDS = (None, "cuda", "pallas", "interpret")
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
     """mode: what was asked ("auto", "reference", "pallas", "interpret"); backend: what runs, None (the pure-jnp
-    reference everywhere), "cuda" (the ffi/ CUDA GEMVs where they apply when `ffi`, the Pallas kernels for the
+    reference everywhere), "cuda" (the dsv4_jax/ffi/ CUDA GEMVs where they apply when `ffi`, the Pallas kernels for the
     rest), "pallas" (the Pallas kernels only) or "interpret" (the Pallas kernels in interpret mode); ffi: the ffi/
     kernels are built and registered in this process; target: the device kind planned for."""
     mode: str
@@ -37,7 +37,7 @@ class KernelPlan:
         if self.backend not in BACKENDS:
             raise ValueError(f"kernel backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.ffi and self.backend != "cuda":
-            raise ValueError(f"the ffi/ kernels run only on the 'cuda' backend, not {self.backend!r}")
+            raise ValueError(f"the dsv4_jax/ffi/ kernels run only on the 'cuda' backend, not {self.backend!r}")
 
     @property
     def on_gpu(self) -> bool:
@@ -58,7 +58,7 @@ def ffi_available(arch: str | None = None) -> bool:
     """Whether the CUDA kernels of ffi/ are built and registered (building them now if needed) for `arch` (default:
     this process's GPU); warns once and returns False when nvcc is missing or the build or the library load fails
     (the Pallas kernels then take their calls)."""
-    import ffi
+    from dsv4_jax import ffi
     try:
         ffi.register_all(arch)
     except (ffi.FfiBuildError, OSError) as err:
@@ -88,5 +88,5 @@ def plan_kernels(mode: str, device=None) -> KernelPlan:
     if not isinstance(device, jax.Device):              # an AbstractDevice: no architecture to build for
         return KernelPlan(mode, "cuda", ffi=False, target=target)
     # A real GPU, or a compile-only one of a jax.experimental.topologies topology: build for its architecture.
-    from ffi.build import device_arch
+    from dsv4_jax.ffi.build import device_arch
     return KernelPlan(mode, "cuda", ffi=ffi_available(device_arch(device)), target=target)

@@ -20,7 +20,7 @@ order.
 
 Every function takes the run context `ctx` (dsv4_jax/run_context.py), a required keyword: `ctx.act_quant` is the
 mode above and `ctx.kernels` the kernel plan, which picks between that reference and the GPU kernels of ffi/ and
-pallas_kernels/ (kernel_dispatch.py says which calls have a kernel). Activation quantization takes the
+dsv4_jax/pallas_kernels/ (kernel_dispatch.py says which calls have a kernel). Activation quantization takes the
 Pallas quantize kernels on a kernel backend; they are bit-identical to the jnp definition, so both paths see the
 same exact operands.
 """

@@ -20,7 +20,7 @@
 //   r2 = (((w>>8) & 0x000F000F) * 0x1040) & 0x81C081C0     nibbles 2 and 6
 //   r3 = (((w>>8) & 0x00F000F0) * 0x0104) & 0x81C081C0     nibbles 3 and 7
 //
-// (the constants of pallas_kernels/gemv.py, checked there for every byte; e2m1 0.5 lands on a bf16 subnormal),
+// (the constants of dsv4_jax/pallas_kernels/gemv.py, checked there for every byte; e2m1 0.5 lands on a bf16 subnormal),
 // each times the bf16 block factor (exact: at most 2 significant bits times a power of two):
 //   MXFP4: 2^(s - 1 - 32) built in the exponent field; the epilogue multiplies by 2^32 (scales 2^-99 .. 2^33
 //          exact, which covers every real checkpoint; the 0xFF NaN scale is not handled);
@@ -122,7 +122,7 @@ struct Fp4Layout {
     return scale + r0 * (k / kBlock) + k0 / kBlock;
   }
   // GEMV layout: the 2 x 32 / kBlock scale bytes of rows r0 and r0 + 8 (r0 % 16 < 8) for the 32 inputs at k0,
-  // adjacent (row r0's first); order [tile, step, g, q, row g / g + 8, byte] (ffi/fp4_layout.py).
+  // adjacent (row r0's first); order [tile, step, g, q, row g / g + 8, byte] (dsv4_jax/ffi/fp4_layout.py).
   static __device__ __forceinline__ const uint8_t* tile_scales(const uint8_t* scale, size_t r0, int k0, int k) {
     const int g = static_cast<int>(r0 % 16);
     return scale + (r0 - g) * (k / kBlock) + tile_scale_offset(g, k0);

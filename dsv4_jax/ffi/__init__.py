@@ -1,4 +1,4 @@
-"""CUDA C++ decode kernels called through XLA FFI (built on first use by ffi/build.py, cached by source hash).
+"""CUDA C++ decode kernels called through XLA FFI (built on first use by dsv4_jax/ffi/build.py, cached by source hash).
 
     gemv(x [M, K], w [N, K]) -> [M, N]
     grouped_gemv(x [S, M, K], w [E, N, K], experts [S]) -> [S, M, N]     slot s times expert experts[s]
@@ -10,7 +10,7 @@ fewer decode instructions, same bytes); or a pair (w_a, w_b) of two weights of o
 an up projection: both products in one launch, side by side along N ([..., 2N]; each activation load serves both).
 M <= 8 bf16 rows (<= 4 float32 rows, split into bf16 hi + lo), float32 accumulation, one launch each. Kernels:
 ffi/gemv_kernel.cuh (schedule), fp4_gemv.cu, fp8_gemv.cu. Oracle: dsv4_jax.quant.linear / grouped_linear. Status
-and measurements: ffi/README.md.
+and measurements: dsv4_jax/ffi/README.md.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _handlers(weight_type) -> tuple[str, dict[str, str]]:
 
 
 def register_all(arch: str | None = None) -> None:
-    """Build (if needed), load and register every kernel of ffi/ for `arch` (default: this process's GPU; e.g.
+    """Build (if needed), load and register every kernel of dsv4_jax/ffi/ for `arch` (default: this process's GPU; e.g.
     "sm_90a" to compile for an H200 that is not attached); raises FfiBuildError / OSError."""
     for weight_type in _TARGETS:
         register(*_handlers(weight_type), arch)
@@ -75,7 +75,7 @@ def _split_rows(x: jax.Array) -> jax.Array:
     """[..., M, K] -> bf16 [..., M, K] (bf16 input) or [..., 2M, K] float32 hi rows then lo rows."""
     if x.dtype != jnp.float32:
         return x.astype(jnp.bfloat16)
-    from pallas_kernels.gemv import split_f32     # the same hi/lo split the Pallas kernels use
+    from dsv4_jax.pallas_kernels.gemv import split_f32     # the same hi/lo split the Pallas kernels use
     hi, lo = split_f32(x)
     return jnp.concatenate([hi, lo], axis=-2)
 

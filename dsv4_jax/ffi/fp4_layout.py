@@ -1,5 +1,5 @@
 """The FP4 decode GEMV's own layout of packed e2m1 weights: the same bytes and block scales, permuted once at load
-(ffi/fp4_gemv.cu, "The GEMV layout"):
+(dsv4_jax/ffi/fp4_gemv.cu, "The GEMV layout"):
 * packed: the 32 bits of every 32-bit word (8 consecutive weights) permuted so that the kernel turns each weight
   pair into a bf16 pair with 10 instructions per word instead of 13, in input order;
 * scale: within each 16-row tile, the bytes one kernel thread needs for one 128-input step (rows g and g + 8, its
