@@ -54,6 +54,11 @@ def context_bucket(positions: int, max_seq_len: int) -> int | None:
     return None if bucket >= max_seq_len else bucket
 
 
+def batch_bucket(batch: int, max_batch: int) -> int:
+    """The rows a generation of `batch` prompts runs with: the next power of two, at most max_batch."""
+    return min(1 << max(batch - 1, 0).bit_length(), max_batch)
+
+
 @dataclasses.dataclass
 class GenerationResult:
     tokens: list[list[int]]          # generated ids per prompt (stop token included when hit)
@@ -226,12 +231,15 @@ class Model:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_tokens: Sequence[int] | None = None,
-                 stream: Callable[[list[list[int]]], None] | None = None, chunk: int = 16) -> GenerationResult:
+                 stream: Callable[[list[list[int]]], object] | None = None, chunk: int = 16) -> GenerationResult:
         """Generate continuations of a batch of prompts (lists of token ids) with an on-device loop.
 
         Sampling: temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. Each sequence stops at
         EOS or a stop token (included in its output) or after max_new_tokens. `stream(new_tokens_per_prompt)`
-        receives each chunk's tokens while the device already runs the next chunk.
+        receives each chunk's tokens while the device already runs the next chunk; it may return the indices of
+        prompts it wants stopped (a stop decided on the host, e.g. a stop string): they get no more tokens and
+        finish with "stop". The batch is padded to a power of two (at most max_batch) with one-token rows that
+        stop at once, so a handful of compiled programs serve every batch size.
         """
         prompts = [list(p) for p in prompts]
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -250,23 +258,33 @@ class Model:
                              f"max_seq_len={self.max_seq_len}")
         stops = [self.config.eos_token_id] + list(stop_tokens or [])
         batch = len(prompts)
-        tokens = np.zeros((batch, longest), np.int32)
+        self._check_batch(batch)
+        rows = batch_bucket(batch, self.max_batch)
+        tokens = np.zeros((rows, longest), np.int32)          # padding rows: one token 0, done after one sample
+        lengths = np.ones((rows,), np.int32)
         for b, p in enumerate(prompts):
             tokens[b, :len(p)] = p
-        logits, state = self.prefill(tokens, np.array([len(p) for p in prompts], np.int32))
+            lengths[b] = len(p)
+        logits, state = self.prefill(tokens, lengths)
+        budget = np.ones((rows,), np.int32)
+        budget[:batch] = max_new_tokens
         sp = engine.SamplingParams(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
-                                   jnp.full((batch,), max_new_tokens, jnp.int32), jnp.asarray(stops, jnp.int32))
+                                   jnp.asarray(budget), jnp.asarray(stops, jnp.int32))
         gen = engine.first_generation_state(state, logits, jax.random.PRNGKey(seed), sp)
         outputs: list[list[int]] = [[] for _ in prompts]
         finished = [False] * batch
+        stopped_here: set[int] = set()                        # rows the caller stopped
 
         def drain(chunk_tokens):
-            new = [[int(t) for t in row if t >= 0] for row in np.asarray(chunk_tokens)]
+            new = [[int(t) for t in row if t >= 0] if not finished[b] else []
+                   for b, row in enumerate(np.asarray(chunk_tokens)[:batch])]
             for b, toks in enumerate(new):
                 outputs[b].extend(toks)
                 finished[b] = finished[b] or any(t in stops for t in toks) or len(outputs[b]) >= max_new_tokens
             if stream is not None:
-                stream(new)
+                for b in stream(new) or ():
+                    finished[b] = True
+                    stopped_here.add(b)
 
         # The host reads chunk k-1 while the device runs chunk k, so the device never waits for the host; the
         # stopping decision uses only tokens already read (a finished batch costs one empty chunk at most).
@@ -281,5 +299,15 @@ class Model:
                                                  track_mtp=self.track_mtp)
             drain(pending)
             pending = out
-        reasons = ["stop" if (o and o[-1] in stops) else "length" for o in outputs]
+        reasons = ["stop" if (b in stopped_here or (o and o[-1] in stops)) else "length"
+                   for b, o in enumerate(outputs)]
         return GenerationResult(tokens=outputs, finish_reasons=reasons)
+
+    def complete(self, prompts, **options):
+        """Strings in, strings out: `prompts` is a string, a list of chat messages, or a list of either (a batch);
+        returns a dsv4_jax.text.Completion (text, token_ids, finish_reason, prompt_token_ids), or a list of them
+        for a batch. Options: chat, system, thinking, reasoning_effort, stop (strings), stream(index, text),
+        special_tokens, and the sampling options of `generate` with the command line's defaults
+        (text.SAMPLING_DEFAULTS: temperature 0.6, top_p 0.95, max_new_tokens 100, top_k 0, seed 0)."""
+        from .text import complete
+        return complete(self, prompts, **options)

@@ -12,13 +12,21 @@ Messages are OpenAI-style dicts. Roles: ``system``, ``user``, ``assistant`` (``c
 ``latest_reminder``, ``developer`` (internal search-agent role of the official encoder). Optional
 official per-message fields: ``tools`` and ``response_format`` (system / developer), ``task``
 (quick-instruction tokens), ``wo_eos`` (assistant turn left open).
+
+Two outputs: `encode_messages` gives the prompt string (the official encoder's output, byte for byte) and
+`encode_message_ids` its token ids. In the ids only the template's own control tokens are special: every
+piece of caller text (message content, system text, tool schemas / arguments / results, reasoning) is
+encoded as text, so a special-token string typed into a message stays text. The renderer therefore
+produces segments that say which text is the template's; with no special-token text in the caller's
+text, the ids equal ``tokenizer.encode(encode_messages(...), allow_special=True)``.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from dsv4_jax.tokenizer import (
     ACTION,
@@ -91,6 +99,35 @@ RESPONSE_FORMAT_SECTION = (
 
 
 # ------------------------------------------------------------------------------------------------
+# segments: the rendered prompt, marked by origin
+# ------------------------------------------------------------------------------------------------
+
+class Segment(NamedTuple):
+    """A piece of the prompt. ``template``: written by this encoder, so its special-token strings are
+    control tokens; otherwise caller text (content, tool schemas, arguments, ...), always plain text."""
+    text: str
+    template: bool
+
+
+def _tpl(text: str) -> list[Segment]:
+    return [Segment(text, True)]
+
+
+def _txt(text: str) -> list[Segment]:
+    return [Segment(text, False)]
+
+
+def _join(parts: list[list[Segment]], separator: str) -> list[Segment]:
+    """Like ``separator.join``, for segment lists (the separator is template text)."""
+    out: list[Segment] = []
+    for i, part in enumerate(parts):
+        if i:
+            out += _tpl(separator)
+        out += part
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
 
@@ -110,9 +147,10 @@ def _function_of(tool: Any, where: str) -> dict:
     raise ValueError(f"{where}: each tool must be {{'type': 'function', 'function': {{'name': ...}}}}, got {tool!r:.80}")
 
 
-def _render_tools(tools: list, where: str) -> str:
-    schemas = "\n".join(_to_json(_function_of(t, where)) for t in tools)
-    return TOOLS_SECTION.replace("{schemas}", schemas)
+def _render_tools(tools: list, where: str) -> list[Segment]:
+    schemas = [_txt(_to_json(_function_of(t, where))) for t in tools]
+    before, after = TOOLS_SECTION.split("{schemas}")
+    return _tpl(before) + _join(schemas, "\n") + _tpl(after)
 
 
 def _tool_call_name_args(call: Any, where: str) -> tuple[str, Any]:
@@ -124,7 +162,7 @@ def _tool_call_name_args(call: Any, where: str) -> tuple[str, Any]:
     return fn["name"], fn.get("arguments", "{}")
 
 
-def _dsml_parameters(arguments: Any, where: str) -> str:
+def _dsml_parameters(arguments: Any, where: str) -> list[Segment]:
     """Arguments (a JSON object string, as OpenAI sends them) -> DSML parameter lines."""
     if isinstance(arguments, dict):
         args = arguments
@@ -140,17 +178,21 @@ def _dsml_parameters(arguments: Any, where: str) -> str:
         is_str = isinstance(value, str)
         text = value if is_str else _to_json(value)
         lines.append(
-            f'<{DSML}parameter name="{key}" string="{"true" if is_str else "false"}">{text}</{DSML}parameter>'
+            _tpl(f'<{DSML}parameter name="') + _txt(str(key))
+            + _tpl(f'" string="{"true" if is_str else "false"}">') + _txt(text) + _tpl(f"</{DSML}parameter>")
         )
-    return "\n".join(lines)
+    return _join(lines, "\n")
 
 
-def _render_tool_calls(tool_calls: list, where: str) -> str:
+def _render_tool_calls(tool_calls: list, where: str) -> list[Segment]:
     invokes = []
     for call in tool_calls:
         name, arguments = _tool_call_name_args(call, where)
-        invokes.append(f'<{DSML}invoke name="{name}">\n{_dsml_parameters(arguments, where)}\n</{DSML}invoke>')
-    return "\n\n" + _TOOL_CALLS_OPEN + "\n" + "\n".join(invokes) + "\n" + _TOOL_CALLS_CLOSE
+        invokes.append(
+            _tpl(f'<{DSML}invoke name="') + _txt(name) + _tpl('">\n')
+            + _dsml_parameters(arguments, where) + _tpl(f"\n</{DSML}invoke>")
+        )
+    return _tpl("\n\n" + _TOOL_CALLS_OPEN + "\n") + _join(invokes, "\n") + _tpl("\n" + _TOOL_CALLS_CLOSE)
 
 
 def _tool_call_id(call: Any) -> str:
@@ -160,16 +202,18 @@ def _tool_call_id(call: Any) -> str:
     return call.get("id") or (fn.get("id", "") if isinstance(fn, dict) else "")
 
 
-def _tool_result_text(content: Any) -> str:
+def _tool_result(content: Any) -> list[Segment]:
     if isinstance(content, list):  # content blocks: text joined, anything else marked unsupported
         parts = []
         for block in content:
             if block.get("type") == "text":
-                parts.append(block.get("text", ""))
+                parts.append(_txt(block.get("text", "")))
             else:
-                parts.append(f"[Unsupported {block.get('type')}]")
-        content = "\n\n".join(parts)
-    return f"<tool_result>{content}</tool_result>"
+                parts.append(_tpl("[Unsupported ") + _txt(str(block.get("type"))) + _tpl("]"))
+        body = _join(parts, "\n\n")
+    else:
+        body = _txt(content)
+    return _tpl("<tool_result>") + body + _tpl("</tool_result>")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,20 +289,20 @@ def _merge_tool_messages(messages: list[dict]) -> list[dict]:
 
     A tool result joins the preceding user turn (typically the one made from the previous tool
     result); a user message joins a preceding user turn unless that one carries a task. Each merged
-    user turn is ``{"role": "user", "blocks": [(text, tool_call_id or None), ...], ...}``.
+    user turn is ``{"role": "user", "blocks": [(segments, tool_call_id or None), ...], ...}``.
     """
     merged: list[dict] = []
     for msg in messages:
         role = msg["role"]
         last = merged[-1] if merged else None
         if role == "tool":
-            block = (_tool_result_text(msg["content"]), msg.get("tool_call_id") or "")
+            block = (_tool_result(msg["content"]), msg.get("tool_call_id") or "")
             if last is not None and last["role"] == "user":
                 last["blocks"].append(block)
             else:
                 merged.append({"role": "user", "blocks": [block]})
         elif role == "user":
-            block = (msg["content"], None)
+            block = (_txt(msg["content"]), None)
             if last is not None and last["role"] == "user" and last.get("task") is None:
                 last["blocks"].append(block)
             else:
@@ -319,33 +363,34 @@ def _render_turn(
     drop_thinking: bool,
     reasoning_effort: Optional[str],
     add_generation_prompt: bool,
-) -> str:
+) -> list[Segment]:
     msg = messages[idx]
     role = msg["role"]
     where = f"{role} turn {idx}"
-    out = REASONING_EFFORT_MAX if idx == 0 and thinking and reasoning_effort == "max" else ""
+    out = _tpl(REASONING_EFFORT_MAX) if idx == 0 and thinking and reasoning_effort == "max" else []
     last_user = _last_user_index(messages)
 
     if role in ("system", "developer"):
-        body = msg.get("content") or ""
+        body = _txt(msg.get("content") or "")
         if msg.get("tools"):
-            body += "\n\n" + _render_tools(msg["tools"], where)
+            body += _tpl("\n\n") + _render_tools(msg["tools"], where)
         if msg.get("response_format"):
-            body += "\n\n" + RESPONSE_FORMAT_SECTION.format(schema=_to_json(msg["response_format"]))
-        out += (USER + body) if role == "developer" else body
+            before, after = RESPONSE_FORMAT_SECTION.split("{schema}")
+            body += _tpl("\n\n" + before) + _txt(_to_json(msg["response_format"])) + _tpl(after)
+        out += (_tpl(USER) + body) if role == "developer" else body
     elif role == "user":
-        out += USER + "\n\n".join(text for text, _ in msg["blocks"])
+        out += _tpl(USER) + _join([segments for segments, _ in msg["blocks"]], "\n\n")
     elif role == "latest_reminder":
-        out += LATEST_REMINDER + msg["content"]
+        out += _tpl(LATEST_REMINDER) + _txt(msg["content"])
     elif role == "assistant":
-        think = ""
         prev_task = idx > 0 and messages[idx - 1].get("task") is not None
         if thinking and not prev_task and (not drop_thinking or idx > last_user):
-            think = (msg.get("reasoning_content") or "") + THINK_END
-        calls = _render_tool_calls(msg["tool_calls"], where) if msg.get("tool_calls") else ""
-        out += think + (msg.get("content") or "") + calls
+            out += _txt(msg.get("reasoning_content") or "") + _tpl(THINK_END)
+        out += _txt(msg.get("content") or "")
+        if msg.get("tool_calls"):
+            out += _render_tool_calls(msg["tool_calls"], where)
         if not msg.get("wo_eos", False):
-            out += EOS
+            out += _tpl(EOS)
 
     # What follows the turn: nothing if the next turn is user-side; otherwise a task token or the
     # assistant prefix (which, after the final user turn, is the generation prompt).
@@ -354,15 +399,55 @@ def _render_turn(
     task = msg.get("task")
     if task is not None:
         if task == "action":
-            out += ASSISTANT + (THINK_START if thinking else THINK_END) + TASK_TOKENS[task]
+            out += _tpl(ASSISTANT + (THINK_START if thinking else THINK_END) + TASK_TOKENS[task])
         else:
-            out += TASK_TOKENS[task]
+            out += _tpl(TASK_TOKENS[task])
     elif role in ("user", "developer"):
         if idx == len(messages) - 1 and not add_generation_prompt:
             return out
         open_think = thinking and (not drop_thinking or idx >= last_user)
-        out += ASSISTANT + (THINK_START if open_think else THINK_END)
+        out += _tpl(ASSISTANT + (THINK_START if open_think else THINK_END))
     return out
+
+
+def render_segments(
+    messages: list[dict],
+    thinking_mode: str = "chat",
+    reasoning_effort: Optional[str] = None,
+    tools: Optional[list] = None,
+    add_generation_prompt: bool = True,
+    drop_thinking: bool = True,
+    add_bos: bool = True,
+) -> list[Segment]:
+    """The prompt of `encode_messages` (same arguments) as segments, in order; their texts joined are the
+    prompt string."""
+    _validate(messages, thinking_mode, reasoning_effort)
+    messages = list(messages)
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise ValueError(f"tools must be a list of OpenAI tool dicts, got {type(tools).__name__}")
+        for tool in tools:
+            _function_of(tool, "tools")
+        if tools:
+            if messages and messages[0]["role"] == "system":
+                if messages[0].get("tools"):
+                    raise ValueError("tools given both as an argument and on the system message")
+                messages[0] = {**messages[0], "tools": tools}
+            else:
+                messages.insert(0, {"role": "system", "content": "", "tools": tools})
+
+    turns = _merge_tool_messages(messages)
+    _sort_tool_results(turns)
+    if any(t.get("tools") for t in turns):
+        drop_thinking = False
+    thinking = thinking_mode == "thinking"
+    if thinking and drop_thinking:
+        turns = _drop_old_thinking(turns)
+
+    segments = _tpl(BOS) if add_bos else []
+    for idx in range(len(turns)):
+        segments += _render_turn(idx, turns, thinking, drop_thinking, reasoning_effort, add_generation_prompt)
+    return segments
 
 
 def encode_messages(
@@ -391,33 +476,44 @@ def encode_messages(
         last user turn is removed (and developer turns there are dropped).
     add_bos: prepend ``<｜begin▁of▁sentence｜>``.
     """
-    _validate(messages, thinking_mode, reasoning_effort)
-    messages = list(messages)
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise ValueError(f"tools must be a list of OpenAI tool dicts, got {type(tools).__name__}")
-        for tool in tools:
-            _function_of(tool, "tools")
-        if tools:
-            if messages and messages[0]["role"] == "system":
-                if messages[0].get("tools"):
-                    raise ValueError("tools given both as an argument and on the system message")
-                messages[0] = {**messages[0], "tools": tools}
-            else:
-                messages.insert(0, {"role": "system", "content": "", "tools": tools})
+    segments = render_segments(messages, thinking_mode, reasoning_effort, tools, add_generation_prompt,
+                               drop_thinking, add_bos)
+    return "".join(segment.text for segment in segments)
 
-    turns = _merge_tool_messages(messages)
-    _sort_tool_results(turns)
-    if any(t.get("tools") for t in turns):
-        drop_thinking = False
-    thinking = thinking_mode == "thinking"
-    if thinking and drop_thinking:
-        turns = _drop_old_thinking(turns)
 
-    prompt = BOS if add_bos else ""
-    for idx in range(len(turns)):
-        prompt += _render_turn(idx, turns, thinking, drop_thinking, reasoning_effort, add_generation_prompt)
-    return prompt
+def encode_message_ids(
+    tokenizer,
+    messages: list[dict],
+    thinking_mode: str = "chat",
+    reasoning_effort: Optional[str] = None,
+    tools: Optional[list] = None,
+    add_generation_prompt: bool = True,
+    drop_thinking: bool = True,
+    add_bos: bool = True,
+) -> list[int]:
+    """Token ids of the `encode_messages` prompt (same arguments) for a `dsv4_jax.tokenizer.Tokenizer`.
+
+    The special-token strings of the template's own text (BOS, ``<｜User｜>``, ``<｜Assistant｜>``,
+    ``<think>``, ``</think>``, ``｜DSML｜``, task tokens, ...) become their ids; caller text is encoded as
+    text, so special-token strings in it stay text. Without such strings in the caller's text this
+    equals ``tokenizer.encode(encode_messages(...), allow_special=True)``.
+    """
+    segments = render_segments(messages, thinking_mode, reasoning_effort, tools, add_generation_prompt,
+                               drop_thinking, add_bos)
+    return _segment_ids(tokenizer, segments)
+
+
+def _segment_ids(tokenizer, segments: list[Segment]) -> list[int]:
+    # Template text is cut at its special tokens (ids); caller text is kept whole. The text between two
+    # control tokens, template and caller pieces alike, is encoded as ONE string: BPE then merges across
+    # the seams exactly as in the whole prompt string, where only the special tokens cut the text.
+    pieces: list[str | int] = []
+    for segment in segments:
+        pieces += tokenizer.split_special_tokens(segment.text) if segment.template else [segment.text]
+    ids: list[int] = []
+    for is_control, run in itertools.groupby(pieces, key=lambda piece: isinstance(piece, int)):
+        ids += list(run) if is_control else tokenizer.encode("".join(run))
+    return ids
 
 
 # ------------------------------------------------------------------------------------------------
@@ -510,6 +606,9 @@ def parse_completion(text: str, thinking_mode: str = "chat") -> dict:
 
 __all__ = [
     "encode_messages",
+    "encode_message_ids",
+    "render_segments",
+    "Segment",
     "parse_completion",
     "REASONING_EFFORT_MAX",
     "THINKING_MODES",

@@ -29,6 +29,7 @@ import time
 
 from . import DEFAULT_MODEL_DIR   # the packaged default model
 from .compile_time import CompileTimer
+from .text import SAMPLING_DEFAULTS as DEFAULTS   # Model.complete's defaults too
 
 PROG = "python -m dsv4_jax.generate"
 DEFAULT_PROMPT = "And it came to pass, when the king"
@@ -167,23 +168,31 @@ def build_parser() -> argparse.ArgumentParser:
                      help="thinking mode: the assistant turn opens with <think> instead of </think> (implies --chat)")
     prm.add_argument("--reasoning-effort", choices=("high", "max"),
                      help="reasoning effort in thinking mode ('max' adds the official prefix; needs --thinking)")
+    prm.add_argument("--special-tokens", action="store_true",
+                     help="special-token strings in a plain prompt (e.g. <｜User｜>) become control tokens; by default "
+                          "every prompt character is text")
 
     smp = p.add_argument_group("sampling")
-    smp.add_argument("--max-new-tokens", type=_int_at_least(1), default=100, metavar="N",
-                     help="tokens to generate per prompt at most (default: 100)")
-    smp.add_argument("--temperature", type=_temperature, default=0.6, metavar="T",
-                     help="sampling temperature, 0 = greedy (default: 0.6)")
-    smp.add_argument("--top-p", type=_top_p, default=0.95, metavar="P",
-                     help="nucleus sampling mass in (0, 1], 1 = off (default: 0.95)")
-    smp.add_argument("--top-k", type=_int_at_least(0), default=0, metavar="K",
-                     help="sample among the K most likely tokens, 0 = off (default: 0)")
-    smp.add_argument("--seed", type=_int_at_least(0, 2**32), default=0, metavar="S",
-                     help="random seed; the same seed and settings give the same text (default: 0)")
+    smp.add_argument("--max-new-tokens", type=_int_at_least(1), default=DEFAULTS["max_new_tokens"], metavar="N",
+                     help=f"tokens to generate per prompt at most (default: {DEFAULTS['max_new_tokens']})")
+    smp.add_argument("--temperature", type=_temperature, default=DEFAULTS["temperature"], metavar="T",
+                     help=f"sampling temperature, 0 = greedy (default: {DEFAULTS['temperature']})")
+    smp.add_argument("--top-p", type=_top_p, default=DEFAULTS["top_p"], metavar="P",
+                     help=f"nucleus sampling mass in (0, 1], 1 = off (default: {DEFAULTS['top_p']})")
+    smp.add_argument("--top-k", type=_int_at_least(0), default=DEFAULTS["top_k"], metavar="K",
+                     help=f"sample among the K most likely tokens, 0 = off (default: {DEFAULTS['top_k']})")
+    smp.add_argument("--seed", type=_int_at_least(0, 2**32), default=DEFAULTS["seed"], metavar="S",
+                     help=f"random seed; the same seed and settings give the same text (default: {DEFAULTS['seed']})")
+    smp.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop a prompt's generation when its text contains TEXT (repeatable); the text ends "
+                          "before it")
 
     out = p.add_argument_group("output")
     out.add_argument("--no-stream", action="store_true", help="print the text when generation ends")
     out.add_argument("--json", action="store_true",
                      help="print one machine-readable JSON object on stdout (see below); implies --no-stream")
+    out.add_argument("--verbose", action="store_true",
+                     help="print on stderr the backend, the devices and the kernel each matmul kind takes")
     return p
 
 
@@ -192,6 +201,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.reasoning_effort is not None and not args.thinking:
         raise CLIError(f"--reasoning-effort needs --thinking (see {PROG} --help)", EXIT_USAGE)
     args.chat = args.chat or args.thinking or args.system is not None
+    if args.special_tokens and args.chat:
+        raise CLIError(f"--special-tokens applies to plain prompts; a chat prompt's control tokens come from the "
+                       f"chat format (see {PROG} --help)", EXIT_USAGE)
+    if any(not s for s in args.stop):
+        raise CLIError(f"--stop needs a non-empty TEXT (see {PROG} --help)", EXIT_USAGE)
     return args
 
 
@@ -332,6 +346,8 @@ def _write(text: str):
 
 
 def run(args) -> int:
+    from .text import TextBatch
+    from .text import prompt_ids as text_prompt_ids
     from .tokenizer import Tokenizer
 
     directory = _check_checkpoint_dir(args)
@@ -355,9 +371,11 @@ def run(args) -> int:
     prompts = read_prompts(args)
     try:
         prompt_texts = [encode_prompt(p, args) for p in prompts]
+        prompt_ids = [text_prompt_ids(tokenizer, p, chat=args.chat, system=args.system, thinking=args.thinking,
+                                      reasoning_effort=args.reasoning_effort, special_tokens=args.special_tokens)
+                      for p in prompts]
     except ValueError as err:  # the chat encoder rejects malformed turns
         raise CLIError(_one_line(err)) from None
-    prompt_ids = [tokenizer.encode(t) for t in prompt_texts]
     for i, ids in enumerate(prompt_ids):
         if len(ids) + args.max_new_tokens > args.max_seq_len:
             which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"
@@ -389,24 +407,30 @@ def run(args) -> int:
         progress.close()
     load_s = time.perf_counter() - t_load
 
-    eos = tokenizer.eos_id
+    if args.verbose:
+        _describe_run(model, mesh)
+    batch = len(prompts)
     streaming = not (args.no_stream or args.json)
     echo = not args.chat           # plain prompts are echoed before their continuation
-    batch = len(prompts)
-    decoder = tokenizer.stream_decoder()
     first_token_at: list[float] = []
+
+    def stream_text(row: int, text: str):
+        if streaming and row == 0:
+            _write(text)
+
+    texts = TextBatch(tokenizer, prompt_ids, args.stop, [tokenizer.eos_id], stream_text)
 
     def on_tokens(new_tokens: list[list[int]]):
         if not first_token_at:
             first_token_at.append(time.perf_counter())
-        if streaming:
-            _write(decoder.push([t for t in new_tokens[0] if t != eos]))
+        return texts.on_tokens(new_tokens)
 
     if streaming:
         if batch > 1:
             _write(_header(0, batch, prompts[0]) + "\n")
         if echo:
             _write(prompts[0])
+
     def compiling_notice():
         import jax
         cache = jax.config.jax_compilation_cache_dir
@@ -414,28 +438,38 @@ def run(args) -> int:
         print(f"compiling the programs for these shapes ({later})", file=sys.stderr, flush=True)
 
     t_gen = time.perf_counter()
-    with CompileTimer(on_first=compiling_notice) as compile_timer:
-        result = model.generate(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stream=on_tokens)
+    dispatch = []
+    try:
+        with CompileTimer(on_first=compiling_notice) as compile_timer, _recording(args.verbose) as dispatch:
+            result = model.generate(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, stream=on_tokens)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print("\ninterrupted; " + _statistics(batch, prompt_ids, texts.generated_tokens, load_s, t_gen,
+                                                time.perf_counter(), first_token_at, compile_timer.seconds),
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     t_end = time.perf_counter()
     if compile_timer.seconds:
         print(f"compiled {compile_timer.compiled} programs and read {compile_timer.cache_hits} from the "
               f"compilation cache in {compile_timer.seconds:.2f} s", file=sys.stderr)
+    if args.verbose:
+        _describe_dispatch(dispatch)
 
-    completions = [tokenizer.decode(toks[:-1] if toks and toks[-1] == eos else toks) for toks in result.tokens]
+    completions = texts.completions(result.finish_reasons)     # streams row 0's held-back text
     if streaming:
-        _write(decoder.flush() + "\n")
+        _write("\n")
     if not args.json:
         for i in range(0 if not streaming else 1, batch):
             if batch > 1:
                 _write(("\n" if i else "") + _header(i, batch, prompts[i]) + "\n")
-            _write((prompts[i] if echo else "") + completions[i] + "\n")
+            _write((prompts[i] if echo else "") + completions[i].text + "\n")
 
+    generated = texts.generated_tokens
     prompt_tokens = sum(len(ids) for ids in prompt_ids)
-    generated = sum(len(t) for t in result.tokens)
     prefill_s = (first_token_at[0] if first_token_at else t_end) - t_gen
     decode_s = t_end - t_gen - prefill_s
-    decode_tokens = generated - sum(1 for t in result.tokens if t)
+    decode_tokens = generated - sum(1 for c in completions if c.token_ids)
     rate = decode_tokens / decode_s if decode_tokens and decode_s > 0 else None
     timing = {"load_s": round(load_s, 4), "prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
               "compile_s": round(compile_timer.seconds, 4),
@@ -445,26 +479,63 @@ def run(args) -> int:
         doc = {
             "checkpoint": os.path.abspath(directory),
             "settings": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                         "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+                         "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop": args.stop,
                          "max_seq_len": args.max_seq_len, "prefill_chunk": args.prefill_chunk,
                          "dtype": args.dtype, "act_quant": args.act_quant, "kernels": args.kernels,
                          "simulate_quant": not args.no_simulate_quant, "quantize_head": args.quantize_head,
                          "chat": args.chat, "thinking": args.thinking, "system": args.system,
-                         "reasoning_effort": args.reasoning_effort},
-            "results": [{"prompt": p, "prompt_text": t, "prompt_token_ids": ids, "completion": c,
-                         "token_ids": toks, "finish_reason": r}
-                        for p, t, ids, c, toks, r in zip(prompts, prompt_texts, prompt_ids, completions,
-                                                         result.tokens, result.finish_reasons)],
+                         "reasoning_effort": args.reasoning_effort, "special_tokens": args.special_tokens},
+            "results": [{"prompt": p, "prompt_text": t, "prompt_token_ids": c.prompt_token_ids,
+                         "completion": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                        for p, t, c in zip(prompts, prompt_texts, completions)],
             "timing": timing,
         }
         _write(json.dumps(doc) + "\n")
-
-    rate_text = "n/a" if rate is None else f"{rate:.1f} tokens/s"
-    print(f"{'batch ' + str(batch) + ' | ' if batch > 1 else ''}prompt tokens: {prompt_tokens} | "
-          f"generated tokens: {generated} | load: {load_s:.2f} s | prefill: {prefill_s:.2f} s "
-          f"(to first token, incl. {compile_timer.seconds:.2f} s compiling) | decode: {decode_tokens} tokens in {decode_s:.2f} s, {rate_text}",
+    print(_statistics(batch, prompt_ids, generated, load_s, t_gen, t_end, first_token_at, compile_timer.seconds),
           file=sys.stderr)
     return EXIT_OK
+
+
+def _statistics(batch: int, prompt_ids, generated: int, load_s: float, t_gen: float, t_end: float,
+                first_token_at: list[float], compile_s: float) -> str:
+    """The statistics line on stderr (also after Ctrl-C, for the tokens generated so far)."""
+    prompt_tokens = sum(len(ids) for ids in prompt_ids)
+    if not first_token_at:
+        return (f"{'batch ' + str(batch) + ' | ' if batch > 1 else ''}prompt tokens: {prompt_tokens} | generated "
+                f"tokens: 0 | load: {load_s:.2f} s | {t_end - t_gen:.2f} s without a first token (incl. "
+                f"{compile_s:.2f} s compiling)")
+    prefill_s = first_token_at[0] - t_gen
+    decode_s = t_end - first_token_at[0]
+    decode_tokens = max(generated - batch, 0)
+    rate = f"{decode_tokens / decode_s:.1f} tokens/s" if decode_tokens and decode_s > 0 else "n/a"
+    return (f"{'batch ' + str(batch) + ' | ' if batch > 1 else ''}prompt tokens: {prompt_tokens} | "
+            f"generated tokens: {generated} | load: {load_s:.2f} s | prefill: {prefill_s:.2f} s "
+            f"(to first token, incl. {compile_s:.2f} s compiling) | decode: {decode_tokens} tokens in "
+            f"{decode_s:.2f} s, {rate}")
+
+
+def _recording(verbose: bool):
+    """kernel_dispatch.record_dispatch() when --verbose (the matmuls' kernels, recorded as programs are traced)."""
+    import contextlib
+
+    from .quant.kernel_dispatch import record_dispatch
+    return record_dispatch() if verbose else contextlib.nullcontext([])
+
+
+def _describe_run(model, mesh):
+    import jax
+    devices = mesh.devices.flatten().tolist() if mesh is not None else [jax.devices()[0]]
+    plan = model.context.kernels
+    print(f"backend: {jax.default_backend()} | devices: {len(devices)} x {devices[0].device_kind} | kernels: "
+          f"{plan.mode} -> {plan.backend or 'reference (pure JAX)'}{' + ffi' if plan.ffi else ''}", file=sys.stderr)
+
+
+def _describe_dispatch(records):
+    """One stderr line per (matmul kind, weight format, kernel) the traced programs used, with its count."""
+    import collections
+    counts = collections.Counter((call, fmt, used) for call, fmt, _shape, _path, used in records)
+    for (call, fmt, used), n in sorted(counts.items()):
+        print(f"matmul: {call} ({fmt}) -> {used or 'the reference (XLA)'} x {n}", file=sys.stderr)
 
 
 def main(argv=None) -> int:

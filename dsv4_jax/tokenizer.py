@@ -5,14 +5,21 @@ Works with the official tokenizer.json (byte-level BPE, 129280 embedding rows, s
 special-token strings at small ids. Ids are always looked up in the file; the table of official ids
 below is used only by `Tokenizer.is_official_vocab` (docs/model.md section 8).
 
-No BOS is ever added implicitly: prompts from `dsv4_jax.chat.encode_messages` already start with the
-BOS string, which `encode` maps to the BOS id like every other special-token string in the text.
+Text that looks like a special token stays text: `Tokenizer.encode(text)` tokenizes every character of
+``text`` as ordinary text, so a user typing ``<｜end▁of▁sentence｜>`` gets the ids of those characters, never
+the EOS id. ``encode(text, allow_special=True)`` is the raw path for strings our own code built: there
+special-token strings become their ids. Chat prompts get their control-token ids from
+`dsv4_jax.chat.encode_message_ids`, which encodes message content as text.
+
+No BOS is ever added implicitly: callers prepend `Tokenizer.bos_id` (or the chat encoder emits it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
+import threading
 from typing import Iterable, Sequence
 
 import tokenizers
@@ -75,6 +82,11 @@ OFFICIAL_SPECIAL_IDS: dict[str, int] = {
 OFFICIAL_VOCAB_SIZE = 129280  # embedding rows of Flash / Pro
 
 
+def _check_text(text, where: str) -> None:
+    if not isinstance(text, str):
+        raise ValueError(f"{where} expects a str, got {type(text).__name__}")
+
+
 def _resolve_path(path: str | os.PathLike) -> str:
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -90,27 +102,31 @@ class Tokenizer:
     def __init__(self, path: str | os.PathLike):
         self.path = _resolve_path(path)
         try:
-            self._tok = tokenizers.Tokenizer.from_file(self.path)
+            backend = tokenizers.Tokenizer.from_file(self.path)
         except Exception as err:  # tokenizers raises a bare Exception on malformed files
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(f"invalid tokenizer file {self.path}: {first_line}") from None
-        self._bos_id = self._require(BOS)
-        self._eos_id = self._require(EOS)
-        vocab = self._tok.get_vocab(with_added_tokens=True)
-        # Max id + 1, so gaps in the id space (possible with added tokens) still fit in an embedding.
-        self._vocab_size = max(vocab.values()) + 1 if vocab else 0
+        self._attach(backend)
 
     @classmethod
     def from_tokenizers(cls, tok: tokenizers.Tokenizer) -> "Tokenizer":
         """Wrap an in-memory `tokenizers.Tokenizer` (e.g. one just trained)."""
         self = cls.__new__(cls)
         self.path = None
-        self._tok = tok
+        self._attach(tok)
+        return self
+
+    def _attach(self, backend: tokenizers.Tokenizer) -> None:
+        self._tok = backend
         self._bos_id = self._require(BOS)
         self._eos_id = self._require(EOS)
-        vocab = tok.get_vocab(with_added_tokens=True)
+        vocab = backend.get_vocab(with_added_tokens=True)
+        # Max id + 1, so gaps in the id space (possible with added tokens) still fit in an embedding.
         self._vocab_size = max(vocab.values()) + 1 if vocab else 0
-        return self
+        added = sorted(backend.get_added_tokens_decoder().items())
+        self._special_tokens = [t.content for _, t in added if t.special]
+        self._special_ids = frozenset(i for i, t in added if t.special)
+        self._flag_lock = threading.Lock()  # guards the backend's encode_special_tokens flag
 
     def _require(self, token: str) -> int:
         token_id = self._tok.token_to_id(token)
@@ -158,14 +174,71 @@ class Tokenizer:
         return all(self._tok.token_to_id(tok) == tid for tok, tid in OFFICIAL_SPECIAL_IDS.items())
 
     # -- text <-> ids ----------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special-token strings in it become their ids; no BOS/EOS added."""
-        if not isinstance(text, str):
-            raise ValueError(f"Tokenizer.encode expects a str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=False).ids
+    @property
+    def special_tokens(self) -> list[str]:
+        """The strings of the added tokens marked special (the whole vocabulary's, not only ours), by id."""
+        return list(self._special_tokens)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self._special_ids
+
+    @contextlib.contextmanager
+    def _backend_for(self, allow_special: bool):
+        """The backend, set to treat special-token strings as text unless ``allow_special``.
+
+        ``encode_special_tokens`` is a flag on the backend object (True: special-token strings are
+        tokenized as plain text), not a per-call argument. We set it for one call, under a lock, and put
+        the previous value back, so concurrent calls and direct users of `backend` never see our setting.
+        """
+        with self._flag_lock:
+            saved = self._tok.encode_special_tokens
+            self._tok.encode_special_tokens = not allow_special
+            try:
+                yield self._tok
+            finally:
+                self._tok.encode_special_tokens = saved
+
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Token ids of ``text``; no BOS/EOS added.
+
+        Every character is ordinary text by default (special-token strings are tokenized like any other
+        text); ``allow_special=True`` maps special-token strings to their ids (for strings our code built).
+        """
+        _check_text(text, "Tokenizer.encode")
+        with self._backend_for(allow_special) as backend:
+            return backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> list[list[int]]:
+        """`encode` of each text (same ``allow_special`` meaning)."""
+        texts = list(texts)
+        for text in texts:
+            _check_text(text, "Tokenizer.encode_batch")
+        with self._backend_for(allow_special) as backend:
+            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+
+    def split_special_tokens(self, text: str) -> list[str | int]:
+        """``text`` cut where ``encode(text, allow_special=True)`` finds special tokens, in order: the text
+        between them (str) and their ids (int).
+
+        Added tokens split the text before normalization and BPE, so encoding each str piece as text and
+        keeping the ids gives exactly ``encode(text, allow_special=True)``. The cut points come from the
+        backend's own match (its offsets), so its matching rules hold here too.
+        """
+        _check_text(text, "Tokenizer.split_special_tokens")
+        with self._backend_for(True) as backend:
+            encoding = backend.encode(text, add_special_tokens=False)
+        pieces: list[str | int] = []
+        pos = 0
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
+            if token_id in self._special_ids:
+                if start > pos:
+                    pieces.append(text[pos:start])
+                pieces.append(token_id)
+                pos = end
+        if pos < len(text):
+            pieces.append(text[pos:])
+        return pieces
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

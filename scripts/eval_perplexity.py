@@ -127,6 +127,7 @@ def main(argv=None):
 
     from tokenizers import Tokenizer
     tokenizer = Tokenizer.from_file(args.tokenizer or os.path.join(args.ckpt, "tokenizer.json"))
+    tokenizer.encode_special_tokens = True  # documents and prompts are text: special-token strings in them stay text
     stream = token_stream(tokenizer, args.valid)
     inputs, targets, mask = eval_windows(stream, args.seq_len)
     if args.max_windows:

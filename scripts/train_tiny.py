@@ -407,6 +407,7 @@ def main(argv=None):
     qnames = tuple(frozenset(s) for s in quant_names(cfg))
     t0 = time.time()
     tokenizer = Tokenizer.from_file(args.tokenizer)
+    tokenizer.encode_special_tokens = True  # documents and prompts are text: special-token strings in them stay text
     train_stream = token_stream(tokenizer, args.train)
     valid_stream = token_stream(tokenizer, args.valid)
     v_in, v_tgt, v_mask = eval_windows(valid_stream, args.seq_len)

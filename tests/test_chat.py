@@ -395,3 +395,65 @@ def test_parse_errors(text, mode):
         parse_completion(text, thinking_mode=mode)
     with pytest.raises(ValueError, match="thinking_mode"):
         parse_completion("x" + EOS, thinking_mode="fast")
+
+
+# ---- token ids (encode_message_ids) --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def default_tok():
+    import dsv4_jax
+    from dsv4_jax.tokenizer import Tokenizer
+    return Tokenizer(dsv4_jax.DEFAULT_MODEL_DIR)
+
+
+TOOL_TURNS = [
+    {"role": "user", "content": "weather in A and B?"},
+    {"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"location": "A"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "f", "arguments": '{"n": 3, "xs": [1, "二"]}'}},
+    ]},
+    {"role": "tool", "tool_call_id": "c2", "content": "rain."},  # text ending in punctuation before template text
+    {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "sun"}, {"type": "image"}]},
+    {"role": "user", "content": "thanks!"},
+]
+
+ID_CASES = [
+    ([{"role": "user", "content": "hi"}], {}),
+    ([SYS, {"role": "user", "content": "What is 2+2?"}], {"thinking_mode": "thinking"}),
+    (HISTORY, {"thinking_mode": "chat"}),
+    (HISTORY, {"thinking_mode": "thinking"}),
+    (HISTORY, {"thinking_mode": "thinking", "drop_thinking": False}),
+    ([SYS, {"role": "user", "content": "hi"}], {"thinking_mode": "thinking", "reasoning_effort": "max"}),
+    (CASE1, {"thinking_mode": "thinking"}),
+    ([{"role": "system", "content": "Be brief."}] + CASE1[1:], {"tools": [WEATHER_TOOL, SEARCH_TOOL]}),
+    (TOOL_TURNS, {"thinking_mode": "chat"}),
+    (TOOL_TURNS[:4], {"thinking_mode": "thinking"}),
+    ([{"role": "system", "content": "SYS"}, {"role": "latest_reminder", "content": "2024-11-15,上海市"},
+      {"role": "user", "content": "世界著名温泉有哪些", "task": "action"}, {"role": "assistant", "content": "Search"}], {}),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "task": "title"}], {}),
+    ([{"role": "developer", "content": "dev q", "response_format": {"type": "object"}},
+      {"role": "assistant", "content": "a1", "reasoning_content": "r1"}, {"role": "user", "content": "q2"}],
+     {"thinking_mode": "thinking", "drop_thinking": False}),
+    ([SYS, {"role": "user", "content": "hi"}], {"add_generation_prompt": False, "add_bos": False}),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel", "wo_eos": True}], {}),
+]
+
+
+@pytest.mark.parametrize("msgs, kwargs", ID_CASES)
+def test_message_ids_equal_the_encoded_prompt_string(default_tok, msgs, kwargs):
+    # No special-token text in the content: the ids are those of the whole prompt string, raw path.
+    from dsv4_jax.chat import encode_message_ids
+    prompt = encode_messages(msgs, **kwargs)
+    ids = encode_message_ids(default_tok, msgs, **kwargs)
+    assert ids == default_tok.encode(prompt, allow_special=True)
+    assert default_tok.decode(ids) == prompt
+
+
+def test_segments_join_to_the_prompt_and_mark_caller_text():
+    from dsv4_jax.chat import render_segments
+    segments = render_segments(TOOL_TURNS, thinking_mode="chat")
+    assert "".join(s.text for s in segments) == encode_messages(TOOL_TURNS, thinking_mode="chat")
+    caller = {s.text for s in segments if not s.template}
+    assert {"weather in A and B?", "Checking.", "get_weather", "location", "A", "n", "3", "rain.", "sun", "image",
+            "thanks!"} <= caller
+    assert not {BOS, U, A, EOS, "</think>"} & caller

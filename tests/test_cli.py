@@ -26,6 +26,8 @@ HAS_DEFAULT_MODEL = os.path.isfile(os.path.join(DEFAULT_MODEL, "model.safetensor
 SYSTEM = "You are a scribe."
 BATCH_PROMPTS = ["In the beginning God created", "And the LORD spake unto Moses, saying, Speak unto the children"]
 BATCH_ARGS = ["--max-new-tokens", "6", "--max-seq-len", "256", "--prefill-chunk", "8", "--seed", "3"]
+GREEDY_ARGS = ["--prompt", "And the LORD spake", "--temperature", "0", "--max-new-tokens", "24", "--json"]
+STOPS = [" the", ","]
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +105,8 @@ IN_PROCESS_ERROR_CASES = {
     "checkpoint_is_a_file": (lambda d: ["--checkpoint", d["prompts"]], 1, "not a directory"),
     "more_devices_than_there_are": (lambda d: model_args(d) + ["--devices", "64"], 1, "--devices 64: only"),
     "zero_devices": (lambda d: ["--devices", "0"], 2, "--devices"),
+    "empty_stop": (lambda d: ["--stop", ""], 2, "--stop"),
+    "special_tokens_in_chat": (lambda d: ["--chat", "--special-tokens"], 2, "--special-tokens"),
 }
 if jax.default_backend() != "gpu":
     IN_PROCESS_ERROR_CASES["pallas_without_gpu"] = (lambda d: model_args(d) + ["--kernels", "pallas"], 1,
@@ -128,6 +132,9 @@ def runs(workdir):
         "batch_stream": model_args(d) + ["--prompt-file", d["prompts"], "--thinking", "--system", SYSTEM] + BATCH_ARGS,
         "batch_json": model_args(d) + ["--prompt-file", d["prompts"], "--thinking", "--system", SYSTEM, "--json"]
         + BATCH_ARGS,
+        "greedy_json": model_args(d) + GREEDY_ARGS,
+        "greedy_stop_json": model_args(d) + GREEDY_ARGS + [arg for s in STOPS for arg in ("--stop", s)]
+        + ["--verbose"],
     }
     jobs.update({name: build(d) for name, (build, _, _) in ERROR_CASES.items()})
     # The slow runs first: the error cases fill the gaps.
@@ -177,7 +184,7 @@ def test_json_batch_structure_and_thinking_prompts(runs):
                                    thinking_mode="thinking")
         assert res["prompt_text"] == expected
         assert res["prompt_text"].endswith("<｜User｜>" + prompt + "<｜Assistant｜><think>")
-        assert res["prompt_token_ids"] == tok.encode(expected)
+        assert res["prompt_token_ids"] == tok.encode(expected, allow_special=True)
         assert res["prompt_token_ids"][0] == tok.bos_id
         assert 1 <= len(res["token_ids"]) <= 6
         assert res["finish_reason"] in ("stop", "length")
@@ -204,6 +211,46 @@ def test_batch_streaming_matches_json(runs):
                        for i, r in enumerate(results))
     assert stream.stdout == expected
     assert stats_line(stream).startswith("batch 2 |")
+
+
+def test_stop_strings_cut_the_text_and_verbose_names_the_kernels(runs):
+    """--stop: the completion is the unstopped greedy text cut before the first stop string, and its ids end with
+    the token that completed it; --verbose: backend, devices and each matmul kind's kernel on stderr."""
+    plain, stopped = runs["greedy_json"], runs["greedy_stop_json"]
+    assert_ok(plain)
+    assert_ok(stopped)
+    full, cut = json.loads(plain.stdout)["results"][0], json.loads(stopped.stdout)["results"][0]
+    hits = [full["completion"].find(s) for s in STOPS if s in full["completion"]]
+    if hits:
+        assert cut["completion"] == full["completion"][:min(hits)]
+        assert cut["finish_reason"] == "stop"
+        assert cut["token_ids"] == full["token_ids"][:len(cut["token_ids"])]
+        from dsv4_jax.tokenizer import Tokenizer
+        decoded = Tokenizer(DEFAULT_MODEL).decode(cut["token_ids"])
+        assert any(decoded.startswith(cut["completion"] + s) for s in STOPS)        # the last id completed a stop
+        assert not any(s in Tokenizer(DEFAULT_MODEL).decode(cut["token_ids"][:-1]) for s in STOPS)
+    else:
+        assert cut == full
+    assert json.loads(stopped.stdout)["settings"]["stop"] == STOPS
+    assert re.search(r"^backend: cpu \| devices: 1 x .* \| kernels: auto -> reference", stopped.stderr, re.M), \
+        stopped.stderr
+    assert re.search(r"^matmul: linear \(Fp8BlockWeight\) -> the reference \(XLA\) x \d+$", stopped.stderr, re.M), \
+        stopped.stderr
+
+
+def test_ctrl_c_prints_the_statistics_so_far(workdir, monkeypatch, capsys):
+    from dsv4_jax import api
+
+    def interrupted(self, prompts, stream=None, **options):
+        stream([[5, 6, 7]])                                 # one chunk of three tokens arrives, then Ctrl-C
+        raise KeyboardInterrupt
+    monkeypatch.setattr(api.Model, "generate", interrupted)
+    assert cli.main(model_args(workdir) + ["--max-new-tokens", "8"]) == cli.EXIT_INTERRUPTED
+    out, err = capsys.readouterr()
+    assert out.startswith(cli.DEFAULT_PROMPT)
+    assert re.search(r"^interrupted; prompt tokens: \d+ \| generated tokens: 3 \| load: [\d.]+ s \| prefill: ", err,
+                     re.M), err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("name", sorted(ERROR_CASES))

@@ -6,7 +6,7 @@ import pytest
 import tokenizers
 
 from dsv4_jax import tokenizer as T
-from dsv4_jax.chat import encode_messages
+from dsv4_jax.chat import encode_message_ids, encode_messages
 from dsv4_jax.tokenizer import OFFICIAL_SPECIAL_IDS, StreamDecoder, Tokenizer, train_byte_level_bpe
 
 CORPUS = [
@@ -56,21 +56,25 @@ def test_round_trip(tok):
     assert tok.bos_id not in tok.encode("hello")
 
 
-def test_special_tokens_recognised_in_text(tok):
-    ids = tok.encode("<｜User｜>hi<｜Assistant｜></think>")
+def test_special_tokens_recognised_only_with_allow_special(tok):
+    assert not set(tok.encode("<｜User｜>hi<｜Assistant｜></think>")) & tok.special_ids  # default: plain text
+    ids = tok.encode("<｜User｜>hi<｜Assistant｜></think>", allow_special=True)
     user, assistant, think_end = (tok.special_token_id(n) for n in ("user", "assistant", "think_end"))
     assert ids[0] == user and ids[-2:] == [assistant, think_end]
     assert tok.decode(ids[1:-2]) == "hi"
     assert tok.decode(ids) == "<｜User｜>hi<｜Assistant｜></think>"
     assert tok.decode(ids, skip_special_tokens=True) == "hi"
 
-    prompt = encode_messages([{"role": "user", "content": "你好"}], thinking_mode="thinking")
-    ids = tok.encode(prompt)
+    messages = [{"role": "user", "content": "你好"}]
+    prompt = encode_messages(messages, thinking_mode="thinking")
+    ids = encode_message_ids(tok, messages, thinking_mode="thinking")
+    assert ids == tok.encode(prompt, allow_special=True)
     assert ids[:2] == [tok.bos_id, user] and ids[-2:] == [assistant, tok.special_token_id("<think>")]
     assert tok.decode(ids) == prompt
 
     dsml = tok.special_token_id("dsml")
-    assert dsml in tok.encode('<｜DSML｜invoke name="f">')
+    assert dsml in tok.encode('<｜DSML｜invoke name="f">', allow_special=True)
+    assert dsml not in tok.encode('<｜DSML｜invoke name="f">')
     assert tok.special_token_id("<｜latest_reminder｜>") == tok.special_token_id("latest_reminder")
     with pytest.raises(ValueError, match="not in this tokenizer"):
         tok.special_token_id("<｜nope｜>")
@@ -99,7 +103,7 @@ def test_is_official_vocab_uses_the_official_table(tmp_path):
     official = Tokenizer(path)
     assert official.is_official_vocab
     assert official.special_token_id("user") == 128803 and official.special_token_id("think_start") == 128821
-    assert official.encode("<｜User｜><｜Assistant｜></think>") == [128803, 128804, 128822]
+    assert official.encode("<｜User｜><｜Assistant｜></think>", allow_special=True) == [128803, 128804, 128822]
     assert official.vocab_size == 128845 + 1
 
 
@@ -115,7 +119,7 @@ def _stream(tok, ids, step):
 @pytest.mark.parametrize("step", [1, 2, 3])
 def test_stream_decoder_multibyte(tok, step):
     text = "naïve café 你好 🙂🚀 ∑√ done<｜end▁of▁sentence｜>"
-    ids = tok.encode(text)
+    ids = tok.encode(text, allow_special=True)
     assert any("\ufffd" in tok.decode([i]) for i in ids)  # some tokens do split characters
     dec, pieces = _stream(tok, ids, step)
     assert "".join(pieces) == text == dec.text
@@ -124,7 +128,7 @@ def test_stream_decoder_multibyte(tok, step):
 
 
 def test_stream_decoder_single_ids_update_and_skip_special(tok):
-    ids = tok.encode("<｜Assistant｜>你好 résumé<｜end▁of▁sentence｜>")
+    ids = tok.encode("<｜Assistant｜>你好 résumé<｜end▁of▁sentence｜>", allow_special=True)
     dec = tok.stream_decoder(skip_special_tokens=True)
     out = ""
     for n in range(1, len(ids) + 1):
@@ -151,7 +155,8 @@ def test_train_helper(tmp_path):
     assert tok.bos_id == 0 and tok.eos_id == 1 and tok.special_token_id("user") == 2
     path = tok.save(tmp_path)
     again = Tokenizer(path)
-    assert again.encode("café 你好<｜User｜>") == tok.encode("café 你好<｜User｜>")
+    for allow_special in (False, True):
+        assert again.encode("café 你好<｜User｜>", allow_special) == tok.encode("café 你好<｜User｜>", allow_special)
 
 
 def test_missing_and_invalid_files(tmp_path):
@@ -174,6 +179,8 @@ def test_missing_and_invalid_files(tmp_path):
 def test_encode_rejects_non_str(tok):
     with pytest.raises(ValueError, match="expects a str"):
         tok.encode(b"bytes")
+    with pytest.raises(ValueError, match="encode_batch expects a str"):
+        tok.encode_batch(["ok", None])
 
 
 def test_load_carries_the_checkpoints_tokenizer_read_on_first_use(tmp_path):
