@@ -84,8 +84,11 @@ def test_forward_check_holds_when_float32_noise_moves(tiny_checkpoint, tiny_f32,
     _check_against_reference(cfg, tiny_checkpoint[1], tiny_tokens, np.asarray(logits), records)
 
 
-def _fp8_in_blocks_of_32(fp8_fake_quant):
-    return lambda x, block=64: fp8_fake_quant(x, 32)
+def _fp8_of_values_3_percent_high(fp8_fake_quant):
+    # A rounding that lands on the e4m3 grid but not on the spec's value for about a quarter of the elements (the
+    # grid spacing is 12.5% of a value). A wrong block size is no such bug: the e4m3 grid under a halved power-of-two
+    # scale is the same grid except for subnormals, so it changes only the few values below 2^-6 of their block.
+    return lambda x, block=64: fp8_fake_quant(x * 1.03, block)
 
 
 def _router_without_bias(route):
@@ -107,8 +110,8 @@ def _head_collapse_bias_off_by_a_hundredth(hc_head):
 # A bug in the model, where it is, and what the check against the reference says about it: each kind of check
 # (the model's own rounding, a top-k pick that is no tie, a value before a rounding, the final logits) must bite.
 MODEL_BUGS = {
-    "window KV rounded in FP8 blocks of 32": ("dsv4_jax.layers.attention", "fp8_fake_quant", _fp8_in_blocks_of_32,
-                                              "rounding of its own values differs from the spec"),
+    "window KV rounded as if 3% larger": ("dsv4_jax.layers.attention", "fp8_fake_quant", _fp8_of_values_3_percent_high,
+                                          "rounding of its own values differs from the spec"),
     "router selects without its bias": ("dsv4_jax.layers.moe", "route", _router_without_bias,
                                         "not tied with the k-th best"),
     "compressed entries rotated one position late": ("dsv4_jax.layers.compressor", "apply_rope",
