@@ -19,6 +19,7 @@ import numpy as np
 
 from . import engine
 from .config import ModelConfig
+from .kv_cache import check_kv_cache_dtype
 from .layer_scan import is_scanned, scan_plan, stack_layers, unstack_layers
 from .run_context import RunContext
 from .sharding import check_mesh, param_shardings, state_shardings
@@ -26,19 +27,14 @@ from .module import DeepseekV4
 from .state import DecodeState, init_state, state_bytes
 
 
-_init_state_jit = jax.jit(init_state, static_argnums=(0, 1, 2, 3, 4))   # one program instead of many small ops
-
-
 @functools.cache
-def _state_maker(cfg: ModelConfig, batch: int, max_seq_len: int, dtype, scan_layers: bool, mesh):
-    make = lambda: init_state(cfg, batch, max_seq_len, dtype, scan_layers)  # noqa: E731
+def _state_maker(cfg: ModelConfig, batch: int, max_seq_len: int, dtype, scan_layers: bool, kv_cache_dtype, mesh):
+    """One jitted program that makes a fresh state (instead of many small ops), on the mesh's devices with each
+    buffer's batch rows on the "data" axis when there is a mesh."""
+    make = lambda: init_state(cfg, batch, max_seq_len, dtype, scan_layers, kv_cache_dtype)  # noqa: E731
+    if mesh is None:
+        return jax.jit(make)
     return jax.jit(make, out_shardings=state_shardings(jax.eval_shape(make), mesh))
-
-
-def _init_state_on_mesh(cfg: ModelConfig, batch: int, max_seq_len: int, dtype, scan_layers: bool,
-                        mesh) -> DecodeState:
-    """A fresh state made on the mesh's devices, each buffer's batch rows on the "data" axis."""
-    return _state_maker(cfg, batch, max_seq_len, dtype, scan_layers, mesh)()
 
 
 MIN_CONTEXT_BUCKET = 4096     # the smallest context bucket: below it the whole buffers are cheap anyway
@@ -69,7 +65,7 @@ class Model:
     def __init__(self, cfg: ModelConfig, params, *, dtype: str = "bfloat16", simulate_quant: bool = True,
                  act_quant: str = "none", max_seq_len: int = 4096, max_batch: int = 1, prefill_chunk: int = 512,
                  track_mtp: bool = False, kernels: str = "auto", target=None, mesh=None, tokenizer=None,
-                 scan_layers: bool = False, consume_params: bool = False):
+                 scan_layers: bool = False, kv_cache_dtype: str | None = None, consume_params: bool = False):
         """`kernels`: a mode ("auto", "reference", "pallas", "interpret") planned for `target` (a jax Device or
         jax.sharding.AbstractDevice to compile for; default: the mesh's first device, else JAX's default device),
         or a KernelPlan. `mesh` (sharding.make_mesh): the devices the model runs on; parameters not yet placed on
@@ -79,7 +75,11 @@ class Model:
         compile in a fraction of the time; a step moves each scanned cache once more); its weights are stacked
         once, here, and with `consume_params` the given per-layer arrays are deleted as they are stacked (load and
         init_random pass it: nothing else holds them); params already stacked (another scanned Model's) are taken
-        as they are. `model.module` of a scanned model is built on first use, from copies."""
+        as they are. `model.module` of a scanned model is built on first use, from copies. `kv_cache_dtype`:
+        None (decode states hold attention entries in `dtype`) or "fp8" (e4m3 KV nope dims and e2m1 indexer keys
+        with their block scales, kv_cache.py: half the bytes per token, the same logits under simulate_quant)."""
+        check_kv_cache_dtype(kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype
         self.config = cfg
         self._tokenizer = tokenizer
         self.mesh = mesh
@@ -160,14 +160,12 @@ class Model:
     def init_state(self, batch: int | None = None) -> DecodeState:
         batch = self.max_batch if batch is None else batch
         self._check_batch(batch)
-        if self.mesh is None:
-            return _init_state_jit(self.config, batch, self.max_seq_len, self.context.jnp_dtype, self.scan_layers)
-        return _init_state_on_mesh(self.config, batch, self.max_seq_len, self.context.jnp_dtype, self.scan_layers,
-                                   self.mesh)
+        return _state_maker(self.config, batch, self.max_seq_len, self.context.jnp_dtype, self.scan_layers,
+                            self.kv_cache_dtype, self.mesh)()
 
     def state_bytes(self, batch: int | None = None) -> int:
         return state_bytes(self.config, self.max_batch if batch is None else batch, self.max_seq_len,
-                           self.context.dtype)
+                           self.context.dtype, self.kv_cache_dtype)
 
     def prefill(self, tokens, lengths=None, state: DecodeState | None = None):
         """Consume prompts tokens [B, S] (row b's first lengths[b] tokens are real). Without `state` a fresh one

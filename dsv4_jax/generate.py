@@ -145,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--no-simulate-quant", action="store_true",
                      help="turn off the model's built-in FP8/FP4 fake-quantization of KV and indexer")
     src.add_argument("--quantize-head", action="store_true", help="quantize the lm_head to NVFP4 at load")
+    src.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                     help="how the decode state stores attention entries: auto = the activation dtype, fp8 = e4m3 "
+                          "KV and e2m1 indexer keys with block scales (half the bytes; the same logits) "
+                          "(default: auto)")
     src.add_argument("--max-seq-len", type=_int_at_least(1), default=4096, metavar="N",
                      help="context size the caches are allocated for; prompt + new tokens must fit (default: 4096)")
     src.add_argument("--prefill-chunk", type=_int_at_least(1), default=512, metavar="N",
@@ -316,9 +320,13 @@ def _memory_plan(args, directory: str, mesh, batch: int) -> str:
         raise CLIError(_one_line(err)) from None
     plan = memory_plan(cfg, mesh=mesh, max_seq_len=args.max_seq_len, max_batch=batch,
                        prefill_chunk=min(args.prefill_chunk, args.max_seq_len), dtype=args.dtype, stored=stored,
-                       compiled=True)
+                       compiled=True, kv_cache_dtype=_kv_cache_dtype(args))
     return f"{directory}: --max-seq-len {args.max_seq_len}, batch {batch}, --prefill-chunk {args.prefill_chunk}\n" \
         + plan.table()
+
+
+def _kv_cache_dtype(args):
+    return None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
 
 
 def _check_checkpoint_dir(args) -> str:
@@ -400,7 +408,7 @@ def run(args) -> int:
         model = dsv4_jax.load(directory, dtype=args.dtype, max_seq_len=args.max_seq_len, max_batch=len(prompts),
                               simulate_quant=not args.no_simulate_quant, act_quant=args.act_quant,
                               prefill_chunk=args.prefill_chunk, progress=progress, quantize_head=args.quantize_head,
-                              kernels=kernels, mesh=mesh)
+                              kernels=kernels, mesh=mesh, kv_cache_dtype=_kv_cache_dtype(args))
     except (CheckpointError, OSError) as err:
         raise CLIError(_one_line(err)) from None
     finally:
@@ -483,6 +491,7 @@ def run(args) -> int:
                          "max_seq_len": args.max_seq_len, "prefill_chunk": args.prefill_chunk,
                          "dtype": args.dtype, "act_quant": args.act_quant, "kernels": args.kernels,
                          "simulate_quant": not args.no_simulate_quant, "quantize_head": args.quantize_head,
+                         "kv_cache_dtype": args.kv_cache_dtype,
                          "chat": args.chat, "thinking": args.thinking, "system": args.system,
                          "reasoning_effort": args.reasoning_effort, "special_tokens": args.special_tokens},
             "results": [{"prompt": p, "prompt_text": t, "prompt_token_ids": c.prompt_token_ids,

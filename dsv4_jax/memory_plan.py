@@ -72,22 +72,22 @@ def _per_device_bytes(cfg: ModelConfig, n_experts_split: int, stored) -> int:
 def memory_plan(config: ModelConfig, mesh=None, n_devices: int | None = None, max_seq_len: int = 4096,
                 max_batch: int = 1, prefill_chunk: int = 512, dtype: str = "bfloat16",
                 stored: dict[str, str] | None = None, compiled: bool = False,
-                device_memory: int | None = None) -> MemoryPlan:
+                device_memory: int | None = None, kv_cache_dtype: str | None = None) -> MemoryPlan:
     """Per-device bytes on `mesh` (sharding.make_mesh), or on `n_devices` devices of that layout without a mesh
     (weights and state only: nothing to compile for). `device_memory`: a device's bytes (default: the mesh's first
-    device's limit where JAX reports it)."""
+    device's limit where JAX reports it). `kv_cache_dtype`: as Model takes it ("fp8": compact decode state)."""
     if mesh is not None:
         n_devices = mesh.devices.size
     n_devices = 1 if n_devices is None else n_devices
     if config.n_routed_experts % n_devices:
         raise ValueError(f"{config.n_routed_experts} routed experts do not split over {n_devices} devices")
-    state = state_bytes(config, max_batch, max_seq_len, dtype)
+    state = state_bytes(config, max_batch, max_seq_len, dtype, kv_cache_dtype)
     prefill_temp = decode_temp = None
     if compiled:
         if mesh is None and n_devices > 1:
             raise ValueError("compiled=True needs the mesh of the devices to compile for")
         prefill_temp, decode_temp = _compiled_temporaries(config, mesh, max_seq_len, max_batch, prefill_chunk,
-                                                          dtype, stored)
+                                                          dtype, stored, kv_cache_dtype)
     if device_memory is None and (mesh is not None or compiled):
         device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
         device_memory = (device.memory_stats() or {}).get("bytes_limit")
@@ -95,14 +95,15 @@ def memory_plan(config: ModelConfig, mesh=None, n_devices: int | None = None, ma
                       device_memory)
 
 
-def _compiled_temporaries(cfg, mesh, max_seq_len, max_batch, prefill_chunk, dtype, stored):
+def _compiled_temporaries(cfg, mesh, max_seq_len, max_batch, prefill_chunk, dtype, stored, kv_cache_dtype=None):
     from . import engine
     from .run_context import RunContext
     from .sharding import param_shardings, state_shardings
 
     ctx = RunContext.create(dtype=dtype, mesh=mesh)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), stored))
-    state = jax.eval_shape(lambda: init_state(cfg, max_batch, max_seq_len, DTYPES[dtype]))
+    state = jax.eval_shape(lambda: init_state(cfg, max_batch, max_seq_len, DTYPES[dtype],
+                                              kv_cache_dtype=kv_cache_dtype))
     if mesh is not None:
         with_sharding = lambda tree, sh: jax.tree.map(  # noqa: E731
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, sh)

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from .config import ModelConfig
+from .kv_cache import entry_bytes
 from .layers.compressor import init_compressor_state
 from .params import WeightSpec, weight_specs
 from .quant.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK
@@ -114,28 +115,31 @@ class DecodeRoofline:
         return "\n".join(lines)
 
 
-def _state_read(cfg: ModelConfig, ratio: int, batch: int, context: int, item: int) -> dict[str, float]:
+def _state_read(cfg: ModelConfig, ratio: int, batch: int, context: int, item: int,
+                kv_cache_dtype=None) -> dict[str, float]:
     read = dict.fromkeys(STATE_PARTS, 0.0)
-    read["window_kv"] = batch * min(context, cfg.window_size) * cfg.head_dim * item
+    kv_entry = entry_bytes(cfg.head_dim, cfg.rope_head_dim, item, "kv", kv_cache_dtype)
+    index_entry = entry_bytes(cfg.index_head_dim, cfg.rope_head_dim, item, "index", kv_cache_dtype)
+    read["window_kv"] = batch * min(context, cfg.window_size) * kv_entry
     if ratio == 0:
         return read
     entries = context // ratio
     pending = [init_compressor_state(1, ratio, cfg.head_dim)]
     if ratio == 4:
         pending.append(init_compressor_state(1, ratio, cfg.index_head_dim))
-        read["index_keys"] = batch * entries * cfg.index_head_dim * item
-        read["compressed_kv"] = batch * min(cfg.index_topk, entries) * cfg.head_dim * item
+        read["index_keys"] = batch * entries * index_entry
+        read["compressed_kv"] = batch * min(cfg.index_topk, entries) * kv_entry
     else:
-        read["compressed_kv"] = batch * entries * cfg.head_dim * item
+        read["compressed_kv"] = batch * entries * kv_entry
     leaves = jax.tree_util.tree_leaves(pending)
     read["compressor_state"] = batch * sum(x.size * x.dtype.itemsize for x in leaves)
     return read
 
 
 def roofline(cfg: ModelConfig, batch: int, context: int, dtype: str = "bfloat16",
-             stored: dict[str, str] | None = None, mtp: bool = False) -> DecodeRoofline:
+             stored: dict[str, str] | None = None, mtp: bool = False, kv_cache_dtype=None) -> DecodeRoofline:
     """Bytes a batch-`batch` decode step must read with `context` tokens already in each sequence's state
-    (`dtype`: the decode state's element type)."""
+    (`dtype`: the decode state's element type; `kv_cache_dtype` "fp8": its entries stored compact)."""
     if batch < 1 or context < 0:
         raise ValueError(f"batch must be >= 1 and context >= 0, got {batch} and {context}")
     item = _DTYPE_BYTES[dtype]
@@ -156,7 +160,7 @@ def roofline(cfg: ModelConfig, batch: int, context: int, dtype: str = "bfloat16"
     state = dict.fromkeys(STATE_PARTS, 0.0)
     layers = list(range(cfg.n_layers)) + ([cfg.n_layers + k for k in range(cfg.n_mtp_layers)] if mtp else [])
     for layer in layers:
-        for kind, v in _state_read(cfg, cfg.compress_ratios[layer], batch, context, item).items():
+        for kind, v in _state_read(cfg, cfg.compress_ratios[layer], batch, context, item, kv_cache_dtype).items():
             state[kind] += v
     return DecodeRoofline(batch, context, weights, state)
 

@@ -16,6 +16,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from . import kv_cache
 from .config import ModelConfig
 from .layer_scan import StackedLayers, scan_plan
 from .layers.compressor import init_compressor_state
@@ -33,24 +34,32 @@ class DecodeState:
         return self.positions.shape[0]
 
 
-def init_layer_cache(cfg: ModelConfig, ratio: int, batch: int, max_seq_len: int, dtype) -> dict:
-    cache = {"window_kv": jnp.zeros((batch, cfg.window_size, cfg.head_dim), dtype)}
+def init_layer_cache(cfg: ModelConfig, ratio: int, batch: int, max_seq_len: int, dtype,
+                     kv_cache_dtype=None) -> dict:
+    """`kv_cache_dtype`: None (entries in `dtype`) or "fp8" (compact entries, kv_cache.py)."""
+    def entries(n: int, head_dim: int, kind: str):
+        return kv_cache.empty((batch, n), head_dim, cfg.rope_head_dim, dtype, kind, kv_cache_dtype)
+    cache = {"window_kv": entries(cfg.window_size, cfg.head_dim, "kv")}
     if ratio > 0:
-        cache["compressed_kv"] = jnp.zeros((batch, max_seq_len // ratio, cfg.head_dim), dtype)
+        cache["compressed_kv"] = entries(max_seq_len // ratio, cfg.head_dim, "kv")
         cache["compressor"] = init_compressor_state(batch, ratio, cfg.head_dim)
     if ratio == 4:
-        cache["index_keys"] = jnp.zeros((batch, max_seq_len // ratio, cfg.index_head_dim), dtype)
+        cache["index_keys"] = entries(max_seq_len // ratio, cfg.index_head_dim, "index")
         cache["indexer_compressor"] = init_compressor_state(batch, ratio, cfg.index_head_dim)
     return cache
 
 
 def init_state(cfg: ModelConfig, batch: int, max_seq_len: int, dtype=jnp.bfloat16,
-               scan_layers: bool = False) -> DecodeState:
+               scan_layers: bool = False, kv_cache_dtype=None) -> DecodeState:
     """A fresh state (every sequence at position 0, compressor logits -inf). With `scan_layers`, the caches of
-    the repeated layer pattern are stacked (layer_scan.StackedLayers), as a scanned model's steps take them."""
+    the repeated layer pattern are stacked (layer_scan.StackedLayers), as a scanned model's steps take them.
+    `kv_cache_dtype` "fp8": window, compressed and indexer entries stored compact (kv_cache.py)."""
     if batch < 1 or max_seq_len < 1:
         raise ValueError(f"max_batch and max_seq_len must be >= 1, got {batch} and {max_seq_len}")
-    cache = lambda layer: init_layer_cache(cfg, cfg.compress_ratios[layer], batch, max_seq_len, dtype)  # noqa: E731
+    kv_cache.check_kv_cache_dtype(kv_cache_dtype)
+
+    def cache(layer: int) -> dict:
+        return init_layer_cache(cfg, cfg.compress_ratios[layer], batch, max_seq_len, dtype, kv_cache_dtype)
     plan = scan_plan(cfg) if scan_layers else None
     if plan is None:
         layers = [cache(i) for i in range(cfg.n_layers)]
@@ -59,14 +68,13 @@ def init_state(cfg: ModelConfig, batch: int, max_seq_len: int, dtype=jnp.bfloat1
         layers = StackedLayers(before=[cache(i) for i in range(plan.start)],
                                phases=[stack(cache(plan.layer(0, p))) for p in range(plan.period)],
                                after=[cache(i) for i in range(plan.stop, cfg.n_layers)], plan=plan)
-    mtp = [init_layer_cache(cfg, cfg.compress_ratios[cfg.n_layers + k], batch, max_seq_len, dtype)
-           for k in range(cfg.n_mtp_layers)]
+    mtp = [cache(cfg.n_layers + k) for k in range(cfg.n_mtp_layers)]
     return DecodeState(layers=layers, mtp=mtp, mtp_hidden=jnp.zeros((batch, cfg.hc_mult, cfg.dim), dtype),
                        positions=jnp.zeros((batch,), jnp.int32))
 
 
-def state_bytes(cfg: ModelConfig, batch: int, max_seq_len: int, dtype="bfloat16") -> int:
+def state_bytes(cfg: ModelConfig, batch: int, max_seq_len: int, dtype="bfloat16", kv_cache_dtype=None) -> int:
     """Bytes of the decode state for (batch, max_seq_len), computed with jax.eval_shape (nothing allocated)."""
     jdtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype] if isinstance(dtype, str) else dtype
-    shapes = jax.eval_shape(lambda: init_state(cfg, batch, max_seq_len, jdtype))
+    shapes = jax.eval_shape(lambda: init_state(cfg, batch, max_seq_len, jdtype, kv_cache_dtype=kv_cache_dtype))
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))

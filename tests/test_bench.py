@@ -14,9 +14,10 @@ def test_tiny_smoke_run(tmp_path, capsys):
     figures = tmp_path / "figures"
     assert main(["--preset", "tiny", "--batches", "2", "--contexts", "160", "--prompts", "40", "--steps", "3",
                  "--calls", "1", "--prefill-calls", "1", "--out", str(out), "--profile", str(tmp_path / "trace"),
-                 "--bandwidth-bytes", str(1 << 20), "--matmul-n", "128"]) == 0
+                 "--bandwidth-bytes", str(1 << 20), "--matmul-n", "128", "--kv-cache-dtype", "fp8"]) == 0
     result = json.loads(out.read_text())
     assert result["model"]["preset"] == "tiny" and result["model"]["layers"] == 4
+    assert result["model"]["kv_cache_dtype"] == "fp8"                  # synthetic states stored compact
     assert {"bandwidth_bytes_per_s", "fp8_flops_per_s", "bf16_flops_per_s"} <= set(result["device"])
     decode = {c["kernels"]: c for c in result["decode"]}
     assert set(decode) == {"auto", "reference"}

@@ -134,7 +134,7 @@ def runs(workdir):
         + BATCH_ARGS,
         "greedy_json": model_args(d) + GREEDY_ARGS,
         "greedy_stop_json": model_args(d) + GREEDY_ARGS + [arg for s in STOPS for arg in ("--stop", s)]
-        + ["--verbose"],
+        + ["--verbose", "--kv-cache-dtype", "fp8"],      # compact caches: the same logits, so the same tokens
     }
     jobs.update({name: build(d) for name, (build, _, _) in ERROR_CASES.items()})
     # The slow runs first: the error cases fill the gaps.
@@ -215,7 +215,8 @@ def test_batch_streaming_matches_json(runs):
 
 def test_stop_strings_cut_the_text_and_verbose_names_the_kernels(runs):
     """--stop: the completion is the unstopped greedy text cut before the first stop string, and its ids end with
-    the token that completed it; --verbose: backend, devices and each matmul kind's kernel on stderr."""
+    the token that completed it (that run also stores its caches compact: --kv-cache-dtype fp8 gives the same
+    logits); --verbose: backend, devices and each matmul kind's kernel on stderr."""
     plain, stopped = runs["greedy_json"], runs["greedy_stop_json"]
     assert_ok(plain)
     assert_ok(stopped)
@@ -232,6 +233,7 @@ def test_stop_strings_cut_the_text_and_verbose_names_the_kernels(runs):
     else:
         assert cut == full
     assert json.loads(stopped.stdout)["settings"]["stop"] == STOPS
+    assert json.loads(stopped.stdout)["settings"]["kv_cache_dtype"] == "fp8"
     assert re.search(r"^backend: cpu \| devices: 1 x .* \| kernels: auto -> reference", stopped.stderr, re.M), \
         stopped.stderr
     assert re.search(r"^matmul: linear \(Fp8BlockWeight\) -> the reference \(XLA\) x \d+$", stopped.stderr, re.M), \

@@ -61,22 +61,23 @@ def test_distinct_expert_fraction_by_enumeration(n_experts, k, batch):
     assert R.distinct_expert_fraction(batch, k, n_experts) == pytest.approx(want, rel=1e-12)
 
 
-def test_state_read_at_full_context_is_the_buffers():
+@pytest.mark.parametrize("kv_cache_dtype", [None, "fp8"])
+def test_state_read_at_full_context_is_the_buffers(kv_cache_dtype):
     """At context == max_seq_len an HCA layer reads its whole compressed buffer and a CSA layer its whole indexer
-    key buffer; the window ring is read whole; the selected entries are top-k rows of head_dim."""
+    key buffer; the window ring is read whole; the selected entries are top-k stored entries (compact or not)."""
     cfg = presets.tiny()
     batch, seq = 3, 1024
-    state = jax.eval_shape(lambda: init_state(cfg, batch, seq, jnp.bfloat16))
-    nbytes = lambda x: math.prod(x.shape) * x.dtype.itemsize  # noqa: E731
-    r = R.roofline(cfg, batch, seq)
+    state = jax.eval_shape(lambda: init_state(cfg, batch, seq, jnp.bfloat16, kv_cache_dtype=kv_cache_dtype))
+    nbytes = lambda tree: sum(math.prod(x.shape) * x.dtype.itemsize  # noqa: E731
+                              for x in jax.tree_util.tree_leaves(tree))
+    r = R.roofline(cfg, batch, seq, kv_cache_dtype=kv_cache_dtype)
     layers = state.layers
     want_window = sum(nbytes(c["window_kv"]) for c in layers)
     want_index = sum(nbytes(c["index_keys"]) for c in layers if "index_keys" in c)
     want_hca = sum(nbytes(c["compressed_kv"]) for i, c in enumerate(layers) if cfg.compress_ratios[i] > 4)
-    n_csa = sum(1 for r_ in cfg.compress_ratios[:cfg.n_layers] if r_ == 4)
-    want_selected = n_csa * batch * cfg.index_topk * cfg.head_dim * 2
-    pending = sum(nbytes(x) for c in layers for name in ("compressor", "indexer_compressor") if name in c
-                  for x in jax.tree_util.tree_leaves(c[name]))
+    csa = [c for i, c in enumerate(layers) if cfg.compress_ratios[i] == 4]
+    want_selected = sum(nbytes(c["compressed_kv"]) // (seq // 4) * cfg.index_topk for c in csa)   # batch rows in
+    pending = sum(nbytes(c[name]) for c in layers for name in ("compressor", "indexer_compressor") if name in c)
     assert r.state["window_kv"] == want_window
     assert r.state["index_keys"] == want_index
     assert r.state["compressed_kv"] == want_hca + want_selected

@@ -60,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kernels", default="auto", help="kernel mode of the main side (default auto)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--scan-layers", action="store_true", help="the repeated layer pattern under lax.scan")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="decode-state entries in the activation dtype (auto) or compact (fp8)")
     p.add_argument("--bandwidth-bytes", type=int, default=None, help="bandwidth probe's weight size")
     p.add_argument("--matmul-n", type=int, default=None, help="matmul rate probe's n")
     p.add_argument("--profile", metavar="DIR", help="trace one batch-1 decode step into DIR and tabulate it")
@@ -110,6 +112,7 @@ def run(args) -> dict:
     from . import cases, op_profile, probes
 
     cfg = _model_config(args)
+    kv_cache_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     backend = "gpu" if jax.default_backend() == "gpu" else "cpu"
     probe_bytes, probe_n = DEFAULT_PROBES[backend]
     probe_bytes, probe_n = args.bandwidth_bytes or probe_bytes, args.matmul_n or probe_n
@@ -124,7 +127,7 @@ def run(args) -> dict:
     held = sum(weight_bytes_by_part(cfg).values())
     result["model"] = {"preset": args.preset, "layers": cfg.n_layers, "weights_bytes": held,
                        "init_s": time.perf_counter() - t0, "dtype": args.dtype, "kernels": args.kernels,
-                       "scan_layers": model.scan_layers,
+                       "scan_layers": model.scan_layers, "kv_cache_dtype": args.kv_cache_dtype,
                        "kernel_backend": model.context.kernels.backend, "devices": args.devices}
     print(f"{args.preset} geometry, {cfg.n_layers} layers: {held / 1e9:.3f} GB of weights on "
           f"{result['machine']['device_kind']} ({model.context.kernels.backend or 'reference'} kernels)", flush=True)
@@ -144,7 +147,8 @@ def run(args) -> dict:
                                                   "reference", mesh=mesh)
     result["compile"] = {}
     for side, ctx in contexts.items():
-        seconds, program, state = cases.decode_step_compile_seconds(model.params, cfg, ctx, 1, args.contexts[0], mesh)
+        seconds, program, state = cases.decode_step_compile_seconds(model.params, cfg, ctx, 1, args.contexts[0], mesh,
+                                                                    kv_cache_dtype)
         result["compile"][f"decode_step_s_{side}"] = seconds
         if args.profile and side == main_side:
             tokens = jnp.zeros((1,), jnp.int32)
@@ -158,9 +162,10 @@ def run(args) -> dict:
     result["decode"] = []
     for context in args.contexts:
         for batch in args.batches:
-            floor = roofline(cfg, batch, context, args.dtype)
+            floor = roofline(cfg, batch, context, args.dtype, kv_cache_dtype=kv_cache_dtype)
             for side, ctx in contexts.items():
-                case = cases.time_decode(model.params, cfg, ctx, batch, context, args.steps, args.calls, mesh)
+                case = cases.time_decode(model.params, cfg, ctx, batch, context, args.steps, args.calls, mesh,
+                                         kv_cache_dtype)
                 case["kernels"] = side
                 case["floor_bytes"] = floor.total_bytes
                 case["floor_ms"] = 1e3 * floor.seconds(bandwidth)
@@ -180,7 +185,7 @@ def run(args) -> dict:
         flops = prefill_flops(cfg, tokens)
         for side, ctx in prefill_sides.items():
             case = cases.time_prefill(model.params, cfg, ctx.kernels, tokens, args.prefill_chunk, args.prefill_calls,
-                                      args.dtype, mesh)
+                                      args.dtype, mesh, kv_cache_dtype)
             case["kernels"] = side
             case["flops"] = flops
             case["fraction_of_fp8_rate"] = flops / (case["ttft_ms"] / 1e3) / fp8_rate

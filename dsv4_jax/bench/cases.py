@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import engine
+from .. import engine, kv_cache
 from ..api import Model
 from ..config import ModelConfig
 from ..layer_scan import is_scanned, map_layer_trees
@@ -33,18 +33,20 @@ CACHE_BUFFERS = ("window_kv", "compressed_kv", "index_keys")
 
 
 def synthetic_state(cfg: ModelConfig, batch: int, max_seq_len: int, position: int, dtype, mesh=None,
-                    seed: int = 0, scan_layers: bool = False) -> DecodeState:
+                    seed: int = 0, scan_layers: bool = False, kv_cache_dtype=None) -> DecodeState:
     """A decode state of `batch` sequences each `position` tokens in, its caches random (made on the device);
-    with `scan_layers`, laid out for a scanned model."""
+    with `scan_layers`, laid out for a scanned model; entries stored as `kv_cache_dtype` says (kv_cache.py)."""
     def make(key):
-        state = init_state(cfg, batch, max_seq_len, dtype, scan_layers)
+        state = init_state(cfg, batch, max_seq_len, dtype, scan_layers, kv_cache_dtype)
         keys = iter(jax.random.split(key, 4 * (cfg.n_layers + cfg.n_mtp_layers) + 1))
 
         def fill(cache):
             out = dict(cache)
             for name in CACHE_BUFFERS:
                 if name in cache:
-                    out[name] = jax.random.normal(next(keys), cache[name].shape, jnp.float32).astype(dtype)
+                    entries = jax.eval_shape(lambda stored: kv_cache.decode(stored, dtype), cache[name])
+                    values = jax.random.normal(next(keys), entries.shape, jnp.float32)
+                    out[name] = kv_cache.encode(values, cache[name])
             return out
         return state.replace(layers=map_layer_trees(fill, state.layers), mtp=[fill(c) for c in state.mtp],
                              mtp_hidden=jax.random.normal(next(keys), state.mtp_hidden.shape).astype(dtype),
@@ -62,14 +64,15 @@ def _sampling(batch: int) -> engine.SamplingParams:
 
 
 def time_decode(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: int, steps: int, calls: int,
-                mesh=None) -> dict:
+                mesh=None, kv_cache_dtype=None) -> dict:
     """ms per decode step at (batch, context) from `calls` timed calls of `steps` steps each (after one warm-up
     call), and the compile time of that generation chunk."""
     start = context - steps * (calls + 1)
     if start < 0:
         raise ValueError(f"context {context} is shorter than the {steps * (calls + 1)} steps the case runs "
                          f"(steps x (calls + 1))")
-    state = synthetic_state(cfg, batch, context, start, ctx.jnp_dtype, mesh, scan_layers=is_scanned(params))
+    state = synthetic_state(cfg, batch, context, start, ctx.jnp_dtype, mesh, scan_layers=is_scanned(params),
+                            kv_cache_dtype=kv_cache_dtype)
     tokens = jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab_size, jnp.int32)
     gen = engine.GenerationState(state, tokens, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
                                  jax.random.PRNGKey(3))
@@ -95,10 +98,10 @@ def time_decode(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: 
 
 
 def decode_step_compile_seconds(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: int,
-                                mesh=None) -> tuple[float, object, DecodeState]:
+                                mesh=None, kv_cache_dtype=None) -> tuple[float, object, DecodeState]:
     """Seconds to trace, lower and compile one decode step; also returns the compiled step and a state for it."""
     state = synthetic_state(cfg, batch, context, max(context - 8, 0), ctx.jnp_dtype, mesh,
-                            scan_layers=is_scanned(params))
+                            scan_layers=is_scanned(params), kv_cache_dtype=kv_cache_dtype)
     tokens = jnp.zeros((batch,), jnp.int32)
     t0 = time.perf_counter()
     program = engine.decode_step.lower(params, state, tokens, cfg=cfg, ctx=ctx, max_seq_len=context).compile()
@@ -106,11 +109,11 @@ def decode_step_compile_seconds(params, cfg: ModelConfig, ctx: RunContext, batch
 
 
 def time_prefill(params, cfg: ModelConfig, kernels, prompt_tokens: int, chunk: int, calls: int, dtype: str,
-                 mesh=None) -> dict:
+                 mesh=None, kv_cache_dtype=None) -> dict:
     """Time to first token of a `prompt_tokens`-token prompt at batch 1 (median of `calls` after a warm-up call,
     which compiles; its time is reported as the cold figure)."""
     model = Model(cfg, params, dtype=dtype, max_seq_len=prompt_tokens + 1, max_batch=1, prefill_chunk=chunk,
-                  kernels=kernels, mesh=mesh)
+                  kernels=kernels, mesh=mesh, kv_cache_dtype=kv_cache_dtype)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, prompt_tokens), dtype=np.int32)
     sp = _sampling(1)
     key = jax.random.PRNGKey(0)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import kv_cache
 from ..config import ModelConfig
 from ..quant import group_linear, linear, linear_pair
 from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
@@ -37,15 +38,16 @@ def ring_positions(start: jax.Array, window: int) -> jax.Array:
     return last - jnp.mod(last - slots, window)
 
 
-def write_ring(ring: jax.Array, kv: jax.Array, start: jax.Array, n_valid: jax.Array) -> jax.Array:
-    """Write the last min(window, n_valid) chunk tokens into their slots (position mod window)."""
+def write_ring(ring, kv: jax.Array, start: jax.Array, n_valid: jax.Array):
+    """Write the last min(window, n_valid) chunk tokens into their slots (position mod window); `ring` is stored
+    as kv_cache.py lays it out."""
     batch, seq, _ = kv.shape
-    window = ring.shape[1]
+    window = kv_cache.n_entries(ring)
     i = jnp.arange(seq, dtype=jnp.int32)[None, :]
     keep = (i < n_valid[:, None]) & (i >= n_valid[:, None] - window)
     slot = jnp.where(keep, (start[:, None] + i) % window, window)                # window -> dropped
     batch_idx = jnp.broadcast_to(jnp.arange(batch)[:, None], slot.shape)
-    return ring.at[batch_idx, slot].set(kv.astype(ring.dtype), mode="drop")
+    return kv_cache.scatter(ring, batch_idx, slot, kv)
 
 
 def compressed_visible(positions: jax.Array, n_entries: int, ratio: int) -> jax.Array:
@@ -154,7 +156,7 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
 
     # Window: the ring (positions before the chunk) followed by the chunk itself.
     window = cfg.window_size
-    keys = jnp.concatenate([cache["window_kv"].astype(dtype), kv], axis=1)              # [B, W+S, hd]
+    keys = jnp.concatenate([kv_cache.decode(cache["window_kv"], dtype), kv], axis=1)   # [B, W+S, hd]
     key_pos = jnp.concatenate([ring_positions(start, window), positions], axis=1)
     delta = positions[:, :, None] - key_pos[:, None, :]
     window_mask = (key_pos[:, None, :] >= 0) & (delta >= 0) & (delta < window)          # [B, S, W+S]
@@ -170,8 +172,7 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         compressed, new_cache["compressor"] = compressor_update(
             comp_params, x, start, n_valid, cache["compressor"], cache["compressed_kv"], ratio=ratio,
             head_dim=head_dim, nope_dim=nope, inv_freq=inv_freq, rotate=False, ctx=ctx, norm_eps=cfg.norm_eps)
-        new_cache["compressed_kv"] = compressed
-        compressed = compressed.astype(dtype)
+        new_cache["compressed_kv"] = compressed            # stored (kv_cache.py): decoded where it is read
         # The indexer only picks entries (top-k has no gradient); under training its inputs are detached so that
         # its own loss (indexer_kl) trains the indexer and nothing else.
         x_idx, q_latent_idx = (x, q_latent) if ctx.training is None else jax.lax.stop_gradient((x, q_latent))
@@ -183,28 +184,28 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
                 norm_eps=cfg.norm_eps)
             new_cache["index_keys"] = index_keys
         # Only the entries this call's positions can see are read (ctx.context_limit; visible: j < (t+1)//c).
-        live = compressed.shape[1] if ctx.context_limit is None else min(compressed.shape[1],
-                                                                          ctx.context_limit // ratio)
-        compressed = compressed[:, :live]
+        n_stored = kv_cache.n_entries(compressed)
+        live = n_stored if ctx.context_limit is None else min(n_stored, ctx.context_limit // ratio)
+        compressed = kv_cache.leading(compressed, live)
         if ratio == 4:
-            index_keys = index_keys[:, :live]
+            index_keys = kv_cache.decode(kv_cache.leading(index_keys, live), dtype)
         has_entries = live > 0     # buffers shorter than c never complete an entry
         if has_entries and ratio == 4:
             scores = None
             if ctx.training is not None:                 # its loss needs the scores of every entry
                 scores = indexer_scores(params["indexer"], cfg, x_idx, q_latent_idx, positions, index_keys,
                                         inv_freq, ctx)
-                stats["indexer_kl"] = indexer_kl(q, compressed, scores,
-                                                 compressed_visible(positions, compressed.shape[1], 4))
+                stats["indexer_kl"] = indexer_kl(q, kv_cache.decode(compressed, dtype), scores,
+                                                 compressed_visible(positions, live, 4))
             idx, valid = indexer_select(params["indexer"], cfg, x_idx, q_latent_idx, positions, index_keys,
                                         inv_freq, ctx, scores)
-            selected = jax.vmap(lambda cache_b, idx_b: cache_b[idx_b])(compressed, idx)  # [B, S, k, hd]
+            selected = kv_cache.decode(kv_cache.gather_rows(compressed, idx), dtype)      # [B, S, k, hd]
             logits.append(jnp.einsum("bshd,bskd->bshk", q, selected, preferred_element_type=jnp.float32) * scale)
             masks.append(valid[:, :, None, :])
             values.append(("selected", selected))
         elif has_entries:
-            n_entries = compressed.shape[1]
-            visible = compressed_visible(positions, n_entries, ratio)
+            compressed = kv_cache.decode(compressed, dtype)
+            visible = compressed_visible(positions, live, ratio)
             logits.append(jnp.einsum("bshd,bnd->bshn", q, compressed, preferred_element_type=jnp.float32) * scale)
             masks.append(visible[:, :, None, :])
             values.append(("all", compressed))

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import kv_cache
 from ..quant import linear
 from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
 from .norm import rms_norm
@@ -49,7 +50,8 @@ def compressor_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax
                       rotate: bool, ctx, norm_eps: float):
     """Feed a chunk x [B, S, D] (tokens at positions start[b] + i, the first n_valid[b] real) to a compressor.
 
-    Returns (cache [B, N, head_dim] with every entry completed in this chunk written, new state).
+    Returns (cache [B, N, head_dim] with every entry completed in this chunk written, new state); `cache` is
+    stored as kv_cache.py lays it out (the activation dtype or compact).
     `rotate` selects the indexer flavour of the fake quant (Hadamard + FP4) instead of FP8 on the nope dims, which
     runs when the run context `ctx` simulates the model's quantization.
     """
@@ -100,10 +102,9 @@ def compressor_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax
             nope = trained_rounding(fp8_fake_quant, entries[..., :nope_dim], ctx)
             entries = jnp.concatenate([nope, entries[..., nope_dim:]], -1)
 
-    n_cache = cache.shape[1]
-    target = jnp.where(complete, entry_idx, n_cache)                              # out of range -> dropped
+    target = jnp.where(complete, entry_idx, kv_cache.n_entries(cache))            # out of range -> dropped
     batch_idx = jnp.broadcast_to(jnp.arange(batch)[:, None], target.shape)
-    cache = cache.at[batch_idx, target].set(entries.astype(cache.dtype), mode="drop")
+    cache = kv_cache.scatter(cache, batch_idx, target, entries)
 
     # Keep pending slots of positions not consumed yet empty, so padding tokens never linger in the state.
     consumed = (slot_pos < (start + n_valid)[:, None])[..., None]
