@@ -28,6 +28,7 @@ DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "de
 def init_random(config: ModelConfig, seed: int = 0, quantize_head: bool = False, mesh=None, **options) -> Model:
     """A model with random weights in the stored formats (an NVFP4 head with `quantize_head`), generated on the
     device (on a `mesh`: each device generates its own shards, no host copy); options as for `load`."""
+    from .layer_scan import scan_plan
     from .params import init_params
     from .sharding import check_mesh, param_shardings
     stored = {"head.weight": "nvfp4"} if quantize_head else None
@@ -36,7 +37,10 @@ def init_random(config: ModelConfig, seed: int = 0, quantize_head: bool = False,
     if mesh is not None:
         check_mesh(config, mesh)
         shardings = param_shardings(config, mesh, jax.eval_shape(lambda: init_params(config, key, stored)))
-    params = init_params(config, key, stored, shardings)
+    # A scanned model's layers are generated stacked (no per-layer copy to stack afterwards); on a mesh, Model
+    # places the per-layer weights and stacks them.
+    plan = scan_plan(config) if options.get("scan_layers") and mesh is None else None
+    params = init_params(config, key, stored, shardings, scan_plan=plan)
     return Model(config, params, mesh=mesh, consume_params=True, **options)
 
 
@@ -50,7 +54,7 @@ def save(model, directory: str) -> None:
 def load(path=None, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int = 1, simulate_quant: bool = True,
          act_quant: str = "none", mesh=None, progress=None, prefill_chunk: int = 512,
          quantize_head: bool = False, track_mtp: bool = False, kernels: str = "auto", target=None,
-         scan_layers: bool = False) -> Model:
+         scan_layers: bool = False, kv_cache_dtype: str | None = None) -> Model:
     """Load an official DeepSeek-V4 checkpoint directory (config.json + safetensors), weights kept as stored
     (MXFP4 or NVFP4 routed experts), or a directory written by `save` (Orbax); without `path`, the small model
     packaged in dsv4_jax/default_model (DEFAULT_MODEL_DIR). A `tokenizer.json` in the directory becomes
@@ -58,8 +62,8 @@ def load(path=None, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch:
     quantizes the bf16 lm_head to NVFP4 once at load (standard recipe, on device) and frees the bf16 copy; the
     router gate is never quantized. `kernels` is planned once, here, for `target` (default: JAX's default device; Model says
     more). `mesh` (make_mesh): each tensor goes from its memory map straight to the devices that hold its shards
-    (sharding.RULES: the routed experts split on the "expert" axis, the rest replicated). `scan_layers`: as
-    Model takes it."""
+    (sharding.RULES: the routed experts split on the "expert" axis, the rest replicated). `scan_layers`,
+    `kv_cache_dtype` ("fp8": compact decode-state entries): as Model takes them."""
     from .checkpoint import CheckpointError, load_params
     from .orbax_checkpoint import is_orbax_checkpoint, restore
     path = DEFAULT_MODEL_DIR if path is None else os.fspath(path)
@@ -78,4 +82,4 @@ def load(path=None, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch:
     return Model(cfg, params, dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant,
                  max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk, track_mtp=track_mtp,
                  kernels=kernels, target=target, mesh=mesh, tokenizer=tokenizer, scan_layers=scan_layers,
-                 consume_params=True)
+                 kv_cache_dtype=kv_cache_dtype, consume_params=True)

@@ -102,6 +102,10 @@ def stack_layers(layers: list, plan: ScanPlan, consume: bool = False) -> Stacked
             sharding = _stacked_sharding(column[0])
             array = jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*column)
             if consume:
+                # Wait for the stack before deleting its inputs: deleted buffers are freed only once the program
+                # reading them is done, and without the wait the loop queues every leaf's stack at once (a
+                # 24-layer Flash model ran out of an H200's memory that way).
+                array.block_until_ready()
                 for x in column:
                     if isinstance(x, jax.Array):
                         x.delete()

@@ -272,26 +272,64 @@ def _random_weight(spec: WeightSpec, key: jax.Array, n_experts: int):
     return Nvfp4Weight(packed, block_scales, global_scale, jnp.ones(lead, jnp.float32) if spec.input_scale else None)
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, stored: dict[str, str] | None = None, shardings=None) -> dict:
+def init_params(cfg: ModelConfig, key: jax.Array, stored: dict[str, str] | None = None, shardings=None,
+                scan_plan=None) -> dict:
     """Random weights in the stored formats (FP8 attention, MXFP4 experts unless `stored` says otherwise, ...),
     as a parameter tree; `shardings` (sharding.param_shardings) places each weight as it is generated.
 
     Each weight comes from one small jitted generator per distinct (format, shape, std, sharding): the layers
     of a model share a few dozen of them, so the compile cost does not grow with depth (one program for the
-    whole tree took ~9 s per Flash layer to compile on an H200)."""
+    whole tree took ~9 s per Flash layer to compile on an H200). `scan_plan` (layer_scan.ScanPlan, without
+    `shardings`): the plan's layers are generated straight into their stacked layout, a layer_scan.StackedLayers
+    under "layers" holding what stack_layers would make of the per-layer weights, without a second copy of them."""
+    if scan_plan is not None and shardings is not None:
+        raise NotImplementedError("init_params: stacked generation with shardings")
     specs = weight_specs(cfg, stored)
     keys = jax.random.split(key, len(specs))
     tree: dict = {}
+    scanned: dict[tuple[int, str], list] = {}        # (phase, name inside the layer) -> [(repeat, spec, key)]
     for spec, k in zip(specs, keys):
+        place = _scanned_place(spec.name, scan_plan)
+        if place is not None:
+            repeat, phase, inner = place
+            scanned.setdefault((phase, inner), []).append((repeat, spec, k))
+            continue
         sharding = None if shardings is None else tree_get(shardings, spec.name)
         generate = _weight_generator(dataclasses.replace(spec, name=""), cfg.n_routed_experts, sharding)
         tree_set(tree, spec.name, generate(k))
+    if scan_plan is None:
+        return tree
+    from .layer_scan import StackedLayers
+    phases: list[dict] = [{} for _ in range(scan_plan.period)]
+    for (phase, inner), group in scanned.items():
+        group.sort(key=lambda item: item[0])
+        generate = _stacked_weight_generator(dataclasses.replace(group[0][1], name=""), cfg.n_routed_experts)
+        tree_set(phases[phase], inner, generate(jnp.stack([k for _, _, k in group])))
+    layers = tree["layers"]
+    tree["layers"] = StackedLayers(before=layers[:scan_plan.start], phases=phases, after=layers[scan_plan.stop:],
+                                   plan=scan_plan)
     return tree
+
+
+def _scanned_place(name: str, plan) -> tuple[int, int, str] | None:
+    """(repeat, phase, name inside the layer) of a weight of a layer the plan scans, else None."""
+    parts = name.split(".", 2)
+    if plan is None or parts[0] != "layers" or not plan.start <= int(parts[1]) < plan.stop:
+        return None
+    repeat, phase = divmod(int(parts[1]) - plan.start, plan.period)
+    return repeat, phase, parts[2]
 
 
 @functools.lru_cache(maxsize=None)
 def _weight_generator(spec: WeightSpec, n_experts: int, sharding):
     return jax.jit(lambda key: _random_weight(spec, key, n_experts), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _stacked_weight_generator(spec: WeightSpec, n_experts: int):
+    """keys [R] -> the weights of R layers stacked; one layer at a time (lax.map), so the random draws' temporaries
+    stay one layer's size."""
+    return jax.jit(lambda keys: jax.lax.map(lambda key: _random_weight(spec, key, n_experts), keys))
 
 
 def logical_param_count(cfg: ModelConfig) -> int:
