@@ -26,10 +26,11 @@ def test_readme_python_block_runs(index, capsys):
 
 def test_generated_blocks_match_the_live_code():
     """The CLI synopsis and the default model's real output in the README are what scripts/update_readme.py
-    makes from the code today (timings aside)."""
+    makes from the code today (timings aside). In a process of its own, as a user runs the command: loading the
+    persistent compilation cache's executables late in this long test process has crashed XLA:CPU (a segfault
+    in deserialization, not reproduced in a fresh process)."""
+    import subprocess
     import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-    import update_readme
-    with open(README, encoding="utf-8") as f:
-        readme = f.read()
-    assert update_readme.drifted(readme, update_readme.blocks()) == [], "run python scripts/update_readme.py"
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "update_readme.py")
+    proc = subprocess.run([sys.executable, script, "--check"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
