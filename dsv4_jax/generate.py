@@ -446,7 +446,6 @@ def run(args) -> int:
         print(f"compiling the programs for these shapes ({later})", file=sys.stderr, flush=True)
 
     t_gen = time.perf_counter()
-    dispatch = []
     try:
         with CompileTimer(on_first=compiling_notice) as compile_timer, _recording(args.verbose) as dispatch:
             result = model.generate(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -20,6 +20,15 @@ import pytest  # noqa: E402
 TINY_SEQ = 300   # crosses the 128 window twice and completes two HCA (ratio 128) entries
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop the compiled programs of a test module once it is done (later modules read theirs back from the
+    persistent cache). With every program of the suite alive in one process, XLA:CPU crashed (a segfault or an
+    abort) serializing or loading a further executable late in the run, at whichever test came there."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A tiny-preset checkpoint in the official on-disk format (2 shards) and its float64 logical weights."""
