@@ -108,11 +108,11 @@ def main(argv=None):
               "chunk": args.chunk, "runs": []}
     for name in args.kv_cache_dtypes:
         result["runs"].append(run(None if name == "auto" else name, args))
-    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if args.out:                              # after each run: a run that is stopped keeps what it finished
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
     print(f"peak resident memory {result['peak_rss_bytes'] / 2**30:.2f} GiB")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
     if args.plot:
         plot(result, args.plot)
 
