@@ -55,7 +55,7 @@ batches:
                   ids, the stop token included when hit), "finish_reason"
                   ("stop" or "length")}, ...],
      "timing": {"load_s", "prefill_s", "decode_s", "compile_s", "prompt_tokens",
-                "generated_tokens", "decode_tokens_per_s"}}
+                "generated_tokens", "decode_tokens", "decode_tokens_per_s"}}
 
 timing:
   prefill is the time to the first generated token, which includes compiling
@@ -452,9 +452,9 @@ def run(args) -> int:
                                     top_p=args.top_p, top_k=args.top_k, seed=args.seed, stream=on_tokens)
     except KeyboardInterrupt:
         sys.stdout.flush()
-        print("\ninterrupted; " + _statistics(batch, prompt_ids, texts.generated_tokens, load_s, t_gen,
-                                                time.perf_counter(), first_token_at, compile_timer.seconds),
-              file=sys.stderr)
+        timing = _timing(texts, prompt_ids, load_s, t_gen, time.perf_counter(), first_token_at,
+                         compile_timer.seconds)
+        print("\ninterrupted; " + _statistics(batch, timing, bool(first_token_at)), file=sys.stderr)
         return EXIT_INTERRUPTED
     t_end = time.perf_counter()
     if compile_timer.seconds:
@@ -472,16 +472,7 @@ def run(args) -> int:
                 _write(("\n" if i else "") + _header(i, batch, prompts[i]) + "\n")
             _write((prompts[i] if echo else "") + completions[i].text + "\n")
 
-    generated = texts.generated_tokens
-    prompt_tokens = sum(len(ids) for ids in prompt_ids)
-    prefill_s = (first_token_at[0] if first_token_at else t_end) - t_gen
-    decode_s = t_end - t_gen - prefill_s
-    decode_tokens = generated - sum(1 for c in completions if c.token_ids)
-    rate = decode_tokens / decode_s if decode_tokens and decode_s > 0 else None
-    timing = {"load_s": round(load_s, 4), "prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
-              "compile_s": round(compile_timer.seconds, 4),
-              "prompt_tokens": prompt_tokens, "generated_tokens": generated,
-              "decode_tokens_per_s": None if rate is None else round(rate, 2)}
+    timing = _timing(texts, prompt_ids, load_s, t_gen, t_end, first_token_at, compile_timer.seconds)
     if args.json:
         doc = {
             "checkpoint": os.path.abspath(directory),
@@ -499,27 +490,35 @@ def run(args) -> int:
             "timing": timing,
         }
         _write(json.dumps(doc) + "\n")
-    print(_statistics(batch, prompt_ids, generated, load_s, t_gen, t_end, first_token_at, compile_timer.seconds),
-          file=sys.stderr)
+    print(_statistics(batch, timing, bool(first_token_at)), file=sys.stderr)
     return EXIT_OK
 
 
-def _statistics(batch: int, prompt_ids, generated: int, load_s: float, t_gen: float, t_end: float,
-                first_token_at: list[float], compile_s: float) -> str:
-    """The statistics line on stderr (also after Ctrl-C, for the tokens generated so far)."""
-    prompt_tokens = sum(len(ids) for ids in prompt_ids)
-    if not first_token_at:
-        return (f"{'batch ' + str(batch) + ' | ' if batch > 1 else ''}prompt tokens: {prompt_tokens} | generated "
-                f"tokens: 0 | load: {load_s:.2f} s | {t_end - t_gen:.2f} s without a first token (incl. "
-                f"{compile_s:.2f} s compiling)")
-    prefill_s = first_token_at[0] - t_gen
-    decode_s = t_end - first_token_at[0]
-    decode_tokens = max(generated - batch, 0)
-    rate = f"{decode_tokens / decode_s:.1f} tokens/s" if decode_tokens and decode_s > 0 else "n/a"
-    return (f"{'batch ' + str(batch) + ' | ' if batch > 1 else ''}prompt tokens: {prompt_tokens} | "
-            f"generated tokens: {generated} | load: {load_s:.2f} s | prefill: {prefill_s:.2f} s "
-            f"(to first token, incl. {compile_s:.2f} s compiling) | decode: {decode_tokens} tokens in "
-            f"{decode_s:.2f} s, {rate}")
+def _timing(texts, prompt_ids, load_s: float, t_gen: float, t_end: float, first_token_at: list[float],
+            compile_s: float) -> dict:
+    """The run's timing (--json "timing"; also after Ctrl-C, for the tokens generated so far): prefill is the time
+    to the first token, decode the rest, counting the tokens after each sequence's first."""
+    generated = texts.generated_tokens
+    prefill_s = (first_token_at[0] if first_token_at else t_end) - t_gen
+    decode_s = t_end - t_gen - prefill_s
+    decode_tokens = generated - sum(1 for s in texts.streams if s.token_ids)
+    rate = decode_tokens / decode_s if decode_tokens and decode_s > 0 else None
+    return {"load_s": round(load_s, 4), "prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
+            "compile_s": round(compile_s, 4), "prompt_tokens": sum(len(ids) for ids in prompt_ids),
+            "generated_tokens": generated, "decode_tokens": decode_tokens,
+            "decode_tokens_per_s": None if rate is None else round(rate, 2)}
+
+
+def _statistics(batch: int, timing: dict, started: bool) -> str:
+    """The statistics line on stderr; `started`: a first token arrived."""
+    head = (f"{'batch ' + str(batch) + ' | ' if batch > 1 else ''}prompt tokens: {timing['prompt_tokens']} | "
+            f"generated tokens: {timing['generated_tokens']} | load: {timing['load_s']:.2f} s | ")
+    if not started:
+        return head + f"{timing['prefill_s']:.2f} s without a first token (incl. {timing['compile_s']:.2f} s compiling)"
+    rate = timing["decode_tokens_per_s"]
+    return head + (f"prefill: {timing['prefill_s']:.2f} s (to first token, incl. {timing['compile_s']:.2f} s "
+                   f"compiling) | decode: {timing['decode_tokens']} tokens in {timing['decode_s']:.2f} s, "
+                   f"{'n/a' if rate is None else f'{rate:.1f} tokens/s'}")
 
 
 def _recording(verbose: bool):
