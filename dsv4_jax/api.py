@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import engine
+from . import engine, speculative
 from .config import ModelConfig
 from .kv_cache import check_kv_cache_dtype
 from .layer_scan import is_scanned, scan_plan, stack_layers, unstack_layers
@@ -59,6 +59,10 @@ def batch_bucket(batch: int, max_batch: int) -> int:
 class GenerationResult:
     tokens: list[list[int]]          # generated ids per prompt (stop token included when hit)
     finish_reasons: list[str]        # "stop" (EOS / stop token) or "length"
+    # Speculative decoding only (speculative_tokens > 0), over the batch: tokens produced per main-model step
+    # (1 + the mean accepted drafts), and per draft position j the share of steps whose draft j was accepted.
+    acceptance: float | None = None
+    acceptance_rates: list[float] | None = None
 
 
 class Model:
@@ -167,10 +171,10 @@ class Model:
         return state_bytes(self.config, self.max_batch if batch is None else batch, self.max_seq_len,
                            self.context.dtype, self.kv_cache_dtype)
 
-    def prefill(self, tokens, lengths=None, state: DecodeState | None = None):
+    def prefill(self, tokens, lengths=None, state: DecodeState | None = None, track_mtp: bool | None = None):
         """Consume prompts tokens [B, S] (row b's first lengths[b] tokens are real). Without `state` a fresh one
         is made; with one, the tokens continue each sequence (chunked prefill). Returns (logits [B, V] of each
-        row's last consumed token, state)."""
+        row's last consumed token, state). `track_mtp` (default: the model's) also feeds the MTP block's window."""
         tokens = self._check_tokens(tokens, 2, "tokens")
         batch, seq = tokens.shape
         self._check_batch(batch)
@@ -202,7 +206,7 @@ class Model:
             n_valid = np.clip(lengths - k * chunk, 0, chunk).astype(np.int32)
             logits, state = engine.prefill_chunk(self.params, state, jnp.asarray(padded[:, k * chunk:(k + 1) * chunk]),
                                                  jnp.asarray(n_valid), logits, cfg=self.config, ctx=ctx,
-                                                 track_mtp=self.track_mtp)
+                                                 track_mtp=self.track_mtp if track_mtp is None else track_mtp)
         return logits, state
 
     def _context_for(self, positions: int):
@@ -229,7 +233,8 @@ class Model:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_tokens: Sequence[int] | None = None,
-                 stream: Callable[[list[list[int]]], object] | None = None, chunk: int = 16) -> GenerationResult:
+                 stream: Callable[[list[list[int]]], object] | None = None, chunk: int = 16,
+                 speculative_tokens: int = 0) -> GenerationResult:
         """Generate continuations of a batch of prompts (lists of token ids) with an on-device loop.
 
         Sampling: temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. Each sequence stops at
@@ -238,6 +243,11 @@ class Model:
         prompts it wants stopped (a stop decided on the host, e.g. a stop string): they get no more tokens and
         finish with "stop". The batch is padded to a power of two (at most max_batch) with one-token rows that
         stop at once, so a handful of compiled programs serve every batch size.
+
+        `speculative_tokens` k > 0: each step the MTP block drafts k tokens and the model verifies them in one
+        chunk (dsv4_jax.speculative); greedy output is the same as without, sampled output has the same
+        distribution. Needs a config with an MTP block, scan_layers=False and k spare positions (prompt +
+        max_new_tokens + k <= max_seq_len); the result reports the acceptance.
         """
         prompts = [list(p) for p in prompts]
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -250,9 +260,18 @@ class Model:
             raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
         if not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {top_k!r}")
+        k = speculative_tokens
+        if not isinstance(k, int) or k < 0:
+            raise ValueError(f"speculative_tokens must be an integer >= 0, got {k!r}")
+        if k and not self.config.n_mtp_layers:
+            raise ValueError("speculative_tokens needs a model with an MTP block (its config has n_mtp_layers=0)")
+        if k and self.scan_layers:
+            raise NotImplementedError("speculative_tokens with scan_layers=True is not supported yet; load the "
+                                      "model with scan_layers=False")
         longest = max(len(p) for p in prompts)
-        if longest + max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds "
+        if longest + max_new_tokens + k > self.max_seq_len:
+            spare = f" plus {k} speculative positions" if k else ""
+            raise ValueError(f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens}{spare} exceeds "
                              f"max_seq_len={self.max_seq_len}")
         stops = [self.config.eos_token_id] + list(stop_tokens or [])
         batch = len(prompts)
@@ -263,12 +282,14 @@ class Model:
         for b, p in enumerate(prompts):
             tokens[b, :len(p)] = p
             lengths[b] = len(p)
-        logits, state = self.prefill(tokens, lengths)
+        logits, state = self.prefill(tokens, lengths, track_mtp=self.track_mtp or k > 0)
         budget = np.ones((rows,), np.int32)
         budget[:batch] = max_new_tokens
         sp = engine.SamplingParams(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
                                    jnp.asarray(budget), jnp.asarray(stops, jnp.int32))
         gen = engine.first_generation_state(state, logits, jax.random.PRNGKey(seed), sp)
+        if k:
+            gen = speculative.start(gen, k)
         outputs: list[list[int]] = [[] for _ in prompts]
         finished = [False] * batch
         stopped_here: set[int] = set()                        # rows the caller stopped
@@ -286,20 +307,28 @@ class Model:
 
         # The host reads chunk k-1 while the device runs chunk k, so the device never waits for the host; the
         # stopping decision uses only tokens already read (a finished batch costs one empty chunk at most).
-        pending = gen.last_token[:, None]
+        pending = (gen.gen if k else gen).last_token[:, None]
         fed = longest          # a bound on every sequence's position, known here without reading the device
         while pending is not None:
             out = None
             if not all(finished):
-                fed += chunk
-                out, gen = engine.generate_chunk(self.params, gen, sp, cfg=self.config, ctx=self._context_for(fed),
-                                                 max_seq_len=self.max_seq_len, chunk=chunk,
-                                                 track_mtp=self.track_mtp)
+                fed += chunk * (k + 1)
+                kw = dict(cfg=self.config, ctx=self._context_for(fed), max_seq_len=self.max_seq_len, chunk=chunk)
+                if k:
+                    out, gen = speculative.generate_chunk(self.params, gen, sp, k=k, **kw)
+                else:
+                    out, gen = engine.generate_chunk(self.params, gen, sp, track_mtp=self.track_mtp, **kw)
             drain(pending)
             pending = out
         reasons = ["stop" if (b in stopped_here or (o and o[-1] in stops)) else "length"
                    for b, o in enumerate(outputs)]
-        return GenerationResult(tokens=outputs, finish_reasons=reasons)
+        result = GenerationResult(tokens=outputs, finish_reasons=reasons)
+        if k:
+            steps = int(np.asarray(gen.steps)[:batch].sum())
+            accepted = np.asarray(gen.accepted)[:batch].sum(axis=0)
+            result.acceptance = 1.0 + float(accepted.sum()) / max(steps, 1)
+            result.acceptance_rates = [float(a) / max(steps, 1) for a in accepted]
+        return result
 
     def complete(self, prompts, **options):
         """Strings in, strings out: `prompts` is a string, a list of chat messages, or a list of either (a batch);

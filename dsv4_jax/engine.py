@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from .config import ModelConfig
 from .layer_scan import is_scanned
-from .model import backbone, head_logits, mtp_block, mtp_streams
+from .model import backbone, commit_backbone, head_logits, mtp_block, mtp_streams
 from .run_context import RunContext
 from .sampling import sample
 from .state import DecodeState, init_state
@@ -27,12 +27,33 @@ def _run_chunk(params, cfg: ModelConfig, ctx: RunContext, state: DecodeState, to
     X [B, S, n, D], state). With `track_mtp` the MTP block's window is updated too (see `_mtp_window_update`)."""
     start = state.positions
     X, layers, _ = backbone(params, cfg, ctx, tokens, start, n_valid, state.layers)
-    new_state = state.replace(layers=layers, positions=start + n_valid)
+    return X, _advance(params, cfg, ctx, state, layers, X, tokens, n_valid, track_mtp)
+
+
+def _advance(params, cfg, ctx, state, layers, X, tokens, n_valid, track_mtp):
+    """The state after the first n_valid[b] tokens of a chunk whose backbone caches are `layers` and final streams
+    X: positions, the MTP block's window (with `track_mtp`) and the streams of each row's last consumed position."""
+    new_state = state.replace(layers=layers, positions=state.positions + n_valid)
     if track_mtp and cfg.n_mtp_layers:
         new_state = new_state.replace(mtp=[_mtp_window_update(params, cfg, ctx, state, X, tokens, n_valid)])
     last = jnp.take_along_axis(X, jnp.maximum(n_valid - 1, 0)[:, None, None, None], axis=1)[:, 0]
     hidden = jnp.where((n_valid > 0)[:, None, None], last.astype(state.mtp_hidden.dtype), state.mtp_hidden)
-    return X, new_state.replace(mtp_hidden=hidden)
+    return new_state.replace(mtp_hidden=hidden)
+
+
+def read_chunk(params, cfg: ModelConfig, ctx: RunContext, state: DecodeState, tokens, n_read):
+    """Run tokens [B, S] (the first n_read[b] real) at each sequence's position WITHOUT committing them: returns
+    (final streams X [B, S, n, D], the backbone caches as read, to hand to commit_chunk). A speculative verify."""
+    X, layers, _ = backbone(params, cfg, ctx, tokens, state.positions, n_read, state.layers, defer=True)
+    return X, layers
+
+
+def commit_chunk(params, cfg: ModelConfig, ctx: RunContext, state: DecodeState, read_layers, X, tokens, n_read,
+                 n_commit, track_mtp: bool = False) -> DecodeState:
+    """Commit the first n_commit[b] <= n_read[b] tokens of a chunk run by read_chunk on `state`: the result equals
+    the state that feeding only those tokens (prefill_chunk / decode steps) produces."""
+    layers = commit_backbone(params, cfg, ctx, read_layers, state.positions, n_read, n_commit)
+    return _advance(params, cfg, ctx, state, layers, X, tokens, n_commit, track_mtp)
 
 
 def _mtp_window_update(params, cfg, ctx, state, X, tokens, n_valid):

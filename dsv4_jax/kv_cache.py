@@ -100,8 +100,12 @@ def decode(stored, dtype) -> jax.Array:
 
 def scatter(stored, batch_idx: jax.Array, index: jax.Array, entries: jax.Array):
     """stored[batch_idx, index] = entries (encoded); out-of-range indices are dropped."""
-    encoded = encode(entries, stored)
-    return jax.tree.map(lambda buf, new: buf.at[batch_idx, index].set(new, mode="drop"), stored, encoded)
+    return put_rows(stored, batch_idx, index, encode(entries, stored))
+
+
+def put_rows(stored, batch_idx: jax.Array, index: jax.Array, values):
+    """stored[batch_idx, index] = values, already stored (as gather_rows returns them); out of range: dropped."""
+    return jax.tree.map(lambda buf, new: buf.at[batch_idx, index].set(new, mode="drop"), stored, values)
 
 
 def leading(stored, stop: int):

@@ -14,7 +14,7 @@ from jax import lax
 
 from .config import ModelConfig
 from .layer_scan import StackedLayers
-from .layers.attention import attention
+from .layers.attention import attention, commit_attention
 from .layers.hyper import hc_head, hc_post, hc_pre
 from .layers.moe import moe
 from .layers.norm import rms_norm
@@ -32,20 +32,29 @@ def layer_kind(cfg: ModelConfig, layer: int) -> str:
 
 
 def block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, X: jax.Array, token_ids: jax.Array,
-          start: jax.Array, n_valid: jax.Array, cache: dict):
+          start: jax.Array, n_valid: jax.Array, cache: dict, defer: bool = False):
     """One transformer block on streams X [B, S, n, D]. Returns (X, cache, statistics): the statistics are {} for
-    inference and, under training, the layer's `indexer_kl` and `expert_load` (run_context.Training)."""
+    inference and, under training, the layer's `indexer_kl` and `expert_load` (run_context.Training). `defer`:
+    read the cache without committing the chunk (attention's `defer`; commit_block commits a prefix)."""
     with jax.named_scope(f"{layer_kind(cfg, layer)}_layer"):
-        return _block(params, cfg, ctx, layer, X, token_ids, start, n_valid, cache)
+        return _block(params, cfg, ctx, layer, X, token_ids, start, n_valid, cache, defer)
 
 
-def _block(params, cfg, ctx, layer, X, token_ids, start, n_valid, cache):
+def commit_block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, cache: dict, start: jax.Array,
+                 n_read: jax.Array, n_commit: jax.Array) -> dict:
+    """The cache of a block that read a chunk with `defer`, committed for its first n_commit[b] tokens."""
+    ratio = cfg.compress_ratios[layer]
+    return commit_attention(params["attn"], cfg, ratio, cache, start, n_read, n_commit, rope_inv_freq(cfg, ratio),
+                            ctx)
+
+
+def _block(params, cfg, ctx, layer, X, token_ids, start, n_valid, cache, defer):
     ratio = cfg.compress_ratios[layer]
     unroll = ctx.kernels.on_gpu
     u, post, comb = hc_pre(X, params["hc_attn_fn"], params["hc_attn_base"], params["hc_attn_scale"], cfg, unroll)
     x = rms_norm(u, params["attn_norm"]["weight"], cfg.norm_eps)
     y, cache, attn_stats = attention(params["attn"], cfg, ratio, x, start, n_valid, cache,
-                                     rope_inv_freq(cfg, ratio), ctx)
+                                     rope_inv_freq(cfg, ratio), ctx, defer)
     X = hc_post(y, X, post, comb)
     u, post, comb = hc_pre(X, params["hc_ffn_fn"], params["hc_ffn_base"], params["hc_ffn_scale"], cfg, unroll)
     x = rms_norm(u, params["ffn_norm"]["weight"], cfg.norm_eps)
@@ -61,17 +70,27 @@ def embed(params: dict, cfg: ModelConfig, tokens: jax.Array, dtype) -> jax.Array
 
 
 def backbone(params: dict, cfg: ModelConfig, ctx: RunContext, tokens: jax.Array, start: jax.Array,
-             n_valid: jax.Array, caches):
+             n_valid: jax.Array, caches, defer: bool = False):
     """All backbone layers. Returns (final streams X [B, S, n, D] before the hc head, new caches, statistics per
     layer as `block` returns them). With params["layers"] a layer_scan.StackedLayers (and the caches stacked the
-    same way) the repeated pattern runs under lax.scan."""
+    same way) the repeated pattern runs under lax.scan. `defer`: read without committing (commit_backbone)."""
     X = embed(params, cfg, tokens, ctx.jnp_dtype)
     layers = params["layers"]
     run = lambda layer, X, layer_params, cache: block(layer_params, cfg, ctx, layer, X, tokens,  # noqa: E731
-                                                      start, n_valid, cache)
+                                                      start, n_valid, cache, defer)
     if not isinstance(layers, StackedLayers):
         return _unrolled_layers(run, 0, layers, caches, X)
+    if defer:
+        raise NotImplementedError("speculative verification (a deferred commit) of a model with scan_layers=True; "
+                                  "use scan_layers=False")
     return _scanned_backbone(run, layers, caches, X)
+
+
+def commit_backbone(params: dict, cfg: ModelConfig, ctx: RunContext, caches: list, start: jax.Array,
+                    n_read: jax.Array, n_commit: jax.Array) -> list:
+    """Caches of a backbone(..., defer=True) call, committed for the first n_commit[b] tokens of the chunk."""
+    return [commit_block(layer_params, cfg, ctx, layer, cache, start, n_read, n_commit)
+            for layer, (layer_params, cache) in enumerate(zip(params["layers"], caches, strict=True))]
 
 
 def _unrolled_layers(run, first: int, layers_params: list, caches: list, X):

@@ -20,7 +20,7 @@ from .. import kv_cache
 from ..config import ModelConfig
 from ..quant import group_linear, linear, linear_pair
 from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
-from .compressor import compressor_update
+from .compressor import compressor_commit, compressor_read, compressor_update
 from .indexer_loss import indexer_kl
 from .norm import rms_norm
 from .rope import apply_rope
@@ -132,11 +132,59 @@ def indexer_select(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.A
     return idx, top_scores > -jnp.inf
 
 
+def _indexer_compressor_dims(cfg: ModelConfig) -> dict:
+    return dict(ratio=4, head_dim=cfg.index_head_dim, nope_dim=cfg.index_head_dim - cfg.rope_head_dim, rotate=True)
+
+
+def _committed_update(new_cache: dict):
+    """Feed a compressor and commit: its pending state goes to new_cache[name]; returns the updated entries."""
+    def update(name, params, x, start, n_valid, cache, entries_name, **kw):
+        entries, new_cache[name] = compressor_update(params, x, start, n_valid, cache[name], cache[entries_name],
+                                                     **kw)
+        return entries
+    return update
+
+
+def _deferred_update(new_cache: dict):
+    """Feed a compressor for reading only: its pending state stays, the commit data goes to the pending entry."""
+    def update(name, params, x, start, n_valid, cache, entries_name, **kw):
+        entries, new_cache["pending"][name] = compressor_read(params, x, start, n_valid, cache[name],
+                                                              cache[entries_name], **kw)
+        new_cache[name] = cache[name]
+        return entries
+    return update
+
+
+def commit_attention(params: dict, cfg: ModelConfig, ratio: int, cache: dict, start: jax.Array, n_read: jax.Array,
+                     n_commit: jax.Array, inv_freq: np.ndarray, ctx) -> dict:
+    """Commit the first n_commit[b] <= n_read[b] tokens of a chunk that attention(..., defer=True) read with
+    n_read[b] real tokens: the layer cache exactly as attention would have left it fed only those tokens."""
+    cache = dict(cache)
+    pending = cache.pop("pending")
+    dtype = ctx.jnp_dtype
+    cache["window_kv"] = write_ring(cache["window_kv"], pending["window_kv"], start, n_commit)
+    if ratio > 0:
+        cache["compressed_kv"], cache["compressor"] = compressor_commit(
+            params["compressor"], pending["compressor"], start, n_read, n_commit, cache["compressor"],
+            cache["compressed_kv"], out_dtype=dtype, ratio=ratio, head_dim=cfg.head_dim, nope_dim=cfg.nope_head_dim,
+            inv_freq=inv_freq, rotate=False, ctx=ctx, norm_eps=cfg.norm_eps)
+    if ratio == 4:
+        cache["index_keys"], cache["indexer_compressor"] = compressor_commit(
+            params["indexer"]["compressor"], pending["indexer_compressor"], start, n_read, n_commit,
+            cache["indexer_compressor"], cache["index_keys"], out_dtype=dtype, **_indexer_compressor_dims(cfg),
+            inv_freq=inv_freq, ctx=ctx, norm_eps=cfg.norm_eps)
+    return cache
+
+
 @jax.named_scope("attention")
 def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: jax.Array, n_valid: jax.Array,
-              cache: dict, inv_freq: np.ndarray, ctx):
+              cache: dict, inv_freq: np.ndarray, ctx, defer: bool = False):
     """x [B, S, D] (attn_norm'd) at positions start[b] + i. Returns (output [B, S, D], updated layer cache,
-    statistics: {} for inference; under training {"indexer_kl": ...} in CSA layers, run_context.Training)."""
+    statistics: {} for inference; under training {"indexer_kl": ...} in CSA layers, run_context.Training).
+
+    `defer`: read without committing (a speculative verify chunk): the window ring and the compressors' pending
+    tokens are left as they were and the returned cache carries a "pending" entry, which commit_attention turns
+    into the state that feeding only a prefix of the chunk would have produced."""
     batch, seq, _ = x.shape
     n_heads, head_dim, nope = cfg.n_heads, cfg.head_dim, cfg.nope_head_dim
     dtype = x.dtype
@@ -164,24 +212,25 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     logits = [jnp.einsum("bshd,bkd->bshk", q, keys, preferred_element_type=jnp.float32) * scale]
     masks = [window_mask[:, :, None, :]]
     values = [("window", keys)]
-    new_cache = {"window_kv": write_ring(cache["window_kv"], kv, start, n_valid)}
+    if defer:
+        new_cache = {"window_kv": cache["window_kv"], "pending": {"window_kv": kv}}
+    else:
+        new_cache = {"window_kv": write_ring(cache["window_kv"], kv, start, n_valid)}
     stats = {}
 
     if ratio > 0:
-        comp_params = params["compressor"]
-        compressed, new_cache["compressor"] = compressor_update(
-            comp_params, x, start, n_valid, cache["compressor"], cache["compressed_kv"], ratio=ratio,
-            head_dim=head_dim, nope_dim=nope, inv_freq=inv_freq, rotate=False, ctx=ctx, norm_eps=cfg.norm_eps)
+        update = _deferred_update(new_cache) if defer else _committed_update(new_cache)
+        compressed = update("compressor", params["compressor"], x, start, n_valid, cache, "compressed_kv",
+                            ratio=ratio, head_dim=head_dim, nope_dim=nope, inv_freq=inv_freq, rotate=False, ctx=ctx,
+                            norm_eps=cfg.norm_eps)
         new_cache["compressed_kv"] = compressed            # stored (kv_cache.py): decoded where it is read
         # The indexer only picks entries (top-k has no gradient); under training its inputs are detached so that
         # its own loss (indexer_kl) trains the indexer and nothing else.
         x_idx, q_latent_idx = (x, q_latent) if ctx.training is None else jax.lax.stop_gradient((x, q_latent))
         if ratio == 4:
-            index_keys, new_cache["indexer_compressor"] = compressor_update(
-                params["indexer"]["compressor"], x_idx, start, n_valid, cache["indexer_compressor"],
-                cache["index_keys"], ratio=ratio, head_dim=cfg.index_head_dim,
-                nope_dim=cfg.index_head_dim - cfg.rope_head_dim, inv_freq=inv_freq, rotate=True, ctx=ctx,
-                norm_eps=cfg.norm_eps)
+            index_keys = update("indexer_compressor", params["indexer"]["compressor"], x_idx, start, n_valid,
+                                cache, "index_keys", **_indexer_compressor_dims(cfg), inv_freq=inv_freq,
+                                ctx=ctx, norm_eps=cfg.norm_eps)
             new_cache["index_keys"] = index_keys
         # Only the entries this call's positions can see are read (ctx.context_limit; visible: j < (t+1)//c).
         n_stored = kv_cache.n_entries(compressed)

@@ -55,19 +55,53 @@ def compressor_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax
     `rotate` selects the indexer flavour of the fake quant (Hadamard + FP4) instead of FP8 on the nope dims, which
     runs when the run context `ctx` simulates the model's quantization.
     """
-    batch, seq, _ = x.shape
-    c, coff = ratio, overlap_factor(ratio)
-    width = coff * head_dim
-    positions = start[:, None] + jnp.arange(seq, dtype=jnp.int32)[None, :]
+    projected = compressor_project(params, x, start, ratio=ratio, ctx=ctx)
+    return compressor_pool(params, projected, start, n_valid, state, cache, ratio=ratio, head_dim=head_dim,
+                           nope_dim=nope_dim, inv_freq=inv_freq, rotate=rotate, ctx=ctx, norm_eps=norm_eps,
+                           out_dtype=x.dtype)
 
+
+def compressor_project(params: dict, x: jax.Array, start: jax.Array, *, ratio: int, ctx) -> dict:
+    """The chunk's projected tokens and gate logits (+ ape): {"kv", "score"} float32 [B, S, coff*head_dim] each,
+    what the pending state holds per token."""
+    seq = x.shape[1]
+    positions = start[:, None] + jnp.arange(seq, dtype=jnp.int32)[None, :]
     x32 = x.astype(jnp.float32)
     kv = linear(x32, params["wkv"]["weight"], ctx=ctx)                           # [B, S, coff*hd] fp32
     ape = params["ape"].astype(jnp.float32)                                      # [c, coff*hd]
-    score = linear(x32, params["wgate"]["weight"], ctx=ctx) + ape[positions % c]
+    score = linear(x32, params["wgate"]["weight"], ctx=ctx) + ape[positions % ratio]
+    return {"kv": kv, "score": score}
 
-    # Lay pending tokens and the chunk out on one window-aligned grid starting at position `base`.
+
+def _entry_grid(start: jax.Array, seq: int, ratio: int):
+    """The window-aligned grid of a chunk of `seq` tokens at `start`: (base position [B], slots, index [B, W] of
+    the entry each poolable window of the grid would complete)."""
+    c, coff = ratio, overlap_factor(ratio)
     base = (start // c) * c - (coff - 1) * c
     n_slots = -(-(coff * c + seq) // c) * c
+    window_idx = jnp.arange(coff - 1, n_slots // c, dtype=jnp.int32)      # ratio 4: the first window only lends A
+    return base, n_slots, base[:, None] // c + window_idx[None, :]
+
+
+def completed_entries(start: jax.Array, n_valid: jax.Array, seq: int, ratio: int):
+    """(index [B, W], completed [B, W]): the entries a chunk of `seq` tokens at `start` with n_valid[b] real ones
+    completes (the ones compressor_pool writes)."""
+    _, _, entry_idx = _entry_grid(start, seq, ratio)
+    return entry_idx, (entry_idx + 1) * ratio <= (start + n_valid)[:, None]
+
+
+def compressor_pool(params: dict, projected: dict, start: jax.Array, n_valid: jax.Array, state: dict,
+                    cache, *, ratio: int, head_dim: int, nope_dim: int, inv_freq: np.ndarray, rotate: bool, ctx,
+                    norm_eps: float, out_dtype):
+    """Pool the projected chunk (compressor_project) after the pending tokens of `state`: every window whose last
+    real token arrived becomes an entry, scattered into `cache` at its index. Returns (cache, new state)."""
+    kv, score = projected["kv"], projected["score"]
+    batch, seq, _ = kv.shape
+    c, coff = ratio, overlap_factor(ratio)
+    width = coff * head_dim
+
+    # Lay pending tokens and the chunk out on one window-aligned grid starting at position `base`.
+    base, n_slots, entry_idx = _entry_grid(start, seq, c)
     grid_kv = jnp.zeros((batch, n_slots, width), jnp.float32).at[:, :coff * c].set(state["kv"])
     grid_score = jnp.full((batch, n_slots, width), -jnp.inf, jnp.float32).at[:, :coff * c].set(state["score"])
     grid_kv = _place_rows(grid_kv, kv, start - base)
@@ -82,16 +116,13 @@ def compressor_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax
         # Entry of window w: A halves of window w-1, then B halves of window w.
         pool_kv = jnp.concatenate([win_kv[:, :-1, :, :head_dim], win_kv[:, 1:, :, head_dim:]], axis=2)
         pool_score = jnp.concatenate([win_score[:, :-1, :, :head_dim], win_score[:, 1:, :, head_dim:]], axis=2)
-        first_window = 1
     else:
-        pool_kv, pool_score, first_window = win_kv, win_score, 0
-    window_idx = jnp.arange(first_window, n_windows, dtype=jnp.int32)
-    entry_idx = base[:, None] // c + window_idx[None, :]                          # [B, W]
+        pool_kv, pool_score = win_kv, win_score
     complete = (entry_idx + 1) * c <= (start + n_valid)[:, None]
 
     safe_score = jnp.where(complete[..., None, None], pool_score, 0.0)        # keep padding windows NaN-free
     weights = jax.nn.softmax(safe_score, axis=2)
-    entries = jnp.sum(weights * pool_kv, axis=2).astype(x.dtype)                # [B, W, hd]
+    entries = jnp.sum(weights * pool_kv, axis=2).astype(out_dtype)                # [B, W, hd]
 
     entries = rms_norm(entries, params["norm"]["weight"], norm_eps)
     entries = apply_rope(entries, entry_idx * c, inv_freq)
@@ -114,3 +145,34 @@ def compressor_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax
     new_state = {"kv": _take_rows(grid_kv, new_base - base, coff * c),
                  "score": _take_rows(grid_score, new_base - base, coff * c)}
     return cache, new_state
+
+
+# ---- deferred commit (speculative verification, docs/model.md 5) --------------------------------------------------
+# A verify chunk must read the entries its own tokens complete before it knows how many of them are accepted. It
+# pools with every token (compressor_read), remembering the stored values it overwrote; once the accepted count
+# is known, compressor_commit pools again with only the accepted tokens (the pending state) and puts the
+# remembered values back wherever only rejected tokens had completed an entry, so the state is exactly the one
+# that feeding the accepted tokens alone produces.
+
+def compressor_read(params: dict, x: jax.Array, start: jax.Array, n_read: jax.Array, state: dict, cache, **kw):
+    """As compressor_update for reading only: returns (cache with the chunk's completed entries written, pending
+    commit data {"projected", "overwritten"}); the pending state is left to compressor_commit."""
+    projected = compressor_project(params, x, start, ratio=kw["ratio"], ctx=kw["ctx"])
+    entry_idx, _ = completed_entries(start, n_read, x.shape[1], kw["ratio"])
+    overwritten = kv_cache.gather_rows(cache, jnp.minimum(entry_idx, kv_cache.n_entries(cache) - 1))
+    read_cache, _ = compressor_pool(params, projected, start, n_read, state, cache, out_dtype=x.dtype, **kw)
+    return read_cache, {"projected": projected, "overwritten": overwritten}
+
+
+def compressor_commit(params: dict, pending: dict, start: jax.Array, n_read: jax.Array, n_commit: jax.Array,
+                      state: dict, read_cache, *, out_dtype, **kw):
+    """Commit the first n_commit[b] <= n_read[b] tokens of a chunk read by compressor_read: (cache, new state)."""
+    projected = pending["projected"]
+    seq = projected["kv"].shape[1]
+    cache, new_state = compressor_pool(params, projected, start, n_commit, state, read_cache, out_dtype=out_dtype,
+                                       **kw)
+    entry_idx, read_done = completed_entries(start, n_read, seq, kw["ratio"])
+    _, commit_done = completed_entries(start, n_commit, seq, kw["ratio"])
+    target = jnp.where(read_done & ~commit_done, entry_idx, kv_cache.n_entries(cache))     # -> dropped
+    batch_idx = jnp.broadcast_to(jnp.arange(target.shape[0])[:, None], target.shape)
+    return kv_cache.put_rows(cache, batch_idx, target, pending["overwritten"]), new_state

@@ -1,0 +1,241 @@
+"""Speculative decoding with the MTP block (dsv4_jax/speculative.py): the deferred commit leaves exactly the state
+that plain decoding of the accepted tokens leaves, greedy output is lossless, and the rejection sampler's output
+distribution is the target's."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv4_jax
+from dsv4_jax import engine, presets, speculative
+
+K_MAX = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_exact():
+    """Random tiny model, float32 without quantization roundings: chunked and single-token arithmetic then differ
+    by float32 rounding only, so no rounding decision can make the comparisons below flip."""
+    return dsv4_jax.init_random(presets.tiny(), seed=3, dtype="float32", simulate_quant=False, max_seq_len=512,
+                                max_batch=3)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx"), donate_argnames=("state",))
+def _read_then_commit(params, state, tokens, n_read, n_commit, *, cfg, ctx):
+    X, read_layers = engine.read_chunk(params, cfg, ctx, state, tokens, n_read)
+    return engine.commit_chunk(params, cfg, ctx, state, read_layers, X, tokens, n_read, n_commit, track_mtp=True)
+
+
+def _feed_one_at_a_time(model, state, tokens, n_commit):
+    """Plain decoding: single-token chunks, row b taking part in the first n_commit[b] of them."""
+    logits = jnp.zeros((tokens.shape[0], model.config.vocab_size), jnp.float32)
+    for i in range(tokens.shape[1]):
+        active = jnp.asarray((i < n_commit).astype(np.int32))
+        logits, state = engine.prefill_chunk(model.params, state, jnp.asarray(tokens[:, i:i + 1]), active, logits,
+                                             cfg=model.config, ctx=model.context, track_mtp=True)
+    return state
+
+
+def _assert_states_equal(a, b, where):
+    leaves_a, tree = jax.tree_util.tree_flatten_with_path(a)
+    leaves_b = jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b), where
+    for (path, x), y in zip(leaves_a, leaves_b):
+        x, y = np.asarray(x), np.asarray(y)
+        name = f"{where}: {jax.tree_util.keystr(path)}"
+        if np.issubdtype(x.dtype, np.integer):
+            np.testing.assert_array_equal(x, y, err_msg=name)
+        else:
+            finite = np.isfinite(y)
+            np.testing.assert_array_equal(np.isfinite(x), finite, err_msg=name)
+            scale = max(float(np.max(np.abs(y[finite]), initial=0.0)), 1e-6)
+            np.testing.assert_allclose(x[finite], y[finite], rtol=0, atol=2e-5 * scale, err_msg=name)
+
+
+def _mixed_commit_run(model, n_steps, commit_all_drafts=False, check_every=10):
+    """Prompts of mixed lengths, then n_steps verify chunks of K_MAX + 1 tokens (random stand-in drafts) with a
+    random accepted count per row, committed by read_chunk + commit_chunk; the same accepted tokens fed one at a
+    time to a second state. Compares every state leaf every `check_every` steps."""
+    rng = np.random.default_rng(7)
+    vocab = model.config.vocab_size
+    lengths = np.array([3, 126, 60], np.int32)              # row 1 crosses the window and an HCA boundary early
+    prompts = rng.integers(1, vocab, (3, int(lengths.max()))).astype(np.int32)
+    _, spec_state = model.prefill(prompts, lengths, track_mtp=True)
+    _, plain_state = model.prefill(prompts, lengths, track_mtp=True)
+    positions = lengths.copy()
+    for step in range(n_steps):
+        chunk = rng.integers(1, vocab, (3, K_MAX + 1)).astype(np.int32)
+        n_read = np.full(3, K_MAX + 1, np.int32)
+        n_read[step % 3] = 0 if step % 5 == 0 else n_read[step % 3]    # a finished row now and then
+        n_commit = np.where(n_read > 0, rng.integers(1, K_MAX + 2, 3), 0).astype(np.int32)
+        committed = n_read if commit_all_drafts else n_commit
+        spec_state = _read_then_commit(model.params, spec_state, jnp.asarray(chunk), jnp.asarray(n_read),
+                                       jnp.asarray(committed), cfg=model.config, ctx=model.context)
+        plain_state = _feed_one_at_a_time(model, plain_state, chunk, n_commit)
+        positions += n_commit
+        if (step + 1) % check_every == 0 or step == n_steps - 1:
+            _assert_states_equal(spec_state, plain_state, f"after step {step}")
+    return positions
+
+
+def test_deferred_commit_equals_plain_decoding(tiny_exact):
+    """Window rings, compressor pending tokens, compressed caches, indexer keys, the MTP window, its streams and
+    the positions after mixed accepted counts, across the 128 window and the 4 / 128 compression boundaries."""
+    positions = _mixed_commit_run(tiny_exact, n_steps=60)
+    assert positions.min() > 128 and positions.max() > 256, positions      # both boundaries crossed
+
+
+def test_committing_rejected_drafts_is_detected(tiny_exact):
+    """The check above can fail: committing every drafted token (what a verify that commits as it reads would do)
+    leaves a state unlike plain decoding's."""
+    with pytest.raises(AssertionError):
+        _mixed_commit_run(tiny_exact, n_steps=4, commit_all_drafts=True, check_every=1)
+
+
+@pytest.fixture(scope="module")
+def default_f32():
+    return dsv4_jax.load(dtype="float32", max_seq_len=512, max_batch=4)
+
+
+def test_greedy_speculative_equals_greedy(default_f32):
+    """The packaged model's MTP block is trained, so drafts are accepted and rejected in the same batch; the
+    tokens must equal plain greedy generation's exactly (mixed prompt lengths, k = 1 and 3)."""
+    tok = default_f32.tokenizer
+    texts = ["And it came to pass", "In the beginning God created the heaven and the earth. And", "Blessed"]
+    prompts = [[tok.bos_id] + tok.encode(t) for t in texts]
+    base = default_f32.generate(prompts, max_new_tokens=160)
+    for k in (1, 3):
+        result = default_f32.generate(prompts, max_new_tokens=160, speculative_tokens=k)
+        assert result.tokens == base.tokens, k
+        assert result.finish_reasons == base.finish_reasons
+        assert 1.2 < result.acceptance <= k + 1, result.acceptance            # drafts really were accepted
+        assert len(result.acceptance_rates) == k
+        assert all(0 < r < 1 for r in result.acceptance_rates), result.acceptance_rates
+
+
+def test_speculative_loop_never_touches_the_host_and_compiles_once(default_f32):
+    """Sampled speculation (k = 2) inside the jitted loop: no host transfer, and further chunks (across ratio-4
+    and ratio-128 boundaries) reuse the one compiled program."""
+    model = default_f32
+    prompts = np.array([[1, 5, 9, 11], [2, 7, 0, 0]], np.int32)
+    logits, state = model.prefill(prompts, [4, 2], track_mtp=True)
+    sp = engine.SamplingParams(jnp.float32(0.7), jnp.int32(0), jnp.float32(0.9), jnp.asarray([200, 200], jnp.int32),
+                               jnp.asarray([-1], jnp.int32))
+    gen = speculative.start(engine.first_generation_state(state, logits, jax.random.PRNGKey(0), sp), 2)
+    kw = dict(cfg=model.config, ctx=model.context, max_seq_len=model.max_seq_len, chunk=8, k=2)
+    out, gen = speculative.generate_chunk(model.params, gen, sp, **kw)              # compiles
+    compiled = speculative.generate_chunk._cache_size()
+    with jax.transfer_guard("disallow"):
+        for _ in range(6):
+            out, gen = speculative.generate_chunk(model.params, gen, sp, **kw)
+    assert speculative.generate_chunk._cache_size() == compiled
+    assert np.asarray(gen.gen.decode.positions).min() > 40
+    assert out.shape == (2, 8 * 3)
+
+
+def test_generate_rejects_bad_speculative_requests(default_f32):
+    with pytest.raises(ValueError, match="speculative_tokens must be an integer >= 0"):
+        default_f32.generate([[1, 2]], max_new_tokens=4, speculative_tokens=-1)
+    with pytest.raises(ValueError, match="speculative positions exceeds max_seq_len"):
+        default_f32.generate([[1, 2]], max_new_tokens=509, speculative_tokens=2)
+    no_mtp = dsv4_jax.init_random(presets.tiny().replace(n_mtp_layers=0, compress_ratios=(0, 4, 128, 4)), seed=0)
+    with pytest.raises(ValueError, match="MTP block"):
+        no_mtp.generate([[1, 2]], max_new_tokens=4, speculative_tokens=1)
+
+
+# ---- the rejection sampler, on distributions we choose ----------------------------------------------------------
+
+VOCAB = 6
+
+
+def _target_and_draft():
+    """Fixed target p_j and draft q_j over 6 tokens, unlike each other (q puts mass where p has none)."""
+    p = np.array([[0.40, 0.25, 0.15, 0.10, 0.10, 0.00],
+                  [0.05, 0.05, 0.50, 0.20, 0.10, 0.10],
+                  [0.30, 0.10, 0.10, 0.20, 0.20, 0.10]])
+    q = np.array([[0.10, 0.40, 0.10, 0.10, 0.10, 0.20],
+                  [0.30, 0.05, 0.30, 0.05, 0.20, 0.10]])
+    return p, q
+
+
+def _emitted_tokens(accept_rule, n_samples: int, seed: int):
+    """n_samples independent draft-verify steps with k = 2: drafts from q, accept_rule against p. Returns
+    (first emitted token, second emitted token or -1 where only one came) [n_samples]."""
+    p, q = _target_and_draft()
+    p_j, q_j = jnp.asarray(p, jnp.float32), jnp.asarray(q, jnp.float32)
+    keys = jax.random.split(jax.random.PRNGKey(seed), n_samples)
+
+    def one(key):
+        draft_key, verify_key = jax.random.split(key)
+        drafts = jax.random.categorical(draft_key, jnp.log(q_j), axis=-1).astype(jnp.int32)     # [2]
+        n_acc, token = accept_rule(drafts[None], q_j[None], p_j[None], verify_key)
+        emitted = jnp.where(jnp.arange(3) < n_acc[0], jnp.append(drafts, 0), -1)
+        emitted = jnp.where(jnp.arange(3) == n_acc[0], token[0], emitted)
+        return emitted[0], emitted[1]
+
+    first, second = jax.jit(jax.vmap(one))(keys)
+    return np.asarray(first), np.asarray(second)
+
+
+def _chi_square(samples: np.ndarray, expected: np.ndarray) -> float:
+    counts = np.bincount(samples, minlength=VOCAB).astype(np.float64)
+    nonzero = expected > 0
+    if counts[~nonzero].sum():
+        return float("inf")                                # a token the target never emits was emitted
+    want = expected[nonzero] * counts.sum()
+    return float(np.sum((counts[nonzero] - want) ** 2 / want))
+
+
+# chi-square with 4-5 degrees of freedom: P(statistic > 30) < 2e-5, so a correct sampler fails about never, while the
+# wrong rules below land in the thousands with these sample counts.
+CHI2_LIMIT = 30.0
+
+
+def _check_distribution(accept_rule, seed: int = 0):
+    p, _ = _target_and_draft()
+    first, second = _emitted_tokens(accept_rule, 200_000, seed)
+    return _chi_square(first, p[0]), _chi_square(second[second >= 0], p[1])
+
+
+def test_rejection_sampling_emits_the_target_distribution():
+    """Each emitted token is distributed as the target's p at its position: the first always, the second in the
+    steps that accepted the first draft."""
+    first, second = _check_distribution(speculative.accept)
+    assert first < CHI2_LIMIT and second < CHI2_LIMIT, (first, second)
+
+
+def _accept_without_residual(drafts, q, p, key):
+    """A wrong rule: the correction drawn from p instead of norm(max(0, p - q))."""
+    batch, k = drafts.shape
+    n_acc, _ = speculative.accept(drafts, q, p, key)
+    p_next = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]
+    return n_acc, jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(p_next), axis=-1).astype(jnp.int32)
+
+
+def _accept_always(drafts, q, p, key):
+    """A wrong rule: every draft accepted (the bonus from p_k)."""
+    batch, k = drafts.shape
+    token = jax.random.categorical(key, jnp.log(p[:, k]), axis=-1).astype(jnp.int32)
+    return jnp.full((batch,), k, jnp.int32), token
+
+
+@pytest.mark.parametrize("wrong_rule", [_accept_without_residual, _accept_always])
+def test_a_wrong_acceptance_rule_fails_the_distribution_check(wrong_rule):
+    first, second = _check_distribution(wrong_rule)
+    assert max(first, second) > 10 * CHI2_LIMIT, (first, second)
+
+
+def test_greedy_acceptance_is_argmax_verification():
+    """One-hot p and q (temperature 0): accept while the draft is the target's argmax; the next token is the
+    target's argmax at the first mismatch, or after the last draft."""
+    vocab = 5
+    target = np.array([[2, 4, 1, 3], [2, 0, 1, 3], [0, 4, 1, 3]])         # argmax p_0..p_3 per row
+    drafts = np.array([[2, 4, 1], [2, 4, 1], [2, 4, 1]])
+    p = jax.nn.one_hot(target, vocab)
+    q = jax.nn.one_hot(drafts, vocab)
+    n_acc, token = speculative.accept(jnp.asarray(drafts, jnp.int32), q, p, jax.random.PRNGKey(0))
+    np.testing.assert_array_equal(np.asarray(n_acc), [3, 1, 0])
+    np.testing.assert_array_equal(np.asarray(token), [3, 0, 0])
