@@ -190,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="stop a prompt's generation when its text contains TEXT (repeatable); the text ends "
                           "before it")
+    smp.add_argument("--speculative-tokens", type=_int_at_least(0, 16), default=0, metavar="K",
+                     help="speculative decoding: the MTP block drafts K tokens per step and the model verifies them "
+                          "in one pass; greedy output is unchanged, sampled output keeps its distribution "
+                          "(default: 0, off)")
 
     out = p.add_argument_group("output")
     out.add_argument("--no-stream", action="store_true", help="print the text when generation ends")
@@ -384,11 +388,16 @@ def run(args) -> int:
                       for p in prompts]
     except ValueError as err:  # the chat encoder rejects malformed turns
         raise CLIError(_one_line(err)) from None
+    if args.speculative_tokens and not cfg.n_mtp_layers:
+        raise CLIError(f"--speculative-tokens needs a model with an MTP block; {directory} has none", EXIT_USAGE)
+    spare = args.speculative_tokens
     for i, ids in enumerate(prompt_ids):
-        if len(ids) + args.max_new_tokens > args.max_seq_len:
+        if len(ids) + args.max_new_tokens + spare > args.max_seq_len:
             which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"
-            raise CLIError(f"{which} has {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} it needs "
-                           f"{len(ids) + args.max_new_tokens} positions, more than --max-seq-len {args.max_seq_len}")
+            also = f" and --speculative-tokens {spare}" if spare else ""
+            raise CLIError(f"{which} has {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens}{also} it "
+                           f"needs {len(ids) + args.max_new_tokens + spare} positions, more than --max-seq-len "
+                           f"{args.max_seq_len}")
 
     import dsv4_jax
     from .checkpoint import CheckpointError
@@ -449,7 +458,8 @@ def run(args) -> int:
     try:
         with CompileTimer(on_first=compiling_notice) as compile_timer, _recording(args.verbose) as dispatch:
             result = model.generate(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, stream=on_tokens)
+                                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, stream=on_tokens,
+                                    speculative_tokens=args.speculative_tokens)
     except KeyboardInterrupt:
         sys.stdout.flush()
         timing = _timing(texts, prompt_ids, load_s, t_gen, time.perf_counter(), first_token_at,
@@ -481,7 +491,7 @@ def run(args) -> int:
                          "max_seq_len": args.max_seq_len, "prefill_chunk": args.prefill_chunk,
                          "dtype": args.dtype, "act_quant": args.act_quant, "kernels": args.kernels,
                          "simulate_quant": not args.no_simulate_quant, "quantize_head": args.quantize_head,
-                         "kv_cache_dtype": args.kv_cache_dtype,
+                         "kv_cache_dtype": args.kv_cache_dtype, "speculative_tokens": args.speculative_tokens,
                          "chat": args.chat, "thinking": args.thinking, "system": args.system,
                          "reasoning_effort": args.reasoning_effort, "special_tokens": args.special_tokens},
             "results": [{"prompt": p, "prompt_text": t, "prompt_token_ids": c.prompt_token_ids,
@@ -489,7 +499,13 @@ def run(args) -> int:
                         for p, t, c in zip(prompts, prompt_texts, completions)],
             "timing": timing,
         }
+        if result.acceptance is not None:
+            doc["speculative"] = {"tokens_per_step": result.acceptance, "acceptance_rates": result.acceptance_rates}
         _write(json.dumps(doc) + "\n")
+    if result.acceptance is not None:
+        rates = ", ".join(f"{r:.2f}" for r in result.acceptance_rates)
+        print(f"speculative decoding: {result.acceptance:.2f} tokens per model step; draft acceptance by position: "
+              f"{rates}", file=sys.stderr)
     print(_statistics(batch, timing, bool(first_token_at)), file=sys.stderr)
     return EXIT_OK
 

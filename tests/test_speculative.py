@@ -13,6 +13,7 @@ import dsv4_jax
 from dsv4_jax import engine, presets, speculative
 
 K_MAX = 3
+CORRECT_ACCEPT = speculative.accept
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +117,29 @@ def test_greedy_speculative_equals_greedy(default_f32):
         assert all(0 < r < 1 for r in result.acceptance_rates), result.acceptance_rates
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["default", "tiny_random"])
+def test_greedy_speculative_equals_greedy_long(which):
+    """500+ tokens per sequence, mixed prompt lengths, k = 1, 2, 3: the packaged model (drafts often accepted) and a
+    random tiny model (drafts almost never accepted)."""
+    if which == "default":
+        model = dsv4_jax.load(dtype="float32", max_seq_len=1024, max_batch=4)
+        tok = model.tokenizer
+        texts = ["And it came to pass", "In the beginning God created the heaven and the earth. And the earth was",
+                 "Blessed", "Now the serpent was more subtil than any beast of the field"]
+        prompts = [[tok.bos_id] + tok.encode(t) for t in texts]
+    else:
+        model = dsv4_jax.init_random(presets.tiny(), seed=5, dtype="float32", max_seq_len=1024, max_batch=4)
+        rng = np.random.default_rng(2)
+        prompts = [rng.integers(2, 512, n).tolist() for n in (1, 7, 130, 40)]
+    stops = [model.config.vocab_size + 1]                   # no stop token can end a row early
+    base = model.generate(prompts, max_new_tokens=520, stop_tokens=stops)
+    assert all(len(t) >= 500 for t in base.tokens) or which == "tiny_random"
+    for k in (1, 2, 3):
+        result = model.generate(prompts, max_new_tokens=520, stop_tokens=stops, speculative_tokens=k)
+        assert result.tokens == base.tokens, k
+
+
 def test_speculative_loop_never_touches_the_host_and_compiles_once(default_f32):
     """Sampled speculation (k = 2) inside the jitted loop: no host transfer, and further chunks (across ratio-4
     and ratio-128 boundaries) reuse the one compiled program."""
@@ -144,6 +168,96 @@ def test_generate_rejects_bad_speculative_requests(default_f32):
     no_mtp = dsv4_jax.init_random(presets.tiny().replace(n_mtp_layers=0, compress_ratios=(0, 4, 128, 4)), seed=0)
     with pytest.raises(ValueError, match="MTP block"):
         no_mtp.generate([[1, 2]], max_new_tokens=4, speculative_tokens=1)
+
+
+# ---- sampled speculative generation against the model's exact distribution -------------------------------------
+
+SAMPLING = dict(temperature=0.8, top_k=6, top_p=0.9)
+
+
+def _filtered_np(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """float64 reference of the sampling distribution: tempered softmax over the top_k tokens, then the smallest
+    prefix (by probability) whose mass reaches top_p, renormalized."""
+    scaled = logits.astype(np.float64) / temperature
+    order = np.argsort(-scaled, kind="stable")
+    kept = order[:top_k]
+    probs = np.exp(scaled[kept] - scaled[kept].max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    probs = np.where(before < top_p, probs, 0.0)
+    out = np.zeros_like(scaled)
+    out[kept] = probs / probs.sum()
+    return out
+
+
+def _exact_marginals(model, prompt: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Distributions of the 2nd and 3rd sampled tokens after `prompt`, summed over every earlier choice, from
+    teacher-forced logits of every prefix the filters allow. Category V: no token (an earlier EOS ended the row)."""
+    vocab, eos = model.config.vocab_size, model.config.eos_token_id
+
+    def dist(prefixes):
+        logits = np.asarray(model.forward(np.array([prompt + list(t) for t in prefixes], np.int32)))[:, -1]
+        return [np.append(_filtered_np(row, **SAMPLING), 0.0) for row in logits]
+    ended = np.eye(vocab + 1)[vocab]
+    (p1,) = dist([()])
+    firsts = [t for t in range(vocab) if p1[t] > 0 and t != eos]
+    p2_given = dict(zip(firsts, dist([(t,) for t in firsts])))
+    second = p1[eos] * ended + sum(p1[a] * p2_given[a] for a in firsts)
+    pairs = [(a, b) for a in firsts for b in range(vocab) if p2_given[a][b] > 0 and b != eos]
+    third = second[eos] * ended + p1[eos] * ended + sum(
+        p1[a] * p2_given[a][b] * p3 for (a, b), p3 in zip(pairs, dist(pairs)))
+    return second, third
+
+
+def _chi_square_against(samples: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson's statistic; categories expected below 5 samples are pooled into one."""
+    counts = np.bincount(samples, minlength=len(expected)).astype(np.float64)
+    want = expected * len(samples)
+    if counts[want == 0].sum():
+        return float("inf")                                # a token the filters exclude was emitted
+    small = want < 5
+    counts = np.append(counts[~small], counts[small].sum())
+    want = np.append(want[~small], want[small].sum())
+    return float(np.sum((counts - want) ** 2 / np.maximum(want, 1e-12)))
+
+
+def _sampled_statistics(model, rows: int = 4096):
+    prompt = [1, 2, 3, 4]
+    result = model.generate([prompt] * rows, max_new_tokens=3, speculative_tokens=2, seed=11, **SAMPLING)
+    vocab = model.config.vocab_size
+    tokens = np.array([row + [vocab] * (3 - len(row)) for row in result.tokens])     # V: ended by an EOS
+    second, third = _exact_marginals(model, prompt)
+    return _chi_square_against(tokens[:, 1], second), _chi_square_against(tokens[:, 2], third)
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab16():
+    """A random tiny model over 16 tokens: 4,096 independent sequences in one batch."""
+    return dsv4_jax.init_random(presets.tiny(vocab_size=16), seed=0, dtype="float32", max_seq_len=16,
+                                max_batch=4096)
+
+
+# At most 15 degrees of freedom: P(statistic > 50) < 1e-5 for a correct sampler.
+CHI2_LIMIT_16 = 50.0
+
+
+def test_sampled_speculative_tokens_follow_the_models_distribution(tiny_vocab16):
+    """The 2nd and 3rd tokens (drafted by the MTP block and verified, k = 2, temperature / top-k / top-p applied to
+    both) are distributed as the model's own sampling distribution says, summed over the earlier tokens."""
+    second, third = _sampled_statistics(tiny_vocab16)
+    assert second < CHI2_LIMIT_16 and third < CHI2_LIMIT_16, (second, third)
+
+
+@pytest.mark.slow                                           # recompiles the loop: ~45 s
+def test_sampled_check_catches_a_wrong_acceptance_rule(tiny_vocab16, monkeypatch):
+    monkeypatch.setattr(speculative, "accept", _accept_without_residual)
+    jax.clear_caches()                                     # retrace the loop with the wrong rule
+    try:
+        second, third = _sampled_statistics(tiny_vocab16)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert max(second, third) > 3 * CHI2_LIMIT_16, (second, third)
 
 
 # ---- the rejection sampler, on distributions we choose ----------------------------------------------------------
@@ -203,14 +317,13 @@ def _check_distribution(accept_rule, seed: int = 0):
 def test_rejection_sampling_emits_the_target_distribution():
     """Each emitted token is distributed as the target's p at its position: the first always, the second in the
     steps that accepted the first draft."""
-    first, second = _check_distribution(speculative.accept)
+    first, second = _check_distribution(CORRECT_ACCEPT)
     assert first < CHI2_LIMIT and second < CHI2_LIMIT, (first, second)
 
 
 def _accept_without_residual(drafts, q, p, key):
     """A wrong rule: the correction drawn from p instead of norm(max(0, p - q))."""
-    batch, k = drafts.shape
-    n_acc, _ = speculative.accept(drafts, q, p, key)
+    n_acc, _ = CORRECT_ACCEPT(drafts, q, p, key)
     p_next = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]
     return n_acc, jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(p_next), axis=-1).astype(jnp.int32)
 

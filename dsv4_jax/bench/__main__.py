@@ -53,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=_ints, default=[1024, 8192, 32768], help="prefill prompt lengths")
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed call")
     p.add_argument("--calls", type=int, default=3, help="timed calls per decode case (after one warm-up)")
+    p.add_argument("--speculative-tokens", type=_ints, default=[], metavar="K,...",
+                   help="also time speculative steps with these draft counts (batch x first context), against the "
+                        "plain step")
     p.add_argument("--prefill-calls", type=int, default=2)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--reference", choices=("all", "decode", "none"), default="all",
@@ -175,6 +178,19 @@ def run(args) -> dict:
                 _save(result, args.out)
                 print(f"decode  batch {batch:3d}  context {context:7d}  {side:9s}  {case['ms_per_step']:9.3f} ms/step"
                       f"  floor {case['floor_ms']:.3f} ms ({100 * case['fraction_of_floor']:.0f}%)", flush=True)
+    result["speculative"] = []
+    for k in args.speculative_tokens:
+        for batch in args.batches:
+            case = cases.time_speculative(model.params, cfg, model.context, batch, args.contexts[0], k, args.steps,
+                                          args.calls, mesh, kv_cache_dtype)
+            plain = next(c for c in result["decode"] if c["kernels"] == main_side and c["batch"] == batch
+                         and c["context"] == args.contexts[0])
+            # tokens a step must yield on average for speculation to beat plain decoding
+            case["break_even_tokens_per_step"] = case["ms_per_step"] / plain["ms_per_step"]
+            result["speculative"].append(case)
+            _save(result, args.out)
+            print(f"speculative k {k}  batch {batch:3d}  context {args.contexts[0]:7d}  {case['ms_per_step']:9.3f} "
+                  f"ms/step ({case['break_even_tokens_per_step']:.2f}x the plain step)", flush=True)
     first = [c for c in result["decode"] if c["batch"] == args.batches[0] and c["context"] == args.contexts[0]]
     for case in first:
         result["compile"][f"generate_chunk_s_{case['kernels']}"] = case["generate_chunk_compile_s"]
@@ -229,6 +245,10 @@ def tables(result: dict) -> str:
         ref_ms, speedup = (f"{r['ttft_ms']:.1f}", f"{r['ttft_ms'] / c['ttft_ms']:.1f}x") if r else ("-", "-")
         lines.append(f"{c['prompt_tokens']:7d} {c['ttft_ms']:10.1f} {c['tokens_per_s']:9.0f} "
                      f"{100 * c['fraction_of_fp8_rate']:6.1f}% {ref_ms:>12} {speedup:>8}")
+    if result.get("speculative"):
+        lines += ["", f"{'k':>2} {'batch':>5} {'ms/step':>9} {'x plain':>8} {'tokens/step':>11}"]
+        lines += [f"{c['k']:2d} {c['batch']:5d} {c['ms_per_step']:9.3f} {c['break_even_tokens_per_step']:7.2f}x "
+                  f"{c['tokens_per_step']:11.2f}" for c in result["speculative"]]
     lines += ["", "compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in result["compile"].items())]
     if "profile" in result:
         prof = result["profile"]

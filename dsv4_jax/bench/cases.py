@@ -97,6 +97,41 @@ def time_decode(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: 
             "first_call_ms": 1e3 * times[0], "generate_chunk_compile_s": compile_s}
 
 
+def time_speculative(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: int, k: int, steps: int,
+                     calls: int, mesh=None, kv_cache_dtype=None) -> dict:
+    """ms per speculative step (k MTP drafts, a (k+1)-token verify, the commit) at (batch, context), timed as
+    time_decode times plain steps, and the tokens each step emitted (random weights accept few drafts)."""
+    from .. import speculative
+    start = context - steps * (k + 1) * (calls + 1) - k
+    if start < 0:
+        raise ValueError(f"context {context} is shorter than the {steps * (k + 1) * (calls + 1) + k} positions the "
+                         f"speculative case may use")
+    state = synthetic_state(cfg, batch, context, start, ctx.jnp_dtype, mesh, scan_layers=is_scanned(params),
+                            kv_cache_dtype=kv_cache_dtype)
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab_size, jnp.int32)
+    gen = engine.GenerationState(state, tokens, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
+                                 jax.random.PRNGKey(3))
+    spec = speculative.start(gen, k)
+    sp = _sampling(batch)
+    t0 = time.perf_counter()
+    program = speculative.generate_chunk.lower(params, spec, sp, cfg=cfg, ctx=ctx, max_seq_len=context, chunk=steps,
+                                               k=k).compile()
+    compile_s = time.perf_counter() - t0
+    times, produced = [], []
+    for _ in range(calls + 1):
+        t0 = time.perf_counter()
+        out, spec = program(params, spec, sp)
+        out.block_until_ready()
+        times.append(time.perf_counter() - t0)
+        produced.append(out)
+    emitted = (np.asarray(jax.device_get(jnp.stack(produced))) >= 0).sum(axis=-1)        # [calls + 1, batch]
+    if (emitted < steps).any():
+        raise RuntimeError(f"batch {batch}, context {context}, k {k}: a speculative chunk stopped early")
+    return {"batch": batch, "context": context, "k": k, "steps_per_call": steps, "calls": calls,
+            "ms_per_step": 1e3 * statistics.median(times[1:]) / steps, "tokens_per_step": float(emitted.mean()) / steps,
+            "generate_chunk_compile_s": compile_s}
+
+
 def decode_step_compile_seconds(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: int,
                                 mesh=None, kv_cache_dtype=None) -> tuple[float, object, DecodeState]:
     """Seconds to trace, lower and compile one decode step; also returns the compiled step and a state for it."""

@@ -159,7 +159,8 @@ def compressor_read(params: dict, x: jax.Array, start: jax.Array, n_read: jax.Ar
     commit data {"projected", "overwritten"}); the pending state is left to compressor_commit."""
     projected = compressor_project(params, x, start, ratio=kw["ratio"], ctx=kw["ctx"])
     entry_idx, _ = completed_entries(start, n_read, x.shape[1], kw["ratio"])
-    overwritten = kv_cache.gather_rows(cache, jnp.minimum(entry_idx, kv_cache.n_entries(cache) - 1))
+    n_entries = kv_cache.n_entries(cache)              # 0 when max_seq_len < ratio: nothing is ever written
+    overwritten = kv_cache.gather_rows(cache, jnp.minimum(entry_idx, n_entries - 1)) if n_entries else None
     read_cache, _ = compressor_pool(params, projected, start, n_read, state, cache, out_dtype=x.dtype, **kw)
     return read_cache, {"projected": projected, "overwritten": overwritten}
 
@@ -171,6 +172,8 @@ def compressor_commit(params: dict, pending: dict, start: jax.Array, n_read: jax
     seq = projected["kv"].shape[1]
     cache, new_state = compressor_pool(params, projected, start, n_commit, state, read_cache, out_dtype=out_dtype,
                                        **kw)
+    if pending["overwritten"] is None:
+        return cache, new_state
     entry_idx, read_done = completed_entries(start, n_read, seq, kw["ratio"])
     _, commit_done = completed_entries(start, n_commit, seq, kw["ratio"])
     target = jnp.where(read_done & ~commit_done, entry_idx, kv_cache.n_entries(cache))     # -> dropped
