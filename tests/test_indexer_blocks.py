@@ -44,6 +44,18 @@ def test_blocked_top_k_picks_what_one_top_k_picks(monkeypatch, n_entries):
     np.testing.assert_allclose(np.asarray(got_scores)[valid], want_scores[valid], rtol=1e-5)
 
 
+def test_indexer_block_grows_while_the_scores_stay_bounded():
+    """A decode step scores a 1M-token context (262,144 entries) in one pass; a 512-token prefill chunk keeps
+    INDEXER_BLOCK; the scores of one block never pass INDEXER_SCORE_BYTES unless at INDEXER_BLOCK."""
+    heads = presets.flash().index_n_heads
+    assert attention.indexer_block(1, 1, heads) >= 262144
+    assert attention.indexer_block(1, 512, heads) == attention.INDEXER_BLOCK
+    for batch, seq in [(1, 1), (8, 1), (64, 4), (4, 64), (1, 512)]:
+        block = attention.indexer_block(batch, seq, heads)
+        assert block == attention.INDEXER_BLOCK or batch * seq * heads * 4 * block <= attention.INDEXER_SCORE_BYTES
+        assert batch * seq * heads * 4 * 2 * block > attention.INDEXER_SCORE_BYTES       # the largest that fits
+
+
 def test_indexer_select_takes_the_blocks_beyond_one_block(monkeypatch):
     """indexer_select of the tiny model's CSA layer over 300 positions (75 entries): with blocks of 16 the same
     picks as with one block (random inputs: no float32 near-ties)."""
@@ -63,6 +75,7 @@ def test_indexer_select_takes_the_blocks_beyond_one_block(monkeypatch):
                                                                                           keys)
     one_idx, one_valid = select()
     monkeypatch.setattr(attention, "INDEXER_BLOCK", 16)
+    monkeypatch.setattr(attention, "INDEXER_SCORE_BYTES", 0)           # blocks of exactly 16
     idx, valid = select()
     np.testing.assert_array_equal(np.asarray(valid), np.asarray(one_valid))
     np.testing.assert_array_equal(np.asarray(idx)[np.asarray(valid)], np.asarray(one_idx)[np.asarray(one_valid)])

@@ -56,6 +56,18 @@ def compressed_visible(positions: jax.Array, n_entries: int, ratio: int) -> jax.
 
 
 INDEXER_BLOCK = 4096     # compressed entries scored at a time beyond it (bounds the [B, S, heads, block] scores)
+INDEXER_SCORE_BYTES = 256 << 20    # float32 scores one block may hold when that allows more than INDEXER_BLOCK
+
+
+def indexer_block(batch: int, seq: int, n_heads: int) -> int:
+    """Entries the indexer scores at a time: the most (a power of two) whose [B, S, heads, block] float32 scores fit
+    INDEXER_SCORE_BYTES, never fewer than INDEXER_BLOCK. A batch-1 decode step scores a 1M-token context's
+    262,144 entries in one pass (each pass of the running top-k is a sequential loop iteration, ~80 us on an H200);
+    a 512-token prefill chunk stays at 4,096 (its memory bound)."""
+    block = INDEXER_BLOCK
+    while batch * seq * n_heads * 4 * block * 2 <= INDEXER_SCORE_BYTES:
+        block *= 2
+    return block
 
 
 def _indexer_query(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array, positions: jax.Array,
@@ -86,12 +98,14 @@ def indexer_scores(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.A
     return _scores(*_indexer_query(params, cfg, x, q_latent, positions, inv_freq, ctx), index_keys)
 
 
-def _blocked_top_k(q: jax.Array, head_weights: jax.Array, keys: jax.Array, positions: jax.Array, k: int):
-    """Top-k visible entries of every query over keys [B, N, hd] scored INDEXER_BLOCK entries at a time with a
-    running top-k, so no [B, S, heads, N] intermediate exists. The running picks (lower indices) come first in each
-    merge, so ties resolve to the lower index as one top_k over all entries does. Returns (scores, idx) [B, S, k]."""
+def _blocked_top_k(q: jax.Array, head_weights: jax.Array, keys: jax.Array, positions: jax.Array, k: int,
+                   block: int | None = None):
+    """Top-k visible entries of every query over keys [B, N, hd] scored `block` (default INDEXER_BLOCK) entries at a
+    time with a running top-k, so no [B, S, heads, N] intermediate exists. The running picks (lower indices) come
+    first in each merge, so ties resolve to the lower index as one top_k over all entries does. Returns (scores,
+    idx) [B, S, k]."""
     batch, n_entries, head_dim = keys.shape
-    block = INDEXER_BLOCK
+    block = INDEXER_BLOCK if block is None else block
     n_blocks = -(-n_entries // block)
     keys = jnp.pad(keys, ((0, 0), (0, n_blocks * block - n_entries), (0, 0)))
     seq = q.shape[1]
@@ -117,13 +131,14 @@ def indexer_select(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.A
                    index_keys: jax.Array, inv_freq: np.ndarray, ctx, scores: jax.Array | None = None):
     """Lightning indexer: top-min(index_topk, N) compressed entries per query. Returns (idx, valid) [B, S, k];
     an entry is valid iff it is visible (j < (t+1)//4); invisible picks only fill the static k slots. `scores`:
-    indexer_scores already computed for these inputs (training reuses them for its loss). Beyond INDEXER_BLOCK
+    indexer_scores already computed for these inputs (training reuses them for its loss). Beyond indexer_block()
     entries the scores are formed a block at a time (_blocked_top_k): the same picks, bounded memory."""
     n_entries = index_keys.shape[1]
     k = min(cfg.index_topk, n_entries)
-    if scores is None and n_entries > INDEXER_BLOCK and k <= INDEXER_BLOCK:
+    block = indexer_block(x.shape[0], x.shape[1], cfg.index_n_heads)
+    if scores is None and n_entries > block and k <= block:
         q, head_weights = _indexer_query(params, cfg, x, q_latent, positions, inv_freq, ctx)
-        top_scores, idx = _blocked_top_k(q, head_weights, index_keys, positions, k)
+        top_scores, idx = _blocked_top_k(q, head_weights, index_keys, positions, k, block)
         return idx, top_scores > -jnp.inf
     if scores is None:
         scores = indexer_scores(params, cfg, x, q_latent, positions, index_keys, inv_freq, ctx)
