@@ -246,8 +246,8 @@ class Model:
 
         `speculative_tokens` k > 0: each step the MTP block drafts k tokens and the model verifies them in one
         chunk (dsv4_jax.speculative); greedy output is the same as without, sampled output has the same
-        distribution. Needs a config with an MTP block, scan_layers=False and k spare positions (prompt +
-        max_new_tokens + k <= max_seq_len); the result reports the acceptance.
+        distribution. Needs a config with an MTP block and k spare positions (prompt + max_new_tokens + k <=
+        max_seq_len); the result reports the acceptance.
         """
         prompts = [list(p) for p in prompts]
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -265,9 +265,6 @@ class Model:
             raise ValueError(f"speculative_tokens must be an integer >= 0, got {k!r}")
         if k and not self.config.n_mtp_layers:
             raise ValueError("speculative_tokens needs a model with an MTP block (its config has n_mtp_layers=0)")
-        if k and self.scan_layers:
-            raise NotImplementedError("speculative_tokens with scan_layers=True is not supported yet; load the "
-                                      "model with scan_layers=False")
         longest = max(len(p) for p in prompts)
         if longest + max_new_tokens + k > self.max_seq_len:
             spare = f" plus {k} speculative positions" if k else ""

@@ -80,17 +80,41 @@ def backbone(params: dict, cfg: ModelConfig, ctx: RunContext, tokens: jax.Array,
                                                       start, n_valid, cache, defer)
     if not isinstance(layers, StackedLayers):
         return _unrolled_layers(run, 0, layers, caches, X)
-    if defer:
-        raise NotImplementedError("speculative verification (a deferred commit) of a model with scan_layers=True; "
-                                  "use scan_layers=False")
     return _scanned_backbone(run, layers, caches, X)
 
 
-def commit_backbone(params: dict, cfg: ModelConfig, ctx: RunContext, caches: list, start: jax.Array,
-                    n_read: jax.Array, n_commit: jax.Array) -> list:
+def commit_backbone(params: dict, cfg: ModelConfig, ctx: RunContext, caches, start: jax.Array,
+                    n_read: jax.Array, n_commit: jax.Array):
     """Caches of a backbone(..., defer=True) call, committed for the first n_commit[b] tokens of the chunk."""
-    return [commit_block(layer_params, cfg, ctx, layer, cache, start, n_read, n_commit)
-            for layer, (layer_params, cache) in enumerate(zip(params["layers"], caches, strict=True))]
+    layers = params["layers"]
+    commit = lambda layer, layer_params, cache: commit_block(layer_params, cfg, ctx, layer, cache,  # noqa: E731
+                                                             start, n_read, n_commit)
+    if not isinstance(layers, StackedLayers):
+        return [commit(layer, p, c) for layer, (p, c) in enumerate(zip(layers, caches, strict=True))]
+    plan = layers.plan
+    before = [commit(layer, p, c) for layer, (p, c) in enumerate(zip(layers.before, caches.before, strict=True))]
+    after = [commit(plan.stop + i, p, c) for i, (p, c) in enumerate(zip(layers.after, caches.after, strict=True))]
+
+    # As in _scanned_backbone: each iteration commits its layers' caches in place; the pending data rides along
+    # unchanged (a scan carry keeps its structure) and is dropped after the loop.
+    def body(stacked, xs):
+        repeat, phase_params = xs
+        out = []
+        for phase in range(plan.period):
+            cache = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, repeat, keepdims=False), stacked[phase])
+            committed = commit(plan.layer(0, phase), phase_params[phase], cache)
+            rest = {k: v for k, v in stacked[phase].items() if k != "pending"}
+            out.append({**_write_back(rest, committed, repeat), "pending": stacked[phase]["pending"]})
+        return out, None
+
+    phases, _ = lax.scan(body, list(caches.phases), (jnp.arange(plan.repeats, dtype=jnp.int32), list(layers.phases)))
+    phases = [{k: v for k, v in phase.items() if k != "pending"} for phase in phases]
+    return caches.replace(before=before, phases=phases, after=after)
+
+
+def _write_back(stacked: dict, cache: dict, repeat):
+    """stacked[...][repeat] = cache, leaf by leaf, in place."""
+    return jax.tree.map(lambda a, c: lax.dynamic_update_index_in_dim(a, c.astype(a.dtype), repeat, 0), stacked, cache)
 
 
 def _unrolled_layers(run, first: int, layers_params: list, caches: list, X):
@@ -109,22 +133,25 @@ def _scanned_backbone(run, layers: StackedLayers, caches: StackedLayers, X):
 
     # The stacked caches ride in the carry and each iteration writes its layers' caches back at its index, so a
     # donated state is updated in place (as scan outputs they would be a second copy of every scanned cache).
+    # A deferred (speculative verify) call's pending commit data leaves the loop as a stacked output instead.
     def body(carry, xs):
         X, stacked_caches = carry
         repeat, phase_params = xs
-        new_stacked, stats = [], []
+        new_stacked, stats, pending = [], [], []
         for phase in range(plan.period):
             cache = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, repeat, keepdims=False),
                                  stacked_caches[phase])
             X, cache, layer_stats = run(plan.layer(0, phase), X, phase_params[phase], cache)
-            new_stacked.append(jax.tree.map(lambda a, c: lax.dynamic_update_index_in_dim(a, c.astype(a.dtype),
-                                                                                         repeat, 0),
-                                            stacked_caches[phase], cache))
+            cache = dict(cache)
+            pending.append(cache.pop("pending", None))
+            new_stacked.append(_write_back(stacked_caches[phase], cache, repeat))
             stats.append(layer_stats)
-        return (X, new_stacked), stats
+        return (X, new_stacked), (stats, pending)
 
-    (X, phases), phase_stats = lax.scan(body, (X, list(caches.phases)),
-                                        (jnp.arange(plan.repeats, dtype=jnp.int32), list(layers.phases)))
+    (X, phases), (phase_stats, phase_pending) = lax.scan(
+        body, (X, list(caches.phases)), (jnp.arange(plan.repeats, dtype=jnp.int32), list(layers.phases)))
+    phases = [phase if pending is None else {**phase, "pending": pending}
+              for phase, pending in zip(phases, phase_pending)]
     scanned_stats = [jax.tree.map(lambda a, j=j: a[j], phase_stats[p])
                      for j in range(plan.repeats) for p in range(plan.period)]
 

@@ -89,6 +89,29 @@ def test_deferred_commit_equals_plain_decoding(tiny_exact):
     assert positions.min() > 128 and positions.max() > 256, positions      # both boundaries crossed
 
 
+# Layers 1..6 repeat (CSA, HCA): the scanned backbone's deferred commit runs inside its lax.scan.
+SCANNED = presets.tiny().replace(n_layers=8, compress_ratios=(0, 4, 128, 4, 128, 4, 128, 0, 0))
+
+
+@pytest.fixture(scope="module")
+def scanned_exact():
+    return dsv4_jax.init_random(SCANNED, seed=3, dtype="float32", simulate_quant=False, max_seq_len=512,
+                                max_batch=3, scan_layers=True)
+
+
+def test_deferred_commit_of_a_scanned_model_equals_plain_decoding(scanned_exact):
+    assert scanned_exact.scan_layers
+    positions = _mixed_commit_run(scanned_exact, n_steps=36, check_every=12)
+    assert positions.max() > 128, positions
+
+
+def test_scanned_speculative_greedy_equals_greedy(scanned_exact):
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    base = scanned_exact.generate(prompts, max_new_tokens=40)
+    result = scanned_exact.generate(prompts, max_new_tokens=40, speculative_tokens=2)
+    _assert_same_greedy_tokens(scanned_exact, prompts, base.tokens, result.tokens, "scanned, k=2")
+
+
 def test_committing_rejected_drafts_is_detected(tiny_exact):
     """The check above can fail: committing every drafted token (what a verify that commits as it reads would do)
     leaves a state unlike plain decoding's."""
