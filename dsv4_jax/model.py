@@ -15,7 +15,7 @@ from jax import lax
 from .config import ModelConfig
 from .layer_scan import StackedLayers
 from .layers.attention import attention, commit_attention
-from .layers.hyper import hc_head, hc_post, hc_pre
+from .layers.hyper import hc_head, hc_post, hc_pre_norm
 from .layers.moe import moe
 from .layers.norm import rms_norm
 from .layers.rope import rope_inv_freq
@@ -50,14 +50,13 @@ def commit_block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, ca
 
 def _block(params, cfg, ctx, layer, X, token_ids, start, n_valid, cache, defer):
     ratio = cfg.compress_ratios[layer]
-    unroll = ctx.kernels.on_gpu
-    u, post, comb = hc_pre(X, params["hc_attn_fn"], params["hc_attn_base"], params["hc_attn_scale"], cfg, unroll)
-    x = rms_norm(u, params["attn_norm"]["weight"], cfg.norm_eps)
+    x, post, comb, X = hc_pre_norm(X, params["hc_attn_fn"], params["hc_attn_base"], params["hc_attn_scale"],
+                                   params["attn_norm"]["weight"], cfg, ctx)
     y, cache, attn_stats = attention(params["attn"], cfg, ratio, x, start, n_valid, cache,
                                      rope_inv_freq(cfg, ratio), ctx, defer)
-    X = hc_post(y, X, post, comb)
-    u, post, comb = hc_pre(X, params["hc_ffn_fn"], params["hc_ffn_base"], params["hc_ffn_scale"], cfg, unroll)
-    x = rms_norm(u, params["ffn_norm"]["weight"], cfg.norm_eps)
+    # the attention's hc_post runs inside the next site (one pass over the streams on the GPU kernel plan)
+    x, post, comb, X = hc_pre_norm(X, params["hc_ffn_fn"], params["hc_ffn_base"], params["hc_ffn_scale"],
+                                   params["ffn_norm"]["weight"], cfg, ctx, pending=(y, post, comb))
     y, moe_stats = moe(params["ffn"], cfg, x, token_ids, cfg.is_hash_layer(layer), ctx)
     return hc_post(y, X, post, comb), cache, attn_stats | moe_stats
 

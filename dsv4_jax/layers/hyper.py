@@ -4,6 +4,10 @@ The residual stream is `hc_mult` parallel streams X [..., n, D]. Before a sub-la
 `pre`; after it, the output is added with weights `post` and the streams mix through a Sinkhorn-normalised
 (nearly doubly stochastic) matrix C, consumed transposed: X'_k = post_k y + sum_j C[j, k] X_j. All coefficient
 math is float32.
+
+On a GPU kernel plan `hc_pre_norm` runs a site (the previous sub-layer's hc_post, hc_pre and the RMSNorm after it)
+as the three Pallas kernels of pallas_kernels/mhc.py; these functions are their reference and the path everywhere
+else.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
+from .norm import rms_norm
 
 
 def _mix_logits(X: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
@@ -66,3 +71,23 @@ def hc_head(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg:
     m = _mix_logits(X, fn, cfg.norm_eps)
     pre = jax.nn.sigmoid(m * scale.astype(jnp.float32)[0] + base.astype(jnp.float32)) + cfg.hc_eps
     return jnp.einsum("...n,...nd->...d", pre, X.astype(jnp.float32)).astype(X.dtype)
+
+
+def hc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, norm_weight: jax.Array,
+                cfg: ModelConfig, ctx, pending=None):
+    """One mHC site before a sub-layer: the pending hc_post of the previous sub-layer (`pending` = (y, post, comb),
+    or None), then hc_pre and the sub-layer's RMSNorm. Returns (x [..., D] normalised, post, comb, X' the streams
+    after the pending hc_post). On a GPU kernel plan (and in "interpret" mode) the three Pallas launches of
+    pallas_kernels/mhc.py; elsewhere, and under training (no derivatives there), hc_post + hc_pre + rms_norm."""
+    from ..pallas_kernels import mhc
+
+    backend = ctx.kernels.backend
+    if backend is not None and ctx.training is None and mhc.supported(cfg.hc_mult, cfg.dim, fn.shape[0]):
+        with jax.named_scope("mhc"):
+            return mhc.mhc_pre_norm(X, fn, base, scale, norm_weight, norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
+                                    sinkhorn_iters=cfg.hc_sinkhorn_iters, pending=pending,
+                                    interpret=backend == "interpret")
+    if pending is not None:
+        X = hc_post(pending[0], X, pending[1], pending[2])
+    u, post, comb = hc_pre(X, fn, base, scale, cfg, unroll_sinkhorn=ctx.kernels.on_gpu)
+    return rms_norm(u, norm_weight, cfg.norm_eps), post, comb, X

@@ -1,0 +1,197 @@
+"""One mHC site in three launches (Pallas, GPU): hc_post of the previous sub-layer (optional), hc_pre and the RMSNorm
+that follows it -- what the pure-jnp path (layers/hyper.py `hc_post`, `hc_pre`, layers/norm.py `rms_norm`) does in
+about ten small XLA kernels per site on the GPU.
+
+    x, post, comb, X = mhc_pre_norm(X, fn, base, scale, norm_weight, ..., pending=(y, post_prev, comb_prev))
+
+Why three launches and not one: the mixing logits are a dot product over all n * D stream values (fn is 24 x 16,384
+float32 for Flash, 1.5 MB, which one thread block cannot read fast enough at batch 1), and the RMSNorm needs the
+sum of squares of the collapsed row. Each of those is a reduction across the thread blocks of a grid; the kernel
+boundary is the grid-wide barrier (launches on one stream are ordered), so no block reads a partial sum another block
+may not have written yet:
+  1. `_mix_kernel`, grid (rows, D / 128): [the pending hc_post, X'_k = post_k y + sum_j comb[j, k] X_j, written out]
+     and each chunk's partial sums: fn . X for the 24 mixing rows and sum(X^2), into a [rows, chunks, 32] buffer.
+  2. `_collapse_kernel`, grid (rows, D / chunk): every block adds up the partials of its row, forms pre / post and
+     the Sinkhorn-normalised comb (16 numbers, recomputed per block: cheaper than a launch), collapses its chunk,
+     u = sum_i pre_i X_i rounded to X's dtype as hc_pre returns it, and writes u and its chunk's sum(u^2).
+  3. `_norm_kernel`, grid (rows, D / chunk): u * rsqrt(mean(u^2) + eps) * weight, in X's dtype.
+Numerics follow the jnp path operation for operation in float32; only the order of the long sums differs (chunked
+partial sums instead of XLA's reduction tree), so results agree to float32 rounding, not bit for bit.
+
+Triton backend, as the other kernels here (quantize.py says why). Triton needs power-of-two tensor shapes, so the 24
+mixing rows are read as 4 (pre) + 4 (post) + 16 (comb) and the partials hold them in lanes 0-23 and sum(X^2) in
+lanes 24-31.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+_F32 = jnp.float32
+MIX_CHUNK = 128              # stream columns per block of the mixing reduction
+LANES = 32                   # partials per (row, chunk): 24 mixing sums, sum(X^2) in lanes 24-31
+
+
+def supported(n: int, dim: int, fn_rows: int) -> bool:
+    """Whether the kernels take this geometry: 4 streams (pre 4 + post 4 + comb 16 mixing rows) and D a multiple of
+    128."""
+    return n == 4 and fn_rows == 24 and dim % MIX_CHUNK == 0
+
+
+def _chunk(dim: int, cap: int = 1024) -> int:
+    c = cap
+    while dim % c:
+        c //= 2
+    return c
+
+
+def _post_mix(x, y_ref, post_ref, comb_ref):
+    """hc_post on one chunk: X'_k = post_k * y + sum_j comb[j, k] * X_j, float32, x [n, C]."""
+    y = y_ref[0, :].astype(_F32)                                   # [C]
+    post = post_ref[0, :]                                          # [n]
+    comb = comb_ref[0, :, :]                                       # [n(j), n(k)]
+    mixed = jnp.sum(comb[:, :, None] * x[:, None, :], axis=0)      # [n(k), C]
+    return post[:, None] * y[None, :] + mixed
+
+
+def _mix_kernel(*refs, has_pending: bool):
+    if has_pending:
+        x_ref, y_ref, post_ref, comb_ref, fn_ref, part_ref, x_out_ref = refs
+    else:
+        x_ref, fn_ref, part_ref = refs
+    x = x_ref[0, :, :].astype(_F32)                                # [n, C]
+    if has_pending:
+        x = _post_mix(x, y_ref, post_ref, comb_ref).astype(x_ref.dtype)
+        x_out_ref[0, :, :] = x
+        x = x.astype(_F32)
+
+    def dots(first, rows):
+        w = fn_ref[pl.ds(first, rows), :, :]                       # [rows, n, C]
+        return jnp.sum(jnp.sum(w * x[None], axis=2), axis=1)        # [rows]
+
+    part_ref[0, 0, pl.ds(0, 4)] = dots(0, 4)
+    part_ref[0, 0, pl.ds(4, 4)] = dots(4, 4)
+    part_ref[0, 0, pl.ds(8, 16)] = dots(8, 16)
+    part_ref[0, 0, pl.ds(24, 8)] = jnp.full((8,), jnp.sum(jnp.sum(x * x, axis=1), axis=0), _F32)
+
+
+def _sinkhorn(logits, iters: int, eps: float):
+    """layers/hyper.py `sinkhorn`, unrolled, on a [4, 4] tile."""
+    c = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
+    c = c / jnp.sum(c, axis=1, keepdims=True) + eps
+    c = c / (jnp.sum(c, axis=0, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (jnp.sum(c, axis=1, keepdims=True) + eps)
+        c = c / (jnp.sum(c, axis=0, keepdims=True) + eps)
+    return c
+
+
+def _collapse_kernel(part_ref, base_ref, scale_ref, x_ref, u_ref, usq_ref, post_ref, comb_ref, *, n_parts: int,
+                     n_dim: int, norm_eps: float, hc_eps: float, iters: int):
+    def total(first, rows):
+        acc = part_ref[0, 0, pl.ds(first, rows)]
+        for j in range(1, n_parts):
+            acc = acc + part_ref[0, j, pl.ds(first, rows)]
+        return acc
+
+    sum_sq = jnp.max(total(24, 8))
+    rho = jax.lax.rsqrt(sum_sq / n_dim + norm_eps)
+    s_pre = jnp.sum(scale_ref[pl.ds(0, 1)])
+    s_post = jnp.sum(scale_ref[pl.ds(1, 1)])
+    s_comb = jnp.sum(scale_ref[pl.ds(2, 1)])
+    pre = jax.nn.sigmoid(rho * total(0, 4) * s_pre + base_ref[pl.ds(0, 4)]) + hc_eps           # [n]
+    post = 2.0 * jax.nn.sigmoid(rho * total(4, 4) * s_post + base_ref[pl.ds(4, 4)])
+    comb_logits = (rho * total(8, 16) * s_comb + base_ref[pl.ds(8, 16)]).reshape(4, 4)
+
+    x = x_ref[0, :, :].astype(_F32)                                                          # [n, C]
+    u = jnp.sum(pre[:, None] * x, axis=0).astype(u_ref.dtype)                                # [C]
+    u_ref[0, :] = u
+    u32 = u.astype(_F32)
+    usq_ref[0, 0, :] = jnp.full((8,), jnp.sum(u32 * u32), _F32)
+
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+        post_ref[0, :] = post
+        comb_ref[0, :, :] = _sinkhorn(comb_logits, iters, hc_eps)
+
+
+def _norm_kernel(u_ref, usq_ref, w_ref, x_ref, *, n_parts: int, dim: int, eps: float):
+    sq = usq_ref[0, 0, :]
+    for j in range(1, n_parts):
+        sq = sq + usq_ref[0, j, :]
+    r = jax.lax.rsqrt(jnp.max(sq) / dim + eps)
+    y = u_ref[0, :].astype(_F32) * r
+    if w_ref is not None:
+        y = y * w_ref[...].astype(_F32)
+    x_ref[0, :] = y.astype(x_ref.dtype)
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, args, interpret, name, num_warps=4):
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                          interpret=interpret, name=name,
+                          compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1))(*args)
+
+
+def mhc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, norm_weight: jax.Array | None, *,
+                 norm_eps: float, hc_eps: float, sinkhorn_iters: int, pending=None, interpret: bool = False):
+    """X [..., n, D] -> (x [..., D] = rms_norm(hc_pre's u) in X's dtype, post [..., n] f32, comb [..., n, n] f32,
+    the streams X' [..., n, D]). `pending` = (y [..., D], post [..., n], comb [..., n, n]): the previous sub-layer's
+    hc_post, applied to X first (X' is then its result; otherwise X' is X)."""
+    *lead, n, dim = X.shape
+    if not supported(n, dim, fn.shape[0]):
+        raise ValueError(f"mhc_pre_norm: needs 4 streams, 24 mixing rows and D a multiple of {MIX_CHUNK}; got "
+                         f"n={n}, D={dim}, fn {fn.shape}")
+    rows = 1
+    for s in lead:
+        rows *= s
+    X2 = X.reshape(rows, n, dim)
+    fn3 = fn.astype(_F32).reshape(fn.shape[0], n, dim)
+    n_mix = dim // MIX_CHUNK
+    x_spec = pl.BlockSpec((1, n, MIX_CHUNK), lambda r, j: (r, 0, j))
+    fn_spec = pl.BlockSpec((fn.shape[0], n, MIX_CHUNK), lambda r, j: (0, 0, j))
+    part_spec = pl.BlockSpec((1, 1, LANES), lambda r, j: (r, j, 0))
+    part_shape = jax.ShapeDtypeStruct((rows, n_mix, LANES), _F32)
+    if pending is None:
+        (part,) = _call(functools.partial(_mix_kernel, has_pending=False), (rows, n_mix), [x_spec, fn_spec],
+                        [part_spec], [part_shape], (X2, fn3), interpret, "mhc_mix")
+        streams = X2
+    else:
+        y, post_prev, comb_prev = pending
+        args = (X2, y.reshape(rows, dim), post_prev.astype(_F32).reshape(rows, n),
+                comb_prev.astype(_F32).reshape(rows, n, n), fn3)
+        specs = [x_spec, pl.BlockSpec((1, MIX_CHUNK), lambda r, j: (r, j)), pl.BlockSpec((1, n), lambda r, j: (r, 0)),
+                 pl.BlockSpec((1, n, n), lambda r, j: (r, 0, 0)), fn_spec]
+        part, streams = _call(functools.partial(_mix_kernel, has_pending=True), (rows, n_mix), specs,
+                              [part_spec, x_spec], [part_shape, jax.ShapeDtypeStruct(X2.shape, X.dtype)], args,
+                              interpret, "mhc_post_mix")
+
+    chunk = _chunk(dim)
+    n_chunks = dim // chunk
+    kernel = functools.partial(_collapse_kernel, n_parts=n_mix, n_dim=n * dim, norm_eps=norm_eps, hc_eps=hc_eps,
+                               iters=sinkhorn_iters)
+    u, usq, post, comb = _call(
+        kernel, (rows, n_chunks),
+        [pl.BlockSpec((1, n_mix, LANES), lambda r, j: (r, 0, 0)), pl.BlockSpec((fn.shape[0],), lambda r, j: (0,)),
+         pl.BlockSpec((3,), lambda r, j: (0,)), pl.BlockSpec((1, n, chunk), lambda r, j: (r, 0, j))],
+        [pl.BlockSpec((1, chunk), lambda r, j: (r, j)), pl.BlockSpec((1, 1, 8), lambda r, j: (r, j, 0)),
+         pl.BlockSpec((1, n), lambda r, j: (r, 0)), pl.BlockSpec((1, n, n), lambda r, j: (r, 0, 0))],
+        [jax.ShapeDtypeStruct((rows, dim), X.dtype), jax.ShapeDtypeStruct((rows, n_chunks, 8), _F32),
+         jax.ShapeDtypeStruct((rows, n), _F32), jax.ShapeDtypeStruct((rows, n, n), _F32)],
+        (part, base.astype(_F32), scale.astype(_F32), streams), interpret, "mhc_collapse")
+
+    has_weight = norm_weight is not None
+    norm = functools.partial(_norm_kernel, n_parts=n_chunks, dim=dim, eps=norm_eps)
+    if not has_weight:
+        norm = (lambda inner: lambda u_ref, usq_ref, x_ref: inner(u_ref, usq_ref, None, x_ref))(norm)
+    (x,) = _call(norm, (rows, n_chunks),
+                 [pl.BlockSpec((1, chunk), lambda r, j: (r, j)), pl.BlockSpec((1, n_chunks, 8), lambda r, j: (r, 0, 0))]
+                 + ([pl.BlockSpec((chunk,), lambda r, j: (j,))] if has_weight else []),
+                 [pl.BlockSpec((1, chunk), lambda r, j: (r, j))], [jax.ShapeDtypeStruct((rows, dim), X.dtype)],
+                 (u, usq) + ((norm_weight,) if has_weight else ()), interpret, "mhc_norm")
+    return (x.reshape(*lead, dim), post.reshape(*lead, n), comb.reshape(*lead, n, n),
+            streams.reshape(X.shape))

@@ -1,0 +1,139 @@
+"""The mHC site kernels (dsv4_jax/pallas_kernels/mhc.py) in Pallas interpret mode against float64 numpy
+(tests/reference_np.py) and against the pure-jnp path they replace (layers/hyper.py hc_post + hc_pre + rms_norm).
+
+The kernels sum the long reductions (24 mixing dot products over n * D values, the RMS of the streams and of u) in
+chunks, so they agree with the jnp path to float32 rounding, not bit for bit; the float32 checks have tolerances
+far below what a wrong coefficient, a wrong chunk or a transposed comb would give (each such bug is injected below
+and must fail them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv4_jax import presets
+from dsv4_jax.config import ModelConfig
+from dsv4_jax.layers import hyper
+from dsv4_jax.pallas_kernels import mhc
+from dsv4_jax.run_context import RunContext
+
+import reference_np as R
+
+
+def _cfg(dim: int) -> ModelConfig:
+    return dataclasses.replace(presets.named("tiny"), dim=dim)
+
+
+def _inputs(rng, lead, dim, dtype):
+    n = 4
+    cfg = _cfg(dim)
+    X = rng.standard_normal((*lead, n, dim)).astype(np.float32)
+    fn = (rng.standard_normal((24, n * dim)) * (n * dim) ** -0.5).astype(np.float32)
+    base = rng.standard_normal(24).astype(np.float32) * 0.5
+    scale = np.array([0.7, 0.9, 1.3], np.float32)
+    weight = (1.0 + 0.3 * rng.standard_normal(dim)).astype(np.float32)
+    y = rng.standard_normal((*lead, dim)).astype(np.float32)
+    post = (2.0 / (1.0 + np.exp(-rng.standard_normal((*lead, n))))).astype(np.float32)
+    comb = R.sinkhorn(rng.standard_normal((*lead, n, n)), 20, 1e-6).astype(np.float32)
+    cast = lambda a: np.asarray(jnp.asarray(a, dtype).astype(jnp.float32))  # noqa: E731  (values on dtype's grid)
+    return cfg, cast(X), fn, base, scale, weight, cast(y), post, comb
+
+
+def _numpy_site(cfg, X, fn, base, scale, weight, pending):
+    """float64: [hc_post] -> hc_pre -> rms_norm (no intermediate rounding)."""
+    f = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    X = f(X)
+    if pending is not None:
+        X = R.hc_post(*(f(a) for a in pending[:1]), X, *(f(a) for a in pending[1:]))
+    u, post, comb = R.hc_pre(X, f(fn), f(base), f(scale), cfg)
+    return R.rms_norm(u, f(weight), cfg.norm_eps), post, comb, X
+
+
+def _kernel(cfg, X, fn, base, scale, weight, pending, dtype, fn_kernel=mhc.mhc_pre_norm):
+    args = [jnp.asarray(X, dtype), jnp.asarray(fn), jnp.asarray(base), jnp.asarray(scale), jnp.asarray(weight)]
+    pend = None if pending is None else (jnp.asarray(pending[0], dtype), jnp.asarray(pending[1]),
+                                         jnp.asarray(pending[2]))
+    run = jax.jit(lambda X, fn, b, s, w, p: fn_kernel(X, fn, b, s, w, norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
+                                                      sinkhorn_iters=cfg.hc_sinkhorn_iters, pending=p,
+                                                      interpret=True))
+    return [np.asarray(jnp.asarray(a, jnp.float32)) for a in run(*args, pend)]
+
+
+@pytest.mark.parametrize("dim, lead, with_pending", [(256, (2, 3), True), (384, (3,), False), (384, (1, 2), True)])
+def test_float32_site_matches_float64(dim, lead, with_pending):
+    """D = 256: two mixing chunks, one collapse chunk; D = 384: three of each (the chunk loops)."""
+    rng = np.random.default_rng(dim + len(lead))
+    cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, lead, dim, jnp.float32)
+    pending = (y, post, comb) if with_pending else None
+    want = _numpy_site(cfg, X, fn, base, scale, weight, pending)
+    got = _kernel(cfg, X, fn, base, scale, weight, pending, jnp.float32)
+    for name, g, w, tol in zip(("x", "post", "comb", "streams"), got, want, (2e-5, 1e-6, 2e-6, 1e-6)):
+        err = np.max(np.abs(g - w)) / np.max(np.abs(w))
+        assert err < tol, f"{name}: max error {err:.2e} of the largest value (tolerance {tol})"
+
+
+def test_bfloat16_site_matches_the_jnp_path():
+    """bf16 streams: the kernels round u and X' to bf16 where hc_pre / hc_post do; compared with the jnp path on
+    the same bf16 inputs. A bf16 rounding can fall either way when the float32 sums differ in the last bit, so
+    elements may differ by one bf16 step (2^-8 relative); nothing more."""
+    rng = np.random.default_rng(5)
+    cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, (2, 2), 256, jnp.bfloat16)
+    got = _kernel(cfg, X, fn, base, scale, weight, (y, post, comb), jnp.bfloat16)
+    ref_ctx = RunContext.create(kernels="reference")
+    want = jax.jit(lambda *a: hyper.hc_pre_norm(*a[:5], cfg, ref_ctx, pending=a[5]))(
+        jnp.asarray(X, jnp.bfloat16), fn, base, scale, weight,
+        (jnp.asarray(y, jnp.bfloat16), jnp.asarray(post), jnp.asarray(comb)))
+    want = [np.asarray(jnp.asarray(a, jnp.float32)) for a in want]
+    for name, g, w in zip(("x", "post", "comb", "streams"), got, want):
+        close = np.abs(g - w) <= 2.0 ** -7 * np.abs(w) + 1e-6
+        assert close.all(), f"{name}: {np.sum(~close)} elements beyond one bf16 step"
+    assert np.mean(got[0] == want[0]) > 0.9, "x: most bf16 elements must agree exactly"
+
+
+def test_model_site_dispatch_interpret_equals_reference():
+    """hyper.hc_pre_norm takes the kernels on a kernel plan ("interpret" here) and the jnp path on the reference
+    plan; float32, the two agree to rounding."""
+    rng = np.random.default_rng(11)
+    cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, (2, 1), 128, jnp.float32)
+    outs = []
+    for kernels in ("interpret", "reference"):
+        ctx = RunContext.create(kernels=kernels, dtype="float32")
+        outs.append(jax.jit(lambda *a, ctx=ctx: hyper.hc_pre_norm(*a[:5], cfg, ctx, pending=a[5]))(
+            X, fn, base, scale, weight, (y, post, comb)))
+    for name, g, w in zip(("x", "post", "comb", "streams"), *outs):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("bug", ["comb not transposed", "streams' RMS over D instead of n * D", "one chunk dropped"])
+def test_injected_bugs_fail(bug, monkeypatch):
+    """The float32 check above catches each of these mistakes in the kernels."""
+    if bug == "comb not transposed":
+        def post_mix(x, y_ref, post_ref, comb_ref):
+            comb = comb_ref[0, :, :]
+            mixed = jnp.sum(comb[:, :, None] * x[None, :, :], axis=1)         # sum_k C[j, k] X_k
+            return post_ref[0, :][:, None] * y_ref[0, :].astype(jnp.float32)[None, :] + mixed
+        monkeypatch.setattr(mhc, "_post_mix", post_mix)
+    elif bug == "streams' RMS over D instead of n * D":
+        inner = mhc._collapse_kernel
+        monkeypatch.setattr(mhc, "_collapse_kernel", lambda *refs, n_dim, **kw: inner(*refs, n_dim=n_dim // 4, **kw))
+    else:
+        inner = mhc._norm_kernel
+        monkeypatch.setattr(mhc, "_norm_kernel", lambda *refs, n_parts, **kw: inner(*refs, n_parts=n_parts - 1, **kw))
+    rng = np.random.default_rng(3)
+    cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, (2,), 384, jnp.float32)
+    want = _numpy_site(cfg, X, fn, base, scale, weight, (y, post, comb))
+    got = _kernel(cfg, X, fn, base, scale, weight, (y, post, comb), jnp.float32)
+    errs = [np.max(np.abs(g - w)) / np.max(np.abs(w)) for g, w in zip(got, want)]
+    assert max(e / t for e, t in zip(errs, (2e-5, 1e-6, 2e-6, 1e-6))) > 10, errs
+
+
+def test_unsupported_geometry_is_refused():
+    X = jnp.ones((1, 4, 100), jnp.float32)
+    with pytest.raises(ValueError, match="D a multiple of 128"):
+        mhc.mhc_pre_norm(X, jnp.ones((24, 400)), jnp.ones(24), jnp.ones(3), None, norm_eps=1e-6, hc_eps=1e-6,
+                         sinkhorn_iters=20)
