@@ -36,8 +36,27 @@ def block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, X: jax.Ar
     """One transformer block on streams X [B, S, n, D]. Returns (X, cache, statistics): the statistics are {} for
     inference and, under training, the layer's `indexer_kl` and `expert_load` (run_context.Training). `defer`:
     read the cache without committing the chunk (attention's `defer`; commit_block commits a prefix)."""
+    streams, cache, stats = block_streams(params, cfg, ctx, layer, (X, None), token_ids, start, n_valid, cache, defer)
+    return resolve_streams(cfg, layer, streams), cache, stats
+
+
+def block_streams(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, streams, token_ids: jax.Array,
+                  start: jax.Array, n_valid: jax.Array, cache: dict, defer: bool = False):
+    """`block` on streams whose last hc_post may still be pending: `streams` = (X, pending), pending = (y, post,
+    comb) of the previous sub-layer or None. Returns ((X, pending) of this block, cache, statistics). Consecutive
+    blocks pass their final hc_post on, so that it runs inside the next block's first mHC site (one launch fewer
+    on the GPU kernel plan, hyper.hc_pre_norm); resolve_streams applies it."""
     with jax.named_scope(f"{layer_kind(cfg, layer)}_layer"):
-        return _block(params, cfg, ctx, layer, X, token_ids, start, n_valid, cache, defer)
+        return _block(params, cfg, ctx, layer, *streams, token_ids, start, n_valid, cache, defer)
+
+
+def resolve_streams(cfg: ModelConfig, layer: int, streams) -> jax.Array:
+    """The streams X [B, S, n, D] of block_streams' (X, pending): the pending hc_post applied (in `layer`'s scope)."""
+    X, pending = streams
+    if pending is None:
+        return X
+    with jax.named_scope(f"{layer_kind(cfg, layer)}_layer"):
+        return hc_post(pending[0], X, pending[1], pending[2])
 
 
 def commit_block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, cache: dict, start: jax.Array,
@@ -48,17 +67,17 @@ def commit_block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, ca
                             ctx)
 
 
-def _block(params, cfg, ctx, layer, X, token_ids, start, n_valid, cache, defer):
+def _block(params, cfg, ctx, layer, X, pending, token_ids, start, n_valid, cache, defer):
     ratio = cfg.compress_ratios[layer]
     x, post, comb, X = hc_pre_norm(X, params["hc_attn_fn"], params["hc_attn_base"], params["hc_attn_scale"],
-                                   params["attn_norm"]["weight"], cfg, ctx)
+                                   params["attn_norm"]["weight"], cfg, ctx, pending=pending)
     y, cache, attn_stats = attention(params["attn"], cfg, ratio, x, start, n_valid, cache,
                                      rope_inv_freq(cfg, ratio), ctx, defer)
     # the attention's hc_post runs inside the next site (one pass over the streams on the GPU kernel plan)
     x, post, comb, X = hc_pre_norm(X, params["hc_ffn_fn"], params["hc_ffn_base"], params["hc_ffn_scale"],
                                    params["ffn_norm"]["weight"], cfg, ctx, pending=(y, post, comb))
     y, moe_stats = moe(params["ffn"], cfg, x, token_ids, cfg.is_hash_layer(layer), ctx)
-    return hc_post(y, X, post, comb), cache, attn_stats | moe_stats
+    return (X, (y, post, comb)), cache, attn_stats | moe_stats
 
 
 @jax.named_scope("embed")
@@ -75,11 +94,12 @@ def backbone(params: dict, cfg: ModelConfig, ctx: RunContext, tokens: jax.Array,
     same way) the repeated pattern runs under lax.scan. `defer`: read without committing (commit_backbone)."""
     X = embed(params, cfg, tokens, ctx.jnp_dtype)
     layers = params["layers"]
-    run = lambda layer, X, layer_params, cache: block(layer_params, cfg, ctx, layer, X, tokens,  # noqa: E731
-                                                      start, n_valid, cache, defer)
+    run = lambda layer, streams, layer_params, cache: block_streams(  # noqa: E731
+        layer_params, cfg, ctx, layer, streams, tokens, start, n_valid, cache, defer)
     if not isinstance(layers, StackedLayers):
-        return _unrolled_layers(run, 0, layers, caches, X)
-    return _scanned_backbone(run, layers, caches, X)
+        streams, caches, stats = _unrolled_layers(run, 0, layers, caches, (X, None))
+        return resolve_streams(cfg, len(layers) - 1, streams), caches, stats
+    return _scanned_backbone(run, cfg, layers, caches, X)
 
 
 def commit_backbone(params: dict, cfg: ModelConfig, ctx: RunContext, caches, start: jax.Array,
@@ -116,19 +136,21 @@ def _write_back(stacked: dict, cache: dict, repeat):
     return jax.tree.map(lambda a, c: lax.dynamic_update_index_in_dim(a, c.astype(a.dtype), repeat, 0), stacked, cache)
 
 
-def _unrolled_layers(run, first: int, layers_params: list, caches: list, X):
-    """Layers first, first + 1, ... one after another. Returns (X, their new caches, their statistics)."""
+def _unrolled_layers(run, first: int, layers_params: list, caches: list, streams):
+    """Layers first, first + 1, ... one after another, on block_streams' (X, pending). Returns ((X, pending), their
+    new caches, their statistics)."""
     new_caches, stats = [], []
     for offset, (layer_params, cache) in enumerate(zip(layers_params, caches, strict=True)):
-        X, cache, layer_stats = run(first + offset, X, layer_params, cache)
+        streams, cache, layer_stats = run(first + offset, streams, layer_params, cache)
         new_caches.append(cache)
         stats.append(layer_stats)
-    return X, new_caches, stats
+    return streams, new_caches, stats
 
 
-def _scanned_backbone(run, layers: StackedLayers, caches: StackedLayers, X):
+def _scanned_backbone(run, cfg: ModelConfig, layers: StackedLayers, caches: StackedLayers, X):
     plan = layers.plan
-    X, before, before_stats = _unrolled_layers(run, 0, layers.before, caches.before, X)
+    streams, before, before_stats = _unrolled_layers(run, 0, layers.before, caches.before, (X, None))
+    X = resolve_streams(cfg, plan.start - 1, streams)
 
     # The stacked caches ride in the carry and each iteration writes its layers' caches back at its index, so a
     # donated state is updated in place (as scan outputs they would be a second copy of every scanned cache).
@@ -137,15 +159,16 @@ def _scanned_backbone(run, layers: StackedLayers, caches: StackedLayers, X):
         X, stacked_caches = carry
         repeat, phase_params = xs
         new_stacked, stats, pending = [], [], []
+        streams = (X, None)
         for phase in range(plan.period):
             cache = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, repeat, keepdims=False),
                                  stacked_caches[phase])
-            X, cache, layer_stats = run(plan.layer(0, phase), X, phase_params[phase], cache)
+            streams, cache, layer_stats = run(plan.layer(0, phase), streams, phase_params[phase], cache)
             cache = dict(cache)
             pending.append(cache.pop("pending", None))
             new_stacked.append(_write_back(stacked_caches[phase], cache, repeat))
             stats.append(layer_stats)
-        return (X, new_stacked), (stats, pending)
+        return (resolve_streams(cfg, plan.layer(0, plan.period - 1), streams), new_stacked), (stats, pending)
 
     (X, phases), (phase_stats, phase_pending) = lax.scan(
         body, (X, list(caches.phases)), (jnp.arange(plan.repeats, dtype=jnp.int32), list(layers.phases)))
@@ -154,7 +177,8 @@ def _scanned_backbone(run, layers: StackedLayers, caches: StackedLayers, X):
     scanned_stats = [jax.tree.map(lambda a, j=j: a[j], phase_stats[p])
                      for j in range(plan.repeats) for p in range(plan.period)]
 
-    X, after, after_stats = _unrolled_layers(run, plan.stop, layers.after, caches.after, X)
+    streams, after, after_stats = _unrolled_layers(run, plan.stop, layers.after, caches.after, (X, None))
+    X = resolve_streams(cfg, cfg.n_layers - 1, streams)
     new_caches = caches.replace(before=before, phases=phases, after=after)
     return X, new_caches, before_stats + scanned_stats + after_stats
 

@@ -137,3 +137,34 @@ def test_unsupported_geometry_is_refused():
     with pytest.raises(ValueError, match="D a multiple of 128"):
         mhc.mhc_pre_norm(X, jnp.ones((24, 400)), jnp.ones(24), jnp.ones(3), None, norm_eps=1e-6, hc_eps=1e-6,
                          sinkhorn_iters=20)
+
+
+# ---- on the GPU -----------------------------------------------------------------------------------------------
+HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("dim, lead", [(4096, (1, 1)), (4096, (8, 1)), (7168, (2, 3)), (4096, (1, 512))])
+def test_gpu_site_matches_float64(dim, lead):
+    """The compiled Triton kernels at Flash (4096) and Pro (7168: 56 mixing chunks, 7 collapse chunks) width, at
+    decode (1 and 8 rows) and a prefill chunk's row count, float32 against float64 numpy; and bf16 streams within
+    one bf16 step of the jnp path run on the same GPU."""
+    rng = np.random.default_rng()
+    cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, lead, dim, jnp.float32)
+    want = _numpy_site(cfg, X, fn, base, scale, weight, (y, post, comb))
+    run = jax.jit(lambda X, fn, b, s, w, p: mhc.mhc_pre_norm(X, fn, b, s, w, norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
+                                                             sinkhorn_iters=cfg.hc_sinkhorn_iters, pending=p))
+    got = run(X, fn, base, scale, weight, (y, post, comb))
+    for name, g, w, tol in zip(("x", "post", "comb", "streams"), got, want, (2e-5, 1e-6, 2e-6, 1e-6)):
+        err = np.max(np.abs(np.asarray(g) - w)) / np.max(np.abs(w))
+        assert err < tol, f"{name}: max error {err:.2e} of the largest value (tolerance {tol})"
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    got = run(bf(X), fn, base, scale, weight, (bf(y), post, comb))
+    ref_ctx = RunContext.create(kernels="reference")
+    want = jax.jit(lambda *a: hyper.hc_pre_norm(*a[:5], cfg, ref_ctx, pending=a[5]))(
+        bf(X), fn, base, scale, weight, (bf(y), post, comb))
+    for name, g, w in zip(("x", "post", "comb", "streams"), got, want):
+        g, w = (np.asarray(jnp.asarray(a, jnp.float32)) for a in (g, w))
+        close = np.abs(g - w) <= 2.0 ** -7 * np.abs(w) + 1e-5
+        assert close.all(), f"bf16 {name}: {np.sum(~close)} elements beyond one bf16 step"
