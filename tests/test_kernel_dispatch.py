@@ -167,6 +167,33 @@ def test_grouped_linear_takes_the_moe_kernel(fmt):
     assert _rel(y, ref) < 1e-5
     assert np.all(np.asarray(y)[sizes.sum():] == 0)
 
+@pytest.mark.parametrize("kernels", ["interpret", "reference"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_grouped_linear_rows_in_any_order(fmt, kernels):
+    """row_groups: each row times its own group's weight, rows in any order, a group >= G (another device's
+    expert) gives zeros; the per-row kernel takes the call without a sort, the reference sorts for ragged_dot and
+    puts the rows back. float64 math as the oracle; the pair form equals two single calls."""
+    rng = np.random.default_rng()
+    n_exp, n, k = 5, 64, 256
+    w_a, w_b = (_weight(rng, fmt, (n_exp, n, k)) for _ in range(2))
+    groups = np.array([3, 0, 5, 3, 1, 4, 0, 2, 5, 3])                    # 5: not one of these experts
+    x = jnp.asarray(rng.standard_normal((len(groups), k)), jnp.bfloat16)
+    ctx = _ctx(kernels)
+    with kernel_dispatch.record_dispatch() as rec:
+        y = grouped_linear(x, w_a, None, jnp.float32, ctx=ctx, row_groups=jnp.asarray(groups, jnp.int32))
+    assert _paths(rec) == {kernels if kernels == "interpret" else "reference": 1}
+    xs = np.asarray(x.astype(jnp.float32), np.float64)
+    dense = _dense64(w_a)
+    ref = np.stack([xs[i] @ dense[g].T if g < n_exp else np.zeros(n) for i, g in enumerate(groups)])
+    assert _rel(y, ref) < 1e-5
+    assert np.all(np.asarray(y)[groups == n_exp] == 0)
+    gate, up = grouped_linear_pair(x, w_a, w_b, None, jnp.float32, ctx=ctx, row_groups=jnp.asarray(groups, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(gate), np.asarray(y))
+    other = grouped_linear(x, w_b, None, jnp.float32, ctx=ctx, row_groups=jnp.asarray(groups, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(up), np.asarray(other))
+    with pytest.raises(ValueError, match="exactly one of group_sizes"):
+        grouped_linear(x, w_a, jnp.asarray([2] * n_exp, jnp.int32), ctx=ctx, row_groups=jnp.asarray(groups))
+
 
 @pytest.mark.parametrize("fmt,dtype,n", [("mxfp4", jnp.bfloat16, 64), ("mxfp4", jnp.float32, 64),
                                          ("nvfp4", jnp.bfloat16, 64), ("mxfp4", jnp.float32, 128)])

@@ -25,6 +25,10 @@ from dsv4_jax.run_context import RunContext
 import reference_np as R
 
 
+# relative bound of a bf16-path difference: one bf16 step is at most 2^-7 of a value; x = norm(u) inherits u's step
+BF16_STEPS = {"x": 2.0 ** -6, "post": 2.0 ** -7, "comb": 2.0 ** -7, "streams": 2.0 ** -7}
+
+
 def _cfg(dim: int) -> ModelConfig:
     return dataclasses.replace(presets.named("tiny"), dim=dim)
 
@@ -79,8 +83,9 @@ def test_float32_site_matches_float64(dim, lead, with_pending):
 
 def test_bfloat16_site_matches_the_jnp_path():
     """bf16 streams: the kernels round u and X' to bf16 where hc_pre / hc_post do; compared with the jnp path on
-    the same bf16 inputs. A bf16 rounding can fall either way when the float32 sums differ in the last bit, so
-    elements may differ by one bf16 step (2^-8 relative); nothing more."""
+    the same bf16 inputs. A bf16 rounding can fall either way when the float32 sums differ in the last bit: u by
+    one bf16 step, then x = norm(u) by one more of its own (XLA:GPU may also keep u in float32: its default
+    xla_allow_excess_precision drops the f32 -> bf16 -> f32 round trip), so x within two steps; nothing more."""
     rng = np.random.default_rng(5)
     cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, (2, 2), 256, jnp.bfloat16)
     got = _kernel(cfg, X, fn, base, scale, weight, (y, post, comb), jnp.bfloat16)
@@ -90,7 +95,7 @@ def test_bfloat16_site_matches_the_jnp_path():
         (jnp.asarray(y, jnp.bfloat16), jnp.asarray(post), jnp.asarray(comb)))
     want = [np.asarray(jnp.asarray(a, jnp.float32)) for a in want]
     for name, g, w in zip(("x", "post", "comb", "streams"), got, want):
-        close = np.abs(g - w) <= 2.0 ** -7 * np.abs(w) + 1e-6
+        close = np.abs(g - w) <= BF16_STEPS[name] * np.abs(w) + 1e-6
         assert close.all(), f"{name}: {np.sum(~close)} elements beyond one bf16 step"
     assert np.mean(got[0] == want[0]) > 0.9, "x: most bf16 elements must agree exactly"
 
@@ -149,7 +154,7 @@ HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 def test_gpu_site_matches_float64(dim, lead):
     """The compiled Triton kernels at Flash (4096) and Pro (7168: 56 mixing chunks, 7 collapse chunks) width, at
     decode (1 and 8 rows) and a prefill chunk's row count, float32 against float64 numpy; and bf16 streams within
-    one bf16 step of the jnp path run on the same GPU."""
+    two bf16 steps of the jnp path run on the same GPU (see test_bfloat16_site_matches_the_jnp_path)."""
     rng = np.random.default_rng()
     cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, lead, dim, jnp.float32)
     want = _numpy_site(cfg, X, fn, base, scale, weight, (y, post, comb))
@@ -166,5 +171,5 @@ def test_gpu_site_matches_float64(dim, lead):
         bf(X), fn, base, scale, weight, (bf(y), post, comb))
     for name, g, w in zip(("x", "post", "comb", "streams"), got, want):
         g, w = (np.asarray(jnp.asarray(a, jnp.float32)) for a in (g, w))
-        close = np.abs(g - w) <= 2.0 ** -7 * np.abs(w) + 1e-5
+        close = np.abs(g - w) <= BF16_STEPS[name] * np.abs(w) + 1e-5
         assert close.all(), f"bf16 {name}: {np.sum(~close)} elements beyond one bf16 step"

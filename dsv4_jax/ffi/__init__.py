@@ -148,7 +148,7 @@ def gemv_concat(x: jax.Array, weights, out_dtype=None, *, schedule: int = 0) -> 
         raise ValueError(f"{what}: concatenated weights run schedules {CONCAT_SCHEDULES}, got {schedule}")
     schedule = schedule or default_schedule(1, n_a + n_b, x.shape[1])
     stacked = tuple(jax.tree.map(lambda a: a[None], w) for w in weights)
-    return _launch(x[None], stacked, jnp.zeros((1,), jnp.int32), n_a + n_b, schedule, out_dtype, "_concat")[0]
+    return _launch(x[None], stacked, np.zeros((1,), np.int32), n_a + n_b, schedule, out_dtype, "_concat")[0]
 
 
 def _check_weight(w, x_k: int, what: str, stacked: bool):
@@ -195,7 +195,7 @@ def gemv(x: jax.Array, w, out_dtype=None, *, schedule: int = 0) -> jax.Array:
         raise ValueError(f"ffi.gemv: x must be [M, K] with 1..{max_rows(x.dtype)} {x.dtype} rows, got {x.shape}")
     _check_weight(w, x.shape[1], "ffi.gemv", stacked=False)                # a pair: [M, 2N] (grouped_gemv)
     w_stacked = jax.tree.map(lambda a: a[None], w)
-    return grouped_gemv(x[None], w_stacked, jnp.zeros((1,), jnp.int32), out_dtype, schedule=schedule)[0]
+    return grouped_gemv(x[None], w_stacked, np.zeros((1,), np.int32), out_dtype, schedule=schedule)[0]
 
 
 def moe_gemv(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=None, *, schedule: int = 0) -> jax.Array:

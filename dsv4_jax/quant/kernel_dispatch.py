@@ -50,6 +50,7 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from .kernel_plan import KernelPlan
@@ -257,7 +258,7 @@ def group_matmul(x3: jax.Array, weight, plan: KernelPlan):
             and plan.ffi):
         from dsv4_jax import ffi
         _record("group_linear", weight, backend, "ffi_grouped_gemv")
-        groups = jnp.arange(x3.shape[1], dtype=jnp.int32)                # slot g = group g's rows
+        groups = np.arange(x3.shape[1], dtype=np.int32)      # slot g = group g's rows (a constant: no iota kernel)
         y = ffi.grouped_gemv(jnp.swapaxes(x3, 0, 1), stacked, groups, jnp.float32)
         return jnp.swapaxes(y, 0, 1)                                      # [M, G, out]
     kernel = _dense_kernel(weight, *stacked.shape[-2:]) if stacked is not None else None
@@ -271,26 +272,37 @@ def group_matmul(x3: jax.Array, weight, plan: KernelPlan):
     return jnp.swapaxes(y, 0, 1)
 
 
+def expert_kernel(rows: int, dtype, weight, plan: KernelPlan) -> str | None:
+    """Which per-row kernel takes `rows` rows of `dtype`, each times its own expert of a stacked weight [E, N, K]:
+    "ffi" (dsv4_jax/ffi/ moe_gemv), "pallas" (pallas_kernels/moe.py, also in interpret mode) or None (the reference:
+    dequantize, then ragged_dot over rows sorted by expert)."""
+    if not _is_quantized_matrix(weight, 3):
+        return None
+    rows_shape = jax.ShapeDtypeStruct((rows, weight.shape[-1]), dtype)
+    if plan.backend == "cuda" and _ffi_takes(rows_shape, weight, True, plan):
+        return "ffi"
+    fits = (isinstance(weight, (Mxfp4Weight, Nvfp4Weight)) and weight.shape[1] % 64 == 0
+            and dtype in (jnp.bfloat16, jnp.float32))
+    if plan.backend is not None and fits and _fp4_unroll(weight, weight.shape[-1]) is not None:
+        return "pallas"
+    return None
+
+
 def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, plan: KernelPlan):
     """Rows xs [R, K] each times its own expert of a stacked FP4 weight -> float32 [R, N], or None (reference)."""
     from dsv4_jax.pallas_kernels import moe
 
-    backend = plan.backend
-    if not _is_quantized_matrix(weight, 3):
-        return None
-    n_experts, n, k = weight.shape
-    if backend == "cuda" and _ffi_takes(xs, weight, True, plan):
+    kernel = expert_kernel(xs.shape[0], xs.dtype, weight, plan)
+    if kernel == "ffi":
         from dsv4_jax import ffi
-        _record("grouped_linear", weight, backend, "ffi_moe_gemv")
+        _record("grouped_linear", weight, plan.backend, "ffi_moe_gemv")
         return ffi.moe_gemv(xs, weight, row_experts, jnp.float32)
-    fits = (isinstance(weight, (Mxfp4Weight, Nvfp4Weight)) and n % 64 == 0
-            and xs.dtype in (jnp.bfloat16, jnp.float32))
-    unroll = _fp4_unroll(weight, k) if fits else None
-    use = backend is not None and unroll is not None
-    _record("grouped_linear", weight, backend if use else "reference", "moe")
-    if not use:
+    if _is_quantized_matrix(weight, 3):
+        _record("grouped_linear", weight, plan.backend if kernel else "reference", "moe")
+    if kernel is None:
         return None
-    return moe.moe_matmul(xs, weight, row_experts, jnp.float32, interpret=backend == "interpret",
+    unroll = _fp4_unroll(weight, weight.shape[-1])
+    return moe.moe_matmul(xs, weight, row_experts, jnp.float32, interpret=plan.backend == "interpret",
                           **_moe_schedule(xs, weight, unroll))
 
 

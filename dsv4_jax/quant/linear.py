@@ -143,50 +143,69 @@ def _check_grouped_weight(x: jax.Array, weight, what: str):
     _check_in_features(x, weight.shape, what, 3)
 
 
-def _row_groups(x: jax.Array, weight, group_sizes: jax.Array, what: str) -> jax.Array:
-    """The group of each row of x [m, in] (rows past sum(group_sizes) repeat the last group; callers zero them)."""
+def _row_groups(x: jax.Array, weight, group_sizes, row_groups, what: str) -> tuple[jax.Array, jax.Array]:
+    """(the group of each row of x [m, in], clipped to a valid index; whether the row is real). Rows sorted by group
+    (`group_sizes`: rows past their sum are not real) or each row's own group (`row_groups`: a group >= G, e.g. an
+    expert of another device, is not real)."""
     _check_grouped_weight(x, weight, what)
-    return jnp.repeat(jnp.arange(weight.shape[0], dtype=jnp.int32), group_sizes, total_repeat_length=x.shape[0])
+    n_groups = weight.shape[0]
+    if (group_sizes is None) == (row_groups is None):
+        raise ValueError(f"{what}: give exactly one of group_sizes (rows sorted by group) and row_groups")
+    if row_groups is None:
+        groups = jnp.repeat(jnp.arange(n_groups, dtype=jnp.int32), group_sizes, total_repeat_length=x.shape[0])
+        real = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
+    else:
+        groups, real = row_groups, row_groups < n_groups
+    return jnp.clip(groups, 0, n_groups - 1), real
 
 
-def _grouped_kernel_output(y: jax.Array, row_scale, group_sizes: jax.Array, out_dtype) -> jax.Array:
-    """A kernel's grouped-matmul rows, rescaled, with the rows past sum(group_sizes) zeroed."""
-    real_row = jnp.arange(y.shape[0]) < jnp.sum(group_sizes)
-    return jnp.where(real_row[:, None], _rescale(y, row_scale, None), 0).astype(out_dtype)
+def _grouped_kernel_output(y: jax.Array, row_scale, real: jax.Array, out_dtype) -> jax.Array:
+    """A kernel's grouped-matmul rows, rescaled, with the rows that are not real zeroed."""
+    return jnp.where(real[:, None], _rescale(y, row_scale, None), 0).astype(out_dtype)
+
+
+def _sorted_reference(x: jax.Array, weight, row_groups: jax.Array, out_dtype, ctx) -> jax.Array:
+    """grouped_linear of rows in any order on the reference path: sorted by group for ragged_dot, then put back."""
+    order = jnp.argsort(row_groups, stable=True)
+    sizes = jnp.bincount(row_groups, length=weight.shape[0]).astype(jnp.int32)
+    y = grouped_linear(x[order], weight, sizes, out_dtype, ctx=ctx)
+    return jnp.zeros_like(y).at[order].set(y)
 
 
 @_scoped_by_format
-def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array, out_dtype=None, *, ctx) -> jax.Array:
-    """Rows of x [m, in] sorted by group; group g multiplies W[g]^T (W [G, out, in], e.g. stacked experts);
-    rows past sum(group_sizes) give zeros. Returns [m, out]."""
-    row_groups = _row_groups(x, weight, group_sizes, "grouped_linear")
-    n_groups = weight.shape[0]
-    xq, row_scale = _quantize_input(x, weight, ctx, row_groups)
-    y = kernel_dispatch.expert_matmul(xq, weight, jnp.clip(row_groups, 0, n_groups - 1), ctx.kernels)
+def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array | None, out_dtype=None, *, ctx,
+                   row_groups: jax.Array | None = None) -> jax.Array:
+    """Rows of x [m, in] times W[g]^T of their group g (W [G, out, in], e.g. stacked experts): rows sorted by group
+    with `group_sizes` (rows past their sum give zeros), or in any order with each row's group in `row_groups`
+    (a group >= G gives zeros; no sort where a per-row kernel takes the call). Returns [m, out]."""
+    groups, real = _row_groups(x, weight, group_sizes, row_groups, "grouped_linear")
+    if group_sizes is None and kernel_dispatch.expert_kernel(x.shape[0], x.dtype, weight, ctx.kernels) is None:
+        return _sorted_reference(x, weight, row_groups, out_dtype, ctx)
+    xq, row_scale = _quantize_input(x, weight, ctx, groups)
+    y = kernel_dispatch.expert_matmul(xq, weight, groups, ctx.kernels)
     if y is not None:
-        return _grouped_kernel_output(y, row_scale, group_sizes, out_dtype or x.dtype)
+        return _grouped_kernel_output(y, row_scale, real, out_dtype or x.dtype)
     w, weight_scale = dequantize_blocks(weight, x.dtype)
     y = jax.lax.ragged_dot(xq, jnp.swapaxes(w, -1, -2), group_sizes, preferred_element_type=jnp.float32)
     if weight_scale is not None:
-        weight_scale = weight_scale[row_groups][:, None]
+        weight_scale = weight_scale[groups][:, None]
     return _rescale(y, row_scale, weight_scale).astype(out_dtype or x.dtype)
 
 
 @_scoped_by_format
-def grouped_linear_pair(x: jax.Array, w_a, w_b, group_sizes: jax.Array, out_dtype=None, *,
-                        ctx) -> tuple[jax.Array, jax.Array]:
+def grouped_linear_pair(x: jax.Array, w_a, w_b, group_sizes: jax.Array | None, out_dtype=None, *, ctx,
+                        row_groups: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(grouped_linear(x, w_a, ...), grouped_linear(x, w_b, ...)) for two stacked weights of one input width, e.g.
     the routed experts' gate and up projections: one kernel launch where the decode kernels of ffi/ take both (one
     FP4 format and shape, decode rows on CUDA), the input quantized once; otherwise two `grouped_linear` calls."""
-    row_groups = _row_groups(x, w_a, group_sizes, "grouped_linear_pair")
+    groups, real = _row_groups(x, w_a, group_sizes, row_groups, "grouped_linear_pair")
     _check_grouped_weight(x, w_b, "grouped_linear_pair")
     kernel = kernel_dispatch.pair_matmul(x, w_a, w_b, ctx.kernels, routed=True)
     if kernel is None:
-        return (grouped_linear(x, w_a, group_sizes, out_dtype, ctx=ctx),
-                grouped_linear(x, w_b, group_sizes, out_dtype, ctx=ctx))
-    xq, row_scale = _quantize_input(x, w_a, ctx, row_groups)
-    y = kernel(xq, jnp.clip(row_groups, 0, w_a.shape[0] - 1))
-    y = _grouped_kernel_output(y, row_scale, group_sizes, out_dtype or x.dtype)
+        return (grouped_linear(x, w_a, group_sizes, out_dtype, ctx=ctx, row_groups=row_groups),
+                grouped_linear(x, w_b, group_sizes, out_dtype, ctx=ctx, row_groups=row_groups))
+    xq, row_scale = _quantize_input(x, w_a, ctx, groups)
+    y = _grouped_kernel_output(kernel(xq, groups), row_scale, real, out_dtype or x.dtype)
     n = w_a.shape[1]
     return y[:, :n], y[:, n:]
 
