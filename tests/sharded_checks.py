@@ -102,8 +102,14 @@ def check_model(directory: str) -> None:
 
 def check_flash_lowering() -> None:
     """A 2-layer Flash-geometry decode step lowered for CUDA devices with the dsv4_jax/ffi/ kernels planned."""
+    from jax._src.pallas.triton import gpu_info
+
     from dsv4_jax import ffi
     ffi.register = lambda *args: None                  # lowering needs no library
+    # Pallas's Triton lowering (the mHC kernels) asks the default device, or an abstract mesh's device, which GPU it
+    # compiles for; jit's lowering sets the abstract mesh to the CPU mesh the shardings name, so nothing public can
+    # say "an H200" here: tell its probe directly (this process only).
+    gpu_info.get_device_kind = lambda: "NVIDIA H200"
     cfg = presets.flash().replace(n_layers=2, compress_ratios=(4, 128, 0), n_hash_layers=1)
     abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
     for n in (2, 8):
