@@ -49,7 +49,9 @@ def _numpy_site(cfg, X, fn, base, scale, weight, pending, bf16: bool = False):
     model rounds them (bf16 streams); the result then also holds bounds on what a kernel may differ by elementwise
     (below)."""
     f = lambda a: np.asarray(a, np.float64)  # noqa: E731
-    to_bf16 = lambda a: np.asarray(jnp.asarray(a.astype(np.float32), jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa: E731
+    def to_bf16(a):
+        return np.asarray(jnp.asarray(a.astype(np.float32), jnp.bfloat16).astype(jnp.float32), np.float64)
+
     X = f(X)
     if pending is not None:
         X = R.hc_post(*(f(a) for a in pending[:1]), X, *(f(a) for a in pending[1:]))
