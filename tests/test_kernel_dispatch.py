@@ -358,6 +358,8 @@ def test_decode_step_lowers_for_cuda_with_the_ffi_kernels(monkeypatch):
     calls = sum(text.count(f"custom_call @dsv4_{fmt}_gemv") for fmt in ("fp8", "mxfp4", "nvfp4"))
     pair_calls = sum(text.count(f"custom_call @dsv4_{fmt}_gemv_pair") for fmt in ("fp8", "mxfp4", "nvfp4"))
     assert calls >= len(rec) and pair_calls >= kinds["ffi_gemv_pair"] + kinds["ffi_moe_gemv_pair"]
+    # the routed rows stay in token order for the per-row expert kernels: no sort (argsort) in the step
+    assert "stablehlo.sort" not in text
     # schedules: the routed experts (the FP4 calls of the default model) run ffi.ROUTED_SCHEDULE (w2) and their
     # format's ffi.ROUTED_PAIR_SCHEDULE (w1 + w3), the rest ffi.default_schedule of their shape (the tiny model's
     # K < 4096: 811)
