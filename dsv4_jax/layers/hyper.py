@@ -5,12 +5,14 @@ The residual stream is `hc_mult` parallel streams X [..., n, D]. Before a sub-la
 (nearly doubly stochastic) matrix C, consumed transposed: X'_k = post_k y + sum_j C[j, k] X_j. All coefficient
 math is float32.
 
-On a GPU kernel plan `hc_pre_norm` runs a site (the previous sub-layer's hc_post, hc_pre and the RMSNorm after it)
-as the three Pallas kernels of pallas_kernels/mhc.py; these functions are their reference and the path everywhere
-else.
+On a GPU kernel plan `hc_pre_norm` runs a site of a decode or verify step (the previous sub-layer's hc_post, hc_pre
+and the RMSNorm after it) as the three Pallas kernels of pallas_kernels/mhc.py; these functions are their reference
+and the path everywhere else.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -78,11 +80,13 @@ def hc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, 
     """One mHC site before a sub-layer: the pending hc_post of the previous sub-layer (`pending` = (y, post, comb),
     or None), then hc_pre and the sub-layer's RMSNorm. Returns (x [..., D] normalised, post, comb, X' the streams
     after the pending hc_post). On a GPU kernel plan (and in "interpret" mode) the three Pallas launches of
-    pallas_kernels/mhc.py; elsewhere, and under training (no derivatives there), hc_post + hc_pre + rms_norm."""
+    pallas_kernels/mhc.py for up to mhc.MAX_ROWS tokens (decode, verify); elsewhere, for prefill chunks and under
+    training (no derivatives there), hc_post + hc_pre + rms_norm."""
     from ..pallas_kernels import mhc
 
     backend = ctx.kernels.backend
-    if backend is not None and ctx.training is None and mhc.supported(cfg.hc_mult, cfg.dim, fn.shape[0]):
+    rows = math.prod(X.shape[:-2])
+    if backend is not None and ctx.training is None and mhc.takes(rows, cfg.hc_mult, cfg.dim, fn.shape[0]):
         with jax.named_scope("mhc"):
             return mhc.mhc_pre_norm(X, fn, base, scale, norm_weight, norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
                                     sinkhorn_iters=cfg.hc_sinkhorn_iters, pending=pending,

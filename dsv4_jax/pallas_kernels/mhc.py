@@ -34,6 +34,9 @@ from jax.experimental.pallas import triton as pltriton
 
 _F32 = jnp.float32
 MIX_CHUNK = 128              # stream columns per block of the mixing reduction
+MAX_ROWS = 128               # rows (tokens) up to which the model takes these kernels: each row's blocks read all
+                             # of fn (1.5 MB for Flash) from L2, so a 512-token prefill chunk would read 786 MB per
+                             # site, where XLA's matmul reads it once; decode and verify steps stay far below
 LANES = 32                   # partials per (row, chunk): 24 mixing sums, sum(X^2) in lanes 24-31
 
 
@@ -41,6 +44,11 @@ def supported(n: int, dim: int, fn_rows: int) -> bool:
     """Whether the kernels take this geometry: 4 streams (pre 4 + post 4 + comb 16 mixing rows) and D a multiple of
     128."""
     return n == 4 and fn_rows == 24 and dim % MIX_CHUNK == 0
+
+
+def takes(rows: int, n: int, dim: int, fn_rows: int) -> bool:
+    """Whether the model runs a site of `rows` tokens on these kernels (supported geometry, at most MAX_ROWS)."""
+    return rows <= MAX_ROWS and supported(n, dim, fn_rows)
 
 
 def _chunk(dim: int, cap: int = 1024) -> int:
