@@ -42,8 +42,8 @@ def block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, X: jax.Ar
 
 def block_streams(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, streams, token_ids: jax.Array,
                   start: jax.Array, n_valid: jax.Array, cache: dict, defer: bool = False):
-    """`block` on streams whose last hc_post may still be pending: `streams` = (X, pending), pending = (y, post,
-    comb) of the previous sub-layer or None. Returns ((X, pending) of this block, cache, statistics). Consecutive
+    """`block` on streams whose last hc_post may still be due: `streams` = (X, post_mix), post_mix = (y, post,
+    comb) of the previous sub-layer or None. Returns ((X, post_mix) of this block, cache, statistics). Consecutive
     blocks pass their final hc_post on, so that it runs inside the next block's first mHC site (one launch fewer
     on the GPU kernel plan, hyper.hc_pre_norm); resolve_streams applies it."""
     with jax.named_scope(f"{layer_kind(cfg, layer)}_layer"):
@@ -51,12 +51,12 @@ def block_streams(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, s
 
 
 def resolve_streams(cfg: ModelConfig, layer: int, streams) -> jax.Array:
-    """The streams X [B, S, n, D] of block_streams' (X, pending): the pending hc_post applied (in `layer`'s scope)."""
-    X, pending = streams
-    if pending is None:
+    """The streams X [B, S, n, D] of block_streams' (X, post_mix): the due hc_post applied (in `layer`'s scope)."""
+    X, post_mix = streams
+    if post_mix is None:
         return X
     with jax.named_scope(f"{layer_kind(cfg, layer)}_layer"):
-        return hc_post(pending[0], X, pending[1], pending[2])
+        return hc_post(post_mix[0], X, post_mix[1], post_mix[2])
 
 
 def commit_block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, cache: dict, start: jax.Array,
@@ -67,15 +67,15 @@ def commit_block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, ca
                             ctx)
 
 
-def _block(params, cfg, ctx, layer, X, pending, token_ids, start, n_valid, cache, defer):
+def _block(params, cfg, ctx, layer, X, post_mix, token_ids, start, n_valid, cache, defer):
     ratio = cfg.compress_ratios[layer]
     x, post, comb, X = hc_pre_norm(X, params["hc_attn_fn"], params["hc_attn_base"], params["hc_attn_scale"],
-                                   params["attn_norm"]["weight"], cfg, ctx, pending=pending)
+                                   params["attn_norm"]["weight"], cfg, ctx, post_mix=post_mix)
     y, cache, attn_stats = attention(params["attn"], cfg, ratio, x, start, n_valid, cache,
                                      rope_inv_freq(cfg, ratio), ctx, defer)
     # the attention's hc_post runs inside the next site (one pass over the streams on the GPU kernel plan)
     x, post, comb, X = hc_pre_norm(X, params["hc_ffn_fn"], params["hc_ffn_base"], params["hc_ffn_scale"],
-                                   params["ffn_norm"]["weight"], cfg, ctx, pending=(y, post, comb))
+                                   params["ffn_norm"]["weight"], cfg, ctx, post_mix=(y, post, comb))
     y, moe_stats = moe(params["ffn"], cfg, x, token_ids, cfg.is_hash_layer(layer), ctx)
     return (X, (y, post, comb)), cache, attn_stats | moe_stats
 
@@ -137,7 +137,7 @@ def _write_back(stacked: dict, cache: dict, repeat):
 
 
 def _unrolled_layers(run, first: int, layers_params: list, caches: list, streams):
-    """Layers first, first + 1, ... one after another, on block_streams' (X, pending). Returns ((X, pending), their
+    """Layers first, first + 1, ... one after another, on block_streams' (X, post_mix). Returns ((X, post_mix), their
     new caches, their statistics)."""
     new_caches, stats = [], []
     for offset, (layer_params, cache) in enumerate(zip(layers_params, caches, strict=True)):

@@ -44,7 +44,7 @@ def _inputs(rng, lead, dim, dtype):
     return cfg, cast(X), fn, base, scale, weight, cast(y), post, comb
 
 
-def _numpy_site(cfg, X, fn, base, scale, weight, pending, bf16: bool = False):
+def _numpy_site(cfg, X, fn, base, scale, weight, post_mix, bf16: bool = False):
     """float64: [hc_post] -> hc_pre -> rms_norm. `bf16`: X' (hc_post's output) and u rounded to bf16 where the
     model rounds them (bf16 streams); the result then also holds bounds on what a kernel may differ by elementwise
     (below)."""
@@ -53,8 +53,8 @@ def _numpy_site(cfg, X, fn, base, scale, weight, pending, bf16: bool = False):
         return np.asarray(jnp.asarray(a.astype(np.float32), jnp.bfloat16).astype(jnp.float32), np.float64)
 
     X = f(X)
-    if pending is not None:
-        X = R.hc_post(*(f(a) for a in pending[:1]), X, *(f(a) for a in pending[1:]))
+    if post_mix is not None:
+        X = R.hc_post(*(f(a) for a in post_mix[:1]), X, *(f(a) for a in post_mix[1:]))
         X = to_bf16(X) if bf16 else X
     u, post, comb = R.hc_pre(X, f(fn), f(base), f(scale), cfg)
     if not bf16:
@@ -84,24 +84,24 @@ def _assert_within(got, want, bounds, what):
                                f"{w[over][:3]}"
 
 
-def _kernel(cfg, X, fn, base, scale, weight, pending, dtype, fn_kernel=mhc.mhc_pre_norm):
+def _kernel(cfg, X, fn, base, scale, weight, post_mix, dtype, fn_kernel=mhc.mhc_pre_norm):
     args = [jnp.asarray(X, dtype), jnp.asarray(fn), jnp.asarray(base), jnp.asarray(scale), jnp.asarray(weight)]
-    pend = None if pending is None else (jnp.asarray(pending[0], dtype), jnp.asarray(pending[1]),
-                                         jnp.asarray(pending[2]))
+    pend = None if post_mix is None else (jnp.asarray(post_mix[0], dtype), jnp.asarray(post_mix[1]),
+                                         jnp.asarray(post_mix[2]))
     run = jax.jit(lambda X, fn, b, s, w, p: fn_kernel(X, fn, b, s, w, norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
-                                                      sinkhorn_iters=cfg.hc_sinkhorn_iters, pending=p,
+                                                      sinkhorn_iters=cfg.hc_sinkhorn_iters, post_mix=p,
                                                       interpret=True))
     return [np.asarray(jnp.asarray(a, jnp.float32)) for a in run(*args, pend)]
 
 
-@pytest.mark.parametrize("dim, lead, with_pending", [(256, (2, 3), True), (384, (3,), False), (384, (1, 2), True)])
-def test_float32_site_matches_float64(dim, lead, with_pending):
+@pytest.mark.parametrize("dim, lead, with_post_mix", [(256, (2, 3), True), (384, (3,), False), (384, (1, 2), True)])
+def test_float32_site_matches_float64(dim, lead, with_post_mix):
     """D = 256: two mixing chunks, one collapse chunk; D = 384: three of each (the chunk loops)."""
     rng = np.random.default_rng(dim + len(lead))
     cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, lead, dim, jnp.float32)
-    pending = (y, post, comb) if with_pending else None
-    want = _numpy_site(cfg, X, fn, base, scale, weight, pending)
-    got = _kernel(cfg, X, fn, base, scale, weight, pending, jnp.float32)
+    post_mix = (y, post, comb) if with_post_mix else None
+    want = _numpy_site(cfg, X, fn, base, scale, weight, post_mix)
+    got = _kernel(cfg, X, fn, base, scale, weight, post_mix, jnp.float32)
     for name, g, w, tol in zip(("x", "post", "comb", "streams"), got, want, (2e-5, 1e-6, 2e-6, 1e-6)):
         err = np.max(np.abs(g - w)) / np.max(np.abs(w))
         assert err < tol, f"{name}: max error {err:.2e} of the largest value (tolerance {tol})"
@@ -128,7 +128,7 @@ def test_model_site_dispatch_interpret_equals_reference():
     outs = []
     for kernels in ("interpret", "reference"):
         ctx = RunContext.create(kernels=kernels, dtype="float32")
-        outs.append(jax.jit(lambda *a, ctx=ctx: hyper.hc_pre_norm(*a[:5], cfg, ctx, pending=a[5]))(
+        outs.append(jax.jit(lambda *a, ctx=ctx: hyper.hc_pre_norm(*a[:5], cfg, ctx, post_mix=a[5]))(
             X, fn, base, scale, weight, (y, post, comb)))
     for name, g, w in zip(("x", "post", "comb", "streams"), *outs):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6, err_msg=name)
@@ -179,7 +179,7 @@ def test_gpu_site_matches_float64(dim, lead):
     cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, lead, dim, jnp.float32)
     want = _numpy_site(cfg, X, fn, base, scale, weight, (y, post, comb))
     run = jax.jit(lambda X, fn, b, s, w, p: mhc.mhc_pre_norm(X, fn, b, s, w, norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
-                                                             sinkhorn_iters=cfg.hc_sinkhorn_iters, pending=p))
+                                                             sinkhorn_iters=cfg.hc_sinkhorn_iters, post_mix=p))
     got = run(X, fn, base, scale, weight, (y, post, comb))
     for name, g, w, tol in zip(("x", "post", "comb", "streams"), got, want, (2e-5, 1e-6, 2e-6, 1e-6)):
         err = np.max(np.abs(np.asarray(g) - w)) / np.max(np.abs(w))

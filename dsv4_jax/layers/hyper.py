@@ -76,10 +76,10 @@ def hc_head(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg:
 
 
 def hc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, norm_weight: jax.Array,
-                cfg: ModelConfig, ctx, pending=None):
-    """One mHC site before a sub-layer: the pending hc_post of the previous sub-layer (`pending` = (y, post, comb),
-    or None), then hc_pre and the sub-layer's RMSNorm. Returns (x [..., D] normalised, post, comb, X' the streams
-    after the pending hc_post). On a GPU kernel plan (and in "interpret" mode) the three Pallas launches of
+                cfg: ModelConfig, ctx, post_mix=None):
+    """One mHC site before a sub-layer: the hc_post still due from the previous sub-layer (`post_mix` = (y, post,
+    comb), or None), then hc_pre and the sub-layer's RMSNorm. Returns (x [..., D] normalised, post, comb, X' the
+    streams after that hc_post). On a GPU kernel plan (and in "interpret" mode) the three Pallas launches of
     pallas_kernels/mhc.py for up to mhc.MAX_ROWS tokens (decode, verify); elsewhere, for prefill chunks and under
     training (no derivatives there), hc_post + hc_pre + rms_norm."""
     from ..pallas_kernels import mhc
@@ -89,9 +89,9 @@ def hc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, 
     if backend is not None and ctx.training is None and mhc.takes(rows, cfg.hc_mult, cfg.dim, fn.shape[0]):
         with jax.named_scope("mhc"):
             return mhc.mhc_pre_norm(X, fn, base, scale, norm_weight, norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
-                                    sinkhorn_iters=cfg.hc_sinkhorn_iters, pending=pending,
+                                    sinkhorn_iters=cfg.hc_sinkhorn_iters, post_mix=post_mix,
                                     interpret=backend == "interpret")
-    if pending is not None:
-        X = hc_post(pending[0], X, pending[1], pending[2])
+    if post_mix is not None:
+        X = hc_post(post_mix[0], X, post_mix[1], post_mix[2])
     u, post, comb = hc_pre(X, fn, base, scale, cfg, unroll_sinkhorn=ctx.kernels.on_gpu)
     return rms_norm(u, norm_weight, cfg.norm_eps), post, comb, X

@@ -2,14 +2,14 @@
 that follows it -- what the pure-jnp path (layers/hyper.py `hc_post`, `hc_pre`, layers/norm.py `rms_norm`) does in
 about ten small XLA kernels per site on the GPU.
 
-    x, post, comb, X = mhc_pre_norm(X, fn, base, scale, norm_weight, ..., pending=(y, post_prev, comb_prev))
+    x, post, comb, X = mhc_pre_norm(X, fn, base, scale, norm_weight, ..., post_mix=(y, post_prev, comb_prev))
 
 Why three launches and not one: the mixing logits are a dot product over all n * D stream values (fn is 24 x 16,384
 float32 for Flash, 1.5 MB, which one thread block cannot read fast enough at batch 1), and the RMSNorm needs the
 sum of squares of the collapsed row. Each of those is a reduction across the thread blocks of a grid; the kernel
 boundary is the grid-wide barrier (launches on one stream are ordered), so no block reads a partial sum another block
 may not have written yet:
-  1. `_mix_kernel`, grid (rows, D / 128): [the pending hc_post, X'_k = post_k y + sum_j comb[j, k] X_j, written out]
+  1. `_mix_kernel`, grid (rows, D / 128): [the hc_post still due, X'_k = post_k y + sum_j comb[j, k] X_j, written out]
      and each chunk's partial sums: fn . X for the 24 mixing rows and sum(X^2), into a [rows, chunks, 32] buffer.
   2. `_collapse_kernel`, grid (rows, D / chunk): every block adds up the partials of its row, forms pre / post and
      the Sinkhorn-normalised comb (16 numbers, recomputed per block: cheaper than a launch), collapses its chunk,
@@ -146,9 +146,9 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, args, interpret, name, n
 
 
 def mhc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, norm_weight: jax.Array | None, *,
-                 norm_eps: float, hc_eps: float, sinkhorn_iters: int, pending=None, interpret: bool = False):
+                 norm_eps: float, hc_eps: float, sinkhorn_iters: int, post_mix=None, interpret: bool = False):
     """X [..., n, D] -> (x [..., D] = rms_norm(hc_pre's u) in X's dtype, post [..., n] f32, comb [..., n, n] f32,
-    the streams X' [..., n, D]). `pending` = (y [..., D], post [..., n], comb [..., n, n]): the previous sub-layer's
+    the streams X' [..., n, D]). `post_mix` = (y [..., D], post [..., n], comb [..., n, n]): the previous sub-layer's
     hc_post, applied to X first (X' is then its result; otherwise X' is X)."""
     *lead, n, dim = X.shape
     if not supported(n, dim, fn.shape[0]):
@@ -164,12 +164,12 @@ def mhc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
     fn_spec = pl.BlockSpec((fn.shape[0], n, MIX_CHUNK), lambda r, j: (0, 0, j))
     part_spec = pl.BlockSpec((1, 1, LANES), lambda r, j: (r, j, 0))
     part_shape = jax.ShapeDtypeStruct((rows, n_mix, LANES), _F32)
-    if pending is None:
+    if post_mix is None:
         (part,) = _call(functools.partial(_mix_kernel, has_pending=False), (rows, n_mix), [x_spec, fn_spec],
                         [part_spec], [part_shape], (X2, fn3), interpret, "mhc_mix")
         streams = X2
     else:
-        y, post_prev, comb_prev = pending
+        y, post_prev, comb_prev = post_mix
         args = (X2, y.reshape(rows, dim), post_prev.astype(_F32).reshape(rows, n),
                 comb_prev.astype(_F32).reshape(rows, n, n), fn3)
         specs = [x_spec, pl.BlockSpec((1, MIX_CHUNK), lambda r, j: (r, j)), pl.BlockSpec((1, n), lambda r, j: (r, 0)),
