@@ -1,0 +1,289 @@
+"""The device loop of the server: one thread owns the model and the shared decode batch (`slots`).
+
+Each turn of the loop it
+1. frees the rows of requests that ended on the host (a stop string, a client that went away);
+2. admits waiting requests into free rows (each is prefilled alone, then written into its row: `slots.admit`);
+3. starts the next decode chunk of the whole batch (`slots.decode_chunk`, `chunk` steps);
+4. reads the tokens of the chunk before it, which ran while the host handled the previous turn, and hands each
+   request its tokens and text through its `on_event` callback.
+So the device always has the next chunk queued while the host reads, and requests join and leave at chunk
+boundaries. The HTTP side only calls `submit` and `cancel` (thread-safe); it never touches the device, and this
+thread never waits on a client: `on_event` must return at once (the server's posts to its event loop).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..text import TextStream
+from . import slots as device
+
+log = logging.getLogger("dsv4_jax.serve")
+
+MAX_STOP_TOKENS = 8          # stop token ids per request, EOS included
+
+
+class QueueFull(Exception):
+    """Every row is busy and the waiting queue holds `max_queue` requests."""
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]      # (id, logprob), best first; empty unless top logprobs were asked for
+
+
+@dataclasses.dataclass
+class Tokens:
+    """New output of a request: final text (held back while it could still become a stop string) and ids."""
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+
+
+@dataclasses.dataclass
+class Finished:
+    reason: str                # "stop" or "length"
+    text: str                  # the last text released at the end
+    completion_tokens: int
+
+
+@dataclasses.dataclass
+class Failed:
+    message: str
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One sequence to generate (one choice of an OpenAI request). Sampling: temperature 0 is greedy, top_k 0 and
+    top_p 1 disable those filters; `seed` in [0, 2**64); `logprobs`: None, or how many top alternatives (0-20)."""
+    prompt_ids: list[int]
+    max_tokens: int
+    on_event: Callable[[object], None]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    choice: int = 0
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: int | None = None
+    cancelled: bool = False            # set by `Scheduler.cancel`; the loop frees the row
+
+
+class _Live:
+    """A request while it holds a row: its text stream and what the host knows of its progress."""
+
+    def __init__(self, request: Request, tokenizer, slot: int):
+        self.request = request
+        self.slot = slot
+        self.text = TextStream(tokenizer, request.stop, request.stop_token_ids)
+        self.generated = 0
+        self.finished = False
+
+    def emit(self, event) -> None:
+        try:
+            self.request.on_event(event)
+        except Exception:               # a receiver that is gone (its event loop closed) must not stop the loop
+            log.exception("delivering an event failed")
+            self.request.cancelled = True
+
+    def take(self, ids: list[int], logprobs: list[TokenLogprob] | None) -> str | None:
+        """Hand over new tokens; returns the finish reason once the request is complete."""
+        req = self.request
+        ids = ids[:req.max_tokens - self.generated]
+        self.generated += len(ids)
+        before = len(self.text.token_ids)
+        delta = self.text.push(ids)
+        used = len(self.text.token_ids) - before          # ids after a stop are not part of the output
+        if ids:
+            self.emit(Tokens(delta, ids[:used], logprobs[:used] if logprobs is not None else None))
+        if self.text.stopped:
+            return "stop"
+        if self.generated >= req.max_tokens:
+            return "length"
+        return None
+
+
+class Scheduler:
+    """Continuous batching over `model` (a dsv4_jax Model; its max_batch rows are the slots)."""
+
+    def __init__(self, model, *, chunk: int = 8, max_queue: int = 256, idle_wait_s: float = 0.05):
+        if model.tokenizer is None:
+            raise ValueError("the server needs a tokenizer: the checkpoint directory has no tokenizer.json")
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.chunk = chunk
+        self.max_queue = max_queue
+        self.idle_wait_s = idle_wait_s
+        self.rows = model.max_batch
+        self._slots = device.init_slots(model.init_state(), MAX_STOP_TOKENS)
+        self._owners: list[_Live | None] = [None] * self.rows
+        self._fed = np.zeros(self.rows, np.int64)       # a bound on each row's position, known on the host
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dsv4_jax-device-loop", daemon=True)
+        self.stats = {"admitted": 0, "chunks": 0}
+
+    # ---- called from any thread ------------------------------------------------------------------------------
+    def start(self) -> "Scheduler":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def submit(self, requests: list[Request]) -> None:
+        """Queue requests (all or none). Raises QueueFull when the queue cannot take them."""
+        for r in requests:
+            if len(r.stop_token_ids) > MAX_STOP_TOKENS:
+                raise ValueError(f"at most {MAX_STOP_TOKENS} stop token ids, got {len(r.stop_token_ids)}")
+        with self._lock:
+            if len(self._waiting) + len(requests) > self.max_queue:
+                raise QueueFull(f"the server is busy: {len(self._waiting)} requests are waiting for one of its "
+                                f"{self.rows} rows (queue limit {self.max_queue}); retry later")
+            self._waiting.extend(requests)
+        self._wake.set()
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request (its client went away): it gets no more events and its row is freed."""
+        request.cancelled = True
+        self._wake.set()
+
+    def busy_rows(self) -> int:
+        return sum(o is not None for o in self._owners)
+
+    # ---- the device-loop thread ------------------------------------------------------------------------------
+    def _run(self):
+        in_flight = None                  # (owners when dispatched, device outputs) of the chunk not yet read
+        while not self._stop.is_set():
+            self._free_cancelled()
+            admitted = self._admit_waiting()
+            live = [o for o in self._owners if o is not None and not o.finished]
+            dispatched = self._dispatch(live) if live else None
+            try:
+                if in_flight is not None:
+                    self._deliver(*in_flight)
+                for first in admitted:
+                    self._deliver(*first)
+            except Exception as err:          # a bug here must not kill the loop silently
+                log.exception("reading a chunk failed")
+                self._fail_all(f"internal error: {err}")
+                dispatched = None
+            in_flight = dispatched
+            if in_flight is None and not admitted:
+                with self._lock:
+                    idle = not self._waiting
+                if idle:
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+        self._fail_all("the server is shutting down")
+
+    def _free(self, live: _Live):
+        live.finished = True
+        if self._owners[live.slot] is live:
+            self._owners[live.slot] = None
+
+    def _free_cancelled(self):
+        for live in self._owners:
+            if live is not None and live.request.cancelled:
+                self._free(live)
+
+    def _fail_all(self, message: str):
+        for live in self._owners:
+            if live is not None:
+                self._free(live)
+                live.emit(Failed(message))
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for req in waiting:
+            req.on_event(Failed(message))
+
+    def _admit_waiting(self) -> list:
+        """Prefill waiting requests into free rows; returns their first-token reads."""
+        reads = []
+        while True:
+            free = [s for s, o in enumerate(self._owners) if o is None]
+            if not free:
+                return reads
+            with self._lock:
+                if not self._waiting:
+                    return reads
+                req = self._waiting.popleft()
+            if req.cancelled:
+                continue
+            try:
+                reads.append(self._admit(req, free[0]))
+            except Exception as err:
+                log.exception("admitting a request failed")
+                req.on_event(Failed(f"internal error: {err}"))
+
+    def _admit(self, req: Request, slot: int):
+        model = self.model
+        logits, row_state = model.prefill(np.asarray([req.prompt_ids], np.int32))
+        stops = np.full((1, MAX_STOP_TOKENS), -1, np.int32)
+        stops[0, :len(req.stop_token_ids)] = req.stop_token_ids
+        row = device.RowSampling(temperature=jnp.full((1,), req.temperature, jnp.float32),
+                                 top_k=jnp.full((1,), req.top_k, jnp.int32),
+                                 top_p=jnp.full((1,), req.top_p, jnp.float32),
+                                 max_new_tokens=jnp.full((1,), req.max_tokens, jnp.int32),
+                                 stop_tokens=jnp.asarray(stops), key=jnp.zeros((1, 2), jnp.uint32))
+        seed = np.array([(req.seed >> 32) & 0xFFFFFFFF, req.seed & 0xFFFFFFFF], np.uint32)
+        n_top = device.MAX_TOP_LOGPROBS if req.logprobs else 0
+        self._slots, out = device.admit(self._slots, row_state, logits, jnp.int32(slot), jnp.asarray(seed),
+                                        jnp.int32(req.choice), row, n_top=n_top)
+        live = _Live(req, self.tokenizer, slot)
+        self._owners[slot] = live
+        self._fed[slot] = len(req.prompt_ids) + 1
+        self.stats["admitted"] += 1
+        return [(0, live)], tuple(o[:, None] for o in out)        # one row, one step
+
+    def _dispatch(self, live: list[_Live]):
+        halt = np.array([o is None or o.finished for o in self._owners])
+        for o in live:
+            self._fed[o.slot] += self.chunk
+        bound = int(max(self._fed[o.slot] for o in live))
+        ctx = self.model._context_for(min(bound, self.model.max_seq_len))
+        n_top = device.MAX_TOP_LOGPROBS if any(o.request.logprobs for o in live) else 0
+        self._slots, out = device.decode_chunk(self.model.params, self._slots, jnp.asarray(halt),
+                                               cfg=self.model.config, ctx=ctx, max_seq_len=self.model.max_seq_len,
+                                               chunk=self.chunk, n_top=n_top)
+        self.stats["chunks"] += 1
+        want_logprobs = any(o.request.logprobs is not None for o in live)
+        rows = [(slot, o) for slot, o in enumerate(self._owners) if o is not None and not o.finished]
+        return rows, (out if want_logprobs else out[:1])
+
+    def _deliver(self, rows: list[tuple[int, _Live]], out):
+        """Hand out a read: `rows` are (row of the arrays, the request that held it when they were computed);
+        requests that finished since get nothing (their row may already serve another)."""
+        arrays = [np.asarray(a) for a in jax.device_get(out)]
+        tokens = arrays[0]
+        for row, live in rows:
+            if live.finished:
+                continue
+            keep = tokens[row] >= 0
+            ids = [int(t) for t in tokens[row][keep]]
+            logprobs = None
+            if live.request.logprobs is not None:
+                lp, top_ids, top_lp = (a[row][keep] for a in arrays[1:])
+                n = live.request.logprobs
+                logprobs = [TokenLogprob(t, float(lp[i]), [(int(j), float(v)) for j, v in
+                                                           zip(top_ids[i][:n], top_lp[i][:n])])
+                            for i, t in enumerate(ids)]
+            reason = live.take(ids, logprobs)
+            if reason is not None:
+                self._free(live)
+                live.emit(Finished(reason, live.text.flush(), live.generated))
