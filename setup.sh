@@ -23,10 +23,10 @@ if [ ! -x .venv/bin/python ]; then
     $PY -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-EXTRAS="test,bench"
+EXTRAS="test,bench,serve"
 # A machine with an NVIDIA GPU gets the CUDA build of jax (the `cuda` extra), so the same two commands serve it.
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    EXTRAS="test,bench,cuda"
+    EXTRAS="test,bench,serve,cuda"
     echo "setup.sh: NVIDIA GPU found ($(nvidia-smi -L | head -1)); installing jax's CUDA build"
 fi
 .venv/bin/python -m pip install -q -e ".[$EXTRAS]"

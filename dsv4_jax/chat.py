@@ -525,6 +525,7 @@ _INVOKE_END = f"</{DSML}invoke"
 _PARAM = f"<{DSML}parameter"
 _PARAM_END = f"/{DSML}parameter"
 _TOOL_CALLS_START = f"\n\n<{DSML}tool_calls"
+TOOL_CALLS_START = _TOOL_CALLS_START      # where a completion's tool calls begin
 _NAME_RE = re.compile(r'^\s*name="(.*?)">\n$', re.DOTALL)
 _PARAM_RE = re.compile(r'^ name="(.*?)" string="(true|false)">(.*?)<$', re.DOTALL)
 
@@ -573,6 +574,15 @@ def _parse_tool_calls(text: str, pos: int) -> tuple[int, list[dict]]:
     return pos, calls
 
 
+def parse_tool_calls(block: str) -> list[dict]:
+    """The OpenAI-format tool calls of the text that follows ``TOOL_CALLS_START`` in a completion (to the end of
+    the turn, EOS left out). Malformed text raises ValueError."""
+    pos, calls = _parse_tool_calls(block, 0)
+    if block[pos:]:
+        raise ValueError(f"unexpected text after tool calls: {block[pos:]!r:.60}")
+    return calls
+
+
 def parse_completion(text: str, thinking_mode: str = "chat") -> dict:
     """Split one generated assistant turn (text up to and including EOS) into its parts.
 
@@ -610,6 +620,8 @@ __all__ = [
     "render_segments",
     "Segment",
     "parse_completion",
+    "parse_tool_calls",
+    "TOOL_CALLS_START",
     "REASONING_EFFORT_MAX",
     "THINKING_MODES",
     "ROLES",

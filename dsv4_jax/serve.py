@@ -1,0 +1,161 @@
+"""python -m dsv4_jax.serve: an OpenAI-compatible server (chat and text completions, streaming) over one model.
+
+Serves the packaged default model unless --checkpoint names a DeepSeek-V4 checkpoint directory. Requests share one
+static decode batch of --max-batch rows (continuous batching: a request joins at the next chunk of --chunk decode
+steps and leaves as soon as it ends); beyond that they wait in a queue of --max-queue, and past it get 429. The
+programs are compiled before the server reports ready on stderr:
+    dsv4_jax.serve: ready on http://127.0.0.1:8000/v1 (model 'dsv4-default', ...)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+
+from .generate import (EXIT_USAGE, CLIError, _check_checkpoint_dir, _int_at_least, _kv_cache_dtype, _LoadProgress,
+                       _mesh, _one_line, _setup_compile_cache)
+
+PROG = "python -m dsv4_jax.serve"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        raise CLIError(f"{message} (see {PROG} --help)", EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n", 1)[1].rstrip(), allow_abbrev=False,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--checkpoint", metavar="DIR", help="a DeepSeek-V4 checkpoint directory (default: the packaged "
+                   "small model)")
+    m.add_argument("--served-model-name", metavar="NAME",
+                   help="the model id clients name (default: the checkpoint directory's name; 'dsv4-default' for "
+                   "the packaged model)")
+    m.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    m.add_argument("--kernels", choices=("auto", "reference", "pallas", "interpret"), default="auto")
+    m.add_argument("--devices", type=_int_at_least(1), metavar="N",
+                   help="devices of the mesh the model is sharded over (default: all local devices)")
+    m.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    m.add_argument("--max-seq-len", type=_int_at_least(2), default=4096, metavar="N",
+                   help="positions per sequence, prompt and completion together (default 4096)")
+    m.add_argument("--prefill-chunk", type=_int_at_least(1), default=512, metavar="N")
+    m.add_argument("--no-compile-cache", action="store_true")
+    s = p.add_argument_group("serving")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=_int_at_least(0, 65536), default=8000, help="0 picks a free port")
+    s.add_argument("--max-batch", type=_int_at_least(1), default=8, metavar="N",
+                   help="rows of the shared decode batch: requests generated at once (default 8)")
+    s.add_argument("--chunk", type=_int_at_least(1), default=8, metavar="N",
+                   help="decode steps between the points where requests join and leave (default 8)")
+    s.add_argument("--max-queue", type=_int_at_least(0), default=256, metavar="N",
+                   help="requests that may wait for a row; more get 429 (default 256)")
+    s.add_argument("--no-warmup", action="store_true", help="report ready before compiling the programs")
+    s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
+    return p
+
+
+def build_model(args):
+    """Load the model of `args` (checked the way `python -m dsv4_jax.generate` checks them)."""
+    import dsv4_jax
+    from .checkpoint import CheckpointError
+    from .config import load_hf_config
+    from .quant.kernel_plan import plan_kernels
+    directory = _check_checkpoint_dir(args)
+    try:
+        cfg = load_hf_config(directory)
+    except (ValueError, FileNotFoundError) as err:
+        raise CLIError(_one_line(err)) from None
+    if args.max_seq_len > cfg.max_position_embeddings:
+        raise CLIError(f"--max-seq-len {args.max_seq_len} exceeds the model's max_position_embeddings="
+                       f"{cfg.max_position_embeddings}", EXIT_USAGE)
+    if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        raise CLIError(f"{directory}: no tokenizer.json (the server needs the model's tokenizer)")
+    try:
+        kernels = plan_kernels(args.kernels)
+    except ValueError as err:
+        raise CLIError(f"--kernels {args.kernels}: {err}") from None
+    mesh = _mesh(args, directory)
+    _setup_compile_cache(args)
+    progress = _LoadProgress()
+    try:
+        model = dsv4_jax.load(directory, dtype=args.dtype, max_seq_len=args.max_seq_len, max_batch=args.max_batch,
+                              prefill_chunk=args.prefill_chunk, progress=progress, kernels=kernels, mesh=mesh,
+                              kv_cache_dtype=_kv_cache_dtype(args))
+    except (CheckpointError, OSError, ValueError) as err:
+        raise CLIError(_one_line(err)) from None
+    finally:
+        progress.close()
+    name = args.served_model_name or ("dsv4-default" if args.checkpoint is None
+                                      else os.path.basename(os.path.normpath(directory)))
+    return model, name
+
+
+def warm_up(scheduler) -> None:
+    """Run one short request through the loop so the prefill, admit and decode programs are compiled."""
+    from .serving.scheduler import Failed, Finished, Request
+    done = threading.Event()
+    failure: list[str] = []
+
+    def on_event(event):
+        if isinstance(event, Failed):
+            failure.append(event.message)
+        if isinstance(event, (Finished, Failed)):
+            done.set()
+    scheduler.submit([Request(prompt_ids=[scheduler.tokenizer.bos_id], max_tokens=scheduler.chunk + 1,
+                              on_event=on_event)])
+    done.wait()
+    if failure:
+        raise CLIError(f"warm-up request failed: {failure[0]}")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    try:
+        sock = socket.create_server((host, port), reuse_port=False)
+    except OSError as err:
+        raise CLIError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    from .serving.app import create_app
+    from .serving.scheduler import Scheduler
+    sock = listen(args.host, args.port)            # first: a port in use fails before minutes of loading
+    model, name = build_model(args)
+    scheduler = Scheduler(model, chunk=args.chunk, max_queue=args.max_queue).start()
+    t0 = time.perf_counter()
+    if not args.no_warmup:
+        warm_up(scheduler)
+    host, port = sock.getsockname()[:2]
+    print(f"dsv4_jax.serve: ready on http://{host}:{port}/v1 (model {name!r}, max_batch {args.max_batch}, "
+          f"max_seq_len {args.max_seq_len}, compiled in {time.perf_counter() - t0:.1f} s)", file=sys.stderr,
+          flush=True)
+    config = uvicorn.Config(create_app(scheduler, name), log_level=args.log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        scheduler.stop()
+    return 0
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(name)s: %(message)s")
+        return serve(args)
+    except CLIError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.code
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
