@@ -134,7 +134,7 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dsv4_jax-device-loop", daemon=True)
-        self.stats = {"admitted": 0, "chunks": 0}
+        self.stats = {"admitted": 0, "chunks": 0, "cancelled": 0}     # cancelled: rows freed for a client that left
 
     # ---- called from any thread ------------------------------------------------------------------------------
     def start(self) -> "Scheduler":
@@ -152,7 +152,8 @@ class Scheduler:
             if len(r.stop_token_ids) > MAX_STOP_TOKENS:
                 raise ValueError(f"at most {MAX_STOP_TOKENS} stop token ids, got {len(r.stop_token_ids)}")
         with self._lock:
-            if len(self._waiting) + len(requests) > self.max_queue:
+            free_rows = sum(o is None for o in self._owners)       # read without the loop's lock: a hint
+            if len(self._waiting) + len(requests) > self.max_queue + free_rows:
                 raise QueueFull(f"the server is busy: {len(self._waiting)} requests are waiting for one of its "
                                 f"{self.rows} rows (queue limit {self.max_queue}); retry later")
             self._waiting.extend(requests)
@@ -201,6 +202,7 @@ class Scheduler:
         for live in self._owners:
             if live is not None and live.request.cancelled:
                 self._free(live)
+                self.stats["cancelled"] += 1
 
     def _fail_all(self, message: str):
         for live in self._owners:

@@ -1,0 +1,158 @@
+"""Continuous batching on the device (dsv4_jax.serving.slots) and its loop (dsv4_jax.serving.scheduler): a request
+written into a row changes that row only; rows sample with their own parameters and keys, so a seeded request gets
+the same tokens in any row beside any others; greedy requests that join and leave a shared batch produce what
+`Model.generate` produces for each alone; the decode chunk compiles once and makes no implicit transfers."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv4_jax
+from dsv4_jax.config import load_hf_config
+from dsv4_jax.layer_scan import StackedLayers, unstack_layers
+from dsv4_jax.serving import slots as device
+from dsv4_jax.serving.scheduler import Failed, Finished, Request, Scheduler, Tokens
+from dsv4_jax.state import init_state
+
+ROWS = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dsv4_jax.load(dtype="float32", max_seq_len=256, max_batch=ROWS)
+
+
+def _random_like(tree, rng):
+    def fill(x):
+        if x.dtype == jnp.bool_:
+            return jnp.asarray(rng.random(x.shape) < 0.5)
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            return jnp.asarray(rng.integers(0, 1000, x.shape), x.dtype)
+        return jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+    return jax.tree.map(fill, tree)
+
+
+def _per_layer(state):
+    layers = unstack_layers(state.layers) if isinstance(state.layers, StackedLayers) else state.layers
+    return [layers, state.mtp, state.mtp_hidden, state.positions]
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_put_state_row_changes_that_row_only(scan_layers):
+    cfg = load_hf_config(dsv4_jax.DEFAULT_MODEL_DIR)
+    rng = np.random.default_rng(7)
+    big = _random_like(init_state(cfg, ROWS, 256, jnp.float32, scan_layers=scan_layers), rng)
+    row = _random_like(init_state(cfg, 1, 256, jnp.float32, scan_layers=scan_layers), rng)
+    assert isinstance(big.layers, StackedLayers) == scan_layers
+    out = jax.jit(device.put_state_row)(big, row, jnp.int32(2))
+    leaves = [jax.tree.leaves(_per_layer(s)) for s in (big, row, out)]
+    assert len(leaves[0]) == len(leaves[2]) > 10
+    for before, new, after in zip(*leaves):
+        before, new, after = np.asarray(before), np.asarray(new), np.asarray(after)
+        np.testing.assert_array_equal(after[2], new[0])
+        np.testing.assert_array_equal(np.delete(after, 2, axis=0), np.delete(before, 2, axis=0))
+
+
+def _run(scheduler, requests, timeout=300):
+    """Submit and wait; returns each request's token ids and finish reason."""
+    results = {}
+    done = threading.Event()
+
+    def recorder(k):
+        tokens = []
+
+        def on_event(event):
+            if isinstance(event, Tokens):
+                tokens.extend(event.token_ids)
+            elif isinstance(event, (Finished, Failed)):
+                results[k] = (tokens, event.reason if isinstance(event, Finished) else event.message)
+                if len(results) == len(requests):
+                    done.set()
+        return on_event
+    for k, r in enumerate(requests):
+        r.on_event = recorder(k)
+    scheduler.submit(requests)
+    assert done.wait(timeout), "requests did not finish"
+    return [results[k] for k in range(len(requests))]
+
+
+def _prompts(model, n, rng):
+    tok = model.tokenizer
+    words = "And it came to pass in those days that the LORD spake unto Moses saying".split()
+    return [[tok.bos_id] + tok.encode(" ".join(rng.choice(words, size=int(rng.integers(1, 12)))))
+            for _ in range(n)]
+
+
+def test_greedy_rows_joining_and_leaving_match_generate(model):
+    rng = np.random.default_rng(11)
+    prompts = _prompts(model, 7, rng)                # more requests than rows: some wait for a free row
+    budgets = [int(b) for b in rng.integers(3, 30, len(prompts))]
+    expected = [model.generate([p], max_new_tokens=b).tokens[0] for p, b in zip(prompts, budgets)]
+    eos = model.config.eos_token_id
+    scheduler = Scheduler(model, chunk=4).start()
+    try:
+        got = _run(scheduler, [Request(prompt_ids=p, max_tokens=b, on_event=None, stop_token_ids=[eos])
+                               for p, b in zip(prompts, budgets)])
+        compiled = device.decode_chunk._cache_size()
+        again = _run(scheduler, [Request(prompt_ids=prompts[0], max_tokens=budgets[0], on_event=None,
+                                         stop_token_ids=[eos])])
+    finally:
+        scheduler.stop()
+    for (tokens, reason), want, budget in zip(got, expected, budgets):
+        assert tokens == want
+        assert reason == ("stop" if want[-1] == eos else "length")
+    assert again[0][0] == expected[0]
+    assert device.decode_chunk._cache_size() == compiled        # joining and leaving never recompiles
+    assert scheduler.stats["admitted"] == len(prompts) + 1
+
+
+def test_seeded_request_samples_the_same_in_any_row(model):
+    rng = np.random.default_rng(5)
+    prompt, *others = _prompts(model, 4, rng)
+    seeded = dict(prompt_ids=prompt, max_tokens=40, temperature=1.0, top_p=0.95, seed=2**40 + 17)
+    scheduler = Scheduler(model, chunk=4).start()
+    try:
+        alone = _run(scheduler, [Request(on_event=None, **seeded)])[0][0]
+        # Three other sampled requests first: the seeded one gets row 3, with other rows around it (two of them
+        # leave early), and its choice index 0 is what makes its key, not its row.
+        crowd = [Request(prompt_ids=p, max_tokens=m, temperature=0.8, seed=s, on_event=None)
+                 for p, m, s in zip(others, (7, 40, 13), (1, 2, 3))]
+        beside = _run(scheduler, crowd + [Request(on_event=None, **seeded)])
+        other_choice = _run(scheduler, [Request(on_event=None, choice=1, **seeded)])[0][0]
+    finally:
+        scheduler.stop()
+    assert len(alone) == 40
+    assert beside[-1][0] == alone
+    assert other_choice != alone                  # choice 1 of the same seed is another sample
+    assert beside[0][0] != beside[1][0][:7]       # and the crowd sampled with their own keys
+
+
+def test_per_row_sampling_parameters(model):
+    """A greedy row beside a sampled one stays greedy, and a row's top_k = 1 is greedy too."""
+    rng = np.random.default_rng(3)
+    prompts = _prompts(model, 2, rng)
+    greedy = model.generate([prompts[0]], max_new_tokens=20).tokens[0]
+    scheduler = Scheduler(model, chunk=4).start()
+    try:
+        out = _run(scheduler, [Request(prompt_ids=prompts[0], max_tokens=20, on_event=None),
+                               Request(prompt_ids=prompts[1], max_tokens=20, temperature=2.0, seed=9,
+                                       on_event=None),
+                               Request(prompt_ids=prompts[0], max_tokens=20, temperature=2.0, top_k=1, seed=9,
+                                       on_event=None)])
+    finally:
+        scheduler.stop()
+    assert out[0][0] == greedy == out[2][0]
+    assert out[1][0] != model.generate([prompts[1]], max_new_tokens=20).tokens[0]
+
+
+def test_decode_chunk_makes_no_implicit_transfers(model):
+    slots = device.init_slots(model.init_state(), 4)
+    halt = jnp.zeros((ROWS,), bool)
+    kw = dict(cfg=model.config, ctx=model.context, max_seq_len=model.max_seq_len, chunk=4, n_top=0)
+    slots, _ = device.decode_chunk(model.params, slots, halt, **kw)      # compile outside the guard
+    with jax.transfer_guard("disallow"):
+        slots, out = device.decode_chunk(model.params, slots, halt, **kw)
+    assert np.all(np.asarray(out[0]) == -1)       # every row free: nothing produced
