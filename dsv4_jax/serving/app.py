@@ -65,14 +65,14 @@ class Server:
 
     # ---- helpers -------------------------------------------------------------------------------------------
     def _requests(self, prompts: list[list[int]], sampling: protocol.Sampling, logprobs: int | None,
-                  events: _Events) -> list[GenRequest]:
+                  events: _Events, prompt_param: str) -> list[GenRequest]:
         max_seq_len = self.model.max_seq_len
         seed = secrets.randbits(64) if sampling.seed is None else sampling.seed
         requests = []
         for p, ids in enumerate(prompts):
             if len(ids) >= max_seq_len:
                 raise APIError(f"the prompt has {len(ids)} tokens; this server's context is max_seq_len="
-                               f"{max_seq_len} tokens, prompt and completion together", param="messages",
+                               f"{max_seq_len} tokens, prompt and completion together", param=prompt_param,
                                code="context_length_exceeded")
             max_tokens = max_seq_len - len(ids) if sampling.max_tokens is None else sampling.max_tokens
             if len(ids) + max_tokens > max_seq_len:
@@ -153,7 +153,7 @@ class Server:
         except ValueError as err:
             raise APIError(str(err), param="messages") from None
         events = _Events()
-        requests = self._requests([prompt], req.sampling, req.logprobs, events)
+        requests = self._requests([prompt], req.sampling, req.logprobs, events, "messages")
         self._submit(requests)
         choices = [_Choice(req.thinking, req.tools is not None) for _ in requests]
         rid = f"chatcmpl-{secrets.token_hex(12)}"
@@ -231,7 +231,7 @@ class Server:
         prompts = [[self.tokenizer.bos_id] + self.tokenizer.encode(p) if isinstance(p, str) else list(p)
                    for p in req.prompts]
         events = _Events()
-        requests = self._requests(prompts, req.sampling, req.logprobs, events)
+        requests = self._requests(prompts, req.sampling, req.logprobs, events, "prompt")
         self._submit(requests)
         choices = [_Choice() for _ in requests]
         rid = f"cmpl-{secrets.token_hex(12)}"
