@@ -1,0 +1,68 @@
+"""`python -m dsv4_jax.serve`: bad arguments are one error line, and a real server process reports ready on
+stderr with its address, answers, and stops on Ctrl-C."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from dsv4_jax import serve
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("argv,code,message", [
+    (["--max-batch", "0"], 2, "--max-batch: must be an integer >= 1, got 0"),
+    (["--port", "70000"], 2, "--port: must be an integer in [0, 65536), got 70000"),
+    (["--chunk", "x"], 2, "--chunk: expected an integer, got 'x'"),
+    (["--bogus"], 2, "unrecognized arguments: --bogus"),
+    (["--checkpoint", "/nonexistent/dir", "--port", "0"], 1, "--checkpoint /nonexistent/dir: no such directory"),
+    (["--max-seq-len", "100000000", "--port", "0"], 2, "exceeds the model's max_position_embeddings"),
+])
+def test_bad_arguments_are_one_line(capsys, argv, code, message):
+    assert serve.main(argv) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_port_in_use_is_one_line(capsys):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert serve.main(["--port", str(port)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot listen on 127.0.0.1:{port}"), err
+
+
+def test_server_process_reports_ready_answers_and_stops():
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4_jax.serve", "--port", "0", "--max-batch", "2",
+                             "--max-seq-len", "128", "--chunk", "4", "--dtype", "float32"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 240
+        ready = None
+        while ready is None:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "the server exited before it was ready"
+            assert time.time() < deadline, "no readiness line"
+            ready = re.match(r"dsv4_jax\.serve: ready on (http://127\.0\.0\.1:\d+/v1) \(model 'dsv4-default'", line)
+        base = ready.group(1)
+        assert httpx.get(base + "/models").json()["data"][0]["id"] == "dsv4-default"
+        r = httpx.post(base + "/completions", json={"prompt": "In the beginning", "max_tokens": 5, "temperature": 0},
+                       timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rest = proc.communicate(timeout=60)[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, rest
+    assert "Traceback" not in rest
