@@ -1,0 +1,134 @@
+"""Load test of a running OpenAI-compatible server (`python -m dsv4_jax.serve`, or any other).
+
+    python scripts/load_test.py --url http://127.0.0.1:8000/v1 --clients 1,4,16 --seconds 30 --out load.json
+
+For each client count, that many threads each send streaming completions back to back for --seconds (a request
+started before the end runs to completion): a prompt drawn from a fixed list, --max-tokens new tokens at
+--temperature, usage reported in the stream. Measured per request: time to first token (request sent -> first
+chunk with text), inter-token latency ((last text chunk - first) / (tokens - 1)), output tokens. Prints one row per
+client count (requests/s, output tokens/s, TTFT and ITL p50 / p99, errors) and writes --out JSON with the machine,
+the date and the server's model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import threading
+import time
+
+import httpx
+import numpy as np
+
+PROMPTS = [
+    "And Joseph fell upon his father's face,",
+    "Man that is born of a woman",
+    "My God, my God, why hast thou",
+    "I was glad when they said unto me,",
+    "A good name is rather to be chosen",
+    "The burden of the desert of the sea.",
+    "Run ye to and fro through the streets of Jerusalem,",
+    "I am the man that hath seen affliction",
+]
+
+
+def one_request(client: httpx.Client, url: str, model: str, prompt: str, args) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    with client.stream("POST", url + "/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"error": f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:200]}"}
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return {"error": event["error"]["message"]}
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if event["choices"] and event["choices"][0]["text"]:
+                last = time.perf_counter()
+                first = first or last
+    if first is None:
+        return {"error": "no text"}
+    return {"ttft": first - t0, "itl": (last - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens,
+            "latency": time.perf_counter() - t0}
+
+
+def run_clients(url: str, model: str, clients: int, args) -> dict:
+    results: list[dict] = []
+    lock = threading.Lock()
+    start = time.perf_counter()
+    end = start + args.seconds
+
+    def client_loop(k: int):
+        rng = random.Random(k)
+        with httpx.Client(timeout=args.timeout) as client:
+            while time.perf_counter() < end:
+                try:
+                    out = one_request(client, url, model, rng.choice(PROMPTS), args)
+                except httpx.HTTPError as err:
+                    out = {"error": f"{type(err).__name__}: {err}"}
+                with lock:
+                    results.append(out)
+    threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    ok = [r for r in results if "error" not in r]
+    pct = lambda values, q: float(np.percentile(values, q)) * 1e3 if values else None  # noqa: E731
+    ttft = [r["ttft"] for r in ok]
+    itl = [r["itl"] for r in ok if r["itl"] is not None]
+    return {"clients": clients, "wall_s": wall, "requests": len(ok), "errors": len(results) - len(ok),
+            "error_examples": sorted({r["error"] for r in results if "error" in r})[:3],
+            "requests_per_s": len(ok) / wall, "output_tokens_per_s": sum(r["tokens"] for r in ok) / wall,
+            "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99), "itl_ms_p50": pct(itl, 50),
+            "itl_ms_p99": pct(itl, 99)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--clients", default="1,4,16", help="comma-separated client counts, run one after another")
+    p.add_argument("--seconds", type=float, default=30.0, help="how long each client count sends requests")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--out", help="write the results as JSON")
+    args = p.parse_args()
+    url = args.url.rstrip("/")
+    try:
+        model = httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, ValueError) as err:
+        raise SystemExit(f"error: no OpenAI-compatible server at {url}: {err}") from None
+    rows = []
+    print(f"{url}, model {model!r}, {args.max_tokens} tokens per request, temperature {args.temperature}")
+    print(f"{'clients':>7} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+          f"{'ITL p99':>8} {'errors':>6}")
+    fmt = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
+    for clients in (int(c) for c in args.clients.split(",")):
+        row = run_clients(url, model, clients, args)
+        rows.append(row)
+        print(f"{clients:>7} {row['requests_per_s']:>7.2f} {row['output_tokens_per_s']:>9.1f} "
+              f"{fmt(row['ttft_ms_p50']):>9} {fmt(row['ttft_ms_p99']):>9} {fmt(row['itl_ms_p50']):>8} "
+              f"{fmt(row['itl_ms_p99']):>8} {row['errors']:>6}", flush=True)
+        for example in row["error_examples"]:
+            print(f"        error: {example}")
+    if args.out:
+        meta = {"date": datetime.date.today().isoformat(), "machine": platform.node(), "processor":
+                platform.processor() or platform.machine(), "url": url, "model": model,
+                "max_tokens": args.max_tokens, "temperature": args.temperature, "seconds": args.seconds}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
