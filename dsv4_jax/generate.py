@@ -11,6 +11,9 @@ chat prompt (dsv4_jax.chat.encode_messages): BOS, the optional --system text,
 <｜User｜>{prompt}<｜Assistant｜> and then </think> (chat mode) or <think>
 (--thinking).
 
+With --chat and no --prompt on a terminal, it holds a conversation: each line
+you type is a user turn, the reply streams, Ctrl-D leaves.
+
 Output: in plain mode each prompt is echoed, followed by its continuation; in
 chat mode only the assistant's completion is printed (special tokens such as
 </think> included, the final end-of-sentence token left out). Statistics
@@ -380,7 +383,9 @@ def run(args) -> int:
         raise CLIError(f"{tokenizer.path}: {tokenizer.vocab_size} tokens, but the model has only vocab_size="
                        f"{cfg.vocab_size} (tokenizer and checkpoint do not match)")
 
-    prompts = read_prompts(args)
+    from .interactive import chat_loop, wants_interactive
+    interactive = wants_interactive(args)          # --chat on a terminal without --prompt: a conversation
+    prompts = [] if interactive else read_prompts(args)
     try:
         prompt_texts = [encode_prompt(p, args) for p in prompts]
         prompt_ids = [text_prompt_ids(tokenizer, p, chat=args.chat, system=args.system, thinking=args.thinking,
@@ -408,13 +413,13 @@ def run(args) -> int:
         raise CLIError(f"--kernels {args.kernels}: {err}") from None
     mesh = _mesh(args, directory)
     if args.plan:
-        print(_memory_plan(args, directory, mesh, batch=len(prompts)))
+        print(_memory_plan(args, directory, mesh, batch=max(1, len(prompts))))
         return 0
     _setup_compile_cache(args)
     progress = _LoadProgress()
     t_load = time.perf_counter()
     try:
-        model = dsv4_jax.load(directory, dtype=args.dtype, max_seq_len=args.max_seq_len, max_batch=len(prompts),
+        model = dsv4_jax.load(directory, dtype=args.dtype, max_seq_len=args.max_seq_len, max_batch=max(1, len(prompts)),
                               simulate_quant=not args.no_simulate_quant, act_quant=args.act_quant,
                               prefill_chunk=args.prefill_chunk, progress=progress, quantize_head=args.quantize_head,
                               kernels=kernels, mesh=mesh, kv_cache_dtype=_kv_cache_dtype(args))
@@ -423,6 +428,8 @@ def run(args) -> int:
     finally:
         progress.close()
     load_s = time.perf_counter() - t_load
+    if interactive:
+        return chat_loop(model, args)
 
     if args.verbose:
         _describe_run(model, mesh)
