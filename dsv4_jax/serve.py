@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps between the points where requests join and leave (default 8)")
     s.add_argument("--max-queue", type=_int_at_least(0), default=256, metavar="N",
                    help="requests that may wait for a row; more get 429 (default 256)")
+    s.add_argument("--speculative-tokens", type=_int_at_least(0, 17), default=0, metavar="K",
+                   help="draft K tokens per step with the model's MTP block and verify them in one pass (0: off)")
     s.add_argument("--no-warmup", action="store_true", help="report ready before compiling the programs")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
     return p
@@ -74,6 +76,8 @@ def build_model(args):
     if args.max_seq_len > cfg.max_position_embeddings:
         raise CLIError(f"--max-seq-len {args.max_seq_len} exceeds the model's max_position_embeddings="
                        f"{cfg.max_position_embeddings}", EXIT_USAGE)
+    if args.speculative_tokens and not cfg.n_mtp_layers:
+        raise CLIError(f"--speculative-tokens needs a model with an MTP block; {directory} has none", EXIT_USAGE)
     if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
         raise CLIError(f"{directory}: no tokenizer.json (the server needs the model's tokenizer)")
     try:
@@ -129,7 +133,8 @@ def serve(args) -> int:
     from .serving.scheduler import Scheduler
     sock = listen(args.host, args.port)            # first: a port in use fails before minutes of loading
     model, name = build_model(args)
-    scheduler = Scheduler(model, chunk=args.chunk, max_queue=args.max_queue).start()
+    scheduler = Scheduler(model, chunk=args.chunk, max_queue=args.max_queue,
+                          speculative_tokens=args.speculative_tokens).start()
     t0 = time.perf_counter()
     if not args.no_warmup:
         warm_up(scheduler)

@@ -43,6 +43,36 @@ def start(gen: engine.GenerationState, k: int) -> SpeculativeState:
     return SpeculativeState(gen, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, k), jnp.int32))
 
 
+# Sampling parameters and keys come two ways: one set for the whole batch (Model.generate: scalars and one raw key),
+# or one per row (the server: [B] parameters and [B] typed keys, so a row's draws depend only on its own key).
+
+def _per_row(x: jax.Array, ndim: int) -> jax.Array:
+    """A per-row parameter [B] shaped to broadcast against [B, ..., V] arrays of `ndim` dims; scalars as they are."""
+    return x if x.ndim == 0 else x.reshape(x.shape + (1,) * (ndim - x.ndim))
+
+
+def _row_keys(key) -> bool:
+    return jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 1
+
+
+def _split(key, n: int) -> list:
+    if _row_keys(key):
+        return list(jax.vmap(lambda row_key: jax.random.split(row_key, n), out_axes=1)(key))
+    return list(jax.random.split(key, n))
+
+
+def _categorical(key, logits: jax.Array) -> jax.Array:
+    if _row_keys(key):
+        return jax.vmap(jax.random.categorical)(key, logits)
+    return jax.random.categorical(key, logits, axis=-1)
+
+
+def _uniform(key, shape: tuple) -> jax.Array:
+    if _row_keys(key):
+        return jax.vmap(lambda row_key: jax.random.uniform(row_key, shape[1:]))(key)
+    return jax.random.uniform(key, shape)
+
+
 def draft(params, cfg: ModelConfig, ctx: RunContext, state, last_token, k: int, key, sp):
     """k draft tokens [B, k] and their draft distributions q float32 [B, k, V] (one-hot argmax when greedy)."""
     cache = state.mtp[0]                                   # a scratch copy: drafts are never committed
@@ -51,11 +81,11 @@ def draft(params, cfg: ModelConfig, ctx: RunContext, state, last_token, k: int, 
     position = state.positions - 1
     ones = jnp.ones_like(position)
     drafts, dists = [], []
-    for j, draft_key in enumerate(jax.random.split(key, k)):
+    for j, draft_key in enumerate(_split(key, k)):
         X, cache, _ = mtp_streams(params, cfg, ctx, X_main, token[:, None], position + j, ones, cache)
         logits = head_logits(params, params["mtp"][0], cfg, X, ctx)[:, 0]
         q = _distribution(logits, sp)
-        sampled = jax.random.categorical(draft_key, jnp.log(q), axis=-1).astype(jnp.int32)
+        sampled = _categorical(draft_key, jnp.log(q)).astype(jnp.int32)
         token = jnp.where(sp.temperature > 0, sampled, jnp.argmax(logits, axis=-1).astype(jnp.int32))
         drafts.append(token)
         dists.append(q)
@@ -66,7 +96,8 @@ def draft(params, cfg: ModelConfig, ctx: RunContext, state, last_token, k: int, 
 def _distribution(logits, sp) -> jax.Array:
     """The sampling distribution [..., V]: `sample`'s for temperature > 0, the argmax one-hot for greedy."""
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    return jnp.where(sp.temperature > 0, probabilities(logits, sp.temperature, sp.top_k, sp.top_p), greedy)
+    temperature, top_k, top_p = (_per_row(x, logits.ndim) for x in (sp.temperature, sp.top_k, sp.top_p))
+    return jnp.where(temperature > 0, probabilities(logits, temperature, top_k, top_p), greedy)
 
 
 def accept(drafts, q, p, key):
@@ -74,10 +105,10 @@ def accept(drafts, q, p, key):
     Returns (accepted count a [B] in 0..k, next token [B]: the correction drawn from norm(max(0, p_a - q_{a+1}))
     when a < k, else the bonus drawn from p_k). With one-hot p and q this is greedy verification exactly."""
     batch, k = drafts.shape
-    accept_key, token_key = jax.random.split(key)
+    accept_key, token_key = _split(key, 2)
     p_draft = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
     q_draft = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-    u = jax.random.uniform(accept_key, (batch, k))
+    u = _uniform(accept_key, (batch, k))
     ok = u * q_draft < p_draft                             # u < p/q, i.e. probability min(1, p/q); q(d) > 0
     n_accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     p_next = jnp.take_along_axis(p, n_accepted[:, None, None], axis=1)[:, 0]
@@ -85,18 +116,24 @@ def accept(drafts, q, p, key):
     residual = jnp.maximum(p_next - jnp.where((n_accepted < k)[:, None], q_next, 0.0), 0.0)
     # p == q leaves nothing, but then every draft is accepted; keep the draw defined anyway
     residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_next)
-    token = jax.random.categorical(token_key, jnp.log(residual), axis=-1).astype(jnp.int32)
+    token = _categorical(token_key, jnp.log(residual)).astype(jnp.int32)
     return n_accepted, token
 
 
 def speculative_step(params, cfg: ModelConfig, ctx: RunContext, spec: SpeculativeState, sp, max_seq_len: int,
-                     k: int):
+                     k: int, row_keys=None):
     """One draft-verify-accept-commit step of every active sequence. Returns (emitted tokens [B, k+1], -1 past
-    each row's count, new SpeculativeState)."""
+    each row's count, new SpeculativeState). `sp` holds scalars or per-row [B] values (stop_tokens [n] or [B, n]);
+    with `row_keys` ([B] typed keys) row b draws from its key folded with its generated count, and gen.key is
+    left as it is."""
     gen = spec.gen
     state = gen.decode
     active = ~gen.done
-    key, draft_key, verify_key = jax.random.split(gen.key, 3)
+    if row_keys is None:
+        key, draft_key, verify_key = jax.random.split(gen.key, 3)
+    else:
+        key = gen.key
+        draft_key, verify_key = _split(jax.vmap(jax.random.fold_in)(row_keys, gen.generated), 2)
     drafts, q = draft(params, cfg, ctx, state, gen.last_token, k, draft_key, sp)
 
     chunk = jnp.concatenate([gen.last_token[:, None], drafts], axis=1)                  # [B, k+1]
@@ -110,7 +147,8 @@ def speculative_step(params, cfg: ModelConfig, ctx: RunContext, spec: Speculativ
     emitted = jnp.concatenate([drafts, jnp.zeros_like(token)[:, None]], axis=1)
     emitted = jnp.where(jnp.arange(k + 1)[None, :] == n_accepted[:, None], token[:, None], emitted)
     # A row ends at its first stop token (kept) or when its budget is spent; nothing past that is emitted.
-    is_stop = jnp.any(emitted[..., None] == sp.stop_tokens[None, None, :], axis=-1)
+    stops = sp.stop_tokens[None, None, :] if sp.stop_tokens.ndim == 1 else sp.stop_tokens[:, None, :]
+    is_stop = jnp.any(emitted[..., None] == stops, axis=-1)         # emitted ids are >= 0: -1 pads nothing
     position = jnp.arange(k + 1)[None, :]
     first_stop = jnp.min(jnp.where(is_stop & (position <= n_accepted[:, None]), position, k + 1), axis=1)
     n_emit = jnp.minimum(jnp.minimum(n_accepted + 1, first_stop + 1), sp.max_new_tokens - gen.generated)

@@ -244,7 +244,7 @@ class _ScriptedScheduler:
     text in pieces, then Finished (the model itself is too small to write tool calls)."""
 
     def __init__(self, model, pieces):
-        self.tokenizer, self.rows, self.pieces = model.tokenizer, 4, pieces
+        self.tokenizer, self.rows, self.pieces, self.speculative_tokens = model.tokenizer, 4, pieces, 0
         self.model = SimpleNamespace(config=model.config, max_seq_len=4096)    # room for the tools' prompt
 
     def submit(self, requests):

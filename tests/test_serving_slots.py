@@ -156,3 +156,28 @@ def test_decode_chunk_makes_no_implicit_transfers(model):
     with jax.transfer_guard("disallow"):
         slots, out = device.decode_chunk(model.params, slots, halt, **kw)
     assert np.all(np.asarray(out[0]) == -1)       # every row free: nothing produced
+
+
+def test_speculative_rows_greedy_equal_generate_and_seeded_rows_keep_their_tokens(model):
+    """With speculative decoding in the loop (k = 2), greedy rows still give Model.generate's tokens (as plain
+    speculative decoding does for this model in float32: tests/test_speculative.py), and a seeded sampled row
+    draws the same tokens alone and beside others."""
+    rng = np.random.default_rng(17)
+    prompts = _prompts(model, 5, rng)
+    budgets = [int(b) for b in rng.integers(5, 40, len(prompts))]
+    expected = [model.generate([p], max_new_tokens=b).tokens[0] for p, b in zip(prompts, budgets)]
+    eos = model.config.eos_token_id
+    seeded = dict(prompt_ids=prompts[0], max_tokens=30, temperature=0.8, seed=99, stop_token_ids=[eos])
+    scheduler = Scheduler(model, chunk=3, speculative_tokens=2).start()
+    try:
+        got = _run(scheduler, [Request(prompt_ids=p, max_tokens=b, on_event=None, stop_token_ids=[eos])
+                               for p, b in zip(prompts, budgets)])
+        alone = _run(scheduler, [Request(on_event=None, **seeded)])[0][0]
+        beside = _run(scheduler, [Request(prompt_ids=p, max_tokens=20, temperature=1.0, seed=s, on_event=None)
+                                  for p, s in zip(prompts[1:3], (4, 5))] + [Request(on_event=None, **seeded)])
+    finally:
+        scheduler.stop()
+    assert [tokens for tokens, _ in got] == expected
+    assert beside[-1][0] == alone and len(alone) >= 1
+    assert scheduler.stats["accepted_drafts"] > 0
+    assert scheduler.stats["verify_steps"] < sum(len(t) for t, _ in got)     # fewer model steps than tokens

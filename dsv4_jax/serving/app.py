@@ -66,7 +66,11 @@ class Server:
     # ---- helpers -------------------------------------------------------------------------------------------
     def _requests(self, prompts: list[list[int]], sampling: protocol.Sampling, logprobs: int | None,
                   events: _Events, prompt_param: str) -> list[GenRequest]:
-        max_seq_len = self.model.max_seq_len
+        spare = self.scheduler.speculative_tokens        # a verify step may read k positions past the last token
+        max_seq_len = self.model.max_seq_len - spare
+        if logprobs is not None and spare:
+            raise APIError("logprobs are not available on this server: it decodes speculatively "
+                           "(--speculative-tokens)", param="logprobs")
         seed = secrets.randbits(64) if sampling.seed is None else sampling.seed
         requests = []
         for p, ids in enumerate(prompts):

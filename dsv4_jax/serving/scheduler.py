@@ -117,9 +117,13 @@ class _Live:
 class Scheduler:
     """Continuous batching over `model` (a dsv4_jax Model; its max_batch rows are the slots)."""
 
-    def __init__(self, model, *, chunk: int = 8, max_queue: int = 256, idle_wait_s: float = 0.05):
+    def __init__(self, model, *, chunk: int = 8, max_queue: int = 256, speculative_tokens: int = 0,
+                 idle_wait_s: float = 0.05):
         if model.tokenizer is None:
             raise ValueError("the server needs a tokenizer: the checkpoint directory has no tokenizer.json")
+        if speculative_tokens and not model.config.n_mtp_layers:
+            raise ValueError("speculative decoding needs a model with an MTP block (its config has n_mtp_layers=0)")
+        self.speculative_tokens = speculative_tokens
         self.model = model
         self.tokenizer = model.tokenizer
         self.chunk = chunk
@@ -134,7 +138,8 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dsv4_jax-device-loop", daemon=True)
-        self.stats = {"admitted": 0, "chunks": 0, "cancelled": 0}     # cancelled: rows freed for a client that left
+        # cancelled: rows freed for a client that left; verify_steps / accepted_drafts: speculative decoding's
+        self.stats = {"admitted": 0, "chunks": 0, "cancelled": 0, "verify_steps": 0, "accepted_drafts": 0}
 
     # ---- called from any thread ------------------------------------------------------------------------------
     def start(self) -> "Scheduler":
@@ -235,7 +240,8 @@ class Scheduler:
 
     def _admit(self, req: Request, slot: int):
         model = self.model
-        logits, row_state = model.prefill(np.asarray([req.prompt_ids], np.int32))
+        logits, row_state = model.prefill(np.asarray([req.prompt_ids], np.int32),
+                                          track_mtp=model.track_mtp or bool(self.speculative_tokens))
         stops = np.full((1, MAX_STOP_TOKENS), -1, np.int32)
         stops[0, :len(req.stop_token_ids)] = req.stop_token_ids
         row = device.RowSampling(temperature=jnp.full((1,), req.temperature, jnp.float32),
@@ -255,24 +261,33 @@ class Scheduler:
 
     def _dispatch(self, live: list[_Live]):
         halt = np.array([o is None or o.finished for o in self._owners])
+        k = self.speculative_tokens
         for o in live:
-            self._fed[o.slot] += self.chunk
+            self._fed[o.slot] += self.chunk * (k + 1)
         bound = int(max(self._fed[o.slot] for o in live))
-        ctx = self.model._context_for(min(bound, self.model.max_seq_len))
-        n_top = device.MAX_TOP_LOGPROBS if any(o.request.logprobs for o in live) else 0
-        self._slots, out = device.decode_chunk(self.model.params, self._slots, jnp.asarray(halt),
-                                               cfg=self.model.config, ctx=ctx, max_seq_len=self.model.max_seq_len,
-                                               chunk=self.chunk, n_top=n_top)
+        model = self.model
+        kw = dict(cfg=model.config, ctx=model._context_for(min(bound, model.max_seq_len)),
+                  max_seq_len=model.max_seq_len, chunk=self.chunk)
+        if k:
+            self._slots, out = device.speculative_chunk(model.params, self._slots, jnp.asarray(halt), k=k, **kw)
+        else:
+            n_top = device.MAX_TOP_LOGPROBS if any(o.request.logprobs for o in live) else 0
+            self._slots, out = device.decode_chunk(model.params, self._slots, jnp.asarray(halt), n_top=n_top,
+                                                   track_mtp=model.track_mtp, **kw)
+            if not any(o.request.logprobs is not None for o in live):
+                out = out[:1]
         self.stats["chunks"] += 1
-        want_logprobs = any(o.request.logprobs is not None for o in live)
         rows = [(slot, o) for slot, o in enumerate(self._owners) if o is not None and not o.finished]
-        return rows, (out if want_logprobs else out[:1])
+        return rows, out
 
     def _deliver(self, rows: list[tuple[int, _Live]], out):
         """Hand out a read: `rows` are (row of the arrays, the request that held it when they were computed);
         requests that finished since get nothing (their row may already serve another)."""
         arrays = [np.asarray(a) for a in jax.device_get(out)]
         tokens = arrays[0]
+        if self.speculative_tokens and len(arrays) == 3:        # a speculative chunk: (tokens, steps, accepted)
+            self.stats["verify_steps"] += int(arrays[1].sum())
+            self.stats["accepted_drafts"] += int(arrays[2].sum())
         for row, live in rows:
             if live.finished:
                 continue

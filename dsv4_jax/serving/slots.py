@@ -19,7 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from .. import engine
+from .. import engine, speculative
 from ..config import ModelConfig
 from ..layer_scan import StackedLayers
 from ..run_context import RunContext
@@ -123,10 +123,10 @@ def admit(slots: Slots, row_state: DecodeState, logits: jax.Array, slot: jax.Arr
     return slots, (token, *token_logprobs(logits, token, n_top))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ctx", "max_seq_len", "chunk", "n_top"),
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx", "max_seq_len", "chunk", "n_top", "track_mtp"),
                    donate_argnames=("slots",))
 def decode_chunk(params, slots: Slots, halt: jax.Array, *, cfg: ModelConfig, ctx: RunContext, max_seq_len: int,
-                 chunk: int, n_top: int):
+                 chunk: int, n_top: int, track_mtp: bool = False):
     """Up to `chunk` decode steps of every row that is not done, in one `lax.while_loop` that ends early once all
     are; `halt` [B] bool first marks rows done (freed or stopped on the host). Returns (slots, (tokens [B, chunk]
     with -1 where a row produced nothing, their logprobs [B, chunk], top ids [B, chunk, n_top], top logprobs))."""
@@ -143,7 +143,7 @@ def decode_chunk(params, slots: Slots, halt: jax.Array, *, cfg: ModelConfig, ctx
         i, slots, outputs = carry
         active = ~slots.done
         logits, decode = engine._decode(params, slots.decode, slots.last_token, active, cfg, ctx, max_seq_len,
-                                        False)
+                                        track_mtp)
         token = jnp.where(active, sample_rows(logits, slots.sampling.key, slots.generated, slots.sampling), -1)
         step_out = (token, *token_logprobs(logits, token, n_top))
         outputs = tuple(o.at[:, i].set(s) for o, s in zip(outputs, step_out))
@@ -155,3 +155,33 @@ def decode_chunk(params, slots: Slots, halt: jax.Array, *, cfg: ModelConfig, ctx
 
     _, slots, outputs = jax.lax.while_loop(cond, body, (jnp.int32(0), slots, outputs))
     return slots, outputs
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx", "max_seq_len", "chunk", "k"), donate_argnames=("slots",))
+def speculative_chunk(params, slots: Slots, halt: jax.Array, *, cfg: ModelConfig, ctx: RunContext,
+                      max_seq_len: int, chunk: int, k: int):
+    """`decode_chunk` with speculative decoding (dsv4_jax.speculative): up to `chunk` steps, each drafting k
+    tokens with the MTP block and verifying them in one pass, every row with its own parameters and key (folded
+    with its generated count). The rows' MTP windows must have been tracked since their prefill. Returns (slots,
+    (tokens [B, chunk * (k+1)] in order with -1 holes, verify steps [B], accepted drafts [B]))."""
+    batch = slots.last_token.shape[0]
+    slots = slots.replace(done=slots.done | halt)
+    gen = engine.GenerationState(slots.decode, slots.last_token, slots.generated, slots.done,
+                                 key=jnp.zeros((2,), jnp.uint32))
+    keys = jax.random.wrap_key_data(slots.sampling.key, impl="threefry2x32")
+    out = jnp.full((batch, chunk * (k + 1)), -1, jnp.int32)
+
+    def cond(carry):
+        i, spec, _ = carry
+        return (i < chunk) & ~jnp.all(spec.gen.done)
+
+    def body(carry):
+        i, spec, out = carry
+        emitted, spec = speculative.speculative_step(params, cfg, ctx, spec, slots.sampling, max_seq_len, k,
+                                                     row_keys=keys)
+        return i + 1, spec, jax.lax.dynamic_update_slice_in_dim(out, emitted, i * (k + 1), axis=1)
+
+    _, spec, out = jax.lax.while_loop(cond, body, (jnp.int32(0), speculative.start(gen, k), out))
+    gen = spec.gen
+    slots = slots.replace(decode=gen.decode, last_token=gen.last_token, generated=gen.generated, done=gen.done)
+    return slots, (out, spec.steps, jnp.sum(spec.accepted, axis=1))
