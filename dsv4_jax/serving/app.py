@@ -325,7 +325,8 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "busy_rows": scheduler.busy_rows(), "rows": scheduler.rows}
+        return {"status": "ok", "busy_rows": scheduler.busy_rows(), "rows": scheduler.rows,
+                "stats": dict(getattr(scheduler, "stats", {}))}
 
     @app.get("/v1/models")
     async def models():
