@@ -419,8 +419,8 @@ def run(args) -> int:
     progress = _LoadProgress()
     t_load = time.perf_counter()
     try:
-        model = dsv4_jax.load(directory, dtype=args.dtype, max_seq_len=args.max_seq_len, max_batch=max(1, len(prompts)),
-                              simulate_quant=not args.no_simulate_quant, act_quant=args.act_quant,
+        model = dsv4_jax.load(directory, dtype=args.dtype, max_seq_len=args.max_seq_len,
+                              max_batch=max(1, len(prompts)), simulate_quant=not args.no_simulate_quant, act_quant=args.act_quant,
                               prefill_chunk=args.prefill_chunk, progress=progress, quantize_head=args.quantize_head,
                               kernels=kernels, mesh=mesh, kv_cache_dtype=_kv_cache_dtype(args))
     except (CheckpointError, OSError) as err:

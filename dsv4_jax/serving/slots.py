@@ -117,7 +117,8 @@ def admit(slots: Slots, row_state: DecodeState, logits: jax.Array, slot: jax.Arr
     token = sample_rows(logits, row.key, jnp.zeros((1,), jnp.int32), row)
     done = _is_stop(token, row.stop_tokens) | (row.max_new_tokens <= 1)
     sampling = jax.tree.map(lambda b, s: _put(b, s, slot, 0), slots.sampling, row)
-    slots = Slots(decode=put_state_row(slots.decode, row_state, slot), last_token=_put(slots.last_token, token, slot, 0),
+    slots = Slots(decode=put_state_row(slots.decode, row_state, slot),
+                  last_token=_put(slots.last_token, token, slot, 0),
                   generated=_put(slots.generated, jnp.ones((1,), jnp.int32), slot, 0),
                   done=_put(slots.done, done, slot, 0), sampling=sampling)
     return slots, (token, *token_logprobs(logits, token, n_top))
