@@ -332,6 +332,28 @@ def _memory_plan(args, directory: str, mesh, batch: int) -> str:
         + plan.table()
 
 
+def checked_config(args, directory: str):
+    """The checkpoint's config (its errors as one line), with --max-seq-len checked against it."""
+    from .config import load_hf_config
+    try:
+        cfg = load_hf_config(directory)
+    except (ValueError, FileNotFoundError) as err:
+        raise CLIError(_one_line(err)) from None
+    if args.max_seq_len > cfg.max_position_embeddings:
+        raise CLIError(f"--max-seq-len {args.max_seq_len} exceeds the model's max_position_embeddings="
+                       f"{cfg.max_position_embeddings}", EXIT_USAGE)
+    return cfg
+
+
+def planned_kernels(args):
+    """The kernel plan of --kernels, made before the load (e.g. 'pallas' needs a GPU)."""
+    from .quant.kernel_plan import plan_kernels
+    try:
+        return plan_kernels(args.kernels)
+    except ValueError as err:
+        raise CLIError(f"--kernels {args.kernels}: {err}") from None
+
+
 def _kv_cache_dtype(args):
     return None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
 
@@ -367,14 +389,7 @@ def run(args) -> int:
 
     directory = _check_checkpoint_dir(args)
     # Everything that can be checked without reading weights is checked first, so bad input fails fast.
-    from .config import load_hf_config
-    try:
-        cfg = load_hf_config(directory)
-    except (ValueError, FileNotFoundError) as err:
-        raise CLIError(_one_line(err)) from None
-    if args.max_seq_len > cfg.max_position_embeddings:
-        raise CLIError(f"--max-seq-len {args.max_seq_len} exceeds the model's max_position_embeddings="
-                       f"{cfg.max_position_embeddings}", EXIT_USAGE)
+    cfg = checked_config(args, directory)
     try:
         tokenizer = Tokenizer(directory)
     except (ValueError, FileNotFoundError) as err:
@@ -406,11 +421,7 @@ def run(args) -> int:
 
     import dsv4_jax
     from .checkpoint import CheckpointError
-    from .quant.kernel_plan import plan_kernels
-    try:
-        kernels = plan_kernels(args.kernels)        # before the load: e.g. 'pallas' needs a GPU
-    except ValueError as err:
-        raise CLIError(f"--kernels {args.kernels}: {err}") from None
+    kernels = planned_kernels(args)
     mesh = _mesh(args, directory)
     if args.plan:
         print(_memory_plan(args, directory, mesh, batch=max(1, len(prompts))))
@@ -420,8 +431,8 @@ def run(args) -> int:
     t_load = time.perf_counter()
     try:
         model = dsv4_jax.load(directory, dtype=args.dtype, max_seq_len=args.max_seq_len,
-                              max_batch=max(1, len(prompts)), simulate_quant=not args.no_simulate_quant, act_quant=args.act_quant,
-                              prefill_chunk=args.prefill_chunk, progress=progress, quantize_head=args.quantize_head,
+                              max_batch=max(1, len(prompts)), simulate_quant=not args.no_simulate_quant,
+                              act_quant=args.act_quant, prefill_chunk=args.prefill_chunk, progress=progress, quantize_head=args.quantize_head,
                               kernels=kernels, mesh=mesh, kv_cache_dtype=_kv_cache_dtype(args))
     except (CheckpointError, OSError) as err:
         raise CLIError(_one_line(err)) from None

@@ -18,7 +18,7 @@ import threading
 import time
 
 from .generate import (EXIT_USAGE, CLIError, _check_checkpoint_dir, _int_at_least, _kv_cache_dtype, _LoadProgress,
-                       _mesh, _one_line, _setup_compile_cache)
+                       _mesh, _one_line, _setup_compile_cache, checked_config, planned_kernels)
 
 PROG = "python -m dsv4_jax.serve"
 
@@ -66,24 +66,13 @@ def build_model(args):
     """Load the model of `args` (checked the way `python -m dsv4_jax.generate` checks them)."""
     import dsv4_jax
     from .checkpoint import CheckpointError
-    from .config import load_hf_config
-    from .quant.kernel_plan import plan_kernels
     directory = _check_checkpoint_dir(args)
-    try:
-        cfg = load_hf_config(directory)
-    except (ValueError, FileNotFoundError) as err:
-        raise CLIError(_one_line(err)) from None
-    if args.max_seq_len > cfg.max_position_embeddings:
-        raise CLIError(f"--max-seq-len {args.max_seq_len} exceeds the model's max_position_embeddings="
-                       f"{cfg.max_position_embeddings}", EXIT_USAGE)
+    cfg = checked_config(args, directory)
     if args.speculative_tokens and not cfg.n_mtp_layers:
         raise CLIError(f"--speculative-tokens needs a model with an MTP block; {directory} has none", EXIT_USAGE)
     if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
         raise CLIError(f"{directory}: no tokenizer.json (the server needs the model's tokenizer)")
-    try:
-        kernels = plan_kernels(args.kernels)
-    except ValueError as err:
-        raise CLIError(f"--kernels {args.kernels}: {err}") from None
+    kernels = planned_kernels(args)
     mesh = _mesh(args, directory)
     _setup_compile_cache(args)
     progress = _LoadProgress()

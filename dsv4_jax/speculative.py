@@ -165,11 +165,11 @@ def speculative_step(params, cfg: ModelConfig, ctx: RunContext, spec: Speculativ
     return emitted, SpeculativeState(new_gen, steps, accepted)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ctx", "max_seq_len", "chunk", "k"), donate_argnames=("spec",))
-def generate_chunk(params, spec: SpeculativeState, sp, *, cfg: ModelConfig, ctx: RunContext, max_seq_len: int,
-                   chunk: int, k: int):
-    """Up to `chunk` speculative steps in one `lax.while_loop`, stopping early once every sequence is done.
-    Returns (tokens [B, chunk * (k+1)], in order, with -1 where nothing was produced; spec)."""
+def run_steps(params, cfg: ModelConfig, ctx: RunContext, spec: SpeculativeState, sp, max_seq_len: int, chunk: int,
+              k: int, row_keys=None):
+    """Up to `chunk` speculative steps in one `lax.while_loop`, stopping early once every sequence is done (traced
+    inside a caller's jit; `sp` and `row_keys` as `speculative_step` takes them). Returns (tokens [B, chunk * (k+1)],
+    in order, with -1 where nothing was produced; spec)."""
     batch = spec.gen.last_token.shape[0]
     out = jnp.full((batch, chunk * (k + 1)), -1, jnp.int32)
 
@@ -179,9 +179,16 @@ def generate_chunk(params, spec: SpeculativeState, sp, *, cfg: ModelConfig, ctx:
 
     def body(carry):
         i, spec, out = carry
-        emitted, spec = speculative_step(params, cfg, ctx, spec, sp, max_seq_len, k)
+        emitted, spec = speculative_step(params, cfg, ctx, spec, sp, max_seq_len, k, row_keys)
         out = jax.lax.dynamic_update_slice_in_dim(out, emitted, i * (k + 1), axis=1)
         return i + 1, spec, out
 
     _, spec, out = jax.lax.while_loop(cond, body, (jnp.int32(0), spec, out))
     return out, spec
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ctx", "max_seq_len", "chunk", "k"), donate_argnames=("spec",))
+def generate_chunk(params, spec: SpeculativeState, sp, *, cfg: ModelConfig, ctx: RunContext, max_seq_len: int,
+                   chunk: int, k: int):
+    """`run_steps` for one batch-wide set of sampling parameters and key (Model.generate)."""
+    return run_steps(params, cfg, ctx, spec, sp, max_seq_len, chunk, k)

@@ -22,17 +22,7 @@ import time
 
 import httpx
 import numpy as np
-
-PROMPTS = [
-    "And Joseph fell upon his father's face,",
-    "Man that is born of a woman",
-    "My God, my God, why hast thou",
-    "I was glad when they said unto me,",
-    "A good name is rather to be chosen",
-    "The burden of the desert of the sea.",
-    "Run ye to and fro through the streets of Jerusalem,",
-    "I am the man that hath seen affliction",
-]
+from held_out_prompts import HELD_OUT_PROMPTS
 
 
 def one_request(client: httpx.Client, url: str, model: str, prompt: str, args) -> dict:
@@ -72,7 +62,7 @@ def run_clients(url: str, model: str, clients: int, args) -> dict:
         with httpx.Client(timeout=args.timeout) as client:
             while time.perf_counter() < end:
                 try:
-                    out = one_request(client, url, model, rng.choice(PROMPTS), args)
+                    out = one_request(client, url, model, rng.choice(HELD_OUT_PROMPTS), args)
                 except httpx.HTTPError as err:
                     out = {"error": f"{type(err).__name__}: {err}"}
                 with lock:

@@ -25,19 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 import dsv4_jax  # noqa: E402
-
-# First words of the first verse of held-out chapters (Genesis 50, Job 14, Psalms 22, Psalms 122, Proverbs 22,
-# Isaiah 21, Jeremiah 5, Lamentations 3): the validation split of docs/default_model_data.md.
-HELD_OUT_PROMPTS = [
-    "And Joseph fell upon his father's face,",
-    "Man that is born of a woman",
-    "My God, my God, why hast thou",
-    "I was glad when they said unto me,",
-    "A good name is rather to be chosen",
-    "The burden of the desert of the sea.",
-    "Run ye to and fro through the streets of Jerusalem,",
-    "I am the man that hath seen affliction",
-]
+from held_out_prompts import HELD_OUT_PROMPTS  # noqa: E402
 
 
 def measure(model, prompts, k: int, temperature: float, max_new_tokens: int, repeats: int) -> dict:

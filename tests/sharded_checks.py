@@ -148,33 +148,19 @@ def check_random_model() -> None:
 
 def check_serving() -> None:
     """The server's continuous batching on a 2-device mesh (the packaged model): greedy rows equal generate."""
-    import threading
-
-    from dsv4_jax.serving.scheduler import Finished, Request, Scheduler, Tokens
+    from dsv4_jax.serving.scheduler import Request, Scheduler
+    from serving_runs import run_requests
     model = dsv4_jax.load(dtype="float32", max_seq_len=256, max_batch=4, mesh=dsv4_jax.make_mesh(2))
     tok = model.tokenizer
     prompts = [[tok.bos_id] + tok.encode(p) for p in ("In the beginning", "And it came to pass that", "Then")]
     want = [model.generate([p], max_new_tokens=10 + i).tokens[0] for i, p in enumerate(prompts)]
-    got: dict = {}
-    done = threading.Event()
-
-    def recorder(k):
-        tokens = []
-
-        def on_event(event):
-            if isinstance(event, Tokens):
-                tokens.extend(event.token_ids)
-            else:
-                got[k] = tokens if isinstance(event, Finished) else event.message
-                if len(got) == len(prompts):
-                    done.set()
-        return on_event
     scheduler = Scheduler(model, chunk=4).start()
-    scheduler.submit([Request(prompt_ids=p, max_tokens=10 + i, on_event=recorder(i)) for i, p in enumerate(prompts)])
-    finished = done.wait(300)
-    scheduler.stop()
-    check(finished and [got[k] for k in range(len(prompts))] == want,
-          f"serving on 2 devices: {got} != generate's {want}")
+    try:
+        got = run_requests(scheduler, [Request(prompt_ids=p, max_tokens=10 + i, on_event=None)
+                                       for i, p in enumerate(prompts)])
+    finally:
+        scheduler.stop()
+    check([tokens for tokens, _ in got] == want, f"serving on 2 devices: {got} != generate's {want}")
     print("ok: serving on 2 devices")
 
 

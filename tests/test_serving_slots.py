@@ -3,8 +3,6 @@ written into a row changes that row only; rows sample with their own parameters 
 the same tokens in any row beside any others; greedy requests that join and leave a shared batch produce what
 `Model.generate` produces for each alone; the decode chunk compiles once and makes no implicit transfers."""
 
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +12,9 @@ import dsv4_jax
 from dsv4_jax.config import load_hf_config
 from dsv4_jax.layer_scan import StackedLayers, unstack_layers
 from dsv4_jax.serving import slots as device
-from dsv4_jax.serving.scheduler import Failed, Finished, Request, Scheduler, Tokens
+from dsv4_jax.serving.scheduler import Request, Scheduler
 from dsv4_jax.state import init_state
+from serving_runs import run_requests
 
 ROWS = 4
 
@@ -56,29 +55,6 @@ def test_put_state_row_changes_that_row_only(scan_layers):
         np.testing.assert_array_equal(np.delete(after, 2, axis=0), np.delete(before, 2, axis=0))
 
 
-def _run(scheduler, requests, timeout=300):
-    """Submit and wait; returns each request's token ids and finish reason."""
-    results = {}
-    done = threading.Event()
-
-    def recorder(k):
-        tokens = []
-
-        def on_event(event):
-            if isinstance(event, Tokens):
-                tokens.extend(event.token_ids)
-            elif isinstance(event, (Finished, Failed)):
-                results[k] = (tokens, event.reason if isinstance(event, Finished) else event.message)
-                if len(results) == len(requests):
-                    done.set()
-        return on_event
-    for k, r in enumerate(requests):
-        r.on_event = recorder(k)
-    scheduler.submit(requests)
-    assert done.wait(timeout), "requests did not finish"
-    return [results[k] for k in range(len(requests))]
-
-
 def _prompts(model, n, rng):
     tok = model.tokenizer
     words = "And it came to pass in those days that the LORD spake unto Moses saying".split()
@@ -94,10 +70,10 @@ def test_greedy_rows_joining_and_leaving_match_generate(model):
     eos = model.config.eos_token_id
     scheduler = Scheduler(model, chunk=4).start()
     try:
-        got = _run(scheduler, [Request(prompt_ids=p, max_tokens=b, on_event=None, stop_token_ids=[eos])
+        got = run_requests(scheduler, [Request(prompt_ids=p, max_tokens=b, on_event=None, stop_token_ids=[eos])
                                for p, b in zip(prompts, budgets)])
         compiled = device.decode_chunk._cache_size()
-        again = _run(scheduler, [Request(prompt_ids=prompts[0], max_tokens=budgets[0], on_event=None,
+        again = run_requests(scheduler, [Request(prompt_ids=prompts[0], max_tokens=budgets[0], on_event=None,
                                          stop_token_ids=[eos])])
     finally:
         scheduler.stop()
@@ -115,13 +91,13 @@ def test_seeded_request_samples_the_same_in_any_row(model):
     seeded = dict(prompt_ids=prompt, max_tokens=40, temperature=1.0, top_p=0.95, seed=2**40 + 17)
     scheduler = Scheduler(model, chunk=4).start()
     try:
-        alone = _run(scheduler, [Request(on_event=None, **seeded)])[0][0]
+        alone = run_requests(scheduler, [Request(on_event=None, **seeded)])[0][0]
         # Three other sampled requests first: the seeded one gets row 3, with other rows around it (two of them
         # leave early), and its choice index 0 is what makes its key, not its row.
         crowd = [Request(prompt_ids=p, max_tokens=m, temperature=0.8, seed=s, on_event=None)
                  for p, m, s in zip(others, (7, 40, 13), (1, 2, 3))]
-        beside = _run(scheduler, crowd + [Request(on_event=None, **seeded)])
-        other_choice = _run(scheduler, [Request(on_event=None, choice=1, **seeded)])[0][0]
+        beside = run_requests(scheduler, crowd + [Request(on_event=None, **seeded)])
+        other_choice = run_requests(scheduler, [Request(on_event=None, choice=1, **seeded)])[0][0]
     finally:
         scheduler.stop()
     assert len(alone) == 40
@@ -137,7 +113,7 @@ def test_per_row_sampling_parameters(model):
     greedy = model.generate([prompts[0]], max_new_tokens=20).tokens[0]
     scheduler = Scheduler(model, chunk=4).start()
     try:
-        out = _run(scheduler, [Request(prompt_ids=prompts[0], max_tokens=20, on_event=None),
+        out = run_requests(scheduler, [Request(prompt_ids=prompts[0], max_tokens=20, on_event=None),
                                Request(prompt_ids=prompts[1], max_tokens=20, temperature=2.0, seed=9,
                                        on_event=None),
                                Request(prompt_ids=prompts[0], max_tokens=20, temperature=2.0, top_k=1, seed=9,
@@ -170,10 +146,10 @@ def test_speculative_rows_greedy_equal_generate_and_seeded_rows_keep_their_token
     seeded = dict(prompt_ids=prompts[0], max_tokens=30, temperature=0.8, seed=99, stop_token_ids=[eos])
     scheduler = Scheduler(model, chunk=3, speculative_tokens=2).start()
     try:
-        got = _run(scheduler, [Request(prompt_ids=p, max_tokens=b, on_event=None, stop_token_ids=[eos])
+        got = run_requests(scheduler, [Request(prompt_ids=p, max_tokens=b, on_event=None, stop_token_ids=[eos])
                                for p, b in zip(prompts, budgets)])
-        alone = _run(scheduler, [Request(on_event=None, **seeded)])[0][0]
-        beside = _run(scheduler, [Request(prompt_ids=p, max_tokens=20, temperature=1.0, seed=s, on_event=None)
+        alone = run_requests(scheduler, [Request(on_event=None, **seeded)])[0][0]
+        beside = run_requests(scheduler, [Request(prompt_ids=p, max_tokens=20, temperature=1.0, seed=s, on_event=None)
                                   for p, s in zip(prompts[1:3], (4, 5))] + [Request(on_event=None, **seeded)])
     finally:
         scheduler.stop()

@@ -148,6 +148,32 @@ class Server:
     def _sse(payload) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
+    def _sse_response(self, stream, updates, base: dict, include_usage: bool, usage, opening=()):
+        """The streamed answer: the `opening` choice updates, then `updates(index, event)` of each event, an error
+        event if generation fails, the usage chunk (`usage()`, at the end) and `[DONE]`."""
+        async def sse():
+            usage_null = {"usage": None} if include_usage else {}
+            for update in opening:
+                yield self._sse({**base, "choices": [update], **usage_null})
+            try:
+                async with contextlib.aclosing(stream):       # a client that leaves cancels its requests
+                    async for index, event in stream:
+                        for update in updates(index, event):
+                            yield self._sse({**base, "choices": [update], **usage_null})
+            except APIError as err:
+                yield self._sse(err.body())
+            if include_usage:
+                yield self._sse({**base, "choices": [], "usage": usage()})
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @staticmethod
+    async def _drain(stream, updates) -> None:
+        """Feed every event to `updates` (the whole answer, not streamed)."""
+        async with contextlib.aclosing(stream):
+            async for index, event in stream:
+                updates(index, event)
+
     # ---- chat ----------------------------------------------------------------------------------------------
     async def chat(self, http: Request):
         req = protocol.parse_chat(await _json_body(http), self.model_name, self.model.config.vocab_size)
@@ -195,26 +221,11 @@ class Server:
             return out
 
         if req.stream:
-            async def sse():
-                usage_null = {"usage": None} if req.include_usage else {}
-                for i in range(len(choices)):
-                    yield self._sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                          "logprobs": None, "finish_reason": None}], **usage_null})
-                try:
-                    async with contextlib.aclosing(stream):       # a client that leaves cancels its requests
-                        async for index, event in stream:
-                            for update in updates(index, event):
-                                yield self._sse({**base, "choices": [update], **usage_null})
-                except APIError as err:
-                    yield self._sse(err.body())
-                if req.include_usage:
-                    yield self._sse({**base, "choices": [], "usage": self._usage(len(prompt), choices)})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(sse(), media_type="text/event-stream")
-
-        async with contextlib.aclosing(stream):
-            async for index, event in stream:
-                updates(index, event)
+            opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None} for i in range(len(choices))]
+            return self._sse_response(stream, updates, base, req.include_usage,
+                                      lambda: self._usage(len(prompt), choices), opening)
+        await self._drain(stream, updates)
         if any(c.finish_reason is None for c in choices):
             return JSONResponse({}, status_code=499)            # the client left; nobody reads this
         out = []
@@ -258,22 +269,9 @@ class Server:
             return {"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
         if req.stream:
-            async def sse():
-                usage_null = {"usage": None} if req.include_usage else {}
-                try:
-                    async with contextlib.aclosing(stream):
-                        async for index, event in stream:
-                            yield self._sse({**base, "choices": [update(index, event)], **usage_null})
-                except APIError as err:
-                    yield self._sse(err.body())
-                if req.include_usage:
-                    yield self._sse({**base, "choices": [], "usage": self._usage(prompt_tokens, choices)})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(sse(), media_type="text/event-stream")
-
-        async with contextlib.aclosing(stream):
-            async for index, event in stream:
-                update(index, event)
+            return self._sse_response(stream, lambda index, event: [update(index, event)], base,
+                                      req.include_usage, lambda: self._usage(prompt_tokens, choices))
+        await self._drain(stream, update)
         if any(c.finish_reason is None for c in choices):
             return JSONResponse({}, status_code=499)
         out = []

@@ -165,24 +165,12 @@ def speculative_chunk(params, slots: Slots, halt: jax.Array, *, cfg: ModelConfig
     tokens with the MTP block and verifying them in one pass, every row with its own parameters and key (folded
     with its generated count). The rows' MTP windows must have been tracked since their prefill. Returns (slots,
     (tokens [B, chunk * (k+1)] in order with -1 holes, verify steps [B], accepted drafts [B]))."""
-    batch = slots.last_token.shape[0]
     slots = slots.replace(done=slots.done | halt)
     gen = engine.GenerationState(slots.decode, slots.last_token, slots.generated, slots.done,
                                  key=jnp.zeros((2,), jnp.uint32))
     keys = jax.random.wrap_key_data(slots.sampling.key, impl="threefry2x32")
-    out = jnp.full((batch, chunk * (k + 1)), -1, jnp.int32)
-
-    def cond(carry):
-        i, spec, _ = carry
-        return (i < chunk) & ~jnp.all(spec.gen.done)
-
-    def body(carry):
-        i, spec, out = carry
-        emitted, spec = speculative.speculative_step(params, cfg, ctx, spec, slots.sampling, max_seq_len, k,
-                                                     row_keys=keys)
-        return i + 1, spec, jax.lax.dynamic_update_slice_in_dim(out, emitted, i * (k + 1), axis=1)
-
-    _, spec, out = jax.lax.while_loop(cond, body, (jnp.int32(0), speculative.start(gen, k), out))
+    out, spec = speculative.run_steps(params, cfg, ctx, speculative.start(gen, k), slots.sampling, max_seq_len, chunk,
+                                      k, row_keys=keys)
     gen = spec.gen
     slots = slots.replace(decode=gen.decode, last_token=gen.last_token, generated=gen.generated, done=gen.done)
     return slots, (out, spec.steps, jnp.sum(spec.accepted, axis=1))
