@@ -2,12 +2,13 @@
 # The one-H200 runs of docs/performance.md, in parts that each fit one device call of 10 minutes (run on the
 # H200 from the repo root; results in $OUT, or ./out):
 #   suite1   the gpu-marked tests of test_ffi.py and test_fp4_layout.py       -> pytest_gpu_part1.log
-#   suite2   those of the other files (kernel dispatch, mHC, quantize, Pallas GEMV) -> pytest_gpu_part2.log
-#            (all five files but test_pallas_gemv.py took more than 540 s in one part, 2026-12-03)
+#   suite2   those of test_kernel_dispatch.py and test_pallas_mhc.py          -> pytest_gpu_part2.log
+#   suite3   those of test_pallas_quantize.py and test_pallas_gemv.py         -> pytest_gpu_part3.log
+#            (all but test_pallas_gemv.py took more than 540 s in one part, 2026-12-03)
 #   depth    Flash geometry, LAYERS (default 32) layers under scan_layers=True, batch 1 and 8 at 4K context,
 #            as deep as one H200 holds                                       -> flash<LAYERS>_scan.{json,log}
 #   matrix   Flash geometry, 4 layers: batch 1, 8, 32, 64 at 4K and 64K, prefill 1K and 8K   -> flash4.{json,log}
-# Usage: bash scripts/gpu_runs.sh suite2 depth   (parts run in the order given)
+# Usage: bash scripts/gpu_runs.sh suite3 depth   (parts run in the order given)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-./out}"
@@ -16,8 +17,8 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv | tee -a "$OUT_DIR/gpu.txt"
 GPU_TEST_FILES_1="tests/test_ffi.py tests/test_fp4_layout.py"
-GPU_TEST_FILES_2="tests/test_kernel_dispatch.py tests/test_pallas_mhc.py tests/test_pallas_quantize.py
-    tests/test_pallas_gemv.py"
+GPU_TEST_FILES_2="tests/test_kernel_dispatch.py tests/test_pallas_mhc.py"
+GPU_TEST_FILES_3="tests/test_pallas_quantize.py tests/test_pallas_gemv.py"
 quiet() { grep -v "Warning\|warn(\|return rule"; }
 for part in "$@"; do
     case "$part" in
@@ -25,6 +26,8 @@ for part in "$@"; do
                     $GPU_TEST_FILES_1 2>&1 | tee "$OUT_DIR/pytest_gpu_part1.log" || status=1 ;;
         suite2) timeout "${SUITE_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 -rfE \
                     $GPU_TEST_FILES_2 2>&1 | tee "$OUT_DIR/pytest_gpu_part2.log" || status=1 ;;
+        suite3) timeout "${SUITE_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 -rfE \
+                    $GPU_TEST_FILES_3 2>&1 | tee "$OUT_DIR/pytest_gpu_part3.log" || status=1 ;;
         depth)  layers="${LAYERS:-32}"
                 # The weights take most of the GPU: let XLA's allocator have 95% of it, as for any model this deep.
                 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${BENCH_S:-420}" python3 -m dsv4_jax.bench \
@@ -34,7 +37,7 @@ for part in "$@"; do
         matrix) timeout "${BENCH_S:-420}" python3 -m dsv4_jax.bench --preset flash --layers 4 --batches 1,8,32,64 \
                     --contexts 4096,65536 --prompts 1024,8192 --reference none --out "$OUT_DIR/flash4.json" 2>&1 \
                     | quiet | tee "$OUT_DIR/flash4.log" || status=1 ;;
-        *) echo "unknown part: $part (expected suite1, suite2, depth or matrix)" >&2; exit 2 ;;
+        *) echo "unknown part: $part (expected suite1, suite2, suite3, depth or matrix)" >&2; exit 2 ;;
     esac
 done
 exit $status
