@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import kv_cache
 from ..config import ModelConfig
+from ..pallas_kernels import decode_attention
 from ..quant import group_linear, linear, linear_pair
 from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
 from .compressor import compressor_commit, compressor_read, compressor_update
@@ -191,6 +192,54 @@ def commit_attention(params: dict, cfg: ModelConfig, ratio: int, cache: dict, st
     return cache
 
 
+def _takes_decode_kernel(ctx, cfg: ModelConfig, seq: int, ring) -> bool:
+    """Whether this call's attention runs on pallas_kernels/decode_attention.py: a kernel plan, inference, a decode
+    or verify chunk, a supported geometry (caches in the activation dtype or compact)."""
+    rope_dim = cfg.rope_head_dim if isinstance(ring, dict) else None
+    return (ctx.kernels.backend is not None and ctx.training is None
+            and decode_attention.takes(seq, cfg.n_heads, cfg.head_dim, cfg.window_size, rope_dim))
+
+
+def _attend(q, ring, kv, start, positions, sink, scale: float, window: int, ratio: int, compressed, picks):
+    """The jnp path of the attention core: one softmax over the window keys (the ring, then the chunk itself,
+    masked by position) and the compressed entries (CSA: the picked ones, -1 = none; HCA: the visible ones), with
+    the sink logit in the denominator only. Returns [B, S, H, D] in q's dtype, before the inverse RoPE."""
+    dtype = q.dtype
+    batch, seq, n_heads, head_dim = q.shape
+    keys = jnp.concatenate([kv_cache.decode(ring, dtype), kv], axis=1)                   # [B, W+S, hd]
+    key_pos = jnp.concatenate([ring_positions(start, window), positions], axis=1)
+    delta = positions[:, :, None] - key_pos[:, None, :]
+    window_mask = (key_pos[:, None, :] >= 0) & (delta >= 0) & (delta < window)          # [B, S, W+S]
+    logits = [jnp.einsum("bshd,bkd->bshk", q, keys, preferred_element_type=jnp.float32) * scale]
+    masks = [window_mask[:, :, None, :]]
+    values = [("window", keys)]
+    if compressed is not None and ratio == 4:
+        selected = kv_cache.decode(kv_cache.gather_rows(compressed, jnp.maximum(picks, 0)), dtype)   # [B,S,k,hd]
+        logits.append(jnp.einsum("bshd,bskd->bshk", q, selected, preferred_element_type=jnp.float32) * scale)
+        masks.append((picks >= 0)[:, :, None, :])
+        values.append(("selected", selected))
+    elif compressed is not None:
+        compressed = kv_cache.decode(compressed, dtype)
+        visible = compressed_visible(positions, compressed.shape[1], ratio)
+        logits.append(jnp.einsum("bshd,bnd->bshn", q, compressed, preferred_element_type=jnp.float32) * scale)
+        masks.append(visible[:, :, None, :])
+        values.append(("all", compressed))
+
+    logits = [jnp.where(m, l, -jnp.inf) for l, m in zip(logits, masks)]
+    sink = sink.astype(jnp.float32)[None, None, :]
+    peak = jnp.maximum(jnp.max(jnp.stack([jnp.max(l, axis=-1) for l in logits]), axis=0), sink)
+    probs = [jnp.exp(l - peak[..., None]) for l in logits]
+    denom = sum(jnp.sum(p, axis=-1) for p in probs) + jnp.exp(sink - peak)
+    out = jnp.zeros((batch, seq, n_heads, head_dim), jnp.float32)
+    for p, (kind, v) in zip(probs, values):
+        p = p.astype(dtype)
+        if kind == "selected":
+            out = out + jnp.einsum("bshk,bskd->bshd", p, v, preferred_element_type=jnp.float32)
+        else:
+            out = out + jnp.einsum("bshk,bkd->bshd", p, v, preferred_element_type=jnp.float32)
+    return (out / denom[..., None]).astype(dtype)
+
+
 @jax.named_scope("attention")
 def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: jax.Array, n_valid: jax.Array,
               cache: dict, inv_freq: np.ndarray, ctx, defer: bool = False):
@@ -217,22 +266,14 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     if ctx.simulate_quant:
         kv = _kv_fake_quant(kv, nope, ctx)
 
-    # Window: the ring (positions before the chunk) followed by the chunk itself.
-    window = cfg.window_size
-    keys = jnp.concatenate([kv_cache.decode(cache["window_kv"], dtype), kv], axis=1)   # [B, W+S, hd]
-    key_pos = jnp.concatenate([ring_positions(start, window), positions], axis=1)
-    delta = positions[:, :, None] - key_pos[:, None, :]
-    window_mask = (key_pos[:, None, :] >= 0) & (delta >= 0) & (delta < window)          # [B, S, W+S]
-    scale = head_dim ** -0.5
-    logits = [jnp.einsum("bshd,bkd->bshk", q, keys, preferred_element_type=jnp.float32) * scale]
-    masks = [window_mask[:, :, None, :]]
-    values = [("window", keys)]
+    ring = cache["window_kv"]                                # the window before this chunk
     if defer:
-        new_cache = {"window_kv": cache["window_kv"], "pending": {"window_kv": kv}}
+        new_cache = {"window_kv": ring, "pending": {"window_kv": kv}}
     else:
-        new_cache = {"window_kv": write_ring(cache["window_kv"], kv, start, n_valid)}
+        new_cache = {"window_kv": write_ring(ring, kv, start, n_valid)}
     stats = {}
 
+    compressed = picks = None      # the compressed entries this call reads, and (CSA) the indexer's picks
     if ratio > 0:
         update = _deferred_update(new_cache) if defer else _committed_update(new_cache)
         compressed = update("compressor", params["compressor"], x, start, n_valid, cache, "compressed_kv",
@@ -250,44 +291,33 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         # Only the entries this call's positions can see are read (ctx.context_limit; visible: j < (t+1)//c).
         n_stored = kv_cache.n_entries(compressed)
         live = n_stored if ctx.context_limit is None else min(n_stored, ctx.context_limit // ratio)
-        compressed = kv_cache.leading(compressed, live)
-        if ratio == 4:
+        if live == 0:              # buffers shorter than c never complete an entry
+            compressed = None
+        elif ratio == 4:
             index_keys = kv_cache.decode(kv_cache.leading(index_keys, live), dtype)
-        has_entries = live > 0     # buffers shorter than c never complete an entry
-        if has_entries and ratio == 4:
             scores = None
             if ctx.training is not None:                 # its loss needs the scores of every entry
                 scores = indexer_scores(params["indexer"], cfg, x_idx, q_latent_idx, positions, index_keys,
                                         inv_freq, ctx)
-                stats["indexer_kl"] = indexer_kl(q, kv_cache.decode(compressed, dtype), scores,
-                                                 compressed_visible(positions, live, 4))
+                stats["indexer_kl"] = indexer_kl(q, kv_cache.decode(kv_cache.leading(compressed, live), dtype),
+                                                 scores, compressed_visible(positions, live, 4))
             idx, valid = indexer_select(params["indexer"], cfg, x_idx, q_latent_idx, positions, index_keys,
                                         inv_freq, ctx, scores)
-            selected = kv_cache.decode(kv_cache.gather_rows(compressed, idx), dtype)      # [B, S, k, hd]
-            logits.append(jnp.einsum("bshd,bskd->bshk", q, selected, preferred_element_type=jnp.float32) * scale)
-            masks.append(valid[:, :, None, :])
-            values.append(("selected", selected))
-        elif has_entries:
-            compressed = kv_cache.decode(compressed, dtype)
-            visible = compressed_visible(positions, live, ratio)
-            logits.append(jnp.einsum("bshd,bnd->bshn", q, compressed, preferred_element_type=jnp.float32) * scale)
-            masks.append(visible[:, :, None, :])
-            values.append(("all", compressed))
+            picks = jnp.where(valid, idx, -1)
 
-    # One softmax over window and compressed keys, with the sink logit in the denominator only.
-    logits = [jnp.where(m, l, -jnp.inf) for l, m in zip(logits, masks)]
-    sink = params["attn_sink"].astype(jnp.float32)[None, None, :]
-    peak = jnp.maximum(jnp.max(jnp.stack([jnp.max(l, axis=-1) for l in logits]), axis=0), sink)
-    probs = [jnp.exp(l - peak[..., None]) for l in logits]
-    denom = sum(jnp.sum(p, axis=-1) for p in probs) + jnp.exp(sink - peak)
-    out = jnp.zeros((batch, seq, n_heads, head_dim), jnp.float32)
-    for p, (kind, v) in zip(probs, values):
-        p = p.astype(dtype)
-        if kind == "selected":
-            out = out + jnp.einsum("bshk,bskd->bshd", p, v, preferred_element_type=jnp.float32)
-        else:
-            out = out + jnp.einsum("bshk,bkd->bshd", p, v, preferred_element_type=jnp.float32)
-    out = (out / denom[..., None]).astype(dtype)
+    scale = head_dim ** -0.5
+    window = cfg.window_size
+    sink = params["attn_sink"]
+    if _takes_decode_kernel(ctx, cfg, seq, ring):
+        # one launch for the window, the compressed entries and the softmax, reading only the entries attended (the
+        # whole compressed buffer is passed: a slice would be a copy; the kernel stops at the visible entries)
+        out = decode_attention.decode_attention(q, ring, kv, start, sink, scale=scale, compressed=compressed,
+                                                picks=picks, ratio=ratio if compressed is not None else 0,
+                                                interpret=ctx.kernels.backend == "interpret")
+    else:
+        if compressed is not None and ratio != 4:
+            compressed = kv_cache.leading(compressed, live)
+        out = _attend(q, ring, kv, start, positions, sink, scale, window, ratio, compressed, picks)
 
     out = apply_rope(out, positions[:, :, None], inv_freq, inverse=True)
     groups = cfg.o_groups

@@ -1,0 +1,230 @@
+"""The decode attention kernel (dsv4_jax/pallas_kernels/decode_attention.py) in Pallas interpret mode against a
+float64 numpy reference written from the spec (docs/model.md 4.3, 4.5): one softmax over the window keys the
+position can see, the chunk's keys up to it and the compressed entries (CSA: the picked ones; HCA: the visible
+ones), with the sink logit in the denominator only; K = V."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv4_jax import kv_cache
+from dsv4_jax.pallas_kernels import decode_attention as kernel
+
+WINDOW = 128
+
+
+def _numpy_attention(q, ring, chunk, start, sink, scale, compressed=None, picks=None, ratio=0):
+    """float64 [B, S, H, D]: for each token, the list of keys it attends to, then a softmax with the sink."""
+    q, ring, chunk, sink = (np.asarray(a, np.float64) for a in (q, ring, chunk, sink))
+    comp = None if compressed is None else np.asarray(compressed, np.float64)
+    batch, seq, n_heads, head_dim = q.shape
+    out = np.empty(q.shape)
+    for b in range(batch):
+        for s in range(seq):
+            t = int(start[b]) + s
+            keys = []
+            for slot in range(WINDOW):                       # the ring: latest position p < start[b], p = slot
+                pos = max((p for p in range(int(start[b])) if p % WINDOW == slot), default=-1)
+                if pos >= 0 and t - pos < WINDOW:
+                    keys.append(ring[b, slot])
+            keys += [chunk[b, i] for i in range(s + 1)]
+            if ratio == 4:
+                keys += [comp[b, j] for j in picks[b, s] if j >= 0]
+            elif ratio > 0:
+                keys += [comp[b, j] for j in range(min((t + 1) // ratio, comp.shape[1]))]
+            keys = np.stack(keys)                             # [K, D]
+            logits = q[b, s] @ keys.T * scale                 # [H, K]
+            peak = np.maximum(logits.max(axis=1), sink)
+            p = np.exp(logits - peak[:, None])
+            out[b, s] = (p @ keys) / (p.sum(axis=1) + np.exp(sink - peak))[:, None]
+    return out
+
+
+def _inputs(rng, batch, seq, n_heads, head_dim, n_entries, ratio, starts, n_picks=40):
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)   # noqa: E731
+    q, ring, chunk = f(batch, seq, n_heads, head_dim), f(batch, WINDOW, head_dim), f(batch, seq, head_dim)
+    sink = f(n_heads) * 2
+    compressed = f(batch, n_entries, head_dim) if ratio else None
+    picks = None
+    if ratio == 4:                  # distinct visible entries in random order, -1 in a random share of the slots
+        picks = np.full((batch, seq, n_picks), -1, np.int32)
+        for b in range(batch):
+            for s in range(seq):
+                visible = min((starts[b] + s + 1) // 4, n_entries)
+                chosen = rng.permutation(visible)[:n_picks]
+                slots = rng.permutation(n_picks)[:len(chosen)]
+                picks[b, s, slots] = chosen
+    return q, ring, chunk, np.asarray(starts, np.int32), sink, compressed, picks
+
+
+def _compact(args, dtype, rope_dim):
+    """The inputs with the ring and the compressed entries stored compact (kv_cache.py: e4m3 nope dims with E8M0
+    block scales, rope dims as they are), and the float32 values that storage holds, for the reference."""
+    args = list(args)
+    stored = {}
+    for i in (1, 5):
+        if args[i] is not None:
+            like = kv_cache.empty(args[i].shape[:2], args[i].shape[2], rope_dim, dtype, "kv", "fp8")
+            stored[i] = kv_cache.encode(jnp.asarray(args[i], dtype), like)
+            args[i] = np.asarray(kv_cache.decode(stored[i], jnp.float32))
+    return args, stored
+
+
+def _run(args, scale, ratio, dtype, stored=None):
+    q, ring, chunk, start, sink, compressed, picks = args
+    cast = lambda a: None if a is None else jnp.asarray(a, dtype)   # noqa: E731
+    stored = stored or {}
+    return kernel.decode_attention(cast(q), stored.get(1, cast(ring)), cast(chunk), jnp.asarray(start),
+                                   jnp.asarray(sink), scale=scale, compressed=stored.get(5, cast(compressed)),
+                                   picks=None if picks is None else jnp.asarray(picks), ratio=ratio,
+                                   interpret=True)
+
+
+# starts: an empty ring (first token), a partly filled ring, a ring that has wrapped, HCA entries beyond one block
+@pytest.mark.parametrize("layout", ["plain", "compact"])
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+@pytest.mark.parametrize("seq", [1, 3])
+def test_float32_matches_float64(ratio, seq, layout):
+    """head_dim 128: the compact layout's 64 nope dims (one e4m3 block) and 64 rope dims."""
+    rng = np.random.default_rng(10 + ratio + seq)
+    starts = [0, 77, 1000] if ratio != 128 else [5, 4500, 9000]
+    args = _inputs(rng, 3, seq, 16, 128, 80, ratio, starts)
+    stored = None
+    if layout == "compact":
+        args, stored = _compact(args, jnp.float32, 64)
+    got = np.asarray(_run(args, 128 ** -0.5, ratio, jnp.float32, stored), np.float64)
+    want = _numpy_attention(*args[:5], 128 ** -0.5, *args[5:], ratio=ratio)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("layout", ["plain", "compact"])
+def test_bfloat16_matches_float64_within_its_roundings(layout):
+    """bf16 inputs (the model's activation dtype): the float64 reference of the same bf16 values; the kernel rounds
+    each block's probabilities to bf16 before their product with the values, ~2^-9 relative each."""
+    rng = np.random.default_rng(3)
+    args = _inputs(rng, 2, 2, 32, 256, 256, 4, [600, 1023], n_picks=64)
+    rounded = [None if a is None or a.dtype != np.float32 else np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
+               for a in args]
+    args_bf16 = [r if r is not None else a for r, a in zip(rounded, args)]
+    args_bf16[4] = args[4]                            # the sink stays float32
+    stored = None
+    if layout == "compact":
+        args_bf16, stored = _compact(args_bf16, jnp.bfloat16, 64)
+    got = np.asarray(_run(args_bf16, 256 ** -0.5, 4, jnp.bfloat16, stored).astype(jnp.float32), np.float64)
+    want = _numpy_attention(*args_bf16[:5], 256 ** -0.5, *args_bf16[5:], ratio=4)
+    err = np.abs(got - want)
+    assert err.max() < 2e-2 * np.abs(want).max(), err.max()
+    assert err.mean() < 2e-3 * np.abs(want).mean(), err.mean()
+
+
+@pytest.mark.parametrize("bug", ["no_sink", "ring_ignores_position", "hca_reads_invisible", "picks_ignored"])
+def test_injected_bugs_fail(bug, monkeypatch):
+    """The reference catches each plausible slip: with it injected into the inputs the float32 check fails."""
+    rng = np.random.default_rng(5)
+    ratio = 128 if bug == "hca_reads_invisible" else 4
+    args = list(_inputs(rng, 2, 1, 16, 64, 80, ratio, [130, 9000] if ratio == 128 else [300, 201]))
+    want = _numpy_attention(*args[:5], 64 ** -0.5, *args[5:], ratio=ratio)
+    if bug == "no_sink":
+        args[4] = np.full_like(args[4], -1e30)
+    elif bug == "ring_ignores_position":
+        args[3] = args[3] + 1                          # the same keys seen from one position later
+    elif bug == "hca_reads_invisible":
+        args[3] = args[3] + 128                        # one more compressed entry visible
+    else:
+        args[6] = np.where(args[6] >= 0, (args[6] + 1) % 50, -1).astype(np.int32)
+    got = np.asarray(_run(args, 64 ** -0.5, ratio, jnp.float32), np.float64)
+    assert np.abs(got - want).max() > 1e-3 * np.abs(want).max()
+
+
+def test_unsupported_geometry_is_refused():
+    rng = np.random.default_rng(0)
+    q, ring, chunk, start, sink, _, _ = _inputs(rng, 1, 1, 4, 96, 0, 0, [9])
+    with pytest.raises(ValueError, match="heads a multiple of 16"):
+        kernel.decode_attention(jnp.asarray(q), jnp.asarray(ring), jnp.asarray(chunk), jnp.asarray(start),
+                                jnp.asarray(sink), scale=1.0, interpret=True)
+    assert kernel.takes(1, 64, 512, 128) and not kernel.takes(17, 64, 512, 128) and not kernel.takes(1, 64, 96, 128)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "fp8"])
+def test_model_decode_takes_the_kernel_and_equals_the_jnp_path(kv_cache_dtype, monkeypatch):
+    """A model of the tiny preset's layers with 16 heads of 128 dims (a geometry the kernel takes), float32: decode
+    steps on a kernel plan ("interpret") run every layer's attention (window, CSA, HCA) on the kernel and give the
+    jnp path's logits. Both decode from one state, prefilled on the reference plan past the first HCA entry (300
+    tokens). Other decode kernels (matmuls, mHC) also run in interpret mode: float32 meets them as bf16 hi + lo
+    parts, hence 1e-4 (test_kernel_dispatch.py); fake-quant roundings off so that no e4m3 rounding flips. Caches in
+    the activation dtype and compact (kv_cache_dtype "fp8")."""
+    import dsv4_jax
+    from dsv4_jax import presets
+
+    cfg = presets.tiny().replace(n_heads=16, head_dim=128, rope_head_dim=64, index_head_dim=128)
+    kw = dict(dtype="float32", max_seq_len=512, max_batch=2, simulate_quant=False, kv_cache_dtype=kv_cache_dtype)
+    reference = dsv4_jax.init_random(cfg, seed=3, kernels="reference", **kw)
+    with_kernel = dsv4_jax.init_random(cfg, seed=3, kernels="interpret", **kw)
+    prompt = np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 300)).astype(np.int32)
+    _, state = reference.prefill(prompt, lengths=np.array([300, 257], np.int32))
+
+    ratios = []
+    real = kernel.decode_attention
+    monkeypatch.setattr(kernel, "decode_attention", lambda *a, **k: ratios.append(k["ratio"]) or real(*a, **k))
+    tokens = jnp.asarray([5, 9], jnp.int32)
+    for step in range(2):
+        got, _ = with_kernel.decode(tokens, jax.tree.map(jnp.copy, state))      # decode donates its state
+        want, want_state = reference.decode(tokens, state)
+        err = np.abs(np.asarray(got) - np.asarray(want)).max() / np.abs(np.asarray(want)).max()
+        assert err < 1e-4, (step, err)
+        state, tokens = want_state, jnp.argmax(want, axis=-1).astype(jnp.int32)
+    assert sorted(set(ratios)) == [0, 4, 128], ratios        # traced once: every layer kind took the kernel
+
+
+def _flash_shapes(batch: int, seq: int, ratio: int, dtype=jnp.bfloat16):
+    """Abstract arguments at Flash geometry (64 heads of 512, window 128, 512 picks of 1,024 entries)."""
+    sds = jax.ShapeDtypeStruct
+    args = [sds((batch, seq, 64, 512), dtype), sds((batch, WINDOW, 512), dtype), sds((batch, seq, 512), dtype),
+            sds((batch,), jnp.int32), sds((64,), jnp.float32)]
+    extra = {}
+    if ratio:
+        extra["compressed"] = sds((batch, 1024 if ratio == 4 else 32, 512), dtype)
+    if ratio == 4:
+        extra["picks"] = sds((batch, seq, 512), jnp.int32)
+    return args, extra
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_cuda_lowering_at_flash_geometry(ratio):
+    """The kernel lowers to one Triton call for an H200 (no GPU needed: Pallas's Triton lowering runs on the CPU)."""
+    args, extra = _flash_shapes(2, 3, ratio)
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    fn = lambda q, r, c, s, k, **e: kernel.decode_attention(q, r, c, s, k, scale=512 ** -0.5, ratio=ratio, **e)  # noqa: E731
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+        text = jax.jit(fn).trace(*args, **extra).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+# ---- on the GPU -----------------------------------------------------------------------------------------------
+HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_gpu_matches_float64_at_flash_geometry(ratio):
+    """The compiled Triton kernel at Flash geometry (64 heads of 512, 512 picks), decode and a 3-token verify chunk:
+    float32 against float64, and bf16 within the bounds of the bf16 check above."""
+    rng = np.random.default_rng(ratio)
+    starts = [9000, 1500] if ratio == 128 else [2000, 77]
+    args = _inputs(rng, 2, 3, 64, 512, 1024 if ratio == 4 else 96, ratio, starts, n_picks=512)
+    want = _numpy_attention(*args[:5], 512 ** -0.5, *args[5:], ratio=ratio)
+    gpu_run = lambda a, dtype: np.asarray(kernel.decode_attention(   # noqa: E731
+        *(jnp.asarray(x, dtype) for x in a[:3]), jnp.asarray(a[3]), jnp.asarray(a[4]), scale=512 ** -0.5,
+        compressed=None if a[5] is None else jnp.asarray(a[5], dtype),
+        picks=None if a[6] is None else jnp.asarray(a[6]), ratio=ratio).astype(jnp.float32), np.float64)
+    got = gpu_run(args, jnp.float32)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    rounded = [a if a is None or a.dtype != np.float32 or i == 4 else
+               np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)) for i, a in enumerate(args)]
+    want = _numpy_attention(*rounded[:5], 512 ** -0.5, *rounded[5:], ratio=ratio)
+    err = np.abs(gpu_run(rounded, jnp.bfloat16) - want)
+    assert err.max() < 2e-2 * np.abs(want).max() and err.mean() < 2e-3 * np.abs(want).mean()
