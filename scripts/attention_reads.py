@@ -9,8 +9,10 @@ top-level instruction of the entry computation (and of the decode loop's body, i
 of the attention caches (window ring, compressed entries, indexer keys; recognised by their shapes) is listed with
 what it is (a gather, a dot, an elementwise fusion, ...), the cache bytes it takes and the bytes it writes. A gather
 reads only the rows it selects; a scatter fusion updates its buffer in place; anything else that takes a whole
-cache reads all of it. Instructions that take a cache only through a bitcast (the indexer's score dot) are not
-listed.
+cache reads all of it, except the decode attention kernel (pallas_kernels/decode_attention.py), which takes the
+whole buffers and loads only the rows it attends: the ring, the chunk, and the picked (CSA) or visible (HCA)
+entries ("reads": "attended rows"). Instructions that take a cache only through a bitcast (the indexer's score
+dot) are not listed.
 """
 
 from __future__ import annotations
@@ -86,9 +88,10 @@ def attention_reads(hlo: str, caches: dict) -> list[dict]:
         cache_bytes = sum(_bytes(*leaf) for leaf in operands if leaf in caches)
         written = sum(_bytes(*leaf) for leaf in SHAPE.findall(result))
         scope = re.search(r'op_name="([^"]*)"', line)
+        op_name = scope.group(1).replace("jit(decode_step)/", "") if scope else ""
+        reads = "attended rows" if "decode_attention" in op_name else ""     # see the docstring for the others
         rows.append({"instruction": name, "op": op, "contains": kinds, "caches": taken, "cache_bytes": cache_bytes,
-                     "result": result[:100], "result_bytes": written,
-                     "op_name": scope.group(1).replace("jit(decode_step)/", "") if scope else ""})
+                     "reads": reads, "result": result[:100], "result_bytes": written, "op_name": op_name})
     return rows
 
 
@@ -132,9 +135,10 @@ def main(argv=None) -> int:
         result["programs"][label] = rows
         print(f"\ncaches {label}, max_seq_len {args.max_seq_len}: instructions taking a cache")
         for r in rows:
+            reads = f" ({r['reads']})" if r["reads"] else ""
             print(f"  {r['instruction']:<28} {r['op']:<14} {'+'.join(r['contains']):<30} "
-                  f"{r['cache_bytes'] / 2**20:8.2f} MiB of {', '.join(r['caches'])} -> {r['result_bytes'] / 2**20:8.3f}"
-                  f" MiB  {r['op_name'][:60]}")
+                  f"{r['cache_bytes'] / 2**20:8.2f} MiB of {', '.join(r['caches'])}{reads} -> "
+                  f"{r['result_bytes'] / 2**20:8.3f} MiB  {r['op_name'][:60]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
