@@ -120,6 +120,51 @@ def test_bfloat16_matches_float64_within_its_roundings(layout):
     assert err.mean() < 2e-3 * np.abs(want).mean(), err.mean()
 
 
+def _numpy_rope(x, position: int, inv_freq, inverse: bool = False):
+    """layers/rope.apply_rope in float64 on x [..., D] at one position: pairs (2i, 2i + 1) of the last 2 * len(inv_freq)
+    dims turned by the float32 angle position * f_i (the model forms the angle in float32)."""
+    angle = (np.float32(position) * inv_freq.astype(np.float32)).astype(np.float64)
+    sin = -np.sin(angle) if inverse else np.sin(angle)
+    out = np.array(x, np.float64)
+    even, odd = out[..., -2 * len(inv_freq)::2].copy(), out[..., -2 * len(inv_freq) + 1::2].copy()
+    out[..., -2 * len(inv_freq)::2] = even * np.cos(angle) - odd * sin
+    out[..., -2 * len(inv_freq) + 1::2] = even * sin + odd * np.cos(angle)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["plain", "compact"])
+@pytest.mark.parametrize("ratio", [4, 128])
+@pytest.mark.parametrize("seq", [1, 3])
+def test_fused_query_norm_and_rope_match_float64(ratio, seq, layout):
+    """rope=(inv_freq, eps): the kernel takes wq_b's output, normalises each head (RMS, no weight), rotates its
+    rope dims at the token's position, and turns the output's rope dims back: float32 against float64."""
+    rng = np.random.default_rng(20 + ratio + seq)
+    starts = [3, 700] if ratio == 4 else [200, 9000]
+    args = _inputs(rng, 2, seq, 16, 128, 80, ratio, starts)
+    args[0][:] *= 3.0                                    # a query far from unit RMS: the norm must act
+    stored = {}
+    if layout == "compact":
+        args, stored = _compact(args, jnp.float32, 64)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, 64, 2) / 64)).astype(np.float32)
+    eps = 1e-6
+    q, ring, chunk, start, sink, compressed, picks = args
+    got = kernel.decode_attention(jnp.asarray(q), stored.get(1, jnp.asarray(ring)), jnp.asarray(chunk),
+                                  jnp.asarray(start), jnp.asarray(sink), scale=128 ** -0.5,
+                                  compressed=stored.get(5, jnp.asarray(compressed)),
+                                  picks=None if picks is None else jnp.asarray(picks), ratio=ratio,
+                                  rope=(inv_freq, eps), interpret=True)
+    q64 = np.asarray(q, np.float64)
+    q64 = q64 / np.sqrt(np.mean(q64 * q64, axis=-1, keepdims=True) + eps)
+    for b in range(2):
+        for i in range(seq):
+            q64[b, i] = _numpy_rope(q64[b, i], starts[b] + i, inv_freq)
+    want = _numpy_attention(q64, ring, chunk, start, sink, 128 ** -0.5, compressed, picks, ratio=ratio)
+    for b in range(2):
+        for i in range(seq):
+            want[b, i] = _numpy_rope(want[b, i], starts[b] + i, inv_freq, inverse=True)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("bug", ["no_sink", "ring_ignores_position", "hca_reads_invisible", "picks_ignored"])
 def test_injected_bugs_fail(bug, monkeypatch):
     """The reference catches each plausible slip: with it injected into the inputs the float32 check fails."""
@@ -192,12 +237,19 @@ def _flash_shapes(batch: int, seq: int, ratio: int, dtype=jnp.bfloat16):
     return args, extra
 
 
+@pytest.mark.parametrize("fused_rope", [False, True])
 @pytest.mark.parametrize("ratio", [0, 4, 128])
-def test_cuda_lowering_at_flash_geometry(ratio):
-    """The kernel lowers to one Triton call for an H200 (no GPU needed: Pallas's Triton lowering runs on the CPU)."""
+def test_cuda_lowering_at_flash_geometry(ratio, fused_rope):
+    """The kernel lowers to one Triton call for an H200 (no GPU needed: Pallas's Triton lowering runs on the CPU);
+    with the fused norm and RoPE, from wq_b's float32 output as the model calls it."""
     args, extra = _flash_shapes(2, 3, ratio)
+    rope = None
+    if fused_rope:
+        args[0] = jax.ShapeDtypeStruct(args[0].shape, jnp.float32)
+        rope = (np.ones(32, np.float32), 1e-6)
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    fn = lambda q, r, c, s, k, **e: kernel.decode_attention(q, r, c, s, k, scale=512 ** -0.5, ratio=ratio, **e)  # noqa: E731
+    fn = lambda q, r, c, s, k, **e: kernel.decode_attention(q, r, c, s, k, scale=512 ** -0.5, ratio=ratio,  # noqa: E731
+                                                            rope=rope, **e)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
         text = jax.jit(fn).trace(*args, **extra).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1

@@ -192,12 +192,11 @@ def commit_attention(params: dict, cfg: ModelConfig, ratio: int, cache: dict, st
     return cache
 
 
-def _takes_decode_kernel(ctx, cfg: ModelConfig, seq: int, ring) -> bool:
+def _takes_decode_kernel(ctx, cfg: ModelConfig, seq: int) -> bool:
     """Whether this call's attention runs on pallas_kernels/decode_attention.py: a kernel plan, inference, a decode
     or verify chunk, a supported geometry (caches in the activation dtype or compact)."""
-    rope_dim = cfg.rope_head_dim if isinstance(ring, dict) else None
     return (ctx.kernels.backend is not None and ctx.training is None
-            and decode_attention.takes(seq, cfg.n_heads, cfg.head_dim, cfg.window_size, rope_dim))
+            and decode_attention.takes(seq, cfg.n_heads, cfg.head_dim, cfg.window_size, cfg.rope_head_dim))
 
 
 def _attend(q, ring, kv, start, positions, sink, scale: float, window: int, ratio: int, compressed, picks):
@@ -254,19 +253,23 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     dtype = x.dtype
     positions = start[:, None] + jnp.arange(seq, dtype=jnp.int32)[None, :]
 
+    ring = cache["window_kv"]                                # the window before this chunk
+    on_kernel = _takes_decode_kernel(ctx, cfg, seq)
     # wq_a and wkv read the same x: one launch for both where a decode kernel takes them (linear_pair)
     q_a, kv_a = linear_pair(x, params["wq_a"]["weight"], params["wkv"]["weight"], ctx=ctx)
     q_latent = rms_norm(q_a, params["q_norm"]["weight"], cfg.norm_eps)
-    q = linear(q_latent, params["wq_b"]["weight"], ctx=ctx).reshape(batch, seq, n_heads, head_dim)
-    q = rms_norm(q, None, cfg.norm_eps)
-    q = apply_rope(q, positions[:, :, None], inv_freq)
+    if on_kernel:      # the kernel rounds q to dtype, then its per-head norm and RoPE: no launches of their own
+        q = linear(q_latent, params["wq_b"]["weight"], jnp.float32, ctx=ctx).reshape(batch, seq, n_heads, head_dim)
+    else:
+        q = linear(q_latent, params["wq_b"]["weight"], ctx=ctx).reshape(batch, seq, n_heads, head_dim)
+        q = rms_norm(q, None, cfg.norm_eps)
+        q = apply_rope(q, positions[:, :, None], inv_freq)
 
     kv = rms_norm(kv_a, params["kv_norm"]["weight"], cfg.norm_eps)
     kv = apply_rope(kv, positions, inv_freq)
     if ctx.simulate_quant:
         kv = _kv_fake_quant(kv, nope, ctx)
 
-    ring = cache["window_kv"]                                # the window before this chunk
     if defer:
         new_cache = {"window_kv": ring, "pending": {"window_kv": kv}}
     else:
@@ -308,18 +311,19 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     scale = head_dim ** -0.5
     window = cfg.window_size
     sink = params["attn_sink"]
-    if _takes_decode_kernel(ctx, cfg, seq, ring):
-        # one launch for the window, the compressed entries and the softmax, reading only the entries attended (the
-        # whole compressed buffer is passed: a slice would be a copy; the kernel stops at the visible entries)
+    if on_kernel:
+        # one launch for the query's norm and RoPE, the window, the compressed entries, the softmax and the inverse
+        # RoPE, reading only the entries attended (the whole compressed buffer is passed: a slice would be a copy;
+        # the kernel stops at the visible entries)
         out = decode_attention.decode_attention(q, ring, kv, start, sink, scale=scale, compressed=compressed,
                                                 picks=picks, ratio=ratio if compressed is not None else 0,
+                                                rope=(inv_freq, cfg.norm_eps),
                                                 interpret=ctx.kernels.backend == "interpret")
     else:
         if compressed is not None and ratio != 4:
             compressed = kv_cache.leading(compressed, live)
         out = _attend(q, ring, kv, start, positions, sink, scale, window, ratio, compressed, picks)
-
-    out = apply_rope(out, positions[:, :, None], inv_freq, inverse=True)
+        out = apply_rope(out, positions[:, :, None], inv_freq, inverse=True)
     groups = cfg.o_groups
     out = out.reshape(batch, seq, groups, (n_heads // groups) * head_dim)
     # wo_a: the reference multiplies it in bf16 (convert.py dequantizes it), so its input is never quantized.

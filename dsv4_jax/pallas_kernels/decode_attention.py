@@ -12,7 +12,10 @@ logits, three maxima, the sink, two sums, the value products and, for CSA, a gat
     the picked entries are read;
   - HCA (other ratios): the compressed entries the token can see (j < (t + 1) // ratio); the loop stops there, so
     a step reads the entries in use, not the whole buffer.
-The single shared key is also the value (K = V). The softmax is the online one (running maximum, rescaled sums),
+With `rope=(inv_freq, eps)` the kernel also takes the query as wq_b leaves it (any dtype) and does what the jnp
+path does around attention in two more XLA kernels per layer: the query rounded to the activation dtype, its
+per-head RMS norm and RoPE at the token's position, and the inverse RoPE of the output (each rotation a dot with the
+64 x 64 rotation matrix of the position, in float32). The single shared key is also the value (K = V). The softmax is the online one (running maximum, rescaled sums),
 started from the sink logit: the sink is in the denominator only, as in the model. Each block's probabilities are
 rounded to the activation dtype before their product with the values, as the jnp path rounds them; they are
 computed against the running maximum instead of the final one, so results agree with the jnp path to that
@@ -44,7 +47,8 @@ def _pow2(n: int) -> bool:
 
 
 def supported(n_heads: int, head_dim: int, window: int, rope_dim: int | None = None) -> bool:
-    """Whether the kernel takes this geometry (`rope_dim`: of the compact layout, whose rope dims are one block)."""
+    """Whether the kernel takes this geometry (`rope_dim`: when the rope dims are a block of their own, in the
+    compact layout or with RoPE done here)."""
     compact_ok = rope_dim is None or (_pow2(rope_dim) and (head_dim - rope_dim) % COLUMNS == 0)
     return (n_heads % BLOCK_HEADS == 0 and _pow2(head_dim) and head_dim >= COLUMNS and window % BLOCK_KEYS == 0
             and compact_ok)
@@ -56,7 +60,8 @@ def takes(seq: int, n_heads: int, head_dim: int, window: int, rope_dim: int | No
 
 
 def _column_blocks(head_dim: int, rope_dim: int | None) -> list[tuple[int, int]]:
-    """(first column, width) of each dot: blocks of 64; in the compact layout the rope dims are the last block."""
+    """(first column, width) of each dot: blocks of 64; with `rope_dim` (the compact layout, or RoPE done here) the
+    rope dims are the last block."""
     nope = head_dim if rope_dim is None else head_dim - rope_dim
     blocks = [(c, COLUMNS) for c in range(0, nope, COLUMNS)]
     return blocks if rope_dim is None else blocks + [(nope, rope_dim)]
@@ -76,19 +81,44 @@ def _load_keys(refs, rows, blocks, dtype):
     return out + [rope_ref[rows, :]]
 
 
+def _rotate(x, position, inv_freq_cols, inverse: bool):
+    """layers/rope.apply_rope on a float32 block x [rows, R] of rope dims at one position: pairs (2i, 2i + 1) turned
+    by position * f_i, as x @ M with M the block-diagonal rotation matrix (Triton has no pair shuffle); inv_freq_cols
+    [R] holds f_i for both columns of pair i."""
+    width = x.shape[1]
+    row = jax.lax.iota(jnp.int32, width)[:, None]
+    col = jax.lax.iota(jnp.int32, width)[None, :]
+    angle = position.astype(_F32) * inv_freq_cols                  # [R], as apply_rope forms it
+    cos, sin = jnp.cos(angle)[None, :], jnp.sin(angle)[None, :]
+    if inverse:
+        sin = -sin
+    even = col % 2 == 0
+    # column 2i: x[2i] cos - x[2i+1] sin; column 2i+1: x[2i] sin + x[2i+1] cos
+    rotation = jnp.where(row == col, cos, jnp.where(even & (row == col + 1), -sin,
+                                                    jnp.where(~even & (row == col - 1), sin, 0.0)))
+    return jnp.dot(x, rotation, preferred_element_type=_F32, precision=jax.lax.Precision.HIGHEST)
+
+
 def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: int, scale: float, precision,
-            blocks, ring_parts: int, comp_parts: int):
-    start_ref, sink_ref, q_ref = refs[:3]
-    refs = refs[3:]
+            blocks, ring_parts: int, comp_parts: int, dtype, q_norm_eps: float | None):
+    fused_rope = q_norm_eps is not None
+    start_ref, sink_ref = refs[:2]
+    freq_ref, refs = (refs[2], refs[3:]) if fused_rope else (None, refs[2:])
+    q_ref, refs = refs[0], refs[1:]
     ring_refs, chunk_ref, refs = refs[:ring_parts], refs[ring_parts], refs[ring_parts + 1:]
     comp_refs, refs = (refs[:comp_parts], refs[comp_parts:]) if ratio > 0 else ((), refs)
     picks_ref, out_ref = refs if ratio == 4 else (None, refs[0])
-    dtype = q_ref.dtype
     row = pl.program_id(0)
     s = row % seq
     start = jnp.sum(start_ref[pl.ds(row // seq, 1)])
     t = start + s                                                # this token's position
-    q = [q_ref[:, pl.ds(first, width)] for first, width in blocks]   # [Hb, width] each
+    q = [q_ref[:, pl.ds(first, width)].astype(dtype) for first, width in blocks]   # [Hb, width] each
+    if fused_rope:              # layers/norm.rms_norm (no weight) per head, then apply_rope on the last block
+        q32 = [b.astype(_F32) for b in q]
+        mean_sq = sum(jnp.sum(b * b, axis=1) for b in q32) / sum(width for _, width in blocks)
+        r = jax.lax.rsqrt(mean_sq + q_norm_eps)[:, None]
+        q = [(b * r).astype(dtype) for b in q32]
+        q[-1] = _rotate(q[-1].astype(_F32), t, freq_ref[...], inverse=False).astype(dtype)
 
     def attend(carry, keys, valid):
         """One block of keys (column blocks [Kb, width]; valid [Kb]) into the running (max, denominator, output
@@ -138,8 +168,11 @@ def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: i
         carry = jax.lax.fori_loop(0, (n_visible + BLOCK_KEYS - 1) // BLOCK_KEYS, entry_block, carry)
 
     _, l, acc = carry
-    for (first, width), a in zip(blocks, acc):
-        out_ref[:, pl.ds(first, width)] = (a / l[:, None]).astype(out_ref.dtype)
+    out = [(a / l[:, None]).astype(dtype) for a in acc]
+    if fused_rope:
+        out[-1] = _rotate(out[-1].astype(_F32), t, freq_ref[...], inverse=True).astype(dtype)
+    for (first, width), o in zip(blocks, out):
+        out_ref[:, pl.ds(first, width)] = o
 
 
 def _parts(cache) -> list:
@@ -148,42 +181,55 @@ def _parts(cache) -> list:
 
 
 def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, sink: jax.Array, *,
-                     scale: float, compressed=None, picks: jax.Array | None = None, ratio: int = 0,
+                     scale: float, compressed=None, picks: jax.Array | None = None, ratio: int = 0, rope=None,
                      interpret: bool = False) -> jax.Array:
-    """Attention output [B, S, H, D] in q's dtype, before the inverse RoPE, for queries q [B, S, H, D] (rotated) at
-    positions start[b] + i.
+    """Attention output [B, S, H, D] in the activation dtype (chunk_kv's) for queries q [B, S, H, D] at positions
+    start[b] + i: without `rope`, q normalised and rotated and the output before the inverse RoPE; with
+    rope=(inv_freq [rope_dim / 2], eps), q as wq_b leaves it (any dtype) and the output after the inverse RoPE.
 
     ring [B, window, D]: the window ring before this chunk; chunk_kv [B, S, D]: the chunk's keys; sink [H];
     compressed [B, N, D]: the compressed entries (ratio > 0); picks [B, S, k] int32: the indexer's picks of a CSA
     layer (ratio 4), -1 where a slot holds no visible entry. The ring and the compressed entries as kv_cache.py
-    stores them: in q's dtype, or both compact ({nope e4m3, scale, rope})."""
+    stores them: in the activation dtype, or both compact ({nope e4m3, scale, rope})."""
     batch, seq, n_heads, head_dim = q.shape
+    dtype = chunk_kv.dtype
     compact = isinstance(ring, dict)
     rope_dim = ring["rope"].shape[-1] if compact else None
+    if rope is not None:
+        inv_freq, q_norm_eps = rope
+        if compact and 2 * len(inv_freq) != rope_dim:
+            raise ValueError(f"decode_attention: {len(inv_freq)} RoPE frequencies for {rope_dim} rope dims")
+        rope_dim = 2 * len(inv_freq)
     window = jax.tree.leaves(ring)[0].shape[1]
     if not supported(n_heads, head_dim, window, rope_dim):
         raise ValueError(f"decode_attention takes heads a multiple of {BLOCK_HEADS}, a power-of-two head_dim >= "
-                         f"{COLUMNS}, a window that is a multiple of {BLOCK_KEYS} (and in the compact layout a "
+                         f"{COLUMNS}, a window that is a multiple of {BLOCK_KEYS} (and, compact or with `rope`, a "
                          f"power-of-two rope block after nope dims in blocks of {COLUMNS}); got heads {n_heads}, "
                          f"head_dim {head_dim}, window {window}, rope dims {rope_dim}")
     if ratio > 0 and isinstance(compressed, dict) != compact:
         raise ValueError("decode_attention takes the ring and the compressed entries in one layout")
-    plain = [a for a in (ring, chunk_kv, compressed) if a is not None and not isinstance(a, dict)]
+    plain = [a for a in (ring, compressed) if a is not None and not isinstance(a, dict)]
     if compact:
         plain.append(ring["rope"])
-    if any(a.dtype != q.dtype for a in plain):
-        raise ValueError(f"decode_attention takes caches in q's dtype {q.dtype}, got {[str(a.dtype) for a in plain]}")
+    if rope is None:
+        plain.append(q)
+    if any(a.dtype != dtype for a in plain):
+        raise ValueError(f"decode_attention takes caches (and a query without `rope`) in the keys' dtype {dtype}, "
+                         f"got {[str(a.dtype) for a in plain]}")
     rows = batch * seq
     n_entries = jax.tree.leaves(compressed)[0].shape[1] if ratio > 0 else 0
     per_token = lambda r, h: (r, h, 0)            # noqa: E731
     per_sequence = lambda r, h: (r // seq, 0, 0)  # noqa: E731
     whole = lambda a: pl.BlockSpec((None, *a.shape[1:]), per_sequence)   # noqa: E731  one sequence's rows
     ring_parts = _parts(ring)
-    in_specs = ([pl.BlockSpec((batch,), lambda r, h: (0,)),
-                 pl.BlockSpec((BLOCK_HEADS,), lambda r, h: (h,)),
-                 pl.BlockSpec((None, BLOCK_HEADS, head_dim), per_token)]
-                + [whole(a) for a in ring_parts] + [whole(chunk_kv)])
-    args = [start.astype(jnp.int32), sink.astype(_F32), q.reshape(rows, n_heads, head_dim), *ring_parts, chunk_kv]
+    in_specs = [pl.BlockSpec((batch,), lambda r, h: (0,)), pl.BlockSpec((BLOCK_HEADS,), lambda r, h: (h,))]
+    args = [start.astype(jnp.int32), sink.astype(_F32)]
+    if rope is not None:                          # each pair's frequency for both of its columns
+        in_specs.append(pl.BlockSpec((rope_dim,), lambda r, h: (0,)))
+        args.append(jnp.repeat(jnp.asarray(inv_freq, _F32), 2))
+    in_specs += ([pl.BlockSpec((None, BLOCK_HEADS, head_dim), per_token)]
+                 + [whole(a) for a in ring_parts] + [whole(chunk_kv)])
+    args += [q.reshape(rows, n_heads, head_dim), *ring_parts, chunk_kv]
     comp_parts = _parts(compressed) if ratio > 0 else []
     in_specs += [whole(a) for a in comp_parts]
     args += comp_parts
@@ -194,13 +240,14 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
         n_picks = picks.shape[1]
         in_specs.append(pl.BlockSpec((None, n_picks), lambda r, h: (r, 0)))
         args.append(picks)
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, seq=seq, window=window, ratio=ratio, n_entries=n_entries, n_picks=n_picks,
                                scale=scale, precision=precision, blocks=_column_blocks(head_dim, rope_dim),
-                               ring_parts=len(ring_parts), comp_parts=len(comp_parts))
+                               ring_parts=len(ring_parts), comp_parts=len(comp_parts), dtype=dtype,
+                               q_norm_eps=None if rope is None else q_norm_eps)
     out = pl.pallas_call(
         kernel, grid=(rows, n_heads // BLOCK_HEADS), in_specs=in_specs,
         out_specs=pl.BlockSpec((None, BLOCK_HEADS, head_dim), per_token),
-        out_shape=jax.ShapeDtypeStruct((rows, n_heads, head_dim), q.dtype), interpret=interpret,
+        out_shape=jax.ShapeDtypeStruct((rows, n_heads, head_dim), dtype), interpret=interpret,
         name="decode_attention", compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2))(*args)
     return out.reshape(batch, seq, n_heads, head_dim)
