@@ -165,6 +165,82 @@ def test_fused_query_norm_and_rope_match_float64(ratio, seq, layout):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
+def _numpy_e4m3(y):
+    """Round-to-nearest-even onto e4m3fn values (3 mantissa bits, smallest normal 2^-6), saturating at 448."""
+    y = np.clip(np.asarray(y, np.float64), -448.0, 448.0)
+    step = 2.0 ** (np.maximum(np.floor(np.log2(np.maximum(np.abs(y), 2.0 ** -30))), -6) - 3)
+    return np.round(y / step) * step
+
+
+def _numpy_keys(kv_a, weight, starts, inv_freq, eps, fake_quant: bool):
+    """The chunk's keys as the model makes them (float64): RMS norm with the weight, RoPE at each token's position,
+    with fake_quant each 64-value block of the nope dims on the e4m3 grid under its power-of-two scale."""
+    kv = np.asarray(kv_a, np.float64)
+    kv = kv / np.sqrt(np.mean(kv * kv, axis=-1, keepdims=True) + eps) * weight
+    for b in range(kv.shape[0]):
+        for i in range(kv.shape[1]):
+            kv[b, i] = _numpy_rope(kv[b, i], starts[b] + i, inv_freq)
+    quanta = np.zeros_like(kv)                    # the e4m3 step of each value: the room a near-tie may take
+    if fake_quant:
+        nope = kv.shape[-1] - 2 * len(inv_freq)
+        blocks = kv[..., :nope].reshape(*kv.shape[:-1], -1, 64)
+        scale = 2.0 ** np.ceil(np.log2(np.maximum(np.abs(blocks).max(-1, keepdims=True), 1e-4) / 448.0))
+        rounded = _numpy_e4m3(blocks / scale)
+        step = 2.0 ** (np.maximum(np.floor(np.log2(np.maximum(np.abs(rounded), 2.0 ** -30))), -6) - 3)
+        kv[..., :nope] = (rounded * scale).reshape(*kv.shape[:-1], nope)
+        quanta[..., :nope] = (step * scale).reshape(*kv.shape[:-1], nope)
+    return kv, quanta
+
+
+def test_in_kernel_e4m3_rounding_equals_the_models():
+    """The kernel's e4m3 rounding (floor-based: Triton has no `round`) against quant/fake_quant.round_to_e4m3 on every
+    e4m3 value, every midpoint between neighbours (the ties, which go to the even one), points just off them, values
+    past saturation and below the smallest subnormal."""
+    from dsv4_jax.quant.fake_quant import round_to_e4m3
+    grid = np.unique(np.asarray(jnp.arange(256, dtype=jnp.uint8).view(jnp.float8_e4m3fn).astype(jnp.float32)))
+    grid = grid[np.isfinite(grid)]
+    mids = (grid[1:] + grid[:-1]) / 2
+    x = np.concatenate([grid, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf),
+                        [500.0, -1e4, 2.0 ** -12, -(2.0 ** -11) * 0.75]]).astype(np.float32)
+    got = np.asarray(jax.jit(kernel._round_to_e4m3)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(round_to_e4m3(jnp.asarray(x))))
+
+
+@pytest.mark.parametrize("fake_quant", [False, True])
+@pytest.mark.parametrize("seq", [1, 3])
+def test_kv_prologue_makes_the_models_keys(seq, fake_quant):
+    """kv_prologue: the kernel takes wkv's output and returns the chunk's keys as the model makes them, and attends
+    with them. float32 against float64; with the FP8 rounding a value that lies on a rounding tie may land on the
+    neighbouring e4m3 value (the kernel's float32 norm and rotation against float64), so each key must be within
+    one e4m3 step and at most 1% of them off by one; the attention output is then checked against the keys the
+    kernel returned."""
+    rng = np.random.default_rng(30 + seq + fake_quant)
+    starts = [5, 3000]
+    args = _inputs(rng, 2, seq, 16, 128, 80, 128, starts)
+    q, ring, kv_a, start, sink, compressed, _ = args
+    weight = rng.uniform(0.5, 1.5, 128).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, 64, 2) / 64)).astype(np.float32)
+    out, keys = kernel.decode_attention(jnp.asarray(q), jnp.asarray(ring), jnp.asarray(kv_a), jnp.asarray(start),
+                                        jnp.asarray(sink), scale=128 ** -0.5, compressed=jnp.asarray(compressed),
+                                        ratio=128, rope=(inv_freq, 1e-6), kv_prologue=(jnp.asarray(weight), fake_quant),
+                                        interpret=True)
+    want, quanta = _numpy_keys(kv_a, weight, starts, inv_freq, 1e-6, fake_quant)
+    err = np.abs(np.asarray(keys, np.float64) - want)
+    tight = 2e-6 * np.abs(want).max()
+    assert (err <= quanta + tight).all()
+    assert np.mean(err > tight) <= 0.01
+    q64 = np.asarray(q, np.float64)
+    q64 = q64 / np.sqrt(np.mean(q64 * q64, axis=-1, keepdims=True) + 1e-6)
+    for b in range(2):
+        for i in range(seq):
+            q64[b, i] = _numpy_rope(q64[b, i], starts[b] + i, inv_freq)
+    attended = _numpy_attention(q64, ring, np.asarray(keys), start, sink, 128 ** -0.5, compressed, ratio=128)
+    for b in range(2):
+        for i in range(seq):
+            attended[b, i] = _numpy_rope(attended[b, i], starts[b] + i, inv_freq, inverse=True)
+    np.testing.assert_allclose(np.asarray(out, np.float64), attended, rtol=0, atol=2e-5 * np.abs(attended).max())
+
+
 @pytest.mark.parametrize("bug", ["no_sink", "ring_ignores_position", "hca_reads_invisible", "picks_ignored"])
 def test_injected_bugs_fail(bug, monkeypatch):
     """The reference catches each plausible slip: with it injected into the inputs the float32 check fails."""

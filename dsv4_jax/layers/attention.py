@@ -265,15 +265,13 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         q = rms_norm(q, None, cfg.norm_eps)
         q = apply_rope(q, positions[:, :, None], inv_freq)
 
-    kv = rms_norm(kv_a, params["kv_norm"]["weight"], cfg.norm_eps)
-    kv = apply_rope(kv, positions, inv_freq)
-    if ctx.simulate_quant:
-        kv = _kv_fake_quant(kv, nope, ctx)
+    if not on_kernel:  # the kernel makes the chunk's keys from kv_a itself (norm, RoPE, fake quant)
+        kv = rms_norm(kv_a, params["kv_norm"]["weight"], cfg.norm_eps)
+        kv = apply_rope(kv, positions, inv_freq)
+        if ctx.simulate_quant:
+            kv = _kv_fake_quant(kv, nope, ctx)
 
-    if defer:
-        new_cache = {"window_kv": ring, "pending": {"window_kv": kv}}
-    else:
-        new_cache = {"window_kv": write_ring(ring, kv, start, n_valid)}
+    new_cache = {"pending": {}} if defer else {}
     stats = {}
 
     compressed = picks = None      # the compressed entries this call reads, and (CSA) the indexer's picks
@@ -312,18 +310,22 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     window = cfg.window_size
     sink = params["attn_sink"]
     if on_kernel:
-        # one launch for the query's norm and RoPE, the window, the compressed entries, the softmax and the inverse
-        # RoPE, reading only the entries attended (the whole compressed buffer is passed: a slice would be a copy;
-        # the kernel stops at the visible entries)
-        out = decode_attention.decode_attention(q, ring, kv, start, sink, scale=scale, compressed=compressed,
-                                                picks=picks, ratio=ratio if compressed is not None else 0,
-                                                rope=(inv_freq, cfg.norm_eps),
-                                                interpret=ctx.kernels.backend == "interpret")
+        # one launch for the query's norm and RoPE, the chunk's keys (norm, RoPE, fake quant), the window, the
+        # compressed entries, the softmax and the inverse RoPE, reading only the entries attended (the whole
+        # compressed buffer is passed: a slice would be a copy; the kernel stops at the visible entries)
+        out, kv = decode_attention.decode_attention(
+            q, ring, kv_a, start, sink, scale=scale, compressed=compressed, picks=picks,
+            ratio=ratio if compressed is not None else 0, rope=(inv_freq, cfg.norm_eps),
+            kv_prologue=(params["kv_norm"]["weight"], ctx.simulate_quant), interpret=ctx.kernels.backend == "interpret")
     else:
         if compressed is not None and ratio != 4:
             compressed = kv_cache.leading(compressed, live)
         out = _attend(q, ring, kv, start, positions, sink, scale, window, ratio, compressed, picks)
         out = apply_rope(out, positions[:, :, None], inv_freq, inverse=True)
+    if defer:
+        new_cache["window_kv"], new_cache["pending"]["window_kv"] = ring, kv
+    else:
+        new_cache["window_kv"] = write_ring(ring, kv, start, n_valid)
     groups = cfg.o_groups
     out = out.reshape(batch, seq, groups, (n_heads // groups) * head_dim)
     # wo_a: the reference multiplies it in bf16 (convert.py dequantizes it), so its input is never quantized.

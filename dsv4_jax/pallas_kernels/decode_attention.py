@@ -34,6 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from ..quant.fake_quant import FP8_MAX, pow2_ceil
+
 _F32 = jnp.float32
 BLOCK_HEADS = 16     # query heads per program: a tensor-core dot needs at least 16 rows
 BLOCK_KEYS = 32      # keys per step of the online softmax
@@ -81,33 +83,58 @@ def _load_keys(refs, rows, blocks, dtype):
     return out + [rope_ref[rows, :]]
 
 
-def _rotate(x, position, inv_freq_cols, inverse: bool):
-    """layers/rope.apply_rope on a float32 block x [rows, R] of rope dims at one position: pairs (2i, 2i + 1) turned
-    by position * f_i, as x @ M with M the block-diagonal rotation matrix (Triton has no pair shuffle); inv_freq_cols
-    [R] holds f_i for both columns of pair i."""
+def _rotate(x, positions, inv_freq_cols, inverse: bool):
+    """layers/rope.apply_rope on a float32 block x [rows, R] of rope dims at `positions` (a scalar or [rows]):
+    pairs (2i, 2i + 1) turned by position * f_i; inv_freq_cols [R] holds f_i for both columns of pair i. Triton has
+    no pair shuffle: each row's pair partners come from a dot with the swap permutation (exact in float32)."""
     width = x.shape[1]
     row = jax.lax.iota(jnp.int32, width)[:, None]
     col = jax.lax.iota(jnp.int32, width)[None, :]
-    angle = position.astype(_F32) * inv_freq_cols                  # [R], as apply_rope forms it
-    cos, sin = jnp.cos(angle)[None, :], jnp.sin(angle)[None, :]
+    even = col % 2 == 0
+    swap = jnp.where(row == jnp.where(even, col + 1, col - 1), 1.0, 0.0).astype(_F32)
+    partner = jnp.dot(x, swap, preferred_element_type=_F32, precision=jax.lax.Precision.HIGHEST)
+    angle = jnp.reshape(positions, (-1, 1)).astype(_F32) * inv_freq_cols[None, :]     # as apply_rope forms it
+    sin = jnp.sin(angle)
     if inverse:
         sin = -sin
-    even = col % 2 == 0
-    # column 2i: x[2i] cos - x[2i+1] sin; column 2i+1: x[2i] sin + x[2i+1] cos
-    rotation = jnp.where(row == col, cos, jnp.where(even & (row == col + 1), -sin,
-                                                    jnp.where(~even & (row == col - 1), sin, 0.0)))
-    return jnp.dot(x, rotation, preferred_element_type=_F32, precision=jax.lax.Precision.HIGHEST)
+    # column 2i: x[2i] cos - x[2i+1] sin; column 2i+1: x[2i+1] cos + x[2i] sin
+    return x * jnp.cos(angle) + partner * jnp.where(even, -sin, sin)
+
+
+def _round_to_e4m3(y):
+    """quant/fake_quant.round_to_e4m3 (ties to even, saturating at 448) with the integer rounding written with
+    floor: Pallas's Triton lowering has no `round`. Only the sign of a zero result differs (+0 for -0)."""
+    y = jnp.clip(y, -FP8_MAX, FP8_MAX)
+    exponent = ((jax.lax.bitcast_convert_type(y, jnp.uint32) >> 23) & 0xFF).astype(jnp.int32) - 127
+    step = jnp.maximum(exponent, -6) - 3                                      # e4m3: 3 mantissa bits, 2^-6
+    quantum = jax.lax.bitcast_convert_type(((step + 127) << 23).astype(jnp.uint32), _F32)
+    inverse = jax.lax.bitcast_convert_type(((127 - step) << 23).astype(jnp.uint32), _F32)
+    v = y * inverse                          # |v| < 16 with at most 24 significant bits: v + 0.5 is exact
+    r = jnp.floor(v + 0.5)
+    odd = r - 2.0 * jnp.floor(r * 0.5) == 1.0
+    r = jnp.where((r - v == 0.5) & odd, r - 1.0, r)                          # a tie goes to the even neighbour
+    return r * quantum
+
+
+def _fp8_fake_quant(x):
+    """quant/fake_quant.fp8_fake_quant of one float32 block [rows, 64] (one scale block per row)."""
+    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True), 1e-4)
+    scale = pow2_ceil(amax / FP8_MAX)
+    return _round_to_e4m3(x / scale) * scale
 
 
 def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: int, scale: float, precision,
-            blocks, ring_parts: int, comp_parts: int, dtype, q_norm_eps: float | None):
-    fused_rope = q_norm_eps is not None
+            blocks, ring_parts: int, comp_parts: int, dtype, norm_eps: float | None, kv_fake_quant: bool | None):
+    fused_rope = norm_eps is not None
+    kv_prologue = kv_fake_quant is not None
     start_ref, sink_ref = refs[:2]
     freq_ref, refs = (refs[2], refs[3:]) if fused_rope else (None, refs[2:])
+    kv_weight_ref, refs = (refs[0], refs[1:]) if kv_prologue else (None, refs)
     q_ref, refs = refs[0], refs[1:]
     ring_refs, chunk_ref, refs = refs[:ring_parts], refs[ring_parts], refs[ring_parts + 1:]
     comp_refs, refs = (refs[:comp_parts], refs[comp_parts:]) if ratio > 0 else ((), refs)
-    picks_ref, out_ref = refs if ratio == 4 else (None, refs[0])
+    picks_ref, refs = (refs[0], refs[1:]) if ratio == 4 else (None, refs)
+    out_ref, kv_out_ref = refs if kv_prologue else (refs[0], None)
     row = pl.program_id(0)
     s = row % seq
     start = jnp.sum(start_ref[pl.ds(row // seq, 1)])
@@ -116,7 +143,7 @@ def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: i
     if fused_rope:              # layers/norm.rms_norm (no weight) per head, then apply_rope on the last block
         q32 = [b.astype(_F32) for b in q]
         mean_sq = sum(jnp.sum(b * b, axis=1) for b in q32) / sum(width for _, width in blocks)
-        r = jax.lax.rsqrt(mean_sq + q_norm_eps)[:, None]
+        r = jax.lax.rsqrt(mean_sq + norm_eps)[:, None]
         q = [(b * r).astype(dtype) for b in q32]
         q[-1] = _rotate(q[-1].astype(_F32), t, freq_ref[...], inverse=False).astype(dtype)
 
@@ -151,7 +178,22 @@ def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: i
     # The chunk's own keys up to this token (rows past the chunk are clamped and masked).
     chunk_keys = max(16, 1 << (seq - 1).bit_length())
     i = jax.lax.iota(jnp.int32, chunk_keys)
-    carry = attend(carry, _load_keys((chunk_ref,), jnp.minimum(i, seq - 1), blocks, dtype), i <= s)
+    chunk_rows = jnp.minimum(i, seq - 1)
+    keys = _load_keys((chunk_ref,), chunk_rows, blocks, dtype)
+    if kv_prologue:     # wkv's output -> rms_norm(kv_norm) -> RoPE at each row's position -> FP8 fake quant
+        kv32 = [k.astype(_F32) for k in keys]
+        r = jax.lax.rsqrt(sum(jnp.sum(k * k, axis=1) for k in kv32) / sum(w for _, w in blocks) + norm_eps)
+        keys = [(k * r[:, None] * kv_weight_ref[pl.ds(first, width)].astype(_F32)[None, :]).astype(dtype)
+                for k, (first, width) in zip(kv32, blocks)]
+        keys[-1] = _rotate(keys[-1].astype(_F32), start + chunk_rows, freq_ref[...], inverse=False).astype(dtype)
+        if kv_fake_quant:
+            keys[:-1] = [_fp8_fake_quant(k.astype(_F32)).astype(dtype) for k in keys[:-1]]
+
+        @pl.when((s == 0) & (pl.program_id(1) == 0))       # one program per sequence writes them out
+        def _():
+            for k, (first, width) in zip(keys, blocks):
+                kv_out_ref[chunk_rows, pl.ds(first, width)] = k
+    carry = attend(carry, keys, i <= s)
 
     if ratio == 4:
         def pick_block(j, carry):
@@ -182,7 +224,7 @@ def _parts(cache) -> list:
 
 def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, sink: jax.Array, *,
                      scale: float, compressed=None, picks: jax.Array | None = None, ratio: int = 0, rope=None,
-                     interpret: bool = False) -> jax.Array:
+                     kv_prologue=None, interpret: bool = False):
     """Attention output [B, S, H, D] in the activation dtype (chunk_kv's) for queries q [B, S, H, D] at positions
     start[b] + i: without `rope`, q normalised and rotated and the output before the inverse RoPE; with
     rope=(inv_freq [rope_dim / 2], eps), q as wq_b leaves it (any dtype) and the output after the inverse RoPE.
@@ -190,13 +232,19 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
     ring [B, window, D]: the window ring before this chunk; chunk_kv [B, S, D]: the chunk's keys; sink [H];
     compressed [B, N, D]: the compressed entries (ratio > 0); picks [B, S, k] int32: the indexer's picks of a CSA
     layer (ratio 4), -1 where a slot holds no visible entry. The ring and the compressed entries as kv_cache.py
-    stores them: in the activation dtype, or both compact ({nope e4m3, scale, rope})."""
+    stores them: in the activation dtype, or both compact ({nope e4m3, scale, rope}).
+
+    kv_prologue=(kv_norm weight [D], fake_quant): chunk_kv is wkv's output and the kernel makes the chunk's keys as
+    the model does (RMS norm with the weight, RoPE, with fake_quant the FP8 rounding of the nope dims; needs
+    `rope`); returns (output, the keys [B, S, D]) for the window ring's write."""
     batch, seq, n_heads, head_dim = q.shape
     dtype = chunk_kv.dtype
     compact = isinstance(ring, dict)
     rope_dim = ring["rope"].shape[-1] if compact else None
+    if kv_prologue is not None and rope is None:
+        raise ValueError("decode_attention: kv_prologue needs rope")
     if rope is not None:
-        inv_freq, q_norm_eps = rope
+        inv_freq, norm_eps = rope
         if compact and 2 * len(inv_freq) != rope_dim:
             raise ValueError(f"decode_attention: {len(inv_freq)} RoPE frequencies for {rope_dim} rope dims")
         rope_dim = 2 * len(inv_freq)
@@ -227,6 +275,14 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
     if rope is not None:                          # each pair's frequency for both of its columns
         in_specs.append(pl.BlockSpec((rope_dim,), lambda r, h: (0,)))
         args.append(jnp.repeat(jnp.asarray(inv_freq, _F32), 2))
+    out_specs = [pl.BlockSpec((None, BLOCK_HEADS, head_dim), per_token)]
+    out_shape = [jax.ShapeDtypeStruct((rows, n_heads, head_dim), dtype)]
+    if kv_prologue is not None:
+        kv_weight, kv_fake_quant = kv_prologue
+        in_specs.append(pl.BlockSpec((head_dim,), lambda r, h: (0,)))
+        args.append(kv_weight)
+        out_specs.append(whole(chunk_kv))
+        out_shape.append(jax.ShapeDtypeStruct(chunk_kv.shape, dtype))
     in_specs += ([pl.BlockSpec((None, BLOCK_HEADS, head_dim), per_token)]
                  + [whole(a) for a in ring_parts] + [whole(chunk_kv)])
     args += [q.reshape(rows, n_heads, head_dim), *ring_parts, chunk_kv]
@@ -244,10 +300,11 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
     kernel = functools.partial(_kernel, seq=seq, window=window, ratio=ratio, n_entries=n_entries, n_picks=n_picks,
                                scale=scale, precision=precision, blocks=_column_blocks(head_dim, rope_dim),
                                ring_parts=len(ring_parts), comp_parts=len(comp_parts), dtype=dtype,
-                               q_norm_eps=None if rope is None else q_norm_eps)
-    out = pl.pallas_call(
-        kernel, grid=(rows, n_heads // BLOCK_HEADS), in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, BLOCK_HEADS, head_dim), per_token),
-        out_shape=jax.ShapeDtypeStruct((rows, n_heads, head_dim), dtype), interpret=interpret,
-        name="decode_attention", compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2))(*args)
-    return out.reshape(batch, seq, n_heads, head_dim)
+                               norm_eps=None if rope is None else norm_eps,
+                               kv_fake_quant=None if kv_prologue is None else bool(kv_fake_quant))
+    outs = pl.pallas_call(
+        kernel, grid=(rows, n_heads // BLOCK_HEADS), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        interpret=interpret, name="decode_attention",
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2))(*args)
+    out = outs[0].reshape(batch, seq, n_heads, head_dim)
+    return out if kv_prologue is None else (out, outs[1])
