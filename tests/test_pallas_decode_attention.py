@@ -313,12 +313,14 @@ def _flash_shapes(batch: int, seq: int, ratio: int, dtype=jnp.bfloat16):
     return args, extra
 
 
+@pytest.mark.parametrize("batch, seq", [(1, 1), (2, 3)])
 @pytest.mark.parametrize("fused_rope", [False, True])
 @pytest.mark.parametrize("ratio", [0, 4, 128])
-def test_cuda_lowering_at_flash_geometry(ratio, fused_rope):
-    """The kernel lowers to one Triton call for an H200 (no GPU needed: Pallas's Triton lowering runs on the CPU);
-    with the fused norm and RoPE, from wq_b's float32 output as the model calls it."""
-    args, extra = _flash_shapes(2, 3, ratio)
+def test_cuda_lowering_at_flash_geometry(ratio, fused_rope, batch, seq):
+    """The kernel lowers to Triton calls for an H200 (no GPU needed: Pallas's Triton lowering runs on the CPU): one
+    for 6 rows, two (the splits and their merge) for one; with the fused norm and RoPE, from wq_b's float32 output
+    as the model calls it."""
+    args, extra = _flash_shapes(batch, seq, ratio)
     rope = None
     if fused_rope:
         args[0] = jax.ShapeDtypeStruct(args[0].shape, jnp.float32)
@@ -328,7 +330,7 @@ def test_cuda_lowering_at_flash_geometry(ratio, fused_rope):
                                                             rope=rope, **e)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
         text = jax.jit(fn).trace(*args, **extra).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert text.count("__gpu$xla.gpu.triton") == (2 if batch * seq == 1 else 1)
 
 
 # ---- on the GPU -----------------------------------------------------------------------------------------------
@@ -337,13 +339,15 @@ HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("batch, seq", [(1, 1), (2, 3)])
 @pytest.mark.parametrize("ratio", [0, 4, 128])
-def test_gpu_matches_float64_at_flash_geometry(ratio):
-    """The compiled Triton kernel at Flash geometry (64 heads of 512, 512 picks), decode and a 3-token verify chunk:
-    float32 against float64, and bf16 within the bounds of the bf16 check above."""
+def test_gpu_matches_float64_at_flash_geometry(ratio, batch, seq):
+    """The compiled Triton kernels at Flash geometry (64 heads of 512, 512 picks): one decode token (the keys split
+    over 8 programs and merged) and two 3-token verify chunks (one program per head block): float32 against float64,
+    and bf16 within the bounds of the bf16 check above."""
     rng = np.random.default_rng(ratio)
-    starts = [9000, 1500] if ratio == 128 else [2000, 77]
-    args = _inputs(rng, 2, 3, 64, 512, 1024 if ratio == 4 else 96, ratio, starts, n_picks=512)
+    starts = ([9000, 1500] if ratio == 128 else [2000, 77])[:batch]
+    args = _inputs(rng, batch, seq, 64, 512, 1024 if ratio == 4 else 96, ratio, starts, n_picks=512)
     want = _numpy_attention(*args[:5], 512 ** -0.5, *args[5:], ratio=ratio)
     gpu_run = lambda a, dtype: np.asarray(kernel.decode_attention(   # noqa: E731
         *(jnp.asarray(x, dtype) for x in a[:3]), jnp.asarray(a[3]), jnp.asarray(a[4]), scale=512 ** -0.5,

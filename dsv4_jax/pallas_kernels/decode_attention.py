@@ -37,9 +37,13 @@ from jax.experimental.pallas import triton as pltriton
 from ..quant.fake_quant import FP8_MAX, pow2_ceil
 
 _F32 = jnp.float32
+_EMPTY = -1e30       # the running maximum of a split that has seen no key yet (finite: exp(_EMPTY - m) is 0)
 BLOCK_HEADS = 16     # query heads per program: a tensor-core dot needs at least 16 rows
 BLOCK_KEYS = 32      # keys per step of the online softmax
 COLUMNS = 64         # key columns per dot: the compact layout's scale block (kv_cache.KV_BLOCK)
+MAX_SPLITS = 8       # a token's keys are spread over up to 8 programs per head block (fewer as rows grow), whose
+                     # running states a second launch merges: at batch 1 one program per head block walked all
+                     # ~20 key blocks of a CSA layer in sequence, 16% slower than XLA's path on an H200
 MAX_ROWS = 16        # tokens per sequence the model sends here (decode, speculative verify); prefill chunks keep
                      # the jnp path, whose matmuls share each key across the chunk's tokens
 
@@ -124,7 +128,8 @@ def _fp8_fake_quant(x):
 
 
 def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: int, scale: float, precision,
-            blocks, ring_parts: int, comp_parts: int, dtype, norm_eps: float | None, kv_fake_quant: bool | None):
+            blocks, ring_parts: int, comp_parts: int, dtype, norm_eps: float | None, kv_fake_quant: bool | None,
+            n_splits: int):
     fused_rope = norm_eps is not None
     kv_prologue = kv_fake_quant is not None
     start_ref, sink_ref = refs[:2]
@@ -134,8 +139,9 @@ def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: i
     ring_refs, chunk_ref, refs = refs[:ring_parts], refs[ring_parts], refs[ring_parts + 1:]
     comp_refs, refs = (refs[:comp_parts], refs[comp_parts:]) if ratio > 0 else ((), refs)
     picks_ref, refs = (refs[0], refs[1:]) if ratio == 4 else (None, refs)
-    out_ref, kv_out_ref = refs if kv_prologue else (refs[0], None)
+    out_refs, kv_out_ref = (refs[:-1], refs[-1]) if kv_prologue else (refs, None)
     row = pl.program_id(0)
+    split = pl.program_id(2)
     s = row % seq
     start = jnp.sum(start_ref[pl.ds(row // seq, 1)])
     t = start + s                                                # this token's position
@@ -162,18 +168,31 @@ def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: i
                     for a, kb in zip(acc, keys))
         return m_new, l, acc
 
+    # The keys come in blocks of 32: the ring's, then the chunk's, then the compressed entries'; block b belongs to
+    # split b mod n_splits. Split 0 starts from the sink (exp(sink - max) in the denominator, nothing in the
+    # output), the others from nothing (a finite floor, so that a split without keys stays NaN-free).
     sink = sink_ref[...]
-    # the sink: exp(sink - max) in the denominator, nothing in the output
-    carry = (sink, jnp.ones_like(sink), tuple(jnp.zeros((qb.shape[0], qb.shape[1]), _F32) for qb in q))
+    first_split = split == 0
+    f = first_split.astype(_F32)                   # arithmetic, not a select: Triton wants vector predicates
+    carry = (sink * f + _EMPTY * (1.0 - f), jnp.zeros_like(sink) + f,
+             tuple(jnp.zeros((qb.shape[0], qb.shape[1]), _F32) for qb in q))
     slot_in_block = jax.lax.iota(jnp.int32, BLOCK_KEYS)
+    n_ring = window // BLOCK_KEYS
+
+    def own_blocks(first_block: int, n_blocks):
+        """(first, count) of this split's blocks among n_blocks blocks whose first has index first_block."""
+        first = jax.lax.rem(split - first_block % n_splits + n_splits, n_splits)
+        return first, jnp.maximum((n_blocks - first + n_splits - 1) // n_splits, 0)
 
     # The window ring: slot i holds the latest position p < start with p = i (mod window), if any.
-    def ring_block(j, carry):
+    def ring_block(i, carry):
+        j = ring_first + i * n_splits
         slot = j * BLOCK_KEYS + slot_in_block
         key_pos = start - 1 - jax.lax.rem(start - 1 - slot + window, window)
         keys = _load_keys(ring_refs, pl.ds(j * BLOCK_KEYS, BLOCK_KEYS), blocks, dtype)
         return attend(carry, keys, (key_pos >= 0) & (t - key_pos < window))
-    carry = jax.lax.fori_loop(0, window // BLOCK_KEYS, ring_block, carry)
+    ring_first, ring_count = own_blocks(0, n_ring)
+    carry = jax.lax.fori_loop(0, ring_count, ring_block, carry)
 
     # The chunk's own keys up to this token (rows past the chunk are clamped and masked).
     chunk_keys = max(16, 1 << (seq - 1).bit_length())
@@ -189,32 +208,64 @@ def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: i
         if kv_fake_quant:
             keys[:-1] = [_fp8_fake_quant(k.astype(_F32)).astype(dtype) for k in keys[:-1]]
 
-        @pl.when((s == 0) & (pl.program_id(1) == 0))       # one program per sequence writes them out
+        @pl.when((s == 0) & (pl.program_id(1) == 0) & first_split)     # one program per sequence writes them
         def _():
             for k, (first, width) in zip(keys, blocks):
                 kv_out_ref[chunk_rows, pl.ds(first, width)] = k
-    carry = attend(carry, keys, i <= s)
+    carry = attend(carry, keys, (i <= s) & (i * 0 + split == n_ring % n_splits))
 
     if ratio == 4:
-        def pick_block(j, carry):
+        def pick_block(i, carry):
+            j = pick_first + i * n_splits
             picks = picks_ref[pl.ds(j * BLOCK_KEYS, BLOCK_KEYS)]
             return attend(carry, _load_keys(comp_refs, jnp.maximum(picks, 0), blocks, dtype), picks >= 0)
-        carry = jax.lax.fori_loop(0, n_picks // BLOCK_KEYS, pick_block, carry)
+        pick_first, pick_count = own_blocks(n_ring + 1, n_picks // BLOCK_KEYS)
+        carry = jax.lax.fori_loop(0, pick_count, pick_block, carry)
     elif ratio > 0:
         n_visible = jnp.minimum((t + 1) // ratio, n_entries)
 
-        def entry_block(j, carry):
-            entry = j * BLOCK_KEYS + slot_in_block
+        def entry_block(i, carry):
+            entry = (entry_first + i * n_splits) * BLOCK_KEYS + slot_in_block
             keys = _load_keys(comp_refs, jnp.minimum(entry, n_entries - 1), blocks, dtype)
             return attend(carry, keys, entry < n_visible)
-        carry = jax.lax.fori_loop(0, (n_visible + BLOCK_KEYS - 1) // BLOCK_KEYS, entry_block, carry)
+        entry_first, entry_count = own_blocks(n_ring + 1, (n_visible + BLOCK_KEYS - 1) // BLOCK_KEYS)
+        carry = jax.lax.fori_loop(0, entry_count, entry_block, carry)
 
-    _, l, acc = carry
-    out = [(a / l[:, None]).astype(dtype) for a in acc]
-    if fused_rope:
-        out[-1] = _rotate(out[-1].astype(_F32), t, freq_ref[...], inverse=True).astype(dtype)
+    m, l, acc = carry
+    if n_splits > 1:                 # this split's running state; _merge_kernel combines the splits
+        m_ref, l_ref, acc_ref = out_refs
+        m_ref[...] = m
+        l_ref[...] = l
+        for (first, width), a in zip(blocks, acc):
+            acc_ref[:, pl.ds(first, width)] = a
+        return
+    _finish(out_refs[0], [a / l[:, None] for a in acc], blocks, dtype, t, freq_ref if fused_rope else None)
+
+
+def _finish(out_ref, out, blocks, dtype, position, freq_ref):
+    """Write the output blocks (float32 [Hb, width]) in `dtype`, the rope block turned back (inverse RoPE) when
+    RoPE is done here (freq_ref)."""
+    out = [o.astype(dtype) for o in out]
+    if freq_ref is not None:
+        out[-1] = _rotate(out[-1].astype(_F32), position, freq_ref[...], inverse=True).astype(dtype)
     for (first, width), o in zip(blocks, out):
         out_ref[:, pl.ds(first, width)] = o
+
+
+def _merge_kernel(*refs, seq: int, blocks, dtype, fused_rope: bool):
+    """Combine the splits' running states of one (token, head block): out = sum_j w_j acc_j / sum_j w_j l_j with
+    w_j = exp(m_j - max_j m_j)."""
+    start_ref, refs = refs[0], refs[1:]
+    freq_ref, refs = (refs[0], refs[1:]) if fused_rope else (None, refs)
+    m_ref, l_ref, acc_ref, out_ref = refs
+    row = pl.program_id(0)
+    t = jnp.sum(start_ref[pl.ds(row // seq, 1)]) + row % seq
+    m = m_ref[...]                                                    # [splits, Hb]
+    w = jnp.exp(m - jnp.max(m, axis=0)[None, :])
+    denom = jnp.sum(w * l_ref[...], axis=0)                           # [Hb]
+    out = [jnp.sum(w[:, :, None] * acc_ref[:, :, pl.ds(first, width)], axis=0) / denom[:, None]
+           for first, width in blocks]
+    _finish(out_ref, out, blocks, dtype, t, freq_ref)
 
 
 def _parts(cache) -> list:
@@ -266,20 +317,30 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
                          f"got {[str(a.dtype) for a in plain]}")
     rows = batch * seq
     n_entries = jax.tree.leaves(compressed)[0].shape[1] if ratio > 0 else 0
-    per_token = lambda r, h: (r, h, 0)            # noqa: E731
-    per_sequence = lambda r, h: (r // seq, 0, 0)  # noqa: E731
+    n_splits = max(1, MAX_SPLITS // rows)   # spread a token's keys over more programs where the batch is small
+    per_token = lambda r, h, j: (r, h, 0)            # noqa: E731
+    per_sequence = lambda r, h, j: (r // seq, 0, 0)  # noqa: E731
     whole = lambda a: pl.BlockSpec((None, *a.shape[1:]), per_sequence)   # noqa: E731  one sequence's rows
     ring_parts = _parts(ring)
-    in_specs = [pl.BlockSpec((batch,), lambda r, h: (0,)), pl.BlockSpec((BLOCK_HEADS,), lambda r, h: (h,))]
+    start_spec = pl.BlockSpec((batch,), lambda r, h, j: (0,))
+    in_specs = [start_spec, pl.BlockSpec((BLOCK_HEADS,), lambda r, h, j: (h,))]
     args = [start.astype(jnp.int32), sink.astype(_F32)]
+    freq = None
     if rope is not None:                          # each pair's frequency for both of its columns
-        in_specs.append(pl.BlockSpec((rope_dim,), lambda r, h: (0,)))
-        args.append(jnp.repeat(jnp.asarray(inv_freq, _F32), 2))
-    out_specs = [pl.BlockSpec((None, BLOCK_HEADS, head_dim), per_token)]
-    out_shape = [jax.ShapeDtypeStruct((rows, n_heads, head_dim), dtype)]
+        freq = jnp.repeat(jnp.asarray(inv_freq, _F32), 2)
+        in_specs.append(pl.BlockSpec((rope_dim,), lambda r, h, j: (0,)))
+        args.append(freq)
+    if n_splits > 1:                              # each split's running max, denominator and output
+        out_specs = [pl.BlockSpec((None, None, BLOCK_HEADS), lambda r, h, j: (r, j, h))] * 2 + [
+            pl.BlockSpec((None, None, BLOCK_HEADS, head_dim), lambda r, h, j: (r, j, h, 0))]
+        out_shape = [jax.ShapeDtypeStruct((rows, n_splits, n_heads), _F32)] * 2 + [
+            jax.ShapeDtypeStruct((rows, n_splits, n_heads, head_dim), _F32)]
+    else:
+        out_specs = [pl.BlockSpec((None, BLOCK_HEADS, head_dim), per_token)]
+        out_shape = [jax.ShapeDtypeStruct((rows, n_heads, head_dim), dtype)]
     if kv_prologue is not None:
         kv_weight, kv_fake_quant = kv_prologue
-        in_specs.append(pl.BlockSpec((head_dim,), lambda r, h: (0,)))
+        in_specs.append(pl.BlockSpec((head_dim,), lambda r, h, j: (0,)))
         args.append(kv_weight)
         out_specs.append(whole(chunk_kv))
         out_shape.append(jax.ShapeDtypeStruct(chunk_kv.shape, dtype))
@@ -294,17 +355,34 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
         picks = picks.reshape(rows, picks.shape[-1]).astype(jnp.int32)
         picks = jnp.pad(picks, ((0, 0), (0, -picks.shape[1] % BLOCK_KEYS)), constant_values=-1)
         n_picks = picks.shape[1]
-        in_specs.append(pl.BlockSpec((None, n_picks), lambda r, h: (r, 0)))
+        in_specs.append(pl.BlockSpec((None, n_picks), lambda r, h, j: (r, 0)))
         args.append(picks)
     precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    blocks = _column_blocks(head_dim, rope_dim)
     kernel = functools.partial(_kernel, seq=seq, window=window, ratio=ratio, n_entries=n_entries, n_picks=n_picks,
-                               scale=scale, precision=precision, blocks=_column_blocks(head_dim, rope_dim),
-                               ring_parts=len(ring_parts), comp_parts=len(comp_parts), dtype=dtype,
-                               norm_eps=None if rope is None else norm_eps,
-                               kv_fake_quant=None if kv_prologue is None else bool(kv_fake_quant))
+                               scale=scale, precision=precision, blocks=blocks, ring_parts=len(ring_parts),
+                               comp_parts=len(comp_parts), dtype=dtype, norm_eps=None if rope is None else norm_eps,
+                               kv_fake_quant=None if kv_prologue is None else bool(kv_fake_quant),
+                               n_splits=n_splits)
+    params = pltriton.CompilerParams(num_warps=4, num_stages=2)
     outs = pl.pallas_call(
-        kernel, grid=(rows, n_heads // BLOCK_HEADS), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        interpret=interpret, name="decode_attention",
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2))(*args)
-    out = outs[0].reshape(batch, seq, n_heads, head_dim)
-    return out if kv_prologue is None else (out, outs[1])
+        kernel, grid=(rows, n_heads // BLOCK_HEADS, n_splits), in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=interpret, name="decode_attention", compiler_params=params)(*args)
+    kv = outs[-1] if kv_prologue is not None else None
+    if n_splits > 1:
+        merge = functools.partial(_merge_kernel, seq=seq, blocks=blocks, dtype=dtype, fused_rope=rope is not None)
+        part_spec = pl.BlockSpec((None, n_splits, BLOCK_HEADS), lambda r, h: (r, 0, h))
+        merge_specs = ([pl.BlockSpec((batch,), lambda r, h: (0,))]
+                       + ([pl.BlockSpec((rope_dim,), lambda r, h: (0,))] if rope is not None else [])
+                       + [part_spec, part_spec,
+                          pl.BlockSpec((None, n_splits, BLOCK_HEADS, head_dim), lambda r, h: (r, 0, h, 0))])
+        out = pl.pallas_call(
+            merge, grid=(rows, n_heads // BLOCK_HEADS), in_specs=merge_specs,
+            out_specs=pl.BlockSpec((None, BLOCK_HEADS, head_dim), lambda r, h: (r, h, 0)),
+            out_shape=jax.ShapeDtypeStruct((rows, n_heads, head_dim), dtype), interpret=interpret,
+            name="decode_attention_merge", compiler_params=params)(
+                start.astype(jnp.int32), *([freq] if rope is not None else []), *outs[:3])
+    else:
+        out = outs[0]
+    out = out.reshape(batch, seq, n_heads, head_dim)
+    return out if kv_prologue is None else (out, kv)
