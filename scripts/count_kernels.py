@@ -146,8 +146,13 @@ def main(argv=None) -> int:
     p.add_argument("--programs", default=",".join(PROGRAMS), help=f"comma-separated subset of {PROGRAMS}, or none")
     p.add_argument("--dispatch", action="store_true", help="also the dispatch table at batch 1, 8, 16, 32, 64")
     p.add_argument("--scan-layers", action="store_true", help="the repeated layer pattern under lax.scan")
+    p.add_argument("--decode-attention", action="store_true",
+                   help="with the decode attention kernel (opt-in on GPUs: DSV4_JAX_DECODE_ATTENTION=1)")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
+    if args.decode_attention:
+        from dsv4_jax.pallas_kernels import decode_attention
+        os.environ[decode_attention.ON_GPU_FLAG] = "1"
     names = [] if args.programs == "none" else [n for n in args.programs.split(",") if n]
     if (not names and args.programs != "none") or set(names) - set(PROGRAMS):
         p.error(f"--programs: expected names from {PROGRAMS}, got {args.programs!r}")
@@ -161,6 +166,7 @@ def main(argv=None) -> int:
     print(f"{args.preset} geometry, {cfg.n_layers} layers, batch {args.batch}, compiled for {device.device_kind} "
           f"(kernel backend {ctx.kernels.backend}, ffi {ctx.kernels.ffi})", flush=True)
     result = {"preset": args.preset, "layers": cfg.n_layers, "batch": args.batch, "max_seq_len": args.max_seq_len,
+              "decode_attention_kernel": args.decode_attention,
               "kernels": args.kernels, "scan_layers": args.scan_layers, "kernel_backend": ctx.kernels.backend,
               "ffi": ctx.kernels.ffi,
               "programs": count_programs(cfg, ctx, args.batch, args.max_seq_len, args.prefill_chunk, args.gen_chunk,

@@ -193,9 +193,11 @@ def commit_attention(params: dict, cfg: ModelConfig, ratio: int, cache: dict, st
 
 
 def _takes_decode_kernel(ctx, cfg: ModelConfig, seq: int) -> bool:
-    """Whether this call's attention runs on pallas_kernels/decode_attention.py: a kernel plan, inference, a decode
+    """Whether this call's attention runs on pallas_kernels/decode_attention.py: the "interpret" plan, or a GPU plan
+    with the kernel switched on (decode_attention.enabled_on_gpu: opt-in until timed faster); inference, a decode
     or verify chunk, a supported geometry (caches in the activation dtype or compact)."""
-    return (ctx.kernels.backend is not None and ctx.training is None
+    plan = ctx.kernels.backend == "interpret" or (ctx.kernels.on_gpu and decode_attention.enabled_on_gpu())
+    return (plan and ctx.training is None
             and decode_attention.takes(seq, cfg.n_heads, cfg.head_dim, cfg.window_size, cfg.rope_head_dim))
 
 

@@ -28,6 +28,7 @@ power-of-two tensor shapes: head_dim a power of two, heads a multiple of 16, the
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,17 @@ def supported(n_heads: int, head_dim: int, window: int, rope_dim: int | None = N
     compact_ok = rope_dim is None or (_pow2(rope_dim) and (head_dim - rope_dim) % COLUMNS == 0)
     return (n_heads % BLOCK_HEADS == 0 and _pow2(head_dim) and head_dim >= COLUMNS and window % BLOCK_KEYS == 0
             and compact_ok)
+
+
+ON_GPU_FLAG = "DSV4_JAX_DECODE_ATTENTION"
+
+
+def enabled_on_gpu() -> bool:
+    """Whether GPU kernel plans take this kernel: only with DSV4_JAX_DECODE_ATTENTION=1 in the environment (read when
+    a step is traced). Its first version (one program per head block) made the 4-layer Flash decode step 16% slower
+    at batch 1 on an H200 (2026-12-03); the split version passes its GPU tests but has not been timed, so it stays
+    opt-in until a benchmark shows it faster. The "interpret" plan always takes it (tests)."""
+    return os.environ.get(ON_GPU_FLAG, "") == "1"
 
 
 def takes(seq: int, n_heads: int, head_dim: int, window: int, rope_dim: int | None = None) -> bool:
