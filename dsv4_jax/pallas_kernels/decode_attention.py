@@ -1,28 +1,37 @@
-"""Decode attention of one layer in one launch (Pallas, GPU): the window, the compressed entries and the sink in one
-online softmax, reading only the keys a token can attend to.
+"""Decode attention of one layer in one or two launches (Pallas, GPU): the window, the compressed entries and the
+sink in one online softmax, reading only the keys a token can attend to.
 
     out = decode_attention(q, ring, chunk_kv, start, sink, scale=..., compressed=..., picks=..., ratio=4)
+    out, keys = decode_attention(q_raw, ring, kv_a, ..., rope=(inv_freq, eps), kv_prologue=(kv_norm_weight, True))
 
 What the pure-jnp path of layers/attention.py does in ~12 XLA kernels per layer on the GPU (the window and compressed
 logits, three maxima, the sink, two sums, the value products and, for CSA, a gather of the picked entries into a
-[B, S, k, head_dim] copy). Here one program per (token, 16 query heads) walks its keys 32 at a time:
+[B, S, k, head_dim] copy). Here programs per (token, 16 query heads, split) walk their keys 32 at a time:
   - the window ring (the 128 positions before the chunk; slot = position mod 128), masked by position;
   - the chunk's own keys up to the token (decode: itself; a speculative verify: the earlier drafts too);
   - CSA (ratio 4): the indexer's picks, each row read from the compressed cache by its index (-1: no pick), so only
     the picked entries are read;
   - HCA (other ratios): the compressed entries the token can see (j < (t + 1) // ratio); the loop stops there, so
     a step reads the entries in use, not the whole buffer.
-With `rope=(inv_freq, eps)` the kernel also takes the query as wq_b leaves it (any dtype) and does what the jnp
-path does around attention in two more XLA kernels per layer: the query rounded to the activation dtype, its
-per-head RMS norm and RoPE at the token's position, and the inverse RoPE of the output (each rotation a dot with the
-64 x 64 rotation matrix of the position, in float32). The single shared key is also the value (K = V). The softmax is the online one (running maximum, rescaled sums),
+Key block b belongs to split b mod n_splits (up to MAX_SPLITS at small batches, so that a token's few programs do
+not each walk a long chain of blocks); a second launch merges the splits' running states.
+
+The single shared key is also the value (K = V). The softmax is the online one (running maximum, rescaled sums),
 started from the sink logit: the sink is in the denominator only, as in the model. Each block's probabilities are
 rounded to the activation dtype before their product with the values, as the jnp path rounds them; they are
 computed against the running maximum instead of the final one, so results agree with the jnp path to that
 rounding, not bit for bit (float32: to float32 rounding).
 
-Takes the activation-dtype cache layout (kv_cache.py); the compact FP8 layout keeps the jnp path. Triton needs
-power-of-two tensor shapes: head_dim a power of two, heads a multiple of 16, the window a multiple of 32 (`supported`; the picks are padded to a multiple of 32 with -1).
+With `rope=(inv_freq, eps)` the kernel also takes the query as wq_b leaves it (any dtype): rounded to the activation
+dtype, per-head RMS norm, RoPE at the token's position, and the output's inverse RoPE. With `kv_prologue` it also
+makes the chunk's keys from wkv's output (RMS norm with the weight, RoPE per row, the FP8 fake quant) and returns
+them for the window ring. Rotations pair each rope column with its partner through a dot with the swap permutation
+(Triton has no pair shuffle). The ring and the compressed entries are read as kv_cache.py stores them: in the
+activation dtype, or compact (e4m3 nope dims decoded with their E8M0 block scale as they load).
+
+Triton needs power-of-two tensor shapes: heads a multiple of 16, head_dim a power of two, the window a multiple of
+32, the rope dims a power-of-two block after nope dims in blocks of 64 (`supported`); the picks are padded to a
+multiple of 32 with -1. GPU kernel plans take it only when switched on (`enabled_on_gpu`).
 """
 
 from __future__ import annotations
