@@ -1,7 +1,9 @@
 """The decode attention kernel (dsv4_jax/pallas_kernels/decode_attention.py) in Pallas interpret mode against a
 float64 numpy reference written from the spec (docs/model.md 4.3, 4.5): one softmax over the window keys the
 position can see, the chunk's keys up to it and the compressed entries (CSA: the picked ones; HCA: the visible
-ones), with the sink logit in the denominator only; K = V."""
+ones), with the sink logit in the denominator only; K = V. Also: the fused query norm / RoPE and key prologue
+against float64, the in-kernel e4m3 rounding against the model's, injected mistakes, the model's decode logits on
+the kernel against the jnp path, the lowering for an H200, and (marker gpu) the compiled kernels on a GPU."""
 
 from __future__ import annotations
 
