@@ -96,20 +96,19 @@ def attention_reads(hlo: str, caches: dict) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    from count_kernels import (_pallas_target, abstract_inputs, add_decode_attention_option, h200_device,
+                               use_decode_attention)
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--max-seq-len", type=int, default=65536)
-    p.add_argument("--decode-attention", action="store_true",
-                   help="with the decode attention kernel (opt-in on GPUs: DSV4_JAX_DECODE_ATTENTION=1)")
+    add_decode_attention_option(p)
     p.add_argument("--json")
     p.add_argument("--hlo-dir", help="also write each program's optimized HLO text here")
     args = p.parse_args(argv)
-    if args.decode_attention:
-        from dsv4_jax.pallas_kernels import decode_attention
-        os.environ[decode_attention.ON_GPU_FLAG] = "1"
+    use_decode_attention(args)
 
     import jax.numpy as jnp
 
-    from count_kernels import _pallas_target, abstract_inputs, h200_device
     from dsv4_jax import engine, presets
     from dsv4_jax.run_context import RunContext
 

@@ -81,6 +81,18 @@ def abstract_inputs(cfg, batch: int, max_seq_len: int, device, scan_layers: bool
 PROGRAMS = ("decode_step", "prefill_chunk", "generate_chunk")
 
 
+def add_decode_attention_option(parser) -> None:
+    parser.add_argument("--decode-attention", action="store_true",
+                        help="with the decode attention kernel (opt-in on GPUs: DSV4_JAX_DECODE_ATTENTION=1)")
+
+
+def use_decode_attention(args) -> None:
+    """Switch the decode attention kernel on for the programs traced from now on, if --decode-attention asks."""
+    if args.decode_attention:
+        from dsv4_jax.pallas_kernels import decode_attention
+        os.environ[decode_attention.ON_GPU_FLAG] = "1"
+
+
 def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, gen_chunk: int, device,
                    names=PROGRAMS, scan_layers: bool = False) -> dict:
     import jax.numpy as jnp
@@ -146,13 +158,10 @@ def main(argv=None) -> int:
     p.add_argument("--programs", default=",".join(PROGRAMS), help=f"comma-separated subset of {PROGRAMS}, or none")
     p.add_argument("--dispatch", action="store_true", help="also the dispatch table at batch 1, 8, 16, 32, 64")
     p.add_argument("--scan-layers", action="store_true", help="the repeated layer pattern under lax.scan")
-    p.add_argument("--decode-attention", action="store_true",
-                   help="with the decode attention kernel (opt-in on GPUs: DSV4_JAX_DECODE_ATTENTION=1)")
+    add_decode_attention_option(p)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
-    if args.decode_attention:
-        from dsv4_jax.pallas_kernels import decode_attention
-        os.environ[decode_attention.ON_GPU_FLAG] = "1"
+    use_decode_attention(args)
     names = [] if args.programs == "none" else [n for n in args.programs.split(",") if n]
     if (not names and args.programs != "none") or set(names) - set(PROGRAMS):
         p.error(f"--programs: expected names from {PROGRAMS}, got {args.programs!r}")

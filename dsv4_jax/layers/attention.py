@@ -260,14 +260,14 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     # wq_a and wkv read the same x: one launch for both where a decode kernel takes them (linear_pair)
     q_a, kv_a = linear_pair(x, params["wq_a"]["weight"], params["wkv"]["weight"], ctx=ctx)
     q_latent = rms_norm(q_a, params["q_norm"]["weight"], cfg.norm_eps)
-    if on_kernel:      # the kernel rounds q to dtype, then its per-head norm and RoPE: no launches of their own
+    if on_kernel:
+        # the kernel rounds q to dtype and does its per-head norm and RoPE, and makes the chunk's keys from kv_a
+        # (norm, RoPE, fake quant): no launches of their own
         q = linear(q_latent, params["wq_b"]["weight"], jnp.float32, ctx=ctx).reshape(batch, seq, n_heads, head_dim)
     else:
         q = linear(q_latent, params["wq_b"]["weight"], ctx=ctx).reshape(batch, seq, n_heads, head_dim)
         q = rms_norm(q, None, cfg.norm_eps)
         q = apply_rope(q, positions[:, :, None], inv_freq)
-
-    if not on_kernel:  # the kernel makes the chunk's keys from kv_a itself (norm, RoPE, fake quant)
         kv = rms_norm(kv_a, params["kv_norm"]["weight"], cfg.norm_eps)
         kv = apply_rope(kv, positions, inv_freq)
         if ctx.simulate_quant:
