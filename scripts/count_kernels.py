@@ -8,14 +8,14 @@ for the ffi/ kernels (built for sm_90a). The decode step, a prefill chunk and a 
 H200 described by `h200_target_config.txtpb` (next to this script) with `kernels="auto"` planned for that device;
 each program's optimized HLO is counted by dsv4_jax.hlo_census: top-level kernels, launches per call (loop bodies
 times their trip counts), custom calls, while loops, collectives, compile time, and launches per layer kind and
-per op family. `--dispatch` also traces the decode step at batch 1, 8, 16, 32 and 64 and reports which path
-(kernel or reference dequantize-then-dot) each quantized matmul takes.
+per op family. `--dispatch` also traces the decode step at batch 1, 8, 16, 32 and 64 and a verify step of 64 x 4
+rows (dsv4_jax.dispatch_census) and reports which path (kernel or reference dequantize-then-dot) each quantized
+matmul takes.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
@@ -79,6 +79,7 @@ def abstract_inputs(cfg, batch: int, max_seq_len: int, device, scan_layers: bool
 
 
 PROGRAMS = ("decode_step", "prefill_chunk", "generate_chunk")
+DISPATCH_STEPS = ((1, 1), (8, 1), (16, 1), (32, 1), (64, 1), (64, 4))     # (batch, tokens per sequence)
 
 
 def add_decode_attention_option(parser) -> None:
@@ -125,24 +126,17 @@ def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, g
     return out
 
 
-def dispatch_table(cfg, ctx, batches, max_seq_len: int, device) -> dict:
-    """Per batch size: how many quantized matmuls of the decode step take each (path, kernel)."""
-    import jax
-    import jax.numpy as jnp
-
-    from dsv4_jax import engine
-    from dsv4_jax.quant import kernel_dispatch
+def dispatch_table(cfg, ctx, max_seq_len: int, device) -> dict:
+    """Per decode step of batch 1, 8, 16, 32, 64 and verify step of batch 64 x (1 + 3 drafts): how many quantized
+    matmuls take each (path, kernel)."""
+    from dsv4_jax.dispatch_census import step_dispatch
 
     table = {}
-    for batch in batches:
-        jax.clear_caches()          # a step already traced would be taken from the cache, recording nothing
-        params, state, _, _, vec = abstract_inputs(cfg, batch, max_seq_len, device)
-        with kernel_dispatch.record_dispatch() as records, _pallas_target(device):
-            engine.decode_step.trace(params, state, vec(jnp.int32, batch), cfg=cfg, ctx=ctx,
-                                     max_seq_len=max_seq_len)
-        counts = collections.Counter(f"{path}:{kernel}" if kernel else path for _, _, _, path, kernel in records)
-        table[batch] = dict(sorted(counts.items()))
-        print(f"dispatch at batch {batch}: {table[batch]}", flush=True)
+    for batch, tokens in DISPATCH_STEPS:
+        name = str(batch) if tokens == 1 else f"{batch}x{tokens}"
+        with _pallas_target(device):
+            table[name] = step_dispatch(cfg, ctx, batch, tokens, max_seq_len)
+        print(f"dispatch at batch {name}: {table[name]}", flush=True)
     return table
 
 
@@ -156,7 +150,9 @@ def main(argv=None) -> int:
     p.add_argument("--gen-chunk", type=int, default=16)
     p.add_argument("--kernels", default="auto")
     p.add_argument("--programs", default=",".join(PROGRAMS), help=f"comma-separated subset of {PROGRAMS}, or none")
-    p.add_argument("--dispatch", action="store_true", help="also the dispatch table at batch 1, 8, 16, 32, 64")
+    p.add_argument("--dispatch", action="store_true",
+                   help="also the dispatch table of the decode step at batch 1, 8, 16, 32, 64 and of a verify step "
+                        "at batch 64 with 3 drafts")
     p.add_argument("--scan-layers", action="store_true", help="the repeated layer pattern under lax.scan")
     add_decode_attention_option(p)
     p.add_argument("--json", metavar="FILE")
@@ -181,7 +177,7 @@ def main(argv=None) -> int:
               "programs": count_programs(cfg, ctx, args.batch, args.max_seq_len, args.prefill_chunk, args.gen_chunk,
                                          device, names, args.scan_layers)}
     if args.dispatch:
-        result["dispatch"] = dispatch_table(cfg, ctx, (1, 8, 16, 32, 64), args.max_seq_len, device)
+        result["dispatch"] = dispatch_table(cfg, ctx, args.max_seq_len, device)
     if names:
         print(json.dumps(result["programs"], indent=1))
     if args.json:

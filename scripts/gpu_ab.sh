@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --f
 PYTHONPATH=. timeout "${TEST_S:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider \
     ${TESTS:-tests/test_pallas_mhc.py} 2>&1 | tee "$OUT_DIR/pytest_ab.log" || status=1
 bench() {   # tree, name, environment assignments
-    (cd "$1" && env $3 PYTHONPATH=. timeout "${BENCH_S:-200}" python3 -m dsv4_jax.bench --preset flash --layers 4 \
+    (cd "$1" && env ${3:-} PYTHONPATH=. timeout "${BENCH_S:-200}" python3 -m dsv4_jax.bench --preset flash --layers 4 \
         --reference none --batches "${BATCHES:-1,8,32}" --contexts "${CONTEXTS:-4096}" --prompts "${PROMPTS:-1024}" \
         --out "$OUT_DIR/$2.json") 2>&1 | grep -v "Warning\|warn(" | tee "$OUT_DIR/$2.log" || status=1
 }

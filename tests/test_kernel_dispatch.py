@@ -105,9 +105,9 @@ def test_prefill_linear_takes_the_fp8_tensor_core_kernel(fmt):
         y = linear(x, w, jnp.float32, ctx=_ctx("interpret", "fp8"))
     assert [r[3:] for r in rec] == [("interpret", "prefill_fp8")]
     assert _rel(y, linear(x, w, jnp.float32, ctx=_ctx("reference", "fp8"))) < 1e-6
-    with kernel_dispatch.record_dispatch() as rec:                        # bf16 activations: the reference
+    with kernel_dispatch.record_dispatch() as rec:                        # bf16 activations: the decode kernel
         linear(x, w, jnp.float32, ctx=_ctx("interpret", "none"))
-    assert [r[3] for r in rec] == ["reference"]
+    assert [r[3:] for r in rec] == [("interpret", "gemv")]
 
 
 def test_mxfp4_as_fp8_operand_exact_within_fourteen_binades():
@@ -235,12 +235,13 @@ def test_fallbacks_and_modes():
     with kernel_dispatch.record_dispatch() as rec:
         linear(x, w, ctx=REFERENCE)
         linear(x, w, ctx=RunContext.create(kernels="auto"))                                      # CPU: the reference
-        linear(jnp.tile(x, (17, 1)), w, ctx=INTERPRET)              # > 16 rows: prefill, the reference
-        linear(jnp.tile(x, (9, 1)).astype(jnp.float32), w, ctx=INTERPRET)   # > 8 float32 rows
+        linear(jnp.tile(x, (17, 1)), w, ctx=INTERPRET)              # 17-256 rows: the decode kernel, wider
+        linear(jnp.tile(x, (257, 1)), w, ctx=INTERPRET)             # > 256 rows: prefill, the reference
+        linear(jnp.tile(x, (129, 1)).astype(jnp.float32), w, ctx=INTERPRET)   # > 128 float32 rows
         linear(x, odd, ctx=INTERPRET)
         linear(x, jnp.ones((64, 256), jnp.bfloat16), ctx=INTERPRET)  # bf16 weights: XLA's dot, unrecorded
     expected_auto = "cuda" if jax.default_backend() == "gpu" else "reference"
-    assert [r[3] for r in rec] == ["reference", expected_auto, "reference", "reference", "reference"]
+    assert [r[3] for r in rec] == ["reference", expected_auto, "interpret", "reference", "reference", "reference"]
     with pytest.raises(ValueError, match="kernels must be one of"):
         RunContext.create(kernels="cuda")
     with pytest.raises(ValueError, match="kernels must be one of"):
@@ -299,7 +300,8 @@ def test_model_decode_and_generation_loop_run_the_kernels(tiny_checkpoint):
 
 def test_linear_pair_takes_the_concat_kernel_for_two_fp8_widths(monkeypatch):
     """On CUDA (simulated: only lowered) linear_pair of FP8 weights of one K and different N is one
-    ffi.gemv_concat call, of FP4 weights of different N two ffi.gemv calls, and prefill rows take two calls."""
+    ffi.gemv_concat call, of FP4 weights of different N two ffi.gemv calls, and more rows than the ffi/ kernels
+    take two calls."""
     from dsv4_jax import ffi
     monkeypatch.setattr(ffi, "register", lambda *args: None)               # lowering needs no library
     rng = np.random.default_rng()
@@ -308,7 +310,8 @@ def test_linear_pair_takes_the_concat_kernel_for_two_fp8_widths(monkeypatch):
     def lowered(x, a, b):
         fn = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32, ctx=ctx))
         with kernel_dispatch.record_dispatch() as rec:
-            text = fn.trace(x, a, b).lower(lowering_platforms=("cuda",)).as_text()
+            with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
+                text = fn.trace(x, a, b).lower(lowering_platforms=("cuda",)).as_text()
         return [r[4] for r in rec], text
 
     x = jnp.ones((2, 512), jnp.bfloat16)
@@ -318,7 +321,7 @@ def test_linear_pair_takes_the_concat_kernel_for_two_fp8_widths(monkeypatch):
     assert kinds == ["ffi_gemv", "ffi_gemv"]
     kinds, _ = lowered(jnp.ones((40, 512), jnp.bfloat16), _weight(rng, "fp8", (384, 512)),
                        _weight(rng, "fp8", (128, 512)))
-    assert "ffi_gemv_concat" not in kinds and len(kinds) == 2
+    assert kinds == ["gemv", "gemv"]                                     # 40 rows: two wider Pallas GEMVs
 
 
 def _decode_step_lowered_for_h200(kernels):
@@ -372,6 +375,30 @@ def test_decode_step_lowers_for_cuda_with_the_ffi_kernels(monkeypatch):
     pair_schedules = {f"schedule = {s} : i32" for s in ffi.ROUTED_PAIR_SCHEDULE.values()}
     assert all(any(s in line for s in pair_schedules) for line in fp4_pairs)
     assert all("schedule = 811 : i32" in line for line in dense_calls)
+
+
+@pytest.mark.parametrize("act_quant", ["none", "fp8"])
+def test_no_decode_or_verify_step_dequantizes_a_weight(monkeypatch, act_quant):
+    """A 2-layer Flash geometry traced for an H200 with the ffi/ kernels planned: every quantized matmul of the
+    decode step at batch 1, 8, 16, 32 and 64 and of a verify step of 64 sequences x (1 + 3 drafts) takes a kernel
+    that reads the stored weight (none dequantizes it for XLA's dot); the small batches take the ffi/ GEMVs, the
+    larger ones the wider Pallas GEMVs (bf16 activations) or the FP8 tensor-core kernel (FP8 activations) and the
+    MoE kernel."""
+    from dsv4_jax import ffi, presets
+    from dsv4_jax.dispatch_census import step_dispatch
+    monkeypatch.setattr(ffi, "register", lambda *args: None)               # tracing needs no library
+    cfg = presets.named("flash", 2)
+    ctx = RunContext.create(act_quant=act_quant, kernels=FFI_ON_H200)
+    tables = {}
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
+        for batch, tokens in ((1, 1), (8, 1), (16, 1), (32, 1), (64, 1), (64, 4), (16, 3)):
+            tables[batch, tokens] = step_dispatch(cfg, ctx, batch, tokens, max_seq_len=4096)
+    for steps, table in tables.items():
+        assert "reference" not in table and sum(table.values()) >= 2 * 8, (steps, table)
+    assert set(tables[1, 1]) == {"cuda:ffi_gemv", "cuda:ffi_gemv_concat", "cuda:ffi_gemv_pair",
+                                 "cuda:ffi_grouped_gemv", "cuda:ffi_moe_gemv", "cuda:ffi_moe_gemv_pair"}
+    wide = {"cuda:gemv", "cuda:moe"} | ({"cuda:prefill_fp8"} if act_quant == "fp8" else set())
+    assert set(tables[64, 4]) == set(tables[32, 1]) == wide
 
 
 # ---- on the GPU -----------------------------------------------------------------------------------------------

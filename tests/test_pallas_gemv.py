@@ -88,18 +88,54 @@ def test_scale_factor_bits():
 
 
 # ---- interpret mode -------------------------------------------------------------------------------------------
+DENSE = {"mxfp4": (_mxfp4, gemv.mxfp4_matmul), "nvfp4": (_nvfp4, gemv.nvfp4_matmul), "fp8": (_fp8, gemv.fp8_matmul)}
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8"])
 def test_dense_interpret(fmt):
     rng = np.random.default_rng()
     n, k = 128, 512
-    make, fn = {"mxfp4": (_mxfp4, gemv.mxfp4_matmul), "nvfp4": (_nvfp4, gemv.nvfp4_matmul),
-                "fp8": (_fp8, gemv.fp8_matmul)}[fmt]
+    make, fn = DENSE[fmt]
     w = make(rng, (n, k))
     dense = _dequant64(w)
     x = _x(rng, 5, k, jnp.bfloat16)
     _check(fn(x, w, jnp.float32, interpret=True, block_n=64, split_k=2), x.astype(jnp.float32), dense, 1e-5)
     x = _x(rng, 3, k, jnp.float32)                                        # float32: hi + lo bf16 rows
     _check(fn(x, w, interpret=True, block_n=64, split_k=1), x, dense, 2e-5)
+
+
+def test_activation_tiling():
+    """Rows -> (columns per program, column tiles): powers of two from 16 to 128, then tiles of 128."""
+    assert [gemv.activation_tiling(m) for m in (1, 16, 17, 32, 33, 64, 65, 128, 129, 200, 256)] == [
+        (16, 1), (16, 1), (32, 1), (32, 1), (64, 1), (64, 1), (128, 1), (128, 1), (128, 2), (128, 2), (128, 2)]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8"])
+@pytest.mark.parametrize("m,dtype", [(24, jnp.bfloat16), (64, jnp.bfloat16), (200, jnp.bfloat16),
+                                     (40, jnp.float32), (100, jnp.float32)])
+def test_dense_interpret_wide(fmt, m, dtype):
+    """Decode steps of batch 17-256 (or verify steps): 32, 64 or 128 activation columns per program and two
+    column tiles above 128 (float32 rows count twice, as hi + lo parts), on the kernels' default tilings. Every
+    output row is checked against float64 math, so a column tile written twice or not at all (NaN in interpret
+    mode) fails."""
+    rng = np.random.default_rng()
+    n, k = 128, 512
+    make, fn = DENSE[fmt]
+    w = make(rng, (n, k))
+    x = _x(rng, m, k, dtype)
+    y = fn(x, w, jnp.float32, interpret=True)
+    _check(y, x.astype(jnp.float32), _dequant64(w), 1e-5 if dtype == jnp.bfloat16 else 2e-5)
+    ref = np.asarray(x, np.float64) @ _dequant64(w).T                   # no row may be off, not just on average
+    row_err = np.linalg.norm(np.asarray(y, np.float64) - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    assert np.max(row_err) < 1e-4
+
+
+def test_split_is_capped_by_the_partials():
+    """At 128 activation columns the split-K partials (split x N x 128 float32) would outgrow the weight: the split
+    stays at what keeps them smaller; at 16 columns the GPU-filling split is unchanged."""
+    assert gemv._split_cap(4096, 128) == 8 and gemv._split_cap(4096 / 2, 256) == 2
+    assert gemv._pick_split(16, 32, max_split=gemv._split_cap(4096, 256)) == 4
+    assert gemv._pick_split(16, 32, max_split=gemv._split_cap(4096, 16)) == 16
 
 
 def test_dense_interpret_rows_and_dtype():
@@ -109,8 +145,10 @@ def test_dense_interpret_rows_and_dtype():
     y = gemv.mxfp4_matmul(x, w, interpret=True, block_n=64, split_k=1)
     assert y.dtype == jnp.bfloat16 and y.shape == (16, 64)
     _check(y.astype(jnp.float32), x.astype(jnp.float32), _dequant64(w), 1e-2)
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        gemv.mxfp4_matmul(_x(rng, 17, 256, jnp.bfloat16), w, interpret=True)
+    with pytest.raises(ValueError, match="at most 256 rows"):
+        gemv.mxfp4_matmul(_x(rng, 257, 256, jnp.bfloat16), w, interpret=True)
+    with pytest.raises(ValueError, match="at most 128 rows"):
+        gemv.fp8_matmul(_x(rng, 129, 256, jnp.float32), _fp8(rng, (64, 256)), interpret=True)
 
 
 @pytest.mark.parametrize("fmt,dtype", [("mxfp4", jnp.bfloat16), ("nvfp4", jnp.float32)])
@@ -171,6 +209,8 @@ def test_cuda_lowering():
                           Mxfp4Weight(sds((8, n, k // 2), jnp.uint8), sds((8, n, k // 32), jnp.uint8)),
                           sds((12,), jnp.int32))),
     ]
+    wide = sds((200, k), jnp.bfloat16)                                    # a verify step: two column tiles
+    cases += [(gemv.fp8_matmul, (wide, cases[2][1][1])), (gemv.mxfp4_matmul, (wide, cases[0][1][1]))]
     cases.append((functools.partial(moe.moe_matmul, slot_cols=64, split_k=1, block_n=64),      # prefill slots
                   (sds((600, k), jnp.bfloat16),
                    Mxfp4Weight(sds((8, n, k // 2), jnp.uint8), sds((8, n, k // 32), jnp.uint8)),
@@ -191,16 +231,17 @@ gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8"])
-@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("m", [1, 4, 16, 32, 64, 200, 256])
 def test_dense_gpu(fmt, m):
+    """Every activation width on the default tilings: 16 columns (decode), 32 / 64 / 128 and two tiles of 128
+    (batch 17-256, verify steps); float32 rows as hi + lo parts up to 128 rows."""
     rng = np.random.default_rng()
     n, k = 2048, 4096
-    make, fn = {"mxfp4": (_mxfp4, gemv.mxfp4_matmul), "nvfp4": (_nvfp4, gemv.nvfp4_matmul),
-                "fp8": (_fp8, gemv.fp8_matmul)}[fmt]
+    make, fn = DENSE[fmt]
     w = make(rng, (n, k))
     x = _x(rng, m, k, jnp.bfloat16)
     _check(jax.jit(lambda x, w: fn(x, w, jnp.float32))(x, w), x.astype(jnp.float32), _dequant64(w), 1e-5)
-    if m <= 8:
+    if m <= 8 or m in (32, 64):
         x = _x(rng, m, k, jnp.float32)
         _check(jax.jit(fn)(x, w), x, _dequant64(w), 2e-5)
 

@@ -1,10 +1,10 @@
-"""Decode matmuls (M <= 16 activation rows) that stream FP8-block / MXFP4 / NVFP4 weights as stored.
+"""Decode and verify matmuls (M <= 256 activation rows) that stream FP8-block / MXFP4 / NVFP4 weights as stored.
 
     fp8_matmul(x, w: Fp8BlockWeight)   y = x @ dequant(W)^T     W e4m3 [N, K], E8M0 per 128x128 block
     mxfp4_matmul(x, w: Mxfp4Weight)    y = x @ dequant(W)^T     W e2m1 pairs [N, K/2], E8M0 per 32 inputs
     nvfp4_matmul(x, w: Nvfp4Weight)    y = x @ dequant(W)^T     W e2m1 pairs, e4m3 per 16 inputs, fp32 global
 
-x is [M, K] bf16 or float32 (M <= 16 for bf16, <= 8 for float32), accumulation is float32, the result is
+x is [M, K] bf16 or float32 (M <= 256 for bf16, <= 128 for float32), accumulation is float32, the result is
 [M, N] in `out_dtype` (default x.dtype). The oracle is dsv4_jax.quant.linear(x, w) (act_quant="none").
 
 Backend: Pallas **Triton** (`pl.pallas_call` + `triton.CompilerParams`), not Mosaic GPU. Why: a decode GEMV has
@@ -16,9 +16,16 @@ N = 16 B operand, and a custom inline-PTX primitive decodes two packed bytes at 
 deprecated in JAX 0.11 but present and working in the pinned 0.11.2.)
 
 Kernel design (see docs/kernels.md for measurements):
-  * grid = (N / block_n, split_k): each program owns block_n output features and 1/split_k of K, loops over K
-    in steps of `unroll` scale blocks; Triton software-pipelines the weight loads (cp.async, num_stages deep).
-    Split-K partials (float32 [split_k, N, 16]) are summed in the wrapper's epilogue fusion.
+  * The activation rows are the dot's columns: 16 (Triton's minimum), 32, 64 or 128 of them per program (the
+    rows padded to a power of two), and above 128 rows tiles of 128 columns (`activation_tiling`). So a decode
+    step of batch 32 or 64, or a verify step of up to 256 rows, reads each weight once from memory instead of
+    dequantizing it to bf16 for XLA's dot: the column tiles are the grid's fastest axis, so the programs that
+    share a weight tile run together and the second reads it from L2.
+  * grid = (column tiles, N / block_n, split_k): each program owns block_n output features and 1/split_k of K,
+    loops over K in steps of `unroll` scale blocks; Triton software-pipelines the weight loads (cp.async,
+    num_stages deep). Split-K partials (float32 [split_k, N, columns]) are summed in the wrapper's epilogue
+    fusion; the split is capped so the partials stay smaller than the weight (`_split_cap`). From 64 columns the
+    tiles hold 64 weight rows (the accumulator is block_n x columns float32 in registers).
   * FP4 decode (MXFP4 and NVFP4 share it): the packed tile is viewed [block_n, blocks, bytes_per_block] so the
     per-(row, block) scale broadcasts over the last axis. The PTX primitive takes 2 bytes (4 weights) and the
     scale factor and returns (low nibbles, high nibbles) as bf16 pairs with, per pair of nibbles,
@@ -52,7 +59,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from dsv4_jax.quant.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
-MP = 16                 # activation rows per tensor-core dot (Triton's minimum dot width)
+MP = 16                 # activation rows per tensor-core dot at least (Triton's minimum dot width)
+MAX_COLS = 128          # activation columns per program; more rows take several column tiles
+MAX_ROWS = 256          # bf16 activation rows per call (float32: half, as hi + lo parts)
 FP8_BLOCK = 128
 MX_SHIFT = 32           # MXFP4 factors are 2^(scale - 1 - MX_SHIFT); the epilogue multiplies by 2^MX_SHIFT
 NV_SHIFT = 8            # NVFP4 factors are e4m3 scale * 2^(126 - NV_SHIFT)
@@ -178,8 +187,9 @@ def nvfp4_kernel_exact(w: Nvfp4Weight) -> jax.Array:
 
 # ---- kernels ----------------------------------------------------------------------------------------------------
 def _store_cols(o_ref, acc, m_valid):
-    """acc [block_n, MP] -> o_ref, writing only the first m_valid activation columns."""
-    cols = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 1)
+    """acc [block_n, columns] of this program's column tile (grid axis 0) -> o_ref, writing only the columns that
+    hold one of the first m_valid activation rows."""
+    cols = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 1) + pl.program_id(0) * acc.shape[1]
     pltriton.store(o_ref, acc, mask=cols < m_valid)
 
 
@@ -214,13 +224,13 @@ def _fp4_kernel(xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *, m_valid, **kw):
 def _fp8_kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, n_steps, m_valid):
     def body(i, acc):
         w = w_ref[:, pl.ds(i * FP8_BLOCK, FP8_BLOCK)].astype(jnp.float16)          # [bn, 128]
-        x = x_ref[pl.ds(i * FP8_BLOCK, FP8_BLOCK), :]                                # [128, MP] f16
+        x = x_ref[pl.ds(i * FP8_BLOCK, FP8_BLOCK), :]                                # [128, cols] f16
         part = jnp.dot(w, x, preferred_element_type=jnp.float32)
         b = s_ref[0, i].astype(jnp.uint32)
         scale = jax.lax.bitcast_convert_type(b << 23, jnp.float32)                  # 2^(b-127)
         return acc + part * scale
 
-    acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((block_n, MP), jnp.float32))
+    acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((block_n, x_ref.shape[-1]), jnp.float32))
     _store_cols(o_ref, acc, m_valid)
 
 
@@ -230,22 +240,37 @@ def _params(num_warps, num_stages):
 
 
 def _activation_columns(x: jax.Array, what: str):
-    """x [M, K] -> (bf16 operand [MP, K] of exact parts, number of rows used, how to fold rows back).
+    """x [M, K] -> (bf16 operand [M', K] of exact parts, number of rows used M', how to fold rows back).
     float32 x is split into bf16 hi + lo rows (x = hi + lo to 2^-16 relative), so its error stays near float32's."""
     if x.ndim != 2:
         raise ValueError(f"{what}: x must be [M, K], got shape {x.shape}")
     m = x.shape[0]
     if x.dtype == jnp.float32:
-        if 2 * m > MP:
-            raise ValueError(f"{what}: float32 x supports at most {MP // 2} rows, got {m}")
+        if 2 * m > MAX_ROWS:
+            raise ValueError(f"{what}: float32 x supports at most {MAX_ROWS // 2} rows, got {m}")
         hi, lo = split_f32(x)
         rows = jnp.concatenate([hi, lo], axis=0)
         return rows, 2 * m, lambda y: y[:m] + y[m:2 * m]
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"{what}: x must be bfloat16 or float32, got {x.dtype}")
-    if m > MP:
-        raise ValueError(f"{what}: at most {MP} rows, got {m} (use the prefill path)")
+    if m > MAX_ROWS:
+        raise ValueError(f"{what}: at most {MAX_ROWS} rows, got {m} (use the prefill path)")
     return x.astype(jnp.bfloat16), m, lambda y: y[:m]
+
+
+def activation_tiling(rows: int) -> tuple[int, int]:
+    """(columns per program, column tiles) for `rows` activation rows (bf16 rows, or float32 hi + lo parts): the
+    smallest power of two from MP that holds them, up to MAX_COLS; above that, tiles of MAX_COLS."""
+    cols = MP
+    while cols < min(rows, MAX_COLS):
+        cols *= 2
+    return cols, -(-rows // cols)
+
+
+def _split_cap(k_bytes_per_row: float, cols: int) -> int:
+    """The largest split of K whose float32 partials (split x N x cols x 4 bytes) stay under the weight's bytes
+    (N x k_bytes_per_row): beyond it the epilogue moves more bytes than the kernel saves."""
+    return max(1, int(k_bytes_per_row // (4 * cols)))
 
 
 def split_f32(x: jax.Array):
@@ -261,21 +286,25 @@ def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
     return jnp.pad(a, ((0, rows - a.shape[0]), (0, 0)))
 
 
-def _pick_split(n_tiles: int, k_steps: int, target_programs: int = 264) -> int:
+def _pick_split(n_tiles: int, k_steps: int, target_programs: int = 264, max_split: int | None = None) -> int:
     split = 1
-    while n_tiles * split < target_programs and k_steps % (split * 2) == 0 and k_steps // (split * 2) >= 2:
+    while (n_tiles * split < target_programs and k_steps % (split * 2) == 0 and k_steps // (split * 2) >= 2
+           and (max_split is None or split * 2 <= max_split)):
         split *= 2
     return split
 
 
-def _default_block_n(n: int) -> int:
-    return 128 if n % 128 == 0 else 64
+def _default_block_n(n: int, cols: int = MP) -> int:
+    """64 weight rows per tile from 64 activation columns (the float32 accumulator block_n x cols lives in
+    registers), else 128 where N allows."""
+    return 128 if n % 128 == 0 and cols < 64 else 64
 
 
-def _split_k(split_k, n_tiles: int, steps: int, what: str) -> int:
-    """The requested split of the K steps, or enough of one to fill the GPU; it must divide the steps."""
+def _split_k(split_k, n_tiles: int, steps: int, what: str, max_split: int | None = None) -> int:
+    """The requested split of the K steps, or enough of one to fill the GPU (at most max_split); it must divide
+    the steps."""
     if split_k is None:
-        split_k = _pick_split(n_tiles, steps)
+        split_k = _pick_split(n_tiles, steps, max_split=max_split)
     if steps % split_k:
         raise ValueError(f"{what}: split_k={split_k} does not divide the {steps} K steps")
     return split_k
@@ -290,12 +319,12 @@ def _check_fp4(w, what):
     return n, k, block
 
 
-def _fp4_config(n, k, block, block_n, unroll, split_k, num_warps, num_stages):
+def _fp4_config(n, k, block, block_n, unroll, split_k, num_warps, num_stages, cols=MP, max_split=None):
     bytes_per_block = block // 2
     if unroll is None:
         unroll = max(1, 128 // bytes_per_block)          # 128 packed bytes (256 inputs) per row per step
     blocks = k // block
-    block_n = block_n or _default_block_n(n)
+    block_n = block_n or _default_block_n(n, cols)
     if n % block_n or blocks % unroll:
         raise ValueError(f"FP4 matmul needs N % {block_n} == 0 and K % {block * unroll} == 0, got N={n}, K={k}")
     if num_warps >= 8 and num_stages > 1 and unroll * bytes_per_block == 32:
@@ -306,7 +335,7 @@ def _fp4_config(n, k, block, block_n, unroll, split_k, num_warps, num_stages):
         raise ValueError(f"FP4 matmul: {num_warps} warps with {num_stages} pipeline stages and 32 packed bytes per "
                          f"row per K step (unroll={unroll}) gave wrong results on the H200; use 4 warps, "
                          f"num_stages=1 or another unroll")
-    split_k = _split_k(split_k, n // block_n, blocks // unroll, "FP4 matmul")
+    split_k = _split_k(split_k, n // block_n, blocks // unroll, "FP4 matmul", max_split)
     return block_n, unroll, split_k, bytes_per_block, blocks
 
 
@@ -316,10 +345,11 @@ def _fp4_matmul(x, w, *, shift, factor_fn, global_scale, out_dtype, interpret, b
     if x.shape[-1] != k:
         raise ValueError(f"{what}: x has {x.shape[-1]} features, weight expects {k}")
     rows, m_used, fold = _activation_columns(x, what)
+    cols, col_tiles = activation_tiling(m_used)
     block_n, unroll, split_k, bpb, blocks = _fp4_config(n, k, block, block_n, unroll, split_k, num_warps,
-                                                        num_stages)
-    xp = _pad_rows(rows, MP)
-    xlo = xp[:, 0::2].T                                   # [K/2, MP]: inputs that meet the low nibbles
+                                                        num_stages, cols, _split_cap(k / 2, cols * col_tiles))
+    xp = _pad_rows(rows, cols * col_tiles)
+    xlo = xp[:, 0::2].T                                   # [K/2, columns]: inputs that meet the low nibbles
     xhi = xp[:, 1::2].T
     w3 = w.packed.reshape(n, blocks, bpb)                 # free reshape: one row per (feature, scale block)
     kh_split, blocks_split = k // 2 // split_k, blocks // split_k
@@ -327,13 +357,13 @@ def _fp4_matmul(x, w, *, shift, factor_fn, global_scale, out_dtype, interpret, b
                                n_steps=blocks_split // unroll, bytes_per_block=bpb, factor_fn=factor_fn)
     part = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((split_k, n, MP), jnp.float32),
-        grid=(n // block_n, split_k),
-        in_specs=[pl.BlockSpec((kh_split, MP), lambda i, s: (s, 0)),
-                  pl.BlockSpec((kh_split, MP), lambda i, s: (s, 0)),
-                  pl.BlockSpec((block_n, blocks_split, bpb), lambda i, s: (i, s, 0)),
-                  pl.BlockSpec((block_n, blocks_split), lambda i, s: (i, s))],
-        out_specs=pl.BlockSpec((None, block_n, MP), lambda i, s: (s, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((split_k, n, cols * col_tiles), jnp.float32),
+        grid=(col_tiles, n // block_n, split_k),
+        in_specs=[pl.BlockSpec((kh_split, cols), lambda c, i, s: (s, c)),
+                  pl.BlockSpec((kh_split, cols), lambda c, i, s: (s, c)),
+                  pl.BlockSpec((block_n, blocks_split, bpb), lambda c, i, s: (i, s, 0)),
+                  pl.BlockSpec((block_n, blocks_split), lambda c, i, s: (i, s))],
+        out_specs=pl.BlockSpec((None, block_n, cols), lambda c, i, s: (s, i, c)),
         compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name=f"dsv4_{what}",
@@ -384,23 +414,24 @@ def fp8_matmul(x: jax.Array, w: Fp8BlockWeight, out_dtype=None, *, interpret: bo
     if w.scale.shape != (math.ceil(n / FP8_BLOCK), k // FP8_BLOCK):
         raise ValueError(f"{what}: scale shape {w.scale.shape} does not match weight [{n}, {k}]")
     rows, m_used, fold = _activation_columns(x, what)
-    x16, unscale = _f16_prescale(_pad_rows(rows, MP))
-    block_n = block_n or _default_block_n(n)
+    cols, col_tiles = activation_tiling(m_used)
+    x16, unscale = _f16_prescale(_pad_rows(rows, cols * col_tiles))
+    block_n = block_n or _default_block_n(n, cols)
     if FP8_BLOCK % block_n or n % block_n:
         raise ValueError(f"{what}: block_n={block_n} must divide 128 and N={n}")
     steps = k // FP8_BLOCK
-    split_k = _split_k(split_k, n // block_n, steps, what)
+    split_k = _split_k(split_k, n // block_n, steps, what, _split_cap(k, cols * col_tiles))
     k_split = k // split_k
     tiles_per_block = FP8_BLOCK // block_n
     kernel = functools.partial(_fp8_kernel, block_n=block_n, n_steps=steps // split_k, m_valid=m_used)
     part = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((split_k, n, MP), jnp.float32),
-        grid=(n // block_n, split_k),
-        in_specs=[pl.BlockSpec((k_split, MP), lambda i, s: (s, 0)),
-                  pl.BlockSpec((block_n, k_split), lambda i, s: (i, s)),
-                  pl.BlockSpec((1, steps // split_k), lambda i, s: (i // tiles_per_block, s))],
-        out_specs=pl.BlockSpec((None, block_n, MP), lambda i, s: (s, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((split_k, n, cols * col_tiles), jnp.float32),
+        grid=(col_tiles, n // block_n, split_k),
+        in_specs=[pl.BlockSpec((k_split, cols), lambda c, i, s: (s, c)),
+                  pl.BlockSpec((block_n, k_split), lambda c, i, s: (i, s)),
+                  pl.BlockSpec((1, steps // split_k), lambda c, i, s: (i // tiles_per_block, s))],
+        out_specs=pl.BlockSpec((None, block_n, cols), lambda c, i, s: (s, i, c)),
         compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name=f"dsv4_{what}",

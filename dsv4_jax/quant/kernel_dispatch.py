@@ -16,7 +16,8 @@ A kernel applies where one exists for the call; every other call takes the refer
       (gate and up projections)            weights (pair_matmul)          and shape
     linear_pair, two FP8-block weights     ffi.gemv_concat (tiles of      as above, one K, N and N2 % 16 == 0
       of one K (attention wq_a and wkv)    both weights, one launch)
-    linear, FP8-block weight               gemv.fp8_matmul                rows <= 16 (bf16) / 8 (fp32), N % 64 == 0
+    linear, FP8-block weight               gemv.fp8_matmul                rows <= 256 (bf16) / 128 (fp32),
+                                                                          N % 64 == 0
     linear, MXFP4 / NVFP4 weight           gemv.mxfp4_matmul / nvfp4_...  rows as above, N % 64 == 0, K % 32 == 0
     linear, FP8-block / MXFP4 weight,      prefill.fp8_block_matmul       rows > 16, N % 64 == 0, K % 128 == 0
       FP8 activations (act_quant fp8,      (FP8 tensor cores)
@@ -32,10 +33,12 @@ Activation quantization (act_quant fp8 / nvfp4) runs the Pallas quantize kernels
 on every kernel backend (`quantize_fp8`, `fp8_activation`, `nvfp4_activation` below): bit-identical to the
 reference definition, which XLA:GPU's own run of the jnp reference is not (docs/kernels_quantize.md).
 
-"rows" are the flattened leading dimensions of x: batch x tokens in the chunk, so decode steps (and MTP drafts)
-of up to 16 sequences take the decode kernels, prefill chunks the FP8 tensor-core kernel where activations are
-FP8 and the reference otherwise (W8A16 / W4A16 prefill is XLA's bf16 dot on the dequantized weight); the routed
-experts always take the MoE kernel, with wider slots for prefill chunks. The choice is made while tracing, from
+"rows" are the flattened leading dimensions of x: batch x tokens in the chunk, so decode steps, MTP drafts and
+verify steps of up to 256 rows (batch 64 with 3 drafts) take the decode kernels, which read each stored weight
+once whatever the rows (wider tiles of activation columns from 17 rows, gemv.activation_tiling); more rows
+(prefill chunks) take the FP8 tensor-core kernel where activations are FP8 and the reference otherwise (W8A16 /
+W4A16 prefill is XLA's bf16 dot on the dequantized weight), and so do 17 or more rows with FP8 activations; the
+routed experts always take the MoE kernel, with wider slots for prefill chunks. The choice is made while tracing, from
 static shapes only, so it never costs a host sync; `record_dispatch()` lists the choices of a trace (tests use
 it to prove the kernels were really taken).
 
@@ -55,7 +58,7 @@ import numpy as np
 from .formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from .kernel_plan import KernelPlan
 
-MAX_DECODE_ROWS = 16          # bf16 activation rows per decode kernel call (float32: half, split into hi + lo)
+MAX_DECODE_ROWS = 16          # rows up to which FP8 activations take the decode kernels, not the tensor-core one
 MAX_MOE_ROWS = 128            # routed rows (tokens x top-k) up to which the MoE kernel keeps its decode schedule
 
 _records: list | None = None
@@ -154,9 +157,13 @@ def nvfp4_weights_kernels_approximate(params) -> list[str]:
 
 
 def _rows_fit(x: jax.Array, rows: int) -> bool:
+    """Whether the Pallas decode kernels take `rows` rows of x's dtype in one call (gemv.MAX_ROWS bf16 rows;
+    float32 half, as hi + lo parts)."""
+    from dsv4_jax.pallas_kernels.gemv import MAX_ROWS
+
     if x.dtype == jnp.float32:
-        return rows <= MAX_DECODE_ROWS // 2
-    return x.dtype == jnp.bfloat16 and rows <= MAX_DECODE_ROWS
+        return rows <= MAX_ROWS // 2
+    return x.dtype == jnp.bfloat16 and rows <= MAX_ROWS
 
 
 def _fp4_unroll(w, k: int) -> int | None:
