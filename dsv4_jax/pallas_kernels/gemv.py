@@ -8,11 +8,11 @@ x is [M, K] bf16 or float32 (M <= 256 for bf16, <= 128 for float32), accumulatio
 [M, N] in `out_dtype` (default x.dtype). The oracle is dsv4_jax.quant.linear(x, w) (act_quant="none").
 
 Backend: Pallas **Triton** (`pl.pallas_call` + `triton.CompilerParams`), not Mosaic GPU. Why: a decode GEMV has
-M <= 16 rows, and its hot loop is the FP4 nibble decode feeding the tensor cores from registers. Mosaic GPU's
-wgmma path wants 64-row tiles in SMEM and its FP4 converts are Blackwell `cvt`s; expressing a register-level
-nibble decode there needs the low-level `inline_mgpu` API. Triton lays out registers itself: the weights are the
-wgmma A operand (64-row tiles of output features, decoded in registers), the M <= 16 activation rows are the
-N = 16 B operand, and a custom inline-PTX primitive decodes two packed bytes at a time. (The Triton backend is
+few rows (16 or fewer up to batch 16), and its hot loop is the FP4 nibble decode feeding the tensor cores from
+registers. Mosaic GPU's wgmma path wants 64-row tiles in SMEM and its FP4 converts are Blackwell `cvt`s; expressing
+a register-level nibble decode there needs the low-level `inline_mgpu` API. Triton lays out registers itself: the
+weights are the wgmma A operand (64-row tiles of output features, decoded in registers), the activation rows are
+the N = 16..128 B operand, and a custom inline-PTX primitive decodes two packed bytes at a time. (The Triton backend is
 deprecated in JAX 0.11 but present and working in the pinned 0.11.2.)
 
 Kernel design (see docs/kernels.md for measurements):
