@@ -8,6 +8,8 @@
 #   depth    Flash geometry, LAYERS (default 32) layers under scan_layers=True, batch 1 and 8 at 4K context,
 #            as deep as one H200 holds                                       -> flash<LAYERS>_scan.{json,log}
 #   matrix   Flash geometry, 4 layers: batch 1, 8, 32, 64 at 4K and 64K, prefill 1K and 8K   -> flash4.{json,log}
+#   profile  Flash geometry, 4 layers: where a batch-1 decode step's and a 512-token prefill chunk's kernel time
+#            goes, by op family (command buffers off, so every kernel carries its HLO op) -> flash4_profile.{json,log}
 # Usage: bash scripts/gpu_runs.sh suite3 depth   (parts run in the order given)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +39,11 @@ for part in "$@"; do
         matrix) timeout "${BENCH_S:-420}" python3 -m dsv4_jax.bench --preset flash --layers 4 --batches 1,8,32,64 \
                     --contexts 4096,65536 --prompts 1024,8192 --reference none --out "$OUT_DIR/flash4.json" 2>&1 \
                     | quiet | tee "$OUT_DIR/flash4.log" || status=1 ;;
-        *) echo "unknown part: $part (expected suite1, suite2, suite3, depth or matrix)" >&2; exit 2 ;;
+        profile) XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout "${BENCH_S:-300}" python3 -m dsv4_jax.bench \
+                    --preset flash --layers 4 --batches 1 --contexts 4096 --prompts none --reference none \
+                    --profile "$OUT_DIR/trace_decode" --profile-prefill "$OUT_DIR/trace_prefill" \
+                    --out "$OUT_DIR/flash4_profile.json" 2>&1 | quiet | tee "$OUT_DIR/flash4_profile.log" || status=1 ;;
+        *) echo "unknown part: $part (expected suite1, suite2, suite3, depth, matrix or profile)" >&2; exit 2 ;;
     esac
 done
 exit $status

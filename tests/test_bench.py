@@ -1,5 +1,6 @@
 """The model benchmark runs end to end on the CPU for the tiny preset: every section of its JSON is there, the
-reference side ran, the profile attributed the step's kernels, and the figures are written. Never a time."""
+reference side ran, the profiles attributed a decode step's and a prefill chunk's kernels, and the figures are
+written. Never a time."""
 
 import json
 import os
@@ -14,6 +15,7 @@ def test_tiny_smoke_run(tmp_path, capsys):
     figures = tmp_path / "figures"
     assert main(["--preset", "tiny", "--batches", "2", "--contexts", "160", "--prompts", "40", "--steps", "3",
                  "--calls", "1", "--prefill-calls", "1", "--out", str(out), "--profile", str(tmp_path / "trace"),
+                 "--profile-prefill", str(tmp_path / "trace_prefill"), "--prefill-chunk", "16",
                  "--bandwidth-bytes", str(1 << 20), "--matmul-n", "128", "--kv-cache-dtype", "fp8"]) == 0
     result = json.loads(out.read_text())
     assert result["model"]["preset"] == "tiny" and result["model"]["layers"] == 4
@@ -32,8 +34,12 @@ def test_tiny_smoke_run(tmp_path, capsys):
     assert profile["launches"]["launches_per_call"] > 0
     assert "fp4 matmul" in profile["by_family"] and "mhc" in profile["by_family"]
     assert sum(row["percent"] for row in profile["by_family"].values()) == pytest.approx(100.0)
+    chunk = result["profile_prefill"]                                   # one 16-token chunk of one sequence
+    assert chunk["chunk"] == 16 and chunk["launches"]["launches_per_call"] > 0
+    assert {"fp4 matmul", "attention", "compressor"} <= set(chunk["by_family"])
+    assert sum(row["percent"] for row in chunk["by_family"].values()) == pytest.approx(100.0)
     printed = capsys.readouterr().out
-    assert "ms/step" in printed and "ttft ms" in printed
+    assert "ms/step" in printed and "ttft ms" in printed and "one 16-token prefill chunk" in printed
 
     pytest.importorskip("matplotlib")
     assert main(["--replot", str(out), "--plot", str(figures)]) == 0

@@ -68,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bandwidth-bytes", type=int, default=None, help="bandwidth probe's weight size")
     p.add_argument("--matmul-n", type=int, default=None, help="matmul rate probe's n")
     p.add_argument("--profile", metavar="DIR", help="trace one batch-1 decode step into DIR and tabulate it")
+    p.add_argument("--profile-prefill", metavar="DIR",
+                   help="trace one prefill chunk (--prefill-chunk tokens of one sequence) into DIR and tabulate it")
     p.add_argument("--out", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="DIR", help="write PNG figures (needs matplotlib)")
     p.add_argument("--replot", metavar="JSON", help="only make --plot figures from an earlier --out file")
@@ -156,10 +158,19 @@ def run(args) -> dict:
         if args.profile and side == main_side:
             tokens = jnp.zeros((1,), jnp.int32)
             steps = 5
-            op_profile.trace_decode_steps(program, model.params, state, tokens, steps, args.profile)
+            op_profile.trace_steps(program, model.params, state, (tokens,), steps, args.profile)
             table = op_profile.op_table(args.profile, program.as_text(), steps)
             result["profile"] = {"batch": 1, "context": args.contexts[0], **table}
             _save(result, args.out)
+        del program, state
+    if args.profile_prefill:
+        steps = 3
+        program, state, inputs = cases.prefill_chunk_program(model.params, cfg, model.context, args.prefill_chunk,
+                                                             steps + 1, mesh, kv_cache_dtype)
+        op_profile.trace_steps(program, model.params, state, inputs, steps, args.profile_prefill)
+        table = op_profile.op_table(args.profile_prefill, program.as_text(), steps)
+        result["profile_prefill"] = {"chunk": args.prefill_chunk, **table}
+        _save(result, args.out)
         del program, state
 
     result["decode"] = []
@@ -250,11 +261,13 @@ def tables(result: dict) -> str:
         lines += [f"{c['k']:2d} {c['batch']:5d} {c['ms_per_step']:9.3f} {c['break_even_tokens_per_step']:7.2f}x "
                   f"{c['tokens_per_step']:11.2f}" for c in result["speculative"]]
     lines += ["", "compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in result["compile"].items())]
-    if "profile" in result:
-        prof = result["profile"]
-        lines += ["", f"one batch-{prof['batch']} decode step: {prof['kernel_ms_per_step']:.3f} ms of kernels, "
-                      f"{prof['launches']['launches_per_call']} launches"]
-        lines += [f"  {fam:<22} {row['ms']:8.3f} ms {row['percent']:5.1f}%" for fam, row in prof["by_family"].items()]
+    for key, what in (("profile", "one batch-{batch} decode step"), ("profile_prefill", "one {chunk}-token prefill chunk")):
+        if key in result:
+            prof = result[key]
+            lines += ["", f"{what.format(**prof)}: {prof['kernel_ms_per_step']:.3f} ms of kernels, "
+                          f"{prof['launches']['launches_per_call']} launches"]
+            lines += [f"  {fam:<22} {row['ms']:8.3f} ms {row['percent']:5.1f}%"
+                      for fam, row in prof["by_family"].items()]
     return "\n".join(lines)
 
 

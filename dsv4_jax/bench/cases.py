@@ -143,6 +143,23 @@ def decode_step_compile_seconds(params, cfg: ModelConfig, ctx: RunContext, batch
     return time.perf_counter() - t0, program, state
 
 
+def prefill_chunk_program(params, cfg: ModelConfig, ctx: RunContext, chunk: int, chunks: int, mesh=None,
+                          kv_cache_dtype=None) -> tuple[object, DecodeState, tuple]:
+    """The compiled prefill chunk of one sequence (`chunk` tokens, all valid), an empty state with room for `chunks`
+    + 1 calls of it (at least 4,096 tokens: the smallest context bucket `Model.prefill` compiles for), and its other
+    inputs (tokens, n_valid, last logits): what `Model.prefill` runs per chunk of a prompt's start."""
+    max_seq_len = max(4096, chunk * (chunks + 1))
+
+    def make():
+        return init_state(cfg, 1, max_seq_len, ctx.jnp_dtype, is_scanned(params), kv_cache_dtype)
+    shardings = None if mesh is None else state_shardings(jax.eval_shape(make), mesh)
+    state = jax.jit(make, out_shardings=shardings)()
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, chunk), dtype=np.int32))
+    inputs = (tokens, jnp.full((1,), chunk, jnp.int32), jnp.zeros((1, cfg.vocab_size), jnp.float32))
+    program = engine.prefill_chunk.lower(params, state, *inputs, cfg=cfg, ctx=ctx).compile()
+    return program, state, inputs
+
+
 def time_prefill(params, cfg: ModelConfig, kernels, prompt_tokens: int, chunk: int, calls: int, dtype: str,
                  mesh=None, kv_cache_dtype=None) -> dict:
     """Time to first token of a `prompt_tokens`-token prompt at batch 1 (median of `calls` after a warm-up call,

@@ -1,5 +1,6 @@
-"""Where a decode step's time goes: a `jax.profiler` trace of a few decode steps, each kernel's time attributed to an
-op family (hlo_census.FAMILY_OF_SCOPE) through the HLO op the trace names.
+"""Where a decode step's (or a prefill chunk's) time goes: a `jax.profiler` trace of a few calls of the compiled
+program, each kernel's time attributed to an op family (hlo_census.FAMILY_OF_SCOPE) through the HLO op the trace
+names.
 
 The trace is written with its Perfetto JSON (`perfetto_trace.json.gz`, kept under the profile directory). Kernel
 events carry `hlo_module` / `hlo_op` arguments; on a GPU only device-side events are summed (each kernel once), on
@@ -21,14 +22,16 @@ import jax
 from ..hlo_census import census, op_families
 
 
-def trace_decode_steps(program, params, state, tokens, steps: int, directory: str):
-    """Run the compiled decode step `steps` times under the profiler (after one untraced call). Returns the state."""
-    _, state = program(params, state, tokens)
+def trace_steps(program, params, state, inputs: tuple, steps: int, directory: str):
+    """Run a compiled program (params, state, *inputs) -> (output, state), the decode step or a prefill chunk,
+    `steps` times under the profiler after one untraced call, each call taking the state the last one returned.
+    Returns the state."""
+    _, state = program(params, state, *inputs)
     jax.block_until_ready(state)
     with jax.profiler.trace(directory, create_perfetto_trace=True):
         for _ in range(steps):
-            logits, state = program(params, state, tokens)
-        jax.block_until_ready((logits, state))
+            out, state = program(params, state, *inputs)
+        jax.block_until_ready((out, state))
     return state
 
 
@@ -42,7 +45,7 @@ def _trace_events(directory: str) -> list[dict]:
 
 
 def op_table(directory: str, hlo_text: str, steps: int) -> dict:
-    """Per-family kernel time of one step (ms and % of the kernels' total) from the trace under `directory` and the
+    """Per-family kernel time of one call (ms and % of the kernels' total) from the trace under `directory` and the
     traced program's HLO text, and the program's launch census."""
     module = hlo_text.split(None, 2)[1].rstrip(",")          # "HloModule jit_decode_step, ..."
     events = _trace_events(directory)
