@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from .config import ModelConfig
 from .params import init_params, tree_get, weight_specs
 from .run_context import DTYPES
-from .sharding import EXPERT, partition_spec
+from .sharding import EXPERT, partition_spec, rules
 from .state import init_state, state_bytes
 
 GB = 1e9
@@ -62,9 +62,10 @@ class MemoryPlan:
 def _per_device_bytes(cfg: ModelConfig, n_experts_split: int, stored) -> int:
     abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), stored))
     total = 0
+    axis_rules = rules(cfg, n_experts_split)
     for spec in weight_specs(cfg, stored):
         for leaf in jax.tree.leaves(tree_get(abstract, spec.name)):
-            split = n_experts_split if EXPERT in tuple(partition_spec(spec.axes, leaf.ndim)) else 1
+            split = n_experts_split if EXPERT in tuple(partition_spec(spec.axes, leaf.ndim, axis_rules)) else 1
             total += math.prod(leaf.shape) * leaf.dtype.itemsize // split
     return total
 

@@ -7,13 +7,21 @@ Mesh axes:
     "data"    will split the batch (each group of devices along it serving its own rows); size 1 for now.
     "expert"  splits the routed experts: each device holds E / n experts of every stacked expert weight, computes
               the routed rows that chose them, and one psum over the axis sums the partial outputs per MoE layer
-              (layers/moe.py). Everything else is replicated along it.
+              (layers/moe.py). At 4 devices and more it also splits the attention heads and the shared expert
+              (tensor parallel, below).
 
-The rules (RULES) map the logical axes of the weight description (params.LOGICAL_AXES) to mesh axes: only
-"experts" is split. Attention, the shared expert, the embedding and the head stay replicated: at decode a
-collective costs ~10-25 us whatever its size, so one all-reduce per layer (the MoE output) beats tensor
-parallelism's two, and DeepSeek-V4's single KV head keeps the whole KV cache on every tensor-parallel device
-anyway. docs/sharding.md has the bytes-read and collectives arithmetic for Flash at 2 and 8 devices.
+The rules (`rules(cfg, n)`) map the logical axes of the weight description (params.LOGICAL_AXES) to mesh axes:
+    "experts"             always (expert parallel);
+    "heads", "o_groups"   from TENSOR_PARALLEL_FROM devices, where they split evenly into FP8 blocks: each device
+                          computes its heads' queries, attention, wo_a groups and wo_b inputs, and one more psum
+                          per layer adds the attention outputs (layers/attention.py);
+    "mlp"                 with them, where it splits evenly: the shared expert's partial output joins the MoE psum
+                          (no collective of its own).
+The indexer (its top-k needs every head's score), the compressors, wq_a / wkv (read by everything after them), the
+embedding and the head stay replicated, and so does the decode state: DeepSeek-V4's single KV head is read by every
+head. Why from 4 devices: at decode a collective costs ~10-25 us whatever its size; at 2 devices the second
+all-reduce per layer costs about what the halved attention reads save, at 8 the saving is several times larger
+(docs/sharding.md has the bytes-read and collectives arithmetic for Flash and Pro at 2 and 8 devices).
 """
 
 from __future__ import annotations
@@ -30,7 +38,38 @@ DATA, EXPERT = "data", "expert"
 MESH_AXES = (DATA, EXPERT)
 # logical axis (params.LOGICAL_AXES) -> mesh axis; a logical axis not listed is replicated
 RULES = {"experts": EXPERT}
+TENSOR_PARALLEL_FROM = 4       # devices on the "expert" axis from which attention heads and the shared expert split
+SPLIT_BLOCK = 128              # a split must keep whole FP8 weight blocks (128 x 128) on each device
 assert set(RULES) <= set(LOGICAL_AXES)
+
+
+def splits_heads(cfg: ModelConfig, n: int) -> bool:
+    """Whether `n` devices split the attention heads: from TENSOR_PARALLEL_FROM devices, when the heads, the output
+    groups, wq_b's rows and wo_b's inputs all divide into n parts of whole FP8 blocks."""
+    return (n >= TENSOR_PARALLEL_FROM and cfg.n_heads % n == 0 and cfg.o_groups % n == 0
+            and cfg.n_heads * cfg.head_dim // n % SPLIT_BLOCK == 0
+            and cfg.o_groups * cfg.o_lora_rank // n % SPLIT_BLOCK == 0)
+
+
+def splits_shared_expert(cfg: ModelConfig, n: int) -> bool:
+    """Whether `n` devices split the shared expert's hidden units (with the heads, into whole FP8 blocks)."""
+    inter = cfg.moe_inter_dim            # the shared expert's hidden units (params.weight_specs)
+    return splits_heads(cfg, n) and inter % n == 0 and inter // n % SPLIT_BLOCK == 0
+
+
+def rules(cfg: ModelConfig, n: int) -> dict[str, str]:
+    """The logical-axis -> mesh-axis rules of `cfg` on n devices along "expert" (module docstring)."""
+    out = dict(RULES)
+    if splits_heads(cfg, n):
+        out.update(heads=EXPERT, o_groups=EXPERT)
+    if splits_shared_expert(cfg, n):
+        out["mlp"] = EXPERT
+    return out
+
+
+def expert_devices(mesh: Mesh | None) -> int:
+    """Devices along the mesh's "expert" axis (1 without a mesh)."""
+    return 1 if mesh is None else mesh.shape[EXPERT]
 
 
 def make_mesh(n_devices: int | None = None, data: int = 1, devices=None) -> Mesh:
@@ -65,11 +104,12 @@ def check_mesh(cfg: ModelConfig, mesh: Mesh, max_batch: int | None = None) -> No
                          f"'{DATA}' axis")
 
 
-def partition_spec(axes, ndim: int) -> P:
+def partition_spec(axes, ndim: int, axis_rules: dict | None = None) -> P:
     """The PartitionSpec of an array of `ndim` dims whose leading dims carry logical `axes` (a stack's per-matrix
-    scalars carry the stack's leading axes only)."""
+    scalars carry the stack's leading axes only), under `axis_rules` (default RULES: only the experts split)."""
+    axis_rules = RULES if axis_rules is None else axis_rules
     axes = tuple(axes or ())[:ndim]
-    return P(*(RULES.get(a) for a in axes), *([None] * (ndim - len(axes))))
+    return P(*(axis_rules.get(a) for a in axes), *([None] * (ndim - len(axes))))
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh, params) -> dict:
@@ -77,9 +117,10 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, params) -> dict:
     from each weight's logical axes: every stored array of a weight (FP8 bytes and scales, FP4 codes, block and
     global scales) follows the weight's axes over its own leading dims."""
     tree: dict = {}
+    axis_rules = rules(cfg, mesh.shape[EXPERT])
     for spec in weight_specs(cfg):
         tree_set(tree, spec.name, jax.tree.map(
-            lambda leaf, axes=spec.axes: NamedSharding(mesh, partition_spec(axes, leaf.ndim)),
+            lambda leaf, axes=spec.axes: NamedSharding(mesh, partition_spec(axes, leaf.ndim, axis_rules)),
             tree_get(params, spec.name)))
     return tree
 

@@ -1,13 +1,16 @@
 """Bytes a batch-1 decode step reads per device, and the collectives it needs, for a partitioning of DeepSeek-V4
-over n devices: the arithmetic behind sharding.RULES (docs/sharding.md).
+over n devices: the arithmetic behind sharding.rules (docs/sharding.md).
 
     python scripts/sharding_arithmetic.py --preset flash --devices 1 2 8 --json out.json
 
-Layouts compared (the routed experts are split over the devices in both):
+Layouts compared (the routed experts are split over the devices in all):
     ep      attention, shared expert, embedding and head replicated; one all-reduce per MoE layer (the routed
-            experts' partial sums). What dsv4_jax does.
+            experts' partial sums). What dsv4_jax does below 4 devices.
     ep+tp   additionally attention heads (wq_b rows, wo_a groups, wo_b inputs), the indexer heads and the shared
             expert split over the same devices, vLLM-style: an all-reduce after attention and one after the MoE.
+    rules   what sharding.rules(cfg, n) splits, read off the weight description: from 4 devices the attention
+            heads and output groups and the shared expert (its partial sums join the MoE all-reduce), with the
+            indexer, compressors, wq_a / wkv and the head replicated. What dsv4_jax does.
 
 Bytes come from the weight description (params.weight_specs, in the stored formats) with jax.eval_shape, nothing
 allocated. Routed experts read at batch 1: top-k experts per layer, spread over the devices; the slowest device
@@ -31,16 +34,21 @@ import jax  # noqa: E402
 
 from dsv4_jax import presets  # noqa: E402
 from dsv4_jax.params import init_params, tree_get, weight_specs  # noqa: E402
-from dsv4_jax.quant.formats import weight_bytes  # noqa: E402
+from dsv4_jax.sharding import EXPERT, partition_spec, rules, splits_heads  # noqa: E402
 
 
-def weight_groups(cfg) -> dict[str, float]:
+def weight_groups(cfg, n_split: int | None = None) -> dict[str, float]:
     """Bytes per kind of weight for the whole model: 'attention' (all of attn.*), 'shared', 'routed' (all
-    experts), 'embed', 'head', 'other' (norms, mHC, router)."""
+    experts), 'embed', 'head', 'other' (norms, mHC, router). With `n_split`: the bytes one of n_split devices holds
+    under sharding.rules."""
     abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
     groups = dict.fromkeys(("attention", "shared", "routed", "embed", "head", "other"), 0)
+    axis_rules = rules(cfg, n_split or 1)
     for spec in weight_specs(cfg):
-        size = weight_bytes(tree_get(abstract, spec.name))
+        size = 0
+        for leaf in jax.tree.leaves(tree_get(abstract, spec.name)):
+            split = n_split if n_split and EXPERT in tuple(partition_spec(spec.axes, leaf.ndim, axis_rules)) else 1
+            size += leaf.size * leaf.dtype.itemsize / split
         if ".experts." in spec.name:
             groups["routed"] += size
         elif ".shared_experts." in spec.name:
@@ -56,8 +64,10 @@ def weight_groups(cfg) -> dict[str, float]:
 
 def decode_step(cfg, groups: dict, n: int, layout: str, bandwidth: float, latency: float) -> dict:
     layers = cfg.n_layers                                   # the MTP block is not run by a plain decode step
-    per_layer = lambda kind: groups[kind] * layers / (layers + cfg.n_mtp_layers)  # noqa: E731  backbone share
     expert = groups["routed"] / ((layers + cfg.n_mtp_layers) * cfg.n_routed_experts)   # one expert, one layer
+    if layout == "rules":
+        groups = {**weight_groups(cfg, n), "routed": groups["routed"]}   # what one device holds of the rest
+    per_layer = lambda kind: groups[kind] * layers / (layers + cfg.n_mtp_layers)  # noqa: E731  backbone share
     split = n if layout == "ep+tp" else 1
     read = {
         "attention": per_layer("attention") / split,
@@ -66,11 +76,12 @@ def decode_step(cfg, groups: dict, n: int, layout: str, bandwidth: float, latenc
         "head": groups["head"] / split,                      # vocab-parallel head in ep+tp
         "embed_row": cfg.dim * 2,
     }
-    collectives = layers * (2 if layout == "ep+tp" and n > 1 else 1 if n > 1 else 0)
+    two = layout == "ep+tp" or (layout == "rules" and splits_heads(cfg, n))
+    collectives = layers * (2 if two and n > 1 else 1 if n > 1 else 0)
     if layout == "ep+tp" and n > 1:
         collectives += 1                                     # the head's logits gathered once
     total = sum(read.values())
-    stored = groups["routed"] / n + sum(v for k, v in groups.items() if k != "routed") / split
+    stored = groups["routed"] / n + sum(v for k, v in groups.items() if k != "routed") / split   # rules: split=1
     return {"devices": n, "layout": layout, "read_bytes": total, "read": read, "collectives": collectives,
             "weights_per_device": stored, "read_ms": total / bandwidth * 1e3,
             "collective_ms": collectives * latency * 1e3,
@@ -92,7 +103,7 @@ def main(argv=None):
     print(f"{'devices':>7} {'layout':>6} {'GB/device':>9} {'read GB':>8} {'attn':>6} {'shared':>6} {'routed':>6} "
           f"{'head':>5} {'colls':>5} {'read ms':>7} {'coll ms':>7} {'est ms':>6}")
     for n in args.devices:
-        for layout in ("ep", "ep+tp") if n > 1 else ("ep",):
+        for layout in ("ep", "ep+tp", "rules") if n > 1 else ("ep",):
             r = decode_step(cfg, groups, n, layout, args.bandwidth, args.latency)
             rows.append(r)
             g = {k: v / 1e9 for k, v in r["read"].items()}

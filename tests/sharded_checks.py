@@ -7,9 +7,11 @@ On meshes of 2, 4 and 8 devices, for a synthetic official-format tiny checkpoint
 parameter has its planned sharding and each device holds 1 / n of every expert stack's bytes; prefill and
 decode-step logits (and at 8 devices forward logits and greedy generated tokens) equal the single-device model's (float32, 1e-5 of the largest logit; fake quant off so that a float32 difference in the
 order of the experts' psum cannot move an FP8 rounding); a decode step compiles once; the compiled decode step
-holds one all-reduce per layer and no all-gather. Then a 2-layer Flash-geometry decode step lowered for CUDA with
-the ffi/ kernels planned, at 2 and 8 devices: every routed-expert custom call sees E / n experts and the program
-has one all-reduce per layer. And the tiny preset's random weights made on an 8-device mesh (init_random: each
+holds one all-reduce per layer and no all-gather. A tiny geometry whose heads split into whole FP8 blocks at 4 and
+8 devices (tensor-parallel attention, and at 4 the shared expert): logits equal, weights split, two all-reduces
+per layer. Then a 2-layer Flash-geometry decode step lowered for CUDA with the ffi/ kernels planned, at 2 and 8
+devices: every routed-expert custom call sees E / n experts, at 8 wq_b's GEMV its local rows, and the program has
+one all-reduce per layer at 2 devices, two at 8. And the tiny preset's random weights made on an 8-device mesh (init_random: each
 device generates its own shards) are bit for bit those made on one device.
 """
 
@@ -38,7 +40,7 @@ from dsv4_jax import engine, presets  # noqa: E402
 from dsv4_jax.params import init_params  # noqa: E402
 from dsv4_jax.quant.kernel_plan import KernelPlan  # noqa: E402
 from dsv4_jax.run_context import RunContext  # noqa: E402
-from dsv4_jax.sharding import EXPERT, param_shardings, state_shardings  # noqa: E402
+from dsv4_jax.sharding import EXPERT, param_shardings, splits_heads, splits_shared_expert, state_shardings  # noqa: E402
 from dsv4_jax.state import init_state  # noqa: E402
 
 MESHES = (2, 4, 8)                           # devices, all along "expert"
@@ -100,8 +102,57 @@ def check_model(directory: str) -> None:
         print(f"ok: {name}: logits, tokens, shardings, {dict(ops)}")
 
 
+# The tiny model with heads, output groups and a shared expert that split into whole FP8 blocks (sharding.rules):
+# at 4 devices the heads and the shared expert split, at 8 the heads only (512 / 8 hidden units is not a block).
+TENSOR_PARALLEL = presets.tiny().replace(n_heads=8, head_dim=128, rope_head_dim=64, index_head_dim=128, o_groups=8,
+                                         o_lora_rank=128, moe_inter_dim=512, dim=256)
+
+
+def check_tensor_parallel() -> None:
+    """Attention heads (and the shared expert) split over 4 and 8 devices: prefill and decode logits equal one
+    device's, the weights carry the split, a decode step compiles once and holds two all-reduces per layer
+    (attention, MoE) and no other collective."""
+    cfg = TENSOR_PARALLEL
+    tokens = np.random.default_rng().integers(0, cfg.vocab_size, (2, 20)).astype(np.int32)
+
+    def logits(model):
+        prefill, state = model.prefill(tokens, np.array([20, 7], np.int32))
+        step, state = model.decode(np.array([5, 9], np.int32), state)
+        return np.asarray(prefill), np.asarray(step), state
+
+    want = logits(dsv4_jax.init_random(cfg, seed=3, **KW))
+    scale = np.abs(want[0]).max()
+    for n, shared_split in ((4, True), (8, False)):
+        name = f"tensor parallel at {n} devices"
+        check(splits_heads(cfg, n) and splits_shared_expert(cfg, n) == shared_split, f"{name}: unexpected rules")
+        model = dsv4_jax.init_random(cfg, seed=3, mesh=dsv4_jax.make_mesh(n), **KW)
+        layer = model.params["layers"][1]
+        check(layer["attn"]["wq_b"]["weight"].weight.sharding.spec == jax.sharding.PartitionSpec(EXPERT, None)
+              and layer["attn"]["wo_b"]["weight"].scale.sharding.spec == jax.sharding.PartitionSpec(None, EXPERT),
+              f"{name}: wq_b / wo_b are not split")
+        shared = layer["ffn"]["shared_experts"]["w1"]["weight"].weight.sharding.spec
+        check((shared == jax.sharding.PartitionSpec(EXPERT, None)) == shared_split,
+              f"{name}: shared expert w1 sharding {shared}")
+        got = logits(model)
+        for what, a, b in zip(("prefill", "decode step"), got[:2], want[:2]):
+            err = np.abs(a - b).max() / scale
+            check(err < 1e-5, f"{name}: {what} logits differ from one device's by {err:.3g} of the largest")
+        state = got[2]
+        compiled = engine.decode_step._cache_size()
+        for t in range(2):
+            _, state = model.decode(np.array([t, t + 1], np.int32), state)
+        check(engine.decode_step._cache_size() == compiled, f"{name}: the decode step recompiled")
+        hlo = engine.decode_step.lower(model.params, state, jnp.asarray([1, 2], jnp.int32), cfg=cfg,
+                                       ctx=model.context, max_seq_len=model.max_seq_len).compile().as_text()
+        ops = collections.Counter(re.findall(COLLECTIVES, hlo))
+        check(ops == {"all-reduce": 2 * cfg.n_layers}, f"{name}: decode-step collectives {dict(ops)}, want two "
+                                                       f"all-reduces per layer ({2 * cfg.n_layers})")
+        print(f"ok: {name}: logits, shardings, {dict(ops)}")
+
+
 def check_flash_lowering() -> None:
-    """A 2-layer Flash-geometry decode step lowered for CUDA devices with the dsv4_jax/ffi/ kernels planned."""
+    """A 2-layer Flash-geometry decode step lowered for CUDA devices with the dsv4_jax/ffi/ kernels planned: at 2
+    devices the experts split, at 8 also the attention heads and the shared expert (sharding.rules)."""
     from jax._src.pallas.triton import gpu_info
 
     from dsv4_jax import ffi
@@ -128,9 +179,15 @@ def check_flash_lowering() -> None:
         check(len(routed) == 2 * cfg.n_layers, f"Flash at {n}: {len(routed)} routed-expert calls, want 2 per layer")
         check(all(operands.split(", ")[1].startswith(local) for operands in routed),
               f"Flash at {n}: a routed-expert call does not see {cfg.n_routed_experts // n} local experts")
+        per_layer = 2 if splits_heads(cfg, n) else 1                      # + the attention output's psum
         reduces = text.count("stablehlo.all_reduce")
-        check(reduces == cfg.n_layers and "all_gather" not in text,
-              f"Flash at {n}: {reduces} all-reduces (want {cfg.n_layers}), all-gather: {'all_gather' in text}")
+        check(reduces == per_layer * cfg.n_layers and "all_gather" not in text,
+              f"Flash at {n}: {reduces} all-reduces (want {per_layer * cfg.n_layers}), all-gather: "
+              f"{'all_gather' in text}")
+        heads = cfg.n_heads * cfg.head_dim // (n if splits_heads(cfg, n) else 1)    # wq_b rows this device holds
+        fp8 = [operands for target, operands in calls if target.startswith("dsv4_fp8_gemv")]
+        check(any(f"x{heads}x{cfg.q_lora_rank}xui8>" in operands for operands in fp8),     # [slot, rows, K] bytes
+              f"Flash at {n}: no FP8 GEMV sees wq_b's {heads} local rows")
         print(f"ok: Flash geometry at {n} devices: {len(calls)} custom calls, routed ones on "
               f"{cfg.n_routed_experts // n} experts, {reduces} all-reduces")
 
@@ -168,6 +225,7 @@ if __name__ == "__main__":
     check(len(jax.devices()) == 8, f"expected 8 fake CPU devices, got {jax.devices()}")
     check_model(sys.argv[1])
     check_random_model()
+    check_tensor_parallel()
     check_flash_lowering()
     check_serving()
     print("all sharded checks passed")

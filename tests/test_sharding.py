@@ -43,6 +43,20 @@ def test_rules_split_only_the_experts():
     assert partition_spec(None, 2) == P(None, None)
 
 
+def test_heads_and_shared_expert_split_from_four_devices():
+    """sharding.rules: the experts always; from 4 devices also the attention heads, output groups and the shared
+    expert where they divide into whole FP8 blocks (Flash, Pro); the tiny preset's do not (its heads stay whole)."""
+    from dsv4_jax.sharding import rules
+    only_experts = {"experts": "expert"}
+    tensor = {"experts": "expert", "heads": "expert", "o_groups": "expert", "mlp": "expert"}
+    for cfg in (presets.flash(), presets.pro()):
+        assert rules(cfg, 1) == rules(cfg, 2) == only_experts
+        assert rules(cfg, 4) == rules(cfg, 8) == tensor
+    assert rules(presets.flash(), 16) == only_experts               # Flash's 8 output groups do not split 16 ways
+    assert all(rules(presets.tiny(), n) == only_experts for n in (2, 4, 8))
+    assert partition_spec((None, "o_groups"), 2, tensor) == P(None, "expert")      # wo_b's inputs
+
+
 def test_mesh_errors_are_one_line():
     with pytest.raises(ValueError, match=r"n_devices must be an integer in \[1, 1\]"):
         make_mesh(2)

@@ -15,9 +15,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from .. import kv_cache
 from ..config import ModelConfig
+from ..sharding import EXPERT, expert_devices, splits_heads
 from ..pallas_kernels import decode_attention
 from ..quant import group_linear, linear, linear_pair
 from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
@@ -241,6 +243,53 @@ def _attend(q, ring, kv, start, positions, sink, scale: float, window: int, rati
     return (out / denom[..., None]).astype(dtype)
 
 
+def _queries(params: dict, cfg: ModelConfig, q_latent: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
+             ctx) -> jax.Array:
+    """The rotated per-head queries [B, S, n_heads, head_dim] of q_latent (wq_b, per-head RMS norm, RoPE)."""
+    batch, seq, _ = q_latent.shape
+    q = linear(q_latent, params["wq_b"]["weight"], ctx=ctx).reshape(batch, seq, cfg.n_heads, cfg.head_dim)
+    q = rms_norm(q, None, cfg.norm_eps)
+    return apply_rope(q, positions[:, :, None], inv_freq)
+
+
+def _output(params: dict, cfg: ModelConfig, out: jax.Array, out_dtype, ctx) -> jax.Array:
+    """The grouped low-rank output projection of the heads' outputs [B, S, n_heads, head_dim] (inverse RoPE done):
+    wo_a per group, then wo_b. [B, S, D] in out_dtype."""
+    batch, seq = out.shape[:2]
+    groups = cfg.o_groups
+    out = out.reshape(batch, seq, groups, (cfg.n_heads // groups) * cfg.head_dim)
+    # wo_a: the reference multiplies it in bf16 (convert.py dequantizes it), so its input is never quantized.
+    z = group_linear(out, params["wo_a"]["weight"], ctx=ctx.without_act_quant())
+    return linear(z.reshape(batch, seq, groups * cfg.o_lora_rank), params["wo_b"]["weight"], out_dtype, ctx=ctx)
+
+
+def _split_heads_output(params: dict, cfg: ModelConfig, q_latent, kv, ring, compressed, picks, start, positions,
+                        ratio: int, inv_freq: np.ndarray, ctx) -> jax.Array:
+    """Queries, attention and output projection with the heads split over the mesh's "expert" axis (sharding.rules):
+    each device runs, inside shard_map on its local shards, its n_heads / n heads and o_groups / n output groups,
+    and one psum (float32) adds the devices' partial wo_b outputs. The inputs (the query latent, the chunk's keys,
+    the caches, the picks) are the same on every device. Returns [B, S, D] in q_latent's dtype."""
+    mesh, n = ctx.mesh, expert_devices(ctx.mesh)
+    local_cfg = cfg.replace(n_heads=cfg.n_heads // n, o_groups=cfg.o_groups // n)
+    heads = {name: params[name] for name in ("wq_b", "attn_sink", "wo_a", "wo_b")}
+    rows = lambda tree: jax.tree.map(lambda a: P(EXPERT, *([None] * (a.ndim - 1))) if a.ndim else P(), tree)  # noqa: E731
+    columns = lambda tree: jax.tree.map(lambda a: P(None, EXPERT) if a.ndim == 2 else P(), tree)  # noqa: E731
+    specs = {"wq_b": rows(heads["wq_b"]), "attn_sink": rows(heads["attn_sink"]), "wo_a": rows(heads["wo_a"]),
+             "wo_b": columns(heads["wo_b"])}
+    replicated = (q_latent, kv, ring, compressed, picks, start, positions)
+
+    def local(heads, q_latent, kv, ring, compressed, picks, start, positions):
+        q = _queries(heads, local_cfg, q_latent, positions, inv_freq, ctx)
+        out = _attend(q, ring, kv, start, positions, heads["attn_sink"], cfg.head_dim ** -0.5, cfg.window_size,
+                      ratio, compressed, picks)
+        out = apply_rope(out, positions[:, :, None], inv_freq, inverse=True)
+        return jax.lax.psum(_output(heads, local_cfg, out, jnp.float32, ctx), EXPERT)
+
+    y = jax.shard_map(local, mesh=mesh, in_specs=(specs, *(jax.tree.map(lambda _: P(), a) for a in replicated)),
+                      out_specs=P(), check_vma=False)(heads, *replicated)
+    return y.astype(q_latent.dtype)
+
+
 @jax.named_scope("attention")
 def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: jax.Array, n_valid: jax.Array,
               cache: dict, inv_freq: np.ndarray, ctx, defer: bool = False):
@@ -256,7 +305,10 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     positions = start[:, None] + jnp.arange(seq, dtype=jnp.int32)[None, :]
 
     ring = cache["window_kv"]                                # the window before this chunk
-    on_kernel = _takes_decode_kernel(ctx, cfg, seq)
+    split = splits_heads(cfg, expert_devices(ctx.mesh))     # the heads split over the mesh (sharding.rules)
+    if split and ctx.training is not None:
+        raise NotImplementedError("training with the attention heads split over a mesh (sharding.splits_heads)")
+    on_kernel = not split and _takes_decode_kernel(ctx, cfg, seq)
     # wq_a and wkv read the same x: one launch for both where a decode kernel takes them (linear_pair)
     q_a, kv_a = linear_pair(x, params["wq_a"]["weight"], params["wkv"]["weight"], ctx=ctx)
     q_latent = rms_norm(q_a, params["q_norm"]["weight"], cfg.norm_eps)
@@ -265,9 +317,7 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         # (norm, RoPE, fake quant): no launches of their own
         q = linear(q_latent, params["wq_b"]["weight"], jnp.float32, ctx=ctx).reshape(batch, seq, n_heads, head_dim)
     else:
-        q = linear(q_latent, params["wq_b"]["weight"], ctx=ctx).reshape(batch, seq, n_heads, head_dim)
-        q = rms_norm(q, None, cfg.norm_eps)
-        q = apply_rope(q, positions[:, :, None], inv_freq)
+        q = None if split else _queries(params, cfg, q_latent, positions, inv_freq, ctx)   # split: per device
         kv = rms_norm(kv_a, params["kv_norm"]["weight"], cfg.norm_eps)
         kv = apply_rope(kv, positions, inv_freq)
         if ctx.simulate_quant:
@@ -322,15 +372,16 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     else:
         if compressed is not None and ratio != 4:
             compressed = kv_cache.leading(compressed, live)
-        out = _attend(q, ring, kv, start, positions, sink, scale, window, ratio, compressed, picks)
-        out = apply_rope(out, positions[:, :, None], inv_freq, inverse=True)
+        if not split:
+            out = _attend(q, ring, kv, start, positions, sink, scale, window, ratio, compressed, picks)
+            out = apply_rope(out, positions[:, :, None], inv_freq, inverse=True)
     if defer:
         new_cache["window_kv"], new_cache["pending"]["window_kv"] = ring, kv
     else:
         new_cache["window_kv"] = write_ring(ring, kv, start, n_valid)
-    groups = cfg.o_groups
-    out = out.reshape(batch, seq, groups, (n_heads // groups) * head_dim)
-    # wo_a: the reference multiplies it in bf16 (convert.py dequantizes it), so its input is never quantized.
-    z = group_linear(out, params["wo_a"]["weight"], ctx=ctx.without_act_quant())
-    y = linear(z.reshape(batch, seq, groups * cfg.o_lora_rank), params["wo_b"]["weight"], ctx=ctx)
+    if split:
+        y = _split_heads_output(params, cfg, q_latent, kv, ring, compressed, picks, start, positions,
+                                ratio if compressed is not None else 0, inv_freq, ctx)
+    else:
+        y = _output(params, cfg, out, dtype, ctx)
     return y, new_cache, stats

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..config import ModelConfig
 from ..quant import dequantize, grouped_linear, grouped_linear_pair, kernel_dispatch, linear, linear_pair
-from ..sharding import DATA, EXPERT
+from ..sharding import DATA, EXPERT, expert_devices, splits_shared_expert
 
 
 @jax.named_scope("router")
@@ -73,26 +73,36 @@ def _grouped_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: j
 
 
 @jax.named_scope("routed_experts")
-def routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax.Array, weights: jax.Array, ctx):
-    """Sum over each token's K experts of weight * expert(x). Returns float32 [T, D].
+def routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax.Array, weights: jax.Array, ctx,
+                   shared: dict | None = None):
+    """Sum over each token's K experts of weight * expert(x), plus the shared expert of `shared` (its params) if
+    given. Returns float32 [T, D].
 
     On a mesh whose "expert" axis splits the experts (sharding.py) each device runs, inside shard_map on its local
-    shards (so the kernels see local shapes and no weight is gathered), the rows routed to its own E / n experts;
-    one psum over the axis adds the partial outputs."""
+    shards (so the kernels see local shapes and no weight is gathered), the rows routed to its own E / n experts,
+    and with `shared` its slice of the shared expert's hidden units (sharding.splits_shared_expert); one psum over
+    the axis adds the partial outputs."""
     mesh = ctx.mesh
     if mesh is None or mesh.shape[EXPERT] == 1:
-        return _grouped_experts(params, cfg, x, expert_ids, weights, cfg.n_routed_experts, ctx)
+        y = _grouped_experts(params, cfg, x, expert_ids, weights, cfg.n_routed_experts, ctx)
+        return y if shared is None else y + shared_expert(shared, cfg, x, ctx)
     n_local = cfg.n_routed_experts // mesh.shape[EXPERT]
 
-    def local(params, x, expert_ids, weights):
+    def local(params, shared, x, expert_ids, weights):
         ids = expert_ids - jax.lax.axis_index(EXPERT) * n_local
         ids = jnp.where((ids >= 0) & (ids < n_local), ids, n_local)       # another device's expert
-        return jax.lax.psum(_grouped_experts(params, cfg, x, ids, weights, n_local, ctx), EXPERT)
+        y = _grouped_experts(params, cfg, x, ids, weights, n_local, ctx)
+        if shared is not None:
+            y = y + shared_expert(shared, cfg, x, ctx)                    # this device's hidden units
+        return jax.lax.psum(y, EXPERT)
 
     expert_shards = jax.tree.map(lambda a: P(EXPERT, *([None] * (a.ndim - 1))), params)
+    shared_shards = None if shared is None else {        # w1 / w3 rows, w2 inputs; a scalar global scale whole
+        name: jax.tree.map(lambda a, axis=axis: P(*([None] * axis), EXPERT) if a.ndim == 2 else P(), shared[name])
+        for name, axis in (("w1", 0), ("w3", 0), ("w2", 1))}
     rows = P(DATA, None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(expert_shards, rows, rows, rows), out_specs=rows,
-                         check_vma=False)(params, x, expert_ids, weights)
+    return jax.shard_map(local, mesh=mesh, in_specs=(expert_shards, shared_shards, rows, rows, rows),
+                         out_specs=rows, check_vma=False)(params, shared, x, expert_ids, weights)
 
 
 @jax.named_scope("routed_experts")
@@ -136,9 +146,13 @@ def moe(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash
         if ctx.mesh is not None and ctx.mesh.shape[EXPERT] > 1:
             raise NotImplementedError("capacity-slot experts (Training.moe_capacity) on an expert-split mesh")
         y = capacity_routed_experts(params["experts"], cfg, x2, expert_ids, weights, training.moe_capacity)
+        y = y + shared_expert(params["shared_experts"], cfg, x2, ctx)
+    elif splits_shared_expert(cfg, expert_devices(ctx.mesh)):
+        # the shared expert's hidden units are split over the devices too: its partial outputs join the MoE psum
+        y = routed_experts(params["experts"], cfg, x2, expert_ids, weights, ctx, shared=params["shared_experts"])
     else:
         y = routed_experts(params["experts"], cfg, x2, expert_ids, weights, ctx)
-    y = y + shared_expert(params["shared_experts"], cfg, x2, ctx)
+        y = y + shared_expert(params["shared_experts"], cfg, x2, ctx)
     stats = {}
     if training is not None and not hash_routed:
         stats["expert_load"] = jnp.bincount(expert_ids.reshape(-1), length=cfg.n_routed_experts)
