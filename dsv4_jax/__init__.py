@@ -62,7 +62,8 @@ def load(path=None, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch:
     quantizes the bf16 lm_head to NVFP4 once at load (standard recipe, on device) and frees the bf16 copy; the
     router gate is never quantized. `kernels` is planned once, here, for `target` (default: JAX's default device; Model says
     more). `mesh` (make_mesh): each tensor goes from its memory map straight to the devices that hold its shards
-    (sharding.RULES: the routed experts split on the "expert" axis, the rest replicated). `scan_layers`,
+    (sharding.rules: the routed experts split on the "expert" axis, from 4 devices the attention heads and the
+    shared expert too, the rest replicated). `scan_layers`,
     `kv_cache_dtype` ("fp8": compact decode-state entries): as Model takes them."""
     from .checkpoint import CheckpointError, load_params
     from .orbax_checkpoint import is_orbax_checkpoint, restore

@@ -73,7 +73,7 @@ class Model:
         """`kernels`: a mode ("auto", "reference", "pallas", "interpret") planned for `target` (a jax Device or
         jax.sharding.AbstractDevice to compile for; default: the mesh's first device, else JAX's default device),
         or a KernelPlan. `mesh` (sharding.make_mesh): the devices the model runs on; parameters not yet placed on
-        it are placed by sharding.RULES, and decode states are made on it. `tokenizer`: the checkpoint's, a
+        it are placed by sharding.rules, and decode states are made on it. `tokenizer`: the checkpoint's, a
         dsv4_jax.tokenizer.Tokenizer or the path of its tokenizer.json (read on first use of `model.tokenizer`).
         `scan_layers`: run the repeated layer pattern under lax.scan (layer_scan.py: a deep model's programs
         compile in a fraction of the time; a step moves each scanned cache once more); its weights are stacked

@@ -5,7 +5,8 @@ compiled programs.
     print(plan.table())
 
 Weights and decode state are counted from the weight description and jax.eval_shape (nothing allocated), per
-device under sharding.RULES (the routed experts split over the devices, the rest replicated). With `compiled=True`
+device under sharding.rules (the routed experts split over the devices, from 4 devices the attention heads and
+the shared expert too, the rest replicated). With `compiled=True`
 the prefill chunk and the decode step are also compiled for the mesh's devices from abstract arguments, and
 their temporary bytes read from XLA's memory analysis (on the CPU backend that is the CPU program's figure).
 """
