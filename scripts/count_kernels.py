@@ -26,17 +26,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 TARGET_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "h200_target_config.txtpb")
 
 
-def h200_device():
-    """The compile-only H200 of a one-device CUDA topology."""
+def h200_devices(n: int = 1) -> list:
+    """The compile-only H200s of a one-host CUDA topology of n GPUs."""
     from jax.experimental import topologies
     with open(TARGET_CONFIG) as f:
         target_config = f.read()
     try:
-        topology = topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=target_config)
+        topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{n}", target_config=target_config)
     except Exception as err:       # no CUDA plugin in this environment, or its checks refused to load
-        raise SystemExit(f"count_kernels.py needs jax's CUDA build (pip install 'jax[cuda13]==0.11.2'; no GPU "
+        raise SystemExit(f"this script needs jax's CUDA build (pip install 'jax[cuda13]==0.11.2'; no GPU "
                          f"needed) and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1: {str(err).splitlines()[0]}") from None
-    return topology.devices[0]
+    return list(topology.devices)
+
+
+def h200_device():
+    """The compile-only H200 of a one-device CUDA topology."""
+    return h200_devices(1)[0]
 
 
 def _pallas_target(device):

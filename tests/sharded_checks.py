@@ -11,8 +11,8 @@ holds one all-reduce per layer and no all-gather. A tiny geometry whose heads sp
 8 devices (tensor-parallel attention, and at 4 the shared expert): logits equal, weights split, two all-reduces
 per layer. Then a 2-layer Flash-geometry decode step lowered for CUDA with the ffi/ kernels planned, at 2 and 8
 devices: every routed-expert custom call sees E / n experts, at 8 wq_b's GEMV its local rows, and the program has
-one all-reduce per layer at 2 devices, two at 8. And the tiny preset's random weights made on an 8-device mesh (init_random: each
-device generates its own shards) are bit for bit those made on one device.
+one all-reduce per layer at 2 devices, two at 8. And the tiny preset's random weights made on an 8-device mesh
+(init_random: each device generates its own shards) are bit for bit those made on one device.
 """
 
 from __future__ import annotations

@@ -261,7 +261,8 @@ def tables(result: dict) -> str:
         lines += [f"{c['k']:2d} {c['batch']:5d} {c['ms_per_step']:9.3f} {c['break_even_tokens_per_step']:7.2f}x "
                   f"{c['tokens_per_step']:11.2f}" for c in result["speculative"]]
     lines += ["", "compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in result["compile"].items())]
-    for key, what in (("profile", "one batch-{batch} decode step"), ("profile_prefill", "one {chunk}-token prefill chunk")):
+    profiles = (("profile", "one batch-{batch} decode step"), ("profile_prefill", "one {chunk}-token prefill chunk"))
+    for key, what in profiles:
         if key in result:
             prof = result[key]
             lines += ["", f"{what.format(**prof)}: {prof['kernel_ms_per_step']:.3f} ms of kernels, "
