@@ -60,15 +60,18 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _per_device_bytes(cfg: ModelConfig, n_experts_split: int, stored) -> int:
+def weight_bytes_per_device(cfg: ModelConfig, n_devices: int, stored=None) -> dict[str, int]:
+    """Bytes one of `n_devices` devices along "expert" holds of each weight (official name -> bytes, every stored
+    array of the weight counted) under sharding.rules."""
     abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), stored))
-    total = 0
-    axis_rules = rules(cfg, n_experts_split)
+    axis_rules = rules(cfg, n_devices)
+    held = {}
     for spec in weight_specs(cfg, stored):
+        held[spec.name] = 0
         for leaf in jax.tree.leaves(tree_get(abstract, spec.name)):
-            split = n_experts_split if EXPERT in tuple(partition_spec(spec.axes, leaf.ndim, axis_rules)) else 1
-            total += math.prod(leaf.shape) * leaf.dtype.itemsize // split
-    return total
+            split = n_devices if EXPERT in tuple(partition_spec(spec.axes, leaf.ndim, axis_rules)) else 1
+            held[spec.name] += math.prod(leaf.shape) * leaf.dtype.itemsize // split
+    return held
 
 
 def memory_plan(config: ModelConfig, mesh=None, n_devices: int | None = None, max_seq_len: int = 4096,
@@ -93,8 +96,8 @@ def memory_plan(config: ModelConfig, mesh=None, n_devices: int | None = None, ma
     if device_memory is None and (mesh is not None or compiled):
         device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
         device_memory = (device.memory_stats() or {}).get("bytes_limit")
-    return MemoryPlan(n_devices, _per_device_bytes(config, n_devices, stored), state, prefill_temp, decode_temp,
-                      device_memory)
+    return MemoryPlan(n_devices, sum(weight_bytes_per_device(config, n_devices, stored).values()), state,
+                      prefill_temp, decode_temp, device_memory)
 
 
 def _compiled_temporaries(cfg, mesh, max_seq_len, max_batch, prefill_chunk, dtype, stored, kv_cache_dtype=None):

@@ -69,6 +69,12 @@ def rules(cfg: ModelConfig, n: int) -> dict[str, str]:
     return out
 
 
+def split_along(tree, dim: int):
+    """shard_map specs splitting every array of a weight (or a tree of them) along `dim` over "expert": its rows
+    (dim 0) or inputs (dim 1); an array with no such dim (a scalar global scale) whole on every device."""
+    return jax.tree.map(lambda a: P(*([None] * dim), EXPERT) if a.ndim > dim else P(), tree)
+
+
 def expert_devices(mesh: Mesh | None) -> int:
     """Devices along the mesh's "expert" axis (1 without a mesh)."""
     return 1 if mesh is None else mesh.shape[EXPERT]

@@ -30,33 +30,25 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-
 from dsv4_jax import presets  # noqa: E402
-from dsv4_jax.params import init_params, tree_get, weight_specs  # noqa: E402
-from dsv4_jax.sharding import EXPERT, partition_spec, rules, splits_heads  # noqa: E402
+from dsv4_jax.memory_plan import weight_bytes_per_device  # noqa: E402
+from dsv4_jax.sharding import splits_heads  # noqa: E402
 
 
 def weight_groups(cfg, n_split: int | None = None) -> dict[str, float]:
     """Bytes per kind of weight for the whole model: 'attention' (all of attn.*), 'shared', 'routed' (all
     experts), 'embed', 'head', 'other' (norms, mHC, router). With `n_split`: the bytes one of n_split devices holds
     under sharding.rules."""
-    abstract = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
     groups = dict.fromkeys(("attention", "shared", "routed", "embed", "head", "other"), 0)
-    axis_rules = rules(cfg, n_split or 1)
-    for spec in weight_specs(cfg):
-        size = 0
-        for leaf in jax.tree.leaves(tree_get(abstract, spec.name)):
-            split = n_split if n_split and EXPERT in tuple(partition_spec(spec.axes, leaf.ndim, axis_rules)) else 1
-            size += leaf.size * leaf.dtype.itemsize / split
-        if ".experts." in spec.name:
+    for name, size in weight_bytes_per_device(cfg, n_split or 1).items():
+        if ".experts." in name:
             groups["routed"] += size
-        elif ".shared_experts." in spec.name:
+        elif ".shared_experts." in name:
             groups["shared"] += size
-        elif ".attn." in spec.name:
+        elif ".attn." in name:
             groups["attention"] += size
-        elif spec.name.startswith(("embed", "head")):
-            groups[spec.name.split(".")[0]] += size
+        elif name.startswith(("embed", "head")):
+            groups[name.split(".")[0]] += size
         else:
             groups["other"] += size
     return groups

@@ -64,6 +64,32 @@ def run(model, tokens, everything: bool):
     return forward, np.asarray(prefill), np.asarray(step), generated
 
 
+def check_logits(name: str, whats, got, want, scale: float) -> None:
+    """Each named logits array (None: not run) within 1e-5 of the largest single-device logit of one device's."""
+    for what, a, b in zip(whats, got, want):
+        if a is None:
+            continue
+        err = np.abs(a - b).max() / scale
+        check(err < 1e-5, f"{name}: {what} logits differ from one device's by {err:.3g} of the largest")
+
+
+def check_decode_step(model, state, name: str, all_reduces_per_layer: int) -> dict:
+    """Three more decode steps compile nothing new, and the compiled step holds exactly the given number of
+    all-reduces per layer and no other collective. Returns the collectives counted."""
+    cfg = model.config
+    compiled = engine.decode_step._cache_size()
+    for t in range(3):
+        _, state = model.decode(np.array([t, t + 1], np.int32), state)
+    check(engine.decode_step._cache_size() == compiled, f"{name}: the decode step recompiled")
+    hlo = engine.decode_step.lower(model.params, state, jnp.asarray([1, 2], jnp.int32), cfg=cfg,
+                                   ctx=model.context, max_seq_len=model.max_seq_len).compile().as_text()
+    ops = collections.Counter(re.findall(COLLECTIVES, hlo))
+    want = all_reduces_per_layer * cfg.n_layers
+    check(ops == {"all-reduce": want}, f"{name}: decode-step collectives {dict(ops)}, want "
+                                       f"{all_reduces_per_layer} all-reduce(s) per layer ({want})")
+    return dict(ops)
+
+
 def check_model(directory: str) -> None:
     tokens = np.random.default_rng().integers(0, presets.tiny().vocab_size, (2, 20)).astype(np.int32)
     single = dsv4_jax.load(directory, **KW)
@@ -82,23 +108,11 @@ def check_model(directory: str) -> None:
                       f"{name}: an expert shard holds {stack.addressable_shards[0].data.nbytes} of "
                       f"{stack.nbytes} bytes")
         got = run(model, tokens, everything=n == MESHES[-1])
-        for what, a, b in zip(("forward", "prefill", "decode step"), got[:3], want[:3]):
-            if a is None:
-                continue
-            err = np.abs(a - b).max() / scale
-            check(err < 1e-5, f"{name}: {what} logits differ from one device's by {err:.3g} of the largest")
+        check_logits(name, ("forward", "prefill", "decode step"), got[:3], want[:3], scale)
         check(got[3] is None or got[3] == want[3], f"{name}: greedy tokens {got[3]} != one device's {want[3]}")
         _, state = model.prefill(tokens)
-        compiled = engine.decode_step._cache_size()
-        for t in range(3):
-            _, state = model.decode(np.array([t, t + 1], np.int32), state)
-        check(engine.decode_step._cache_size() == compiled, f"{name}: the decode step recompiled")
-        hlo = engine.decode_step.lower(model.params, state, jnp.asarray([1, 2], jnp.int32), cfg=cfg,
-                                       ctx=model.context, max_seq_len=model.max_seq_len).compile().as_text()
-        ops = collections.Counter(re.findall(COLLECTIVES, hlo))
-        check(ops == {"all-reduce": cfg.n_layers}, f"{name}: decode-step collectives {dict(ops)}, want one "
-                                                   f"all-reduce per layer ({cfg.n_layers})")
-        print(f"ok: {name}: logits, tokens, shardings, {dict(ops)}")
+        ops = check_decode_step(model, state, name, all_reduces_per_layer=1)
+        print(f"ok: {name}: logits, tokens, shardings, {ops}")
 
 
 # The tiny model with heads, output groups and a shared expert that split into whole FP8 blocks over 8 devices
@@ -133,20 +147,9 @@ def check_tensor_parallel() -> None:
     shared = layer["ffn"]["shared_experts"]["w1"]["weight"].weight.sharding.spec
     check(shared == jax.sharding.PartitionSpec(EXPERT, None), f"{name}: shared expert w1 sharding {shared}")
     got = logits(model)
-    for what, a, b in zip(("prefill", "decode step"), got[:2], want[:2]):
-        err = np.abs(a - b).max() / scale
-        check(err < 1e-5, f"{name}: {what} logits differ from one device's by {err:.3g} of the largest")
-    state = got[2]
-    compiled = engine.decode_step._cache_size()
-    for t in range(2):
-        _, state = model.decode(np.array([t, t + 1], np.int32), state)
-    check(engine.decode_step._cache_size() == compiled, f"{name}: the decode step recompiled")
-    hlo = engine.decode_step.lower(model.params, state, jnp.asarray([1, 2], jnp.int32), cfg=cfg,
-                                   ctx=model.context, max_seq_len=model.max_seq_len).compile().as_text()
-    ops = collections.Counter(re.findall(COLLECTIVES, hlo))
-    check(ops == {"all-reduce": 2 * cfg.n_layers}, f"{name}: decode-step collectives {dict(ops)}, want two "
-                                                   f"all-reduces per layer ({2 * cfg.n_layers})")
-    print(f"ok: {name}: logits, shardings, {dict(ops)}")
+    check_logits(name, ("prefill", "decode step"), got[:2], want[:2], scale)
+    ops = check_decode_step(model, got[2], name, all_reduces_per_layer=2)
+    print(f"ok: {name}: logits, shardings, {ops}")
 
 
 def check_flash_lowering() -> None:

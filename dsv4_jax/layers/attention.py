@@ -22,7 +22,7 @@ from ..config import ModelConfig
 from ..pallas_kernels import decode_attention
 from ..quant import group_linear, linear, linear_pair
 from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
-from ..sharding import EXPERT, expert_devices, splits_heads
+from ..sharding import EXPERT, expert_devices, split_along, splits_heads
 from .compressor import compressor_commit, compressor_read, compressor_update
 from .indexer_loss import indexer_kl
 from .norm import rms_norm
@@ -272,12 +272,7 @@ def _split_heads_output(params: dict, cfg: ModelConfig, q_latent, kv, ring, comp
     mesh, n = ctx.mesh, expert_devices(ctx.mesh)
     local_cfg = cfg.replace(n_heads=cfg.n_heads // n, o_groups=cfg.o_groups // n)
     heads = {name: params[name] for name in ("wq_b", "attn_sink", "wo_a", "wo_b")}
-
-    def split_dim(tree, dim: int):
-        """Every array of a weight split along `dim` (its rows or inputs); a scalar global scale whole."""
-        return jax.tree.map(lambda a: P(*([None] * dim), EXPERT) if a.ndim > dim else P(), tree)
-    specs = {"wq_b": split_dim(heads["wq_b"], 0), "attn_sink": split_dim(heads["attn_sink"], 0),
-             "wo_a": split_dim(heads["wo_a"], 0), "wo_b": split_dim(heads["wo_b"], 1)}
+    specs = {name: split_along(heads[name], 1 if name == "wo_b" else 0) for name in heads}   # wo_b: its inputs
     replicated = (q_latent, kv, ring, compressed, picks, start, positions)
 
     def local(heads, q_latent, kv, ring, compressed, picks, start, positions):

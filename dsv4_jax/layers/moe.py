@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..config import ModelConfig
 from ..quant import dequantize, grouped_linear, grouped_linear_pair, kernel_dispatch, linear, linear_pair
-from ..sharding import DATA, EXPERT, expert_devices, splits_shared_expert
+from ..sharding import DATA, EXPERT, expert_devices, split_along, splits_shared_expert
 
 
 @jax.named_scope("router")
@@ -96,10 +96,9 @@ def routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax
             y = y + shared_expert(shared, cfg, x, ctx)                    # this device's hidden units
         return jax.lax.psum(y, EXPERT)
 
-    expert_shards = jax.tree.map(lambda a: P(EXPERT, *([None] * (a.ndim - 1))), params)
-    shared_shards = None if shared is None else {        # w1 / w3 rows, w2 inputs; a scalar global scale whole
-        name: jax.tree.map(lambda a, axis=axis: P(*([None] * axis), EXPERT) if a.ndim == 2 else P(), shared[name])
-        for name, axis in (("w1", 0), ("w3", 0), ("w2", 1))}
+    expert_shards = split_along(params, 0)
+    shared_shards = None if shared is None else {name: split_along(shared[name], 1 if name == "w2" else 0)
+                                                 for name in ("w1", "w3", "w2")}     # w1 / w3 rows, w2 inputs
     rows = P(DATA, None)
     return jax.shard_map(local, mesh=mesh, in_specs=(expert_shards, shared_shards, rows, rows, rows),
                          out_specs=rows, check_vma=False)(params, shared, x, expert_ids, weights)
