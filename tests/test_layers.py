@@ -562,6 +562,34 @@ def test_attention(tiny, xseq, layer, simulate_quant):
                                     f"reference, atol 2e-5 x max|out| = {tol:.3g}")
 
 
+@pytest.mark.parametrize("seq", [17, 32, 61], ids=["one-block-and-a-query", "two-blocks", "pads-to-four"])
+def test_window_blocks_equal_the_softmax_over_each_querys_window(seq):
+    """A chunk longer than the window takes _window_blocks; float64 softmax over exactly the keys at positions
+    p - window + 1 .. p (ring slots of earlier positions, then the chunk), with the sink in the denominator. One
+    row continues a sequence (its ring full), the other starts one (its ring unwritten: negative positions)."""
+    window, n_heads, head_dim = 16, 3, 8
+    start = np.array([37, 0], np.int32)
+    rng = np.random.default_rng(seq)
+    q, kv = rng.standard_normal((2, seq, n_heads, head_dim)), rng.standard_normal((2, seq, head_dim))
+    ring, sink = rng.standard_normal((2, window, head_dim)), rng.standard_normal(n_heads)
+    positions = start[:, None] + np.arange(seq, dtype=np.int32)[None, :]
+    got = attention_module._attend(*(jnp.asarray(a, jnp.float32) for a in (q, ring, kv)), jnp.asarray(start),
+                                   jnp.asarray(positions), jnp.asarray(sink, jnp.float32), 0.3, window, 0, None, None)
+    want = np.full_like(q, np.nan)
+    for b in range(2):
+        ring_pos = np.asarray(attention_module.ring_positions(jnp.asarray(start[b:b + 1]), window))[0]
+        keys, key_pos = np.concatenate([ring[b], kv[b]]), np.concatenate([ring_pos, positions[b]])
+        for t, p in enumerate(positions[b]):
+            seen = (key_pos >= 0) & (key_pos <= p) & (key_pos > p - window)
+            assert seen.sum() == min(window, p + 1)
+            logits = 0.3 * q[b, t] @ keys[seen].T                                             # [H, seen]
+            peak = np.maximum(logits.max(axis=-1), sink)
+            e = np.exp(logits - peak[:, None])
+            want[b, t] = (e @ keys[seen]) / (e.sum(axis=-1) + np.exp(sink - peak))[:, None]
+    assert_close(got, want, 1e-5, 0, f"window attention of a {seq}-token chunk in blocks of {window} vs float64 "
+                                     f"(atol 1e-5)")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # MoE
 # ---------------------------------------------------------------------------------------------------------------

@@ -203,19 +203,65 @@ def _takes_decode_kernel(ctx, cfg: ModelConfig, seq: int) -> bool:
             and decode_attention.takes(seq, cfg.n_heads, cfg.head_dim, cfg.window_size, cfg.rope_head_dim))
 
 
+def _window_blocks(q, keys, key_pos, positions, window: int):
+    """The window part of a chunk longer than the window, in blocks of `window` queries: a query at position p
+    sees keys p - window + 1 .. p, which lie in its own block and the one before it (for the first block, the
+    ring), so each block scores 2 x window keys instead of the whole chunk: linear in the chunk, not quadratic.
+    Every key a query sees is among its block's keys, and the mask is by position, so this is the softmax the
+    whole-chunk path takes. keys / key_pos are the ring followed by the chunk ([B, W+S, hd], [B, W+S]); the chunk
+    is padded to whole blocks with positions past every query's (masked for all of them).
+    Returns logits [B, S, H, 2W] (unscaled, float32), mask [B, S, 2W] and the blocks' keys [B, S/W, 2W, hd]."""
+    batch, seq, n_heads, head_dim = q.shape
+    n_blocks = -(-seq // window)
+    pad = n_blocks * window - seq
+    after = positions[:, -1:] + 1 + jnp.arange(pad, dtype=positions.dtype)[None, :]     # beyond every query
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(batch, n_blocks, window, n_heads, head_dim)
+    q_pos = jnp.concatenate([positions, after], axis=1).reshape(batch, n_blocks, window)
+    keys = jnp.pad(keys, ((0, 0), (0, pad), (0, 0)))
+    key_pos = jnp.concatenate([key_pos, after], axis=1)
+
+    def pairs(a):          # [B, W + n_blocks W, ...] -> [B, n_blocks, 2W, ...]: block b reads a[bW : bW + 2W]
+        before = a[:, :n_blocks * window].reshape(batch, n_blocks, window, *a.shape[2:])
+        own = a[:, window:].reshape(batch, n_blocks, window, *a.shape[2:])
+        return jnp.concatenate([before, own], axis=2)
+
+    block_keys, block_pos = pairs(keys), pairs(key_pos)
+    delta = q_pos[:, :, :, None] - block_pos[:, :, None, :]
+    mask = (block_pos[:, :, None, :] >= 0) & (delta >= 0) & (delta < window)           # [B, n, W, 2W]
+    logits = jnp.einsum("bnqhd,bnkd->bnqhk", q, block_keys, preferred_element_type=jnp.float32)
+    logits = logits.reshape(batch, n_blocks * window, n_heads, 2 * window)[:, :seq]
+    return logits, mask.reshape(batch, n_blocks * window, 2 * window)[:, :seq], block_keys
+
+
+def _window_blocks_values(p, block_keys):
+    """p [B, S, H, 2W] (the probabilities _window_blocks' logits became) times its blocks' values (K = V):
+    float32 [B, S, H, hd]."""
+    batch, seq, n_heads, width = p.shape
+    n_blocks, window = block_keys.shape[1], width // 2
+    p = jnp.pad(p, ((0, 0), (0, n_blocks * window - seq), (0, 0), (0, 0)))
+    p = p.reshape(batch, n_blocks, window, n_heads, width)
+    out = jnp.einsum("bnqhk,bnkd->bnqhd", p, block_keys, preferred_element_type=jnp.float32)
+    return out.reshape(batch, n_blocks * window, n_heads, -1)[:, :seq]
+
+
 def _attend(q, ring, kv, start, positions, sink, scale: float, window: int, ratio: int, compressed, picks):
     """The jnp path of the attention core: one softmax over the window keys (the ring, then the chunk itself,
-    masked by position) and the compressed entries (CSA: the picked ones, -1 = none; HCA: the visible ones), with
-    the sink logit in the denominator only. Returns [B, S, H, D] in q's dtype, before the inverse RoPE."""
+    masked by position; in blocks for a chunk longer than the window: _window_blocks) and the compressed entries
+    (CSA: the picked ones, -1 = none; HCA: the visible ones), with the sink logit in the denominator only. Returns [B, S, H, D] in q's dtype, before the inverse RoPE."""
     dtype = q.dtype
     batch, seq, n_heads, head_dim = q.shape
     keys = jnp.concatenate([kv_cache.decode(ring, dtype), kv], axis=1)                   # [B, W+S, hd]
     key_pos = jnp.concatenate([ring_positions(start, window), positions], axis=1)
-    delta = positions[:, :, None] - key_pos[:, None, :]
-    window_mask = (key_pos[:, None, :] >= 0) & (delta >= 0) & (delta < window)          # [B, S, W+S]
-    logits = [jnp.einsum("bshd,bkd->bshk", q, keys, preferred_element_type=jnp.float32) * scale]
+    if seq > window:
+        window_logits, window_mask, window_values = _window_blocks(q, keys, key_pos, positions, window)
+        logits = [window_logits * scale]
+        values = [("blocks", window_values)]
+    else:
+        delta = positions[:, :, None] - key_pos[:, None, :]
+        window_mask = (key_pos[:, None, :] >= 0) & (delta >= 0) & (delta < window)      # [B, S, W+S]
+        logits = [jnp.einsum("bshd,bkd->bshk", q, keys, preferred_element_type=jnp.float32) * scale]
+        values = [("window", keys)]
     masks = [window_mask[:, :, None, :]]
-    values = [("window", keys)]
     if compressed is not None and ratio == 4:
         selected = kv_cache.decode(kv_cache.gather_rows(compressed, jnp.maximum(picks, 0)), dtype)   # [B,S,k,hd]
         logits.append(jnp.einsum("bshd,bskd->bshk", q, selected, preferred_element_type=jnp.float32) * scale)
@@ -238,6 +284,8 @@ def _attend(q, ring, kv, start, positions, sink, scale: float, window: int, rati
         p = p.astype(dtype)
         if kind == "selected":
             out = out + jnp.einsum("bshk,bskd->bshd", p, v, preferred_element_type=jnp.float32)
+        elif kind == "blocks":
+            out = out + _window_blocks_values(p, v)
         else:
             out = out + jnp.einsum("bshk,bkd->bshd", p, v, preferred_element_type=jnp.float32)
     return (out / denom[..., None]).astype(dtype)
