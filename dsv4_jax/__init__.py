@@ -15,6 +15,7 @@ import jax
 from . import compile_cache, presets  # noqa: F401
 from .api import GenerationResult, Model  # noqa: F401
 from .config import ModelConfig, from_hf_config, load_hf_config  # noqa: F401
+from .engine import PREFILL_CHUNK
 from .module import DeepseekV4  # noqa: F401
 from .memory_plan import memory_plan  # noqa: F401
 from .sharding import make_mesh  # noqa: F401
@@ -52,7 +53,7 @@ def save(model, directory: str) -> None:
 
 
 def load(path=None, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int = 1, simulate_quant: bool = True,
-         act_quant: str = "none", mesh=None, progress=None, prefill_chunk: int = 512,
+         act_quant: str = "none", mesh=None, progress=None, prefill_chunk: int = PREFILL_CHUNK,
          quantize_head: bool = False, track_mtp: bool = False, kernels: str = "auto", target=None,
          scan_layers: bool = False, kv_cache_dtype: str | None = None) -> Model:
     """Load an official DeepSeek-V4 checkpoint directory (config.json + safetensors), weights kept as stored

@@ -20,6 +20,12 @@ from .run_context import RunContext
 from .sampling import sample
 from .state import DecodeState, init_state
 
+# Prompt tokens per prefill program, the default of load / Model / the command lines. A chunk routes its tokens to
+# the 256 experts of each layer and reads every expert's weights once, so longer chunks share that read among more
+# tokens: on an H200 (4 Flash layers, docs/performance.md) an 8K prompt takes 134 ms in 2,048-token chunks against
+# 262 ms in 512-token ones, for ~3 GB more compiled temporaries per device (scripts/plan_h200.py).
+PREFILL_CHUNK = 2048
+
 
 def _run_chunk(params, cfg: ModelConfig, ctx: RunContext, state: DecodeState, tokens, n_valid,
                track_mtp: bool = False):

@@ -31,6 +31,7 @@ import sys
 import time
 
 from . import DEFAULT_MODEL_DIR   # the packaged default model
+from .engine import PREFILL_CHUNK
 from .compile_time import CompileTimer
 from .text import SAMPLING_DEFAULTS as DEFAULTS   # Model.complete's defaults too
 
@@ -154,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: auto)")
     src.add_argument("--max-seq-len", type=_int_at_least(1), default=4096, metavar="N",
                      help="context size the caches are allocated for; prompt + new tokens must fit (default: 4096)")
-    src.add_argument("--prefill-chunk", type=_int_at_least(1), default=512, metavar="N",
-                     help="prompt tokens per prefill step; bounds prefill memory (default: 512)")
+    src.add_argument("--prefill-chunk", type=_int_at_least(1), default=PREFILL_CHUNK, metavar="N",
+                     help="prompt tokens per prefill step; bounds prefill memory (default: %(default)s)")
     src.add_argument("--plan", action="store_true",
                      help="print the per-device memory plan (weights, decode state, compiled temporaries of a "
                           "prefill chunk and a decode step) for these settings, and exit without loading weights")

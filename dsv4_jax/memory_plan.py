@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
+from .engine import PREFILL_CHUNK
 from .params import init_params, tree_get, weight_specs
 from .run_context import DTYPES
 from .sharding import EXPERT, partition_spec, rules
@@ -75,7 +76,7 @@ def weight_bytes_per_device(cfg: ModelConfig, n_devices: int, stored=None) -> di
 
 
 def memory_plan(config: ModelConfig, mesh=None, n_devices: int | None = None, max_seq_len: int = 4096,
-                max_batch: int = 1, prefill_chunk: int = 512, dtype: str = "bfloat16",
+                max_batch: int = 1, prefill_chunk: int = PREFILL_CHUNK, dtype: str = "bfloat16",
                 stored: dict[str, str] | None = None, compiled: bool = False,
                 device_memory: int | None = None, kv_cache_dtype: str | None = None) -> MemoryPlan:
     """Per-device bytes on `mesh` (sharding.make_mesh), or on `n_devices` devices of that layout without a mesh

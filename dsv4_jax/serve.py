@@ -19,6 +19,7 @@ import time
 
 from .generate import (EXIT_USAGE, CLIError, _check_checkpoint_dir, _int_at_least, _kv_cache_dtype, _LoadProgress,
                        _mesh, _one_line, _setup_compile_cache, checked_config, planned_kernels)
+from .engine import PREFILL_CHUNK
 
 PROG = "python -m dsv4_jax.serve"
 
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     m.add_argument("--max-seq-len", type=_int_at_least(2), default=4096, metavar="N",
                    help="positions per sequence, prompt and completion together (default 4096)")
-    m.add_argument("--prefill-chunk", type=_int_at_least(1), default=512, metavar="N")
+    m.add_argument("--prefill-chunk", type=_int_at_least(1), default=PREFILL_CHUNK, metavar="N")
     m.add_argument("--no-compile-cache", action="store_true")
     s = p.add_argument_group("serving")
     s.add_argument("--host", default="127.0.0.1")

@@ -8,7 +8,7 @@
 #   depth    Flash geometry, LAYERS (default 32) layers under scan_layers=True, batch 1 and 8 at 4K context,
 #            as deep as one H200 holds                                       -> flash<LAYERS>_scan.{json,log}
 #   matrix   Flash geometry, 4 layers: batch 1, 8, 32, 64 at 4K and 64K, prefill 1K and 8K   -> flash4.{json,log}
-#   profile  Flash geometry, 4 layers: where a batch-1 decode step's and a 512-token prefill chunk's kernel time
+#   profile  Flash geometry, 4 layers: where a batch-1 decode step's and a prefill chunk's (2,048 tokens) kernel time
 #            goes, by op family (command buffers off, so every kernel carries its HLO op) -> flash4_profile.{json,log}
 # Usage: bash scripts/gpu_runs.sh suite3 depth   (parts run in the order given)
 set -uo pipefail

@@ -27,18 +27,18 @@ H200_BYTES = 141e9
 
 
 def main(argv=None) -> int:
+    import dsv4_jax
+    from dsv4_jax import presets
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=("tiny", "flash", "pro"), default="flash")
     p.add_argument("--layers", type=int, default=None, help="first N backbone layers (default: all)")
     p.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--max-seq-len", type=int, default=65536)
     p.add_argument("--max-batch", type=int, default=1)
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=dsv4_jax.PREFILL_CHUNK)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
-
-    import dsv4_jax
-    from dsv4_jax import presets
 
     cfg = presets.named(args.preset, args.layers)
     rows = []

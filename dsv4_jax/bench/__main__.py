@@ -28,6 +28,8 @@ import platform
 import sys
 import time
 
+from ..engine import PREFILL_CHUNK
+
 DEFAULT_PROBES = {"gpu": (1 << 30, 16384), "cpu": (64 << 20, 512)}   # bandwidth weight bytes, matmul n
 
 
@@ -57,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time speculative steps with these draft counts (batch x first context), against the "
                         "plain step")
     p.add_argument("--prefill-calls", type=int, default=2)
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK)
     p.add_argument("--reference", choices=("all", "decode", "none"), default="all",
                    help="which cases also run on kernels='reference' (default all)")
     p.add_argument("--kernels", default="auto", help="kernel mode of the main side (default auto)")
