@@ -134,7 +134,8 @@ def test_model_site_dispatch_interpret_equals_reference():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("bug", ["comb not transposed", "streams' RMS over D instead of n * D", "one chunk dropped"])
+@pytest.mark.parametrize("bug", ["comb not transposed", "streams' RMS over D instead of n * D",
+                                 "one mixing chunk dropped"])
 def test_injected_bugs_fail(bug, monkeypatch):
     """The float32 check above catches each of these mistakes in the kernels."""
     if bug == "comb not transposed":
@@ -144,11 +145,13 @@ def test_injected_bugs_fail(bug, monkeypatch):
             return post_ref[0, :][:, None] * y_ref[0, :].astype(jnp.float32)[None, :] + mixed
         monkeypatch.setattr(mhc, "_post_mix", post_mix)
     elif bug == "streams' RMS over D instead of n * D":
-        inner = mhc._collapse_kernel
-        monkeypatch.setattr(mhc, "_collapse_kernel", lambda *refs, n_dim, **kw: inner(*refs, n_dim=n_dim // 4, **kw))
+        inner = mhc._collapse_norm_kernel
+        monkeypatch.setattr(mhc, "_collapse_norm_kernel",
+                            lambda *refs, n_dim, **kw: inner(*refs, n_dim=n_dim // 4, **kw))
     else:
-        inner = mhc._norm_kernel
-        monkeypatch.setattr(mhc, "_norm_kernel", lambda *refs, n_parts, **kw: inner(*refs, n_parts=n_parts - 1, **kw))
+        inner = mhc._collapse_norm_kernel
+        monkeypatch.setattr(mhc, "_collapse_norm_kernel",
+                            lambda *refs, n_parts, **kw: inner(*refs, n_parts=n_parts - 1, **kw))
     rng = np.random.default_rng(3)
     cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, (2,), 384, jnp.float32)
     want = _numpy_site(cfg, X, fn, base, scale, weight, (y, post, comb))

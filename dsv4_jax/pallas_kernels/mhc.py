@@ -1,20 +1,20 @@
-"""One mHC site in three launches (Pallas, GPU): hc_post of the previous sub-layer (optional), hc_pre and the RMSNorm
+"""One mHC site in two launches (Pallas, GPU): hc_post of the previous sub-layer (optional), hc_pre and the RMSNorm
 that follows it -- what the pure-jnp path (layers/hyper.py `hc_post`, `hc_pre`, layers/norm.py `rms_norm`) does in
 about ten small XLA kernels per site on the GPU.
 
     x, post, comb, X = mhc_pre_norm(X, fn, base, scale, norm_weight, ..., post_mix=(y, post_prev, comb_prev))
 
-Why three launches and not one: the mixing logits are a dot product over all n * D stream values (fn is 24 x 16,384
-float32 for Flash, 1.5 MB, which one thread block cannot read fast enough at batch 1), and the RMSNorm needs the
-sum of squares of the collapsed row. Each of those is a reduction across the thread blocks of a grid; the kernel
-boundary is the grid-wide barrier (launches on one stream are ordered), so no block reads a partial sum another block
-may not have written yet:
+Why two launches and not one: the mixing logits are a dot product over all n * D stream values (fn is 24 x 16,384
+float32 for Flash, 1.5 MB, which one thread block cannot read fast enough at batch 1). That reduction runs across
+the thread blocks of a grid; the kernel boundary is the grid-wide barrier (launches on one stream are ordered), so
+no block reads a partial sum another block may not have written yet:
   1. `_mix_kernel`, grid (rows, D / 128): [the hc_post still due, X'_k = post_k y + sum_j comb[j, k] X_j, written out]
      and each chunk's partial sums: fn . X for the 24 mixing rows and sum(X^2), into a [rows, chunks, 32] buffer.
-  2. `_collapse_kernel`, grid (rows, D / chunk): every block adds up the partials of its row, forms pre / post and
-     the Sinkhorn-normalised comb (16 numbers, recomputed per block: cheaper than a launch), collapses its chunk,
-     u = sum_i pre_i X_i rounded to X's dtype as hc_pre returns it, and writes u and its chunk's sum(u^2).
-  3. `_norm_kernel`, grid (rows, D / chunk): u * rsqrt(mean(u^2) + eps) * weight, in X's dtype.
+  2. `_collapse_norm_kernel`, grid (rows,): one block per row adds up the row's partials, forms pre / post and the
+     Sinkhorn-normalised comb (16 numbers), collapses the row, u = sum_i pre_i X_i rounded to X's dtype as hc_pre
+     returns it, and normalises it, u * rsqrt(mean(u^2) + eps) * weight, in X's dtype. The row's n * D streams
+     (32 KB in bf16 for Flash) are few enough for one block, which keeps the RMSNorm's sum inside it (until
+     2026-12-03 the collapse and the norm were two launches of D / 1,024 blocks each).
 Numerics follow the jnp path operation for operation in float32; only the order of the long sums differs (chunked
 partial sums instead of XLA's reduction tree), so results agree to float32 rounding, not bit for bit.
 
@@ -99,8 +99,17 @@ def _sinkhorn(logits, iters: int, eps: float):
     return c
 
 
-def _collapse_kernel(part_ref, base_ref, scale_ref, x_ref, u_ref, usq_ref, post_ref, comb_ref, *, n_parts: int,
-                     n_dim: int, norm_eps: float, hc_eps: float, iters: int):
+def _collapse_norm_kernel(part_ref, base_ref, scale_ref, x_ref, *refs, n_parts: int, n_dim: int, chunk: int,
+                          norm_eps: float, hc_eps: float, iters: int):
+    """One row per program: the mixing logits from the partials, pre / post / comb, then the row's collapse u (in
+    X's dtype, as hc_pre returns it) and its RMSNorm, in two passes over pow2 chunks of D (Triton's tensor shapes):
+    the first sums u^2, the second recomputes u from the streams (cheaper than a second launch) and writes it
+    normalised."""
+    if len(refs) == 4:
+        w_ref, out_ref, post_ref, comb_ref = refs
+    else:
+        w_ref, (out_ref, post_ref, comb_ref) = None, refs
+
     def total(first, rows):
         acc = part_ref[0, 0, pl.ds(first, rows)]
         for j in range(1, n_parts):
@@ -115,28 +124,24 @@ def _collapse_kernel(part_ref, base_ref, scale_ref, x_ref, u_ref, usq_ref, post_
     pre = jax.nn.sigmoid(rho * total(0, 4) * s_pre + base_ref[pl.ds(0, 4)]) + hc_eps           # [n]
     post = 2.0 * jax.nn.sigmoid(rho * total(4, 4) * s_post + base_ref[pl.ds(4, 4)])
     comb_logits = (rho * total(8, 16) * s_comb + base_ref[pl.ds(8, 16)]).reshape(4, 4)
+    dim = x_ref.shape[-1]
 
-    x = x_ref[0, :, :].astype(_F32)                                                          # [n, C]
-    u = jnp.sum(pre[:, None] * x, axis=0).astype(u_ref.dtype)                                # [C]
-    u_ref[0, :] = u
-    u32 = u.astype(_F32)
-    usq_ref[0, 0, :] = jnp.full((8,), jnp.sum(u32 * u32), _F32)
+    def collapsed(j):                                     # u on chunk j, rounded to X's dtype, in float32
+        x = x_ref[0, :, pl.ds(j * chunk, chunk)].astype(_F32)                                 # [n, C]
+        return jnp.sum(pre[:, None] * x, axis=0).astype(out_ref.dtype).astype(_F32)
 
-    @pl.when(pl.program_id(1) == 0)
-    def _():
-        post_ref[0, :] = post
-        comb_ref[0, :, :] = _sinkhorn(comb_logits, iters, hc_eps)
-
-
-def _norm_kernel(u_ref, usq_ref, w_ref, x_ref, *, n_parts: int, dim: int, eps: float):
-    sq = usq_ref[0, 0, :]
-    for j in range(1, n_parts):
-        sq = sq + usq_ref[0, j, :]
-    r = jax.lax.rsqrt(jnp.max(sq) / dim + eps)
-    y = u_ref[0, :].astype(_F32) * r
-    if w_ref is not None:
-        y = y * w_ref[...].astype(_F32)
-    x_ref[0, :] = y.astype(x_ref.dtype)
+    usq = jnp.zeros((), _F32)
+    for j in range(dim // chunk):
+        u = collapsed(j)
+        usq = usq + jnp.sum(u * u)
+    r = jax.lax.rsqrt(usq / dim + norm_eps)
+    for j in range(dim // chunk):
+        y = collapsed(j) * r
+        if w_ref is not None:
+            y = y * w_ref[pl.ds(j * chunk, chunk)].astype(_F32)
+        out_ref[0, pl.ds(j * chunk, chunk)] = y.astype(out_ref.dtype)
+    post_ref[0, :] = post
+    comb_ref[0, :, :] = _sinkhorn(comb_logits, iters, hc_eps)
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, args, interpret, name, num_warps=4):
@@ -178,28 +183,19 @@ def mhc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
                               [part_spec, x_spec], [part_shape, jax.ShapeDtypeStruct(X2.shape, X.dtype)], args,
                               interpret, "mhc_post_mix")
 
-    chunk = _chunk(dim)
-    n_chunks = dim // chunk
-    kernel = functools.partial(_collapse_kernel, n_parts=n_mix, n_dim=n * dim, norm_eps=norm_eps, hc_eps=hc_eps,
-                               iters=sinkhorn_iters)
-    u, usq, post, comb = _call(
-        kernel, (rows, n_chunks),
-        [pl.BlockSpec((1, n_mix, LANES), lambda r, j: (r, 0, 0)), pl.BlockSpec((fn.shape[0],), lambda r, j: (0,)),
-         pl.BlockSpec((3,), lambda r, j: (0,)), pl.BlockSpec((1, n, chunk), lambda r, j: (r, 0, j))],
-        [pl.BlockSpec((1, chunk), lambda r, j: (r, j)), pl.BlockSpec((1, 1, 8), lambda r, j: (r, j, 0)),
-         pl.BlockSpec((1, n), lambda r, j: (r, 0)), pl.BlockSpec((1, n, n), lambda r, j: (r, 0, 0))],
-        [jax.ShapeDtypeStruct((rows, dim), X.dtype), jax.ShapeDtypeStruct((rows, n_chunks, 8), _F32),
-         jax.ShapeDtypeStruct((rows, n), _F32), jax.ShapeDtypeStruct((rows, n, n), _F32)],
-        (part, base.astype(_F32), scale.astype(_F32), streams), interpret, "mhc_collapse")
-
     has_weight = norm_weight is not None
-    norm = functools.partial(_norm_kernel, n_parts=n_chunks, dim=dim, eps=norm_eps)
-    if not has_weight:
-        norm = (lambda inner: lambda u_ref, usq_ref, x_ref: inner(u_ref, usq_ref, None, x_ref))(norm)
-    (x,) = _call(norm, (rows, n_chunks),
-                 [pl.BlockSpec((1, chunk), lambda r, j: (r, j)), pl.BlockSpec((1, n_chunks, 8), lambda r, j: (r, 0, 0))]
-                 + ([pl.BlockSpec((chunk,), lambda r, j: (j,))] if has_weight else []),
-                 [pl.BlockSpec((1, chunk), lambda r, j: (r, j))], [jax.ShapeDtypeStruct((rows, dim), X.dtype)],
-                 (u, usq) + ((norm_weight,) if has_weight else ()), interpret, "mhc_norm")
+    kernel = functools.partial(_collapse_norm_kernel, n_parts=n_mix, n_dim=n * dim, chunk=_chunk(dim),
+                               norm_eps=norm_eps, hc_eps=hc_eps, iters=sinkhorn_iters)
+    x, post, comb = _call(
+        kernel, (rows,),
+        [pl.BlockSpec((1, n_mix, LANES), lambda r: (r, 0, 0)), pl.BlockSpec((fn.shape[0],), lambda r: (0,)),
+         pl.BlockSpec((3,), lambda r: (0,)), pl.BlockSpec((1, n, dim), lambda r: (r, 0, 0))]
+        + ([pl.BlockSpec((dim,), lambda r: (0,))] if has_weight else []),
+        [pl.BlockSpec((1, dim), lambda r: (r, 0)), pl.BlockSpec((1, n), lambda r: (r, 0)),
+         pl.BlockSpec((1, n, n), lambda r: (r, 0, 0))],
+        [jax.ShapeDtypeStruct((rows, dim), X.dtype), jax.ShapeDtypeStruct((rows, n), _F32),
+         jax.ShapeDtypeStruct((rows, n, n), _F32)],
+        (part, base.astype(_F32), scale.astype(_F32), streams) + ((norm_weight,) if has_weight else ()), interpret,
+        "mhc_collapse_norm")
     return (x.reshape(*lead, dim), post.reshape(*lead, n), comb.reshape(*lead, n, n),
             streams.reshape(X.shape))
