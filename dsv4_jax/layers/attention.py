@@ -247,7 +247,8 @@ def _window_blocks_values(p, block_keys):
 def _attend(q, ring, kv, start, positions, sink, scale: float, window: int, ratio: int, compressed, picks):
     """The jnp path of the attention core: one softmax over the window keys (the ring, then the chunk itself,
     masked by position; in blocks for a chunk longer than the window: _window_blocks) and the compressed entries
-    (CSA: the picked ones, -1 = none; HCA: the visible ones), with the sink logit in the denominator only. Returns [B, S, H, D] in q's dtype, before the inverse RoPE."""
+    (CSA: picks = (indices, valid) [B, S, k] from the indexer; HCA: the visible ones), with the sink logit in the
+    denominator only. Returns [B, S, H, D] in q's dtype, before the inverse RoPE."""
     dtype = q.dtype
     batch, seq, n_heads, head_dim = q.shape
     keys = jnp.concatenate([kv_cache.decode(ring, dtype), kv], axis=1)                   # [B, W+S, hd]
@@ -263,9 +264,10 @@ def _attend(q, ring, kv, start, positions, sink, scale: float, window: int, rati
         values = [("window", keys)]
     masks = [window_mask[:, :, None, :]]
     if compressed is not None and ratio == 4:
-        selected = kv_cache.decode(kv_cache.gather_rows(compressed, jnp.maximum(picks, 0)), dtype)   # [B,S,k,hd]
+        idx, valid = picks
+        selected = kv_cache.decode(kv_cache.gather_rows(compressed, idx), dtype)     # [B, S, k, hd]
         logits.append(jnp.einsum("bshd,bskd->bshk", q, selected, preferred_element_type=jnp.float32) * scale)
-        masks.append((picks >= 0)[:, :, None, :])
+        masks.append(valid[:, :, None, :])
         values.append(("selected", selected))
     elif compressed is not None:
         compressed = kv_cache.decode(compressed, dtype)
@@ -401,7 +403,10 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
                                                  scores, compressed_visible(positions, live, 4))
             idx, valid = indexer_select(params["indexer"], cfg, x_idx, q_latent_idx, positions, index_keys,
                                         inv_freq, ctx, scores)
-            picks = jnp.where(valid, idx, -1)
+            # (indices, valid) as the indexer returns them: the mask straight from its top-k lets XLA fuse the
+            # logits' masking into the softmax's max (a -1-for-none index array costs a kernel per layer there);
+            # the decode attention kernel takes that one array
+            picks = (idx, valid)
 
     scale = head_dim ** -0.5
     window = cfg.window_size
@@ -411,7 +416,8 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         # compressed entries, the softmax and the inverse RoPE, reading only the entries attended (the whole
         # compressed buffer is passed: a slice would be a copy; the kernel stops at the visible entries)
         out, kv = decode_attention.decode_attention(
-            q, ring, kv_a, start, sink, scale=scale, compressed=compressed, picks=picks,
+            q, ring, kv_a, start, sink, scale=scale, compressed=compressed,
+            picks=None if picks is None else jnp.where(picks[1], picks[0], -1),
             ratio=ratio if compressed is not None else 0, rope=(inv_freq, cfg.norm_eps),
             kv_prologue=(params["kv_norm"]["weight"], ctx.simulate_quant), interpret=ctx.kernels.backend == "interpret")
     else:
