@@ -67,7 +67,8 @@ class GenerationResult:
 
 class Model:
     def __init__(self, cfg: ModelConfig, params, *, dtype: str = "bfloat16", simulate_quant: bool = True,
-                 act_quant: str = "none", max_seq_len: int = 4096, max_batch: int = 1, prefill_chunk: int = engine.PREFILL_CHUNK,
+                 act_quant: str = "none", max_seq_len: int = 4096, max_batch: int = 1,
+                 prefill_chunk: int = engine.PREFILL_CHUNK,
                  track_mtp: bool = False, kernels: str = "auto", target=None, mesh=None, tokenizer=None,
                  scan_layers: bool = False, kv_cache_dtype: str | None = None, consume_params: bool = False):
         """`kernels`: a mode ("auto", "reference", "pallas", "interpret") planned for `target` (a jax Device or
