@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import kv_cache
+from ..pallas_kernels import compressor as decode_kernel
 from ..quant import linear
 from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
 from .norm import rms_norm
@@ -55,6 +56,9 @@ def compressor_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax
     `rotate` selects the indexer flavour of the fake quant (Hadamard + FP4) instead of FP8 on the nope dims, which
     runs when the run context `ctx` simulates the model's quantization.
     """
+    if _takes_decode_kernel(ctx, x.shape[1], ratio, head_dim, inv_freq):
+        return _decode_update(params, x, start, n_valid, state, cache, ratio=ratio, nope_dim=nope_dim,
+                              inv_freq=inv_freq, rotate=rotate, ctx=ctx, norm_eps=norm_eps)
     projected = compressor_project(params, x, start, ratio=ratio, ctx=ctx)
     return compressor_pool(params, projected, start, n_valid, state, cache, ratio=ratio, head_dim=head_dim,
                            nope_dim=nope_dim, inv_freq=inv_freq, rotate=rotate, ctx=ctx, norm_eps=norm_eps,
@@ -126,16 +130,7 @@ def compressor_pool(params: dict, projected: dict, start: jax.Array, n_valid: ja
 
     entries = rms_norm(entries, params["norm"]["weight"], norm_eps)
     entries = apply_rope(entries, entry_idx * c, inv_freq)
-    if ctx.simulate_quant:
-        if rotate:
-            entries = trained_rounding(fp4_fake_quant, hadamard(entries), ctx)
-        else:
-            nope = trained_rounding(fp8_fake_quant, entries[..., :nope_dim], ctx)
-            entries = jnp.concatenate([nope, entries[..., nope_dim:]], -1)
-
-    target = jnp.where(complete, entry_idx, kv_cache.n_entries(cache))            # out of range -> dropped
-    batch_idx = jnp.broadcast_to(jnp.arange(batch)[:, None], target.shape)
-    cache = kv_cache.scatter(cache, batch_idx, target, entries)
+    cache = _store_entries(entries, entry_idx, complete, cache, nope_dim=nope_dim, rotate=rotate, ctx=ctx)
 
     # Keep pending slots of positions not consumed yet empty, so padding tokens never linger in the state.
     consumed = (slot_pos < (start + n_valid)[:, None])[..., None]
@@ -145,6 +140,44 @@ def compressor_pool(params: dict, projected: dict, start: jax.Array, n_valid: ja
     new_state = {"kv": _take_rows(grid_kv, new_base - base, coff * c),
                  "score": _take_rows(grid_score, new_base - base, coff * c)}
     return cache, new_state
+
+
+def _store_entries(entries: jax.Array, entry_idx: jax.Array, complete: jax.Array, cache, *, nope_dim: int,
+                   rotate: bool, ctx):
+    """Write the completed ones of pooled, normalised and rotated entries [B, W, hd] (indices entry_idx [B, W]) into
+    the cache, fake-quantized as trained when the run context simulates the model's quantization."""
+    if ctx.simulate_quant:
+        if rotate:
+            entries = trained_rounding(fp4_fake_quant, hadamard(entries), ctx)
+        else:
+            nope = trained_rounding(fp8_fake_quant, entries[..., :nope_dim], ctx)
+            entries = jnp.concatenate([nope, entries[..., nope_dim:]], -1)
+    target = jnp.where(complete, entry_idx, kv_cache.n_entries(cache))            # out of range -> dropped
+    batch_idx = jnp.broadcast_to(jnp.arange(entries.shape[0])[:, None], target.shape)
+    return kv_cache.scatter(cache, batch_idx, target, entries)
+
+
+def _takes_decode_kernel(ctx, seq: int, ratio: int, head_dim: int, inv_freq: np.ndarray) -> bool:
+    """Whether a chunk runs on pallas_kernels/compressor.py: one token per sequence (decode), inference, a kernel
+    plan (a GPU's, or "interpret"), a geometry the kernel takes."""
+    return (seq == 1 and ctx.kernels.backend is not None and ctx.training is None
+            and decode_kernel.supported(ratio, head_dim, 2 * inv_freq.shape[0]))
+
+
+def _decode_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax.Array, state: dict, cache, *,
+                   ratio: int, nope_dim: int, inv_freq: np.ndarray, rotate: bool, ctx, norm_eps: float):
+    """compressor_update for one token per sequence on the decode kernel: the projections, then the pooling, norm,
+    RoPE and the state's update in one launch; the fake quant and the cache write stay with XLA."""
+    x32 = x.astype(jnp.float32)
+    kv = linear(x32, params["wkv"]["weight"], ctx=ctx)[:, 0]                     # [B, coff*hd] fp32
+    score = linear(x32, params["wgate"]["weight"], ctx=ctx)[:, 0]
+    entry, state_kv, state_score = decode_kernel.decode_pool(
+        state["kv"], state["score"], kv, score, params["ape"], start, n_valid, params["norm"]["weight"], inv_freq,
+        ratio=ratio, norm_eps=norm_eps, out_dtype=x.dtype, interpret=ctx.kernels.backend == "interpret")
+    entry_idx = (start // ratio)[:, None]
+    complete = (entry_idx + 1) * ratio <= (start + n_valid)[:, None]
+    cache = _store_entries(entry[:, None], entry_idx, complete, cache, nope_dim=nope_dim, rotate=rotate, ctx=ctx)
+    return cache, {"kv": state_kv, "score": state_score}
 
 
 # ---- deferred commit (speculative verification, docs/model.md 5) --------------------------------------------------

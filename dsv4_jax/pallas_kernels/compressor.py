@@ -1,0 +1,167 @@
+"""One compressor's decode update in one launch (Pallas, GPU): a token joins the pending window, the window it
+completes is pooled, RMS-normalised and rotated, and the pending state is updated in place -- what the jnp path
+(layers/compressor.py `compressor_pool` for a one-token chunk) does in about ten small XLA kernels plus two copies
+of the state.
+
+    entry, state_kv, state_score = decode_pool(state_kv, state_score, kv, score, ape, start, n_valid, norm_weight,
+                                               inv_freq, ratio=4, norm_eps=1e-6)
+
+The state is the jnp path's pending state: [B, coff*c, coff*hd] float32 kv and gate logits, the slots of windows
+floor(start/c) - coff + 1 .. floor(start/c) (ratio 4 overlaps: coff = 2, each token's A half pools into the next
+entry, its B half into its own). One program per sequence, in passes over column chunks of `rope_dim` (Triton's
+power-of-two tiles; the last chunk is the rotated one):
+  1. the token's kv and gate logits (+ ape of its slot) go into slot start mod c of the last window; slots before
+     position 0 carry -inf logits, as the jnp path's grid;
+  2. the entry floor(start/c) -- complete iff (floor(start/c) + 1) c <= start + n_valid -- pools its 2c (A of the
+     previous window, B of its own) or c slots with a per-channel softmax, rounded to the output dtype as the jnp
+     path's `sum(weights * kv).astype(out_dtype)`; the new state is written back over the old (input / output
+     aliasing: the update is in place), shifted by one window when the entry completed, unconsumed slots empty;
+  3. RMSNorm of the entry with `norm_weight`, then RoPE at position floor(start/c) c on the last chunk (interleaved
+     pairs: each value's partner is found with a 0/1 permutation, exact in float32), in the output dtype.
+The entry is written whether or not it completed; the caller scatters only completed ones (and fake-quantizes them
+first, as the jnp path does). Numerics follow the jnp path operation for operation in float32 (the softmax's
+sum and the RMS sum are reduced in another order), so results agree to float32 rounding before the final cast.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+_F32 = jnp.float32
+MAX_TILE = 8192               # float32 values of one window's column chunk ([c, rope_dim]) a program holds at once
+
+
+def supported(ratio: int, head_dim: int, rope_dim: int) -> bool:
+    """Whether the kernel takes this compressor: power-of-two ratio and rope_dim (Triton tiles), head_dim a
+    multiple of rope_dim, one window's chunk small enough for a program's registers."""
+    pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+    return (pow2(ratio) and pow2(rope_dim) and head_dim % rope_dim == 0 and ratio * rope_dim <= MAX_TILE)
+
+
+def overlap_factor(ratio: int) -> int:
+    return 2 if ratio == 4 else 1
+
+
+def _scalar(ref):
+    """The one value of a (1,)-block (Triton loads tiles, not scalars)."""
+    return jnp.sum(ref[pl.ds(0, 1)])
+
+
+def _decode_pool_kernel(start_ref, n_valid_ref, kv_ref, score_ref, ape_ref, tok_kv_ref, tok_score_ref, weight_ref,
+                        freq_ref, entry_ref, kv_out_ref, score_out_ref, *, ratio: int, head_dim: int, chunk: int,
+                        norm_eps: float):
+    # kv_out_ref / score_out_ref are kv_ref / score_ref's buffers (aliased): each chunk is read before it is written
+    c, coff = ratio, overlap_factor(ratio)
+    start = _scalar(start_ref)
+    end = start + _scalar(n_valid_ref)
+    entry_idx = start // c
+    base = entry_idx * c - (coff - 1) * c                     # position of state slot 0
+    complete = (entry_idx + 1) * c <= end
+    rows = jax.lax.broadcasted_iota(jnp.int32, (c, chunk), 0)
+    token_row = rows == start - entry_idx * c                 # the token's slot in the last window
+    empty_kv, empty_score = jnp.zeros((c, chunk), _F32), jnp.full((c, chunk), -jnp.inf, _F32)
+
+    def window(w, col):
+        """Window w's slots of state columns [col, col + chunk), the token placed in the last window; logits of
+        slots before position 0 are -inf. Returns (kv, score) [c, chunk] and the slots' consumed mask."""
+        kv = kv_ref[0, pl.ds(w * c, c), pl.ds(col, chunk)]
+        score = score_ref[0, pl.ds(w * c, c), pl.ds(col, chunk)]
+        if w == coff - 1:
+            ape = jnp.sum(jnp.where(token_row, ape_ref[:, pl.ds(col, chunk)].astype(_F32), 0.0), axis=0)
+            kv = jnp.where(token_row, tok_kv_ref[0, pl.ds(col, chunk)][None, :], kv)
+            score = jnp.where(token_row, (tok_score_ref[0, pl.ds(col, chunk)] + ape)[None, :], score)
+        position = base + w * c + rows
+        score = jnp.where(position >= 0, score, -jnp.inf)
+        return kv, score, position < end
+
+    def store(w, col, kv, score):
+        kv_out_ref[0, pl.ds(w * c, c), pl.ds(col, chunk)] = kv
+        score_out_ref[0, pl.ds(w * c, c), pl.ds(col, chunk)] = score
+
+    def update_state(col):
+        """Read the state's columns [col, col + chunk) of every window; write them back updated. Returns the
+        windows' (kv, score) as the pooling reads them."""
+        windows = [window(w, col) for w in range(coff)]
+        kept = [(jnp.where(done, kv, 0.0), jnp.where(done, score, -jnp.inf)) for kv, score, done in windows]
+        shifted = kept[1:] + [(empty_kv, empty_score)]            # the entry completed: drop its first window
+        for w in range(coff):
+            store(w, col, jnp.where(complete, shifted[w][0], kept[w][0]),
+                  jnp.where(complete, shifted[w][1], kept[w][1]))
+        return windows
+
+    pooled, sum_sq = [], jnp.zeros((), _F32)
+    for j in range(head_dim // chunk):
+        col = j * chunk
+        if coff == 2:           # entry slots: A halves (columns [0, hd)) of window 0, B halves of window 1
+            kv_a, score_a, _ = update_state(col)[0]
+            kv_b, score_b, _ = update_state(head_dim + col)[1]
+        else:
+            (kv_b, score_b, _), = update_state(col)
+            kv_a = score_a = None
+        parts = [(kv_a, score_a), (kv_b, score_b)] if coff == 2 else [(kv_b, score_b)]
+        safe = [(kv, jnp.where(complete, score, 0.0)) for kv, score in parts]  # NaN-free when not complete
+        top = functools.reduce(jnp.maximum, [jnp.max(s, axis=0) for _, s in safe])
+        exps = [jnp.exp(s - top[None, :]) for _, s in safe]
+        total = functools.reduce(jnp.add, [jnp.sum(e, axis=0) for e in exps])
+        value = functools.reduce(jnp.add, [jnp.sum((e / total[None, :]) * kv, axis=0)
+                                           for e, (kv, _) in zip(exps, safe)])
+        value = value.astype(entry_ref.dtype).astype(_F32)
+        pooled.append(value)
+        sum_sq = sum_sq + jnp.sum(value * value)
+
+    inv_rms = jax.lax.rsqrt(sum_sq / head_dim + norm_eps)
+    for j, value in enumerate(pooled):
+        col = j * chunk
+        y = (value * inv_rms * weight_ref[pl.ds(col, chunk)].astype(_F32)).astype(entry_ref.dtype)
+        if j == len(pooled) - 1:                # the rope dims: (y_2i, y_2i+1) -> rotated by position * f_i
+            y = y.astype(_F32)
+            angle = (entry_idx * c).astype(_F32) * freq_ref[...]           # per column: f of its pair
+            lane = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+            other = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+            partner = jnp.sum(jnp.where(other == lane + 1 - 2 * (lane % 2), y[None, :], 0.0), axis=1)
+            sign = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) % 2 == 0, -1.0, 1.0)
+            y = (y * jnp.cos(angle) + partner * (sign * jnp.sin(angle))).astype(entry_ref.dtype)
+        entry_ref[0, pl.ds(col, chunk)] = y
+
+
+def decode_pool(state_kv: jax.Array, state_score: jax.Array, kv: jax.Array, score: jax.Array, ape: jax.Array,
+                start: jax.Array, n_valid: jax.Array, norm_weight: jax.Array, inv_freq: np.ndarray, *, ratio: int,
+                norm_eps: float, out_dtype, interpret: bool = False):
+    """One token per sequence into a compressor's pending state.
+
+    state_kv / state_score [B, coff*c, coff*hd] float32 (layers/compressor.py `init_compressor_state`), kv / score
+    [B, coff*hd] float32 the token's projections (score without ape), ape [c, coff*hd], start / n_valid [B] int32
+    (n_valid 0 or 1), norm_weight [hd], inv_freq [rope_dim / 2]. Returns (entry [B, hd] in out_dtype -- the entry
+    floor(start/c) normalised and rotated, meaningful only where it completed --, new state_kv, new state_score);
+    the state buffers are updated in place."""
+    batch, slots, width = state_kv.shape
+    coff = overlap_factor(ratio)
+    head_dim, rope_dim = width // coff, 2 * inv_freq.shape[0]
+    if slots != coff * ratio or not supported(ratio, head_dim, rope_dim):
+        raise ValueError(f"decode_pool: needs a state of coff * ratio = {coff * ratio} slots, a power-of-two ratio "
+                         f"and rope_dim, head_dim a multiple of rope_dim and ratio * rope_dim <= {MAX_TILE}; got "
+                         f"state {state_kv.shape}, ratio {ratio}, rope_dim {rope_dim}")
+    freq = jnp.asarray(np.repeat(np.asarray(inv_freq, np.float32), 2))             # per column of the rope chunk
+    row = lambda *shape: pl.BlockSpec((1, *shape), lambda b: (b,) + (0,) * len(shape))  # noqa: E731
+    whole = lambda *shape: pl.BlockSpec(shape, lambda b: (0,) * len(shape))  # noqa: E731
+    state_spec = row(slots, width)
+    kernel = functools.partial(_decode_pool_kernel, ratio=ratio, head_dim=head_dim, chunk=rope_dim,
+                               norm_eps=norm_eps)
+    args = (start.astype(jnp.int32), n_valid.astype(jnp.int32), state_kv, state_score, ape, kv.astype(_F32),
+            score.astype(_F32), norm_weight, freq)
+    in_specs = [pl.BlockSpec((1,), lambda b: (b,)), pl.BlockSpec((1,), lambda b: (b,)), state_spec, state_spec,
+                whole(ratio, width), row(width), row(width), whole(head_dim), whole(rope_dim)]
+    return pl.pallas_call(
+        kernel, grid=(batch,), in_specs=in_specs,
+        out_specs=[row(head_dim), state_spec, state_spec],
+        out_shape=[jax.ShapeDtypeStruct((batch, head_dim), out_dtype),
+                   jax.ShapeDtypeStruct(state_kv.shape, _F32), jax.ShapeDtypeStruct(state_score.shape, _F32)],
+        input_output_aliases={2: 1, 3: 2}, interpret=interpret, name="compressor_decode_pool",
+        compiler_params=pltriton.CompilerParams(num_warps=4 if ratio * rope_dim <= 1024 else 8, num_stages=1),
+    )(*args)

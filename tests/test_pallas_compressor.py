@@ -1,0 +1,172 @@
+"""The compressor's decode kernel (dsv4_jax/pallas_kernels/compressor.py), fed one token per step through
+layers/compressor.py `compressor_update` in Pallas interpret mode: against float64 numpy (tests/reference_np.py
+`compressor_entries`, the whole sequence at once) and against the jnp path it replaces (same inputs, same state).
+
+The kernel sums the softmax and the RMS in another order than XLA, so float32 entries agree with the jnp path to
+float32 rounding, not bit for bit; the pending state it writes is exact (no arithmetic: placed, masked, shifted).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv4_jax import presets
+from dsv4_jax.layers import compressor as C
+from dsv4_jax.layers.rope import rope_inv_freq
+from dsv4_jax.pallas_kernels import compressor as kernel
+from dsv4_jax.run_context import RunContext
+
+import reference_np as R
+
+POISON = 1.0e4          # cache entries no step may write
+
+
+def _params(rng, ratio: int, head_dim: int, dim: int) -> dict:
+    width = C.overlap_factor(ratio) * head_dim
+    return {"wkv": {"weight": (rng.standard_normal((width, dim)) * dim ** -0.5).astype(np.float32)},
+            "wgate": {"weight": (rng.standard_normal((width, dim)) * dim ** -0.5).astype(np.float32)},
+            "ape": rng.standard_normal((ratio, width)).astype(np.float32),
+            "norm": {"weight": (1.0 + 0.3 * rng.standard_normal(head_dim)).astype(np.float32)}}
+
+
+def _decode(kernels: str, dtype: str, cfg, params, xs, live, ratio, head_dim, rotate, simulate_quant, n_entries):
+    """Feed xs [B, T, D] one token per step (row b takes token t where live[b, t]; other steps pass it with
+    n_valid 0 and a junk token). Returns (cache [B, n_entries, hd] float32, final state, tokens fed per row)."""
+    ctx = RunContext.create(kernels=kernels, dtype=dtype, simulate_quant=simulate_quant)
+    batch, steps, _ = xs.shape
+    inv_freq = rope_inv_freq(cfg, ratio)
+    step = jax.jit(lambda p, x, s, n, st, ca: C.compressor_update(
+        p, x, s, n, st, ca, ratio=ratio, head_dim=head_dim, nope_dim=head_dim - cfg.rope_head_dim,
+        inv_freq=inv_freq, rotate=rotate, ctx=ctx, norm_eps=cfg.norm_eps))
+    state = C.init_compressor_state(batch, ratio, head_dim)
+    if ratio == 4:          # slots of positions -4..-1 (window -1): whatever they hold must never be pooled
+        garbage = np.random.default_rng(98).standard_normal(state["kv"][:, :ratio].shape).astype(np.float32)
+        state = {name: buf.at[:, :ratio].set(garbage) for name, buf in state.items()}
+    cache = jnp.full((batch, n_entries, head_dim), POISON, ctx.jnp_dtype)
+    start = np.zeros(batch, np.int32)
+    junk = np.random.default_rng(99).standard_normal(xs.shape).astype(np.float32)
+    for t in range(steps):
+        x = np.where(live[:, t, None], xs[:, t], junk[:, t])[:, None, :]
+        n_valid = live[:, t].astype(np.int32)
+        cache, state = step(params, jnp.asarray(x, ctx.jnp_dtype), jnp.asarray(start), jnp.asarray(n_valid), state,
+                            cache)
+        start = start + n_valid
+    return np.asarray(cache.astype(jnp.float32)), jax.tree.map(np.asarray, state), start
+
+
+def _case(seed: int, ratio: int, head_dim: int, steps: int):
+    rng = np.random.default_rng(seed)
+    cfg = presets.named("tiny")
+    dim = 96
+    params = _params(rng, ratio, head_dim, dim)
+    xs = rng.standard_normal((2, steps, dim)).astype(np.float32)
+    live = np.ones((2, steps), bool)
+    live[1, rng.choice(steps, steps // 4, replace=False)] = False      # row 1 pauses: n_valid 0 on those steps
+    return cfg, params, xs, live
+
+
+@pytest.mark.parametrize("ratio, head_dim, rotate", [(4, 96, False), (4, 64, True), (8, 96, False),
+                                                     (16, 64, False)])
+def test_decode_entries_match_float64(ratio, head_dim, rotate):
+    """Float32, no fake quant: every entry a row completes, token by token on the kernel, equals the float64
+    entries of the row's tokens pooled at once; entries no token completed stay poisoned."""
+    steps = 3 * ratio + 3
+    cfg, params, xs, live = _case(ratio + head_dim, ratio, head_dim, steps)
+    n_entries = steps // ratio + 2
+    cache, _, fed = _decode("interpret", "float32", cfg, params, xs, live, ratio, head_dim, rotate, False, n_entries)
+    for b in range(2):
+        tokens = xs[b][live[b]].astype(np.float64)
+        want = R.compressor_entries(tokens, {"wkv.weight": params["wkv"]["weight"],
+                                             "wgate.weight": params["wgate"]["weight"], "ape": params["ape"],
+                                             "norm.weight": params["norm"]["weight"]},
+                                    ratio, head_dim, rotate, cfg, R.rope_freqs(cfg, ratio), simulate_quant=False)
+        done = fed[b] // ratio
+        assert done == want.shape[0] >= 2
+        err = np.max(np.abs(cache[b, :done] - want)) / np.max(np.abs(want))
+        assert err < 2e-6, f"row {b}: max error {err:.2e} of the largest entry value"
+        assert np.all(cache[b, done:] == POISON), f"row {b}: an entry past the completed ones was written"
+
+
+@pytest.mark.parametrize("ratio, head_dim, rotate, dtype", [(4, 96, False, "bfloat16"), (4, 64, True, "bfloat16"),
+                                                            (8, 96, False, "float32")])
+def test_decode_kernel_equals_the_jnp_path(ratio, head_dim, rotate, dtype):
+    """With the model's fake quant (FP8 nope dims, or Hadamard + FP4 for the indexer flavour): the kernel plan's
+    pending state equals the jnp path's bit for bit, and the cache agrees to float32 rounding but for the rare
+    element a last-bit difference before a rounding moved to the neighbouring grid point (one FP8 / FP4 step)."""
+    steps = 2 * ratio + 5
+    cfg, params, xs, live = _case(7 * ratio, ratio, head_dim, steps)
+    outs = [_decode(k, dtype, cfg, params, xs, live, ratio, head_dim, rotate, True, steps // ratio + 1)
+            for k in ("interpret", "reference")]
+    (cache, state, fed), (want_cache, want_state, want_fed) = outs
+    np.testing.assert_array_equal(fed, want_fed)
+    for name in ("kv", "score"):
+        np.testing.assert_array_equal(state[name], want_state[name], err_msg=name)
+    flipped = np.abs(cache - want_cache) > 1e-5 * np.max(np.abs(want_cache))     # more than float32 rounding
+    assert flipped.mean() < 0.01, f"{flipped.mean():.2%} of the cache differs by more than rounding"
+    step = 0.5 if rotate else 2.0 ** -3       # relative spacing of the FP4 / FP8 grids at their coarsest
+    assert np.all(np.abs(cache - want_cache) <= step * np.abs(want_cache) + 1e-6)
+
+
+def test_unsupported_geometry_is_refused():
+    state = C.init_compressor_state(1, 4, 80)
+    with pytest.raises(ValueError, match="head_dim a multiple of rope_dim"):
+        kernel.decode_pool(state["kv"], state["score"], jnp.zeros((1, 160)), jnp.zeros((1, 160)), jnp.zeros((4, 160)),
+                           jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), jnp.ones(80), np.ones(16, np.float32),
+                           ratio=4, norm_eps=1e-6, out_dtype=jnp.float32)
+    assert not kernel.supported(3, 96, 32) and not kernel.supported(256, 512, 64) and kernel.supported(128, 512, 64)
+
+
+@pytest.mark.parametrize("ratio, head_dim", [(4, 512), (4, 128), (128, 512)])
+def test_cuda_lowering_at_flash_geometry(ratio, head_dim):
+    """Pallas -> Triton IR for an H200 without a GPU, at Flash's three compressors (main and indexer of a CSA
+    layer, an HCA layer's): one kernel, its state outputs aliased to its inputs (updated in place)."""
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    width = C.overlap_factor(ratio) * head_dim
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    i32 = jax.ShapeDtypeStruct((2,), jnp.int32)
+    fn = jax.jit(lambda skv, ssc, kv, sc, ape, s, n, w: kernel.decode_pool(
+        skv, ssc, kv, sc, ape, s, n, w, np.ones(32, np.float32), ratio=ratio, norm_eps=1e-6, out_dtype=jnp.bfloat16),
+        donate_argnums=(0, 1))
+    state = f32(2, C.overlap_factor(ratio) * ratio, width)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+        text = fn.trace(state, state, f32(2, width), f32(2, width), f32(ratio, width), i32, i32,
+                        f32(head_dim)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "output_operand_aliases" in text
+
+
+# ---- on the GPU -----------------------------------------------------------------------------------------------
+HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("ratio, head_dim", [(4, 512), (4, 128), (128, 512)])
+def test_gpu_decode_entries_match_float64(ratio, head_dim):
+    """The compiled Triton kernel at Flash's compressor geometries (a kernel plan on the GPU), float32, token by
+    token against float64; the state against the jnp path (the reference plan on the GPU) bit for bit."""
+    cfg = presets.flash()
+    steps = 2 * ratio + 3
+    rng = np.random.default_rng()
+    params = _params(rng, ratio, head_dim, 256)
+    xs = rng.standard_normal((2, steps, 256)).astype(np.float32)
+    live = np.ones((2, steps), bool)
+    live[1, rng.choice(steps, steps // 4, replace=False)] = False
+    n_entries = steps // ratio + 2
+    cache, state, fed = _decode("pallas", "float32", cfg, params, xs, live, ratio, head_dim, False, False, n_entries)
+    _, want_state, _ = _decode("reference", "float32", cfg, params, xs, live, ratio, head_dim, False, False,
+                               n_entries)
+    for name in ("kv", "score"):
+        np.testing.assert_array_equal(state[name], want_state[name], err_msg=name)
+    for b in range(2):
+        want = R.compressor_entries(xs[b][live[b]].astype(np.float64),
+                                    {"wkv.weight": params["wkv"]["weight"], "wgate.weight": params["wgate"]["weight"],
+                                     "ape": params["ape"], "norm.weight": params["norm"]["weight"]},
+                                    ratio, head_dim, False, cfg, R.rope_freqs(cfg, ratio), simulate_quant=False)
+        done = fed[b] // ratio
+        err = np.max(np.abs(cache[b, :done] - want)) / np.max(np.abs(want))
+        assert err < 2e-6, f"row {b}: max error {err:.2e} of the largest entry value"
+        assert np.all(cache[b, done:] == POISON)
