@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import kv_cache
 from ..config import ModelConfig
-from ..pallas_kernels import decode_attention
+from ..pallas_kernels import decode_attention, norm_rope
 from ..quant import group_linear, linear, linear_pair
 from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
 from ..sharding import EXPERT, expert_devices, split_along, splits_heads
@@ -203,6 +203,14 @@ def _takes_decode_kernel(ctx, cfg: ModelConfig, seq: int) -> bool:
             and decode_attention.takes(seq, cfg.n_heads, cfg.head_dim, cfg.window_size, cfg.rope_head_dim))
 
 
+def _takes_norm_kernel(ctx, cfg: ModelConfig, seq: int) -> bool:
+    """Whether the query latent's and the keys' norms run on pallas_kernels/norm_rope.py: a kernel plan (a GPU's, or
+    "interpret"), inference, decode or verify chunks (prefill keeps XLA's fusions), supported widths."""
+    return (ctx.kernels.backend is not None and ctx.training is None and seq <= decode_attention.MAX_ROWS
+            and norm_rope.supported(cfg.q_lora_rank)
+            and norm_rope.supported(cfg.head_dim, cfg.rope_head_dim, ctx.simulate_quant))
+
+
 def _window_blocks(q, keys, key_pos, positions, window: int):
     """The window part of a chunk longer than the window, in blocks of `window` queries: a query at position p
     sees keys p - window + 1 .. p, which lie in its own block and the one before it (for the first block, the
@@ -356,15 +364,27 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     if split and ctx.training is not None:
         raise NotImplementedError("training with the attention heads split over a mesh (sharding.splits_heads)")
     on_kernel = not split and _takes_decode_kernel(ctx, cfg, seq)
+    norm_kernel = not on_kernel and _takes_norm_kernel(ctx, cfg, seq)
     # wq_a and wkv read the same x: one launch for both where a decode kernel takes them (linear_pair)
-    q_a, kv_a = linear_pair(x, params["wq_a"]["weight"], params["wkv"]["weight"], ctx=ctx)
-    q_latent = rms_norm(q_a, params["q_norm"]["weight"], cfg.norm_eps)
+    q_a, kv_a = linear_pair(x, params["wq_a"]["weight"], params["wkv"]["weight"],
+                            jnp.float32 if norm_kernel else None, ctx=ctx)
+    if norm_kernel:
+        # one launch per norm: the matmul's float32 output rounded to dtype, normalised (kv: rotated and
+        # fake-quantized too) in pallas_kernels/norm_rope.py
+        interpret = ctx.kernels.backend == "interpret"
+        q_latent = norm_rope.rms_norm_rows(q_a, params["q_norm"]["weight"], eps=cfg.norm_eps, in_dtype=dtype,
+                                           interpret=interpret)
+        kv = norm_rope.rms_norm_rows(kv_a, params["kv_norm"]["weight"], eps=cfg.norm_eps, in_dtype=dtype,
+                                     rope=(positions, inv_freq), fp8_nope=ctx.simulate_quant, interpret=interpret)
+    else:
+        q_latent = rms_norm(q_a, params["q_norm"]["weight"], cfg.norm_eps)
     if on_kernel:
         # the kernel rounds q to dtype and does its per-head norm and RoPE, and makes the chunk's keys from kv_a
         # (norm, RoPE, fake quant): no launches of their own
         q = linear(q_latent, params["wq_b"]["weight"], jnp.float32, ctx=ctx).reshape(batch, seq, n_heads, head_dim)
     else:
         q = None if split else _queries(params, cfg, q_latent, positions, inv_freq, ctx)   # split: per device
+    if not on_kernel and not norm_kernel:
         kv = rms_norm(kv_a, params["kv_norm"]["weight"], cfg.norm_eps)
         kv = apply_rope(kv, positions, inv_freq)
         if ctx.simulate_quant:

@@ -1,0 +1,118 @@
+"""RMSNorm of decode rows in one launch (Pallas, GPU), optionally followed by RoPE on the trailing dims and the FP8
+fake quant of the others -- what layers/norm.py `rms_norm` (+ layers/rope.py `apply_rope` + the FP8 rounding of
+quant/fake_quant.py) costs XLA two or three kernels for on the GPU: the row's sum of squares is a reduction, and
+XLA does not fuse a reduction with the elementwise work that reads its result.
+
+    q_latent = rms_norm_rows(q_a, weight, eps=1e-6, in_dtype=bf16)                       # the query latent
+    kv = rms_norm_rows(kv_a, weight, eps=1e-6, in_dtype=bf16, rope=(positions, inv_freq), fp8_nope=True)
+
+The input may be the float32 a matmul kernel wrote: it is first rounded to `in_dtype` (what the matmul would have
+returned in the model's dtype), so the cast costs no launch of its own. One program per row, two passes over
+power-of-two column chunks (the sum of squares, then the normalised chunks; with `rope` the chunks are rope_dim
+wide and the last one is rotated). Numerics follow the jnp path operation for operation in float32: the normalised
+row is rounded to the output dtype, then the rope dims are rotated in float32 (each value's pair partner found with
+a 0/1 permutation, exact) and rounded again, and each 64-value block of the other dims is rounded to e4m3 under its
+power-of-two scale; only the order of the sum of squares differs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from .decode_attention import _fp8_fake_quant
+
+_F32 = jnp.float32
+FP8_BLOCK = 64               # the fake quant's block (quant/fake_quant.fp8_fake_quant)
+MAX_CHUNK = 1024
+
+
+def _chunk(dim: int) -> int:
+    c = MAX_CHUNK
+    while c > 1 and dim % c:
+        c //= 2
+    return c
+
+
+def supported(dim: int, rope_dim: int | None = None, fp8_nope: bool = False) -> bool:
+    """Whether the kernel takes rows of `dim`: chunks of at least 64 columns; with rope, power-of-two rope dims
+    that divide dim (at least the FP8 block with fp8_nope)."""
+    if rope_dim is None:
+        return not fp8_nope and _chunk(dim) >= 64
+    pow2 = rope_dim > 0 and rope_dim & (rope_dim - 1) == 0
+    return pow2 and dim % rope_dim == 0 and (not fp8_nope or rope_dim == FP8_BLOCK)
+
+
+def _swap_pairs(y):
+    """y [C] -> its pair partners (y_2i+1, y_2i): a 0/1 permutation summed, exact in float32."""
+    width = y.shape[0]
+    lane = jax.lax.broadcasted_iota(jnp.int32, (width, width), 0)
+    other = jax.lax.broadcasted_iota(jnp.int32, (width, width), 1)
+    return jnp.sum(jnp.where(other == lane + 1 - 2 * (lane % 2), y[None, :], 0.0), axis=1)
+
+
+def _kernel(*refs, dim: int, chunk: int, eps: float, in_dtype, has_weight: bool, rope: bool, fp8_nope: bool):
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    w_ref = refs.pop(0) if has_weight else None
+    if rope:
+        pos_ref, freq_ref = refs.pop(0), refs.pop(0)
+    (out_ref,) = refs
+    n_chunks = dim // chunk
+
+    def load(j):
+        return x_ref[0, pl.ds(j * chunk, chunk)].astype(in_dtype).astype(_F32)
+
+    sum_sq = jnp.zeros((), _F32)
+    for j in range(n_chunks):
+        x = load(j)
+        sum_sq = sum_sq + jnp.sum(x * x)
+    inv_rms = jax.lax.rsqrt(sum_sq / dim + eps)
+    for j in range(n_chunks):
+        y = load(j) * inv_rms
+        if w_ref is not None:
+            y = y * w_ref[pl.ds(j * chunk, chunk)].astype(_F32)
+        y = y.astype(out_ref.dtype).astype(_F32)
+        if rope and j == n_chunks - 1:          # layers/rope.apply_rope: (y_2i, y_2i+1) turned by position * f_i
+            angle = jnp.sum(pos_ref[pl.ds(0, 1)]).astype(_F32) * freq_ref[...]
+            sign = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) % 2 == 0, -1.0, 1.0)
+            y = (y * jnp.cos(angle) + _swap_pairs(y) * (sign * jnp.sin(angle))).astype(out_ref.dtype)
+        elif fp8_nope:
+            y = _fp8_fake_quant(y[None, :])[0].astype(out_ref.dtype)
+        out_ref[0, pl.ds(j * chunk, chunk)] = y.astype(out_ref.dtype)
+
+
+def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float, in_dtype, out_dtype=None, rope=None,
+                  fp8_nope: bool = False, interpret: bool = False) -> jax.Array:
+    """x [..., D] (any float dtype; rounded to in_dtype first) -> rms_norm(x, weight) in out_dtype (default
+    in_dtype); `rope` = (positions [...] int32, inv_freq [rope_dim / 2]): then RoPE on the last rope_dim dims at
+    each row's position; `fp8_nope`: then the FP8 fake quant of the other dims (blocks of 64)."""
+    *lead, dim = x.shape
+    out_dtype = in_dtype if out_dtype is None else out_dtype
+    rope_dim = None if rope is None else 2 * rope[1].shape[0]
+    if not supported(dim, rope_dim, fp8_nope):
+        raise ValueError(f"rms_norm_rows: D {dim} with rope_dim {rope_dim} and fp8_nope {fp8_nope} is not supported "
+                         f"(chunks of >= 64 columns; rope_dim a power of two dividing D, 64 with fp8_nope)")
+    rows = int(np.prod(lead)) if lead else 1
+    chunk = _chunk(dim) if rope is None else rope_dim
+    args = [x.reshape(rows, dim)]
+    specs = [pl.BlockSpec((1, dim), lambda r: (r, 0))]
+    if weight is not None:
+        args.append(weight)
+        specs.append(pl.BlockSpec((dim,), lambda r: (0,)))
+    if rope is not None:
+        positions, inv_freq = rope
+        args += [jnp.broadcast_to(positions, lead).reshape(rows).astype(jnp.int32),
+                 jnp.asarray(np.repeat(np.asarray(inv_freq, np.float32), 2))]
+        specs += [pl.BlockSpec((1,), lambda r: (r,)), pl.BlockSpec((rope_dim,), lambda r: (0,))]
+    kernel = functools.partial(_kernel, dim=dim, chunk=chunk, eps=eps, in_dtype=in_dtype,
+                               has_weight=weight is not None, rope=rope is not None, fp8_nope=fp8_nope)
+    out = pl.pallas_call(kernel, grid=(rows,), in_specs=specs, out_specs=pl.BlockSpec((1, dim), lambda r: (r, 0)),
+                         out_shape=jax.ShapeDtypeStruct((rows, dim), out_dtype), interpret=interpret,
+                         name="rms_norm_rows", compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(*args)
+    return out.reshape(*lead, dim)

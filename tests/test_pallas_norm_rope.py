@@ -1,0 +1,104 @@
+"""The decode rows' RMSNorm kernel (dsv4_jax/pallas_kernels/norm_rope.py), with RoPE and the FP8 fake quant, in Pallas
+interpret mode: against float64 numpy (tests/reference_np.py) and against the jnp path it replaces (layers/norm.py
+`rms_norm`, layers/rope.py `apply_rope`, quant/fake_quant.py `fp8_fake_quant`), and the attention layer on a kernel
+plan against the reference plan."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv4_jax import presets
+from dsv4_jax.layers.norm import rms_norm
+from dsv4_jax.layers.rope import apply_rope, rope_inv_freq
+from dsv4_jax.pallas_kernels import norm_rope
+from dsv4_jax.quant.fake_quant import fp8_fake_quant
+
+import reference_np as R
+
+
+def _inputs(rng, rows, dim):
+    x = (rng.standard_normal((rows, 1, dim)) * rng.uniform(0.1, 10.0, (rows, 1, 1))).astype(np.float32)
+    weight = (1.0 + 0.3 * rng.standard_normal(dim)).astype(np.float32)
+    positions = rng.integers(0, 1 << 20, (rows, 1)).astype(np.int32)
+    return x, weight, positions
+
+
+@pytest.mark.parametrize("dim, rope_dim", [(1024, None), (1536, None), (512, 64), (96, 32)])
+def test_float32_rows_match_float64(dim, rope_dim):
+    """Float32: the norm (and RoPE at each row's position) against float64, every row checked; positions up to 1M,
+    as long contexts rotate (the angle position * f is formed in float32, as the model forms it)."""
+    rng = np.random.default_rng(dim)
+    x, weight, positions = _inputs(rng, 5, dim)
+    rope = None if rope_dim is None else (positions, rope_inv_freq(presets.named("flash"), 4)[:rope_dim // 2])
+    got = np.asarray(norm_rope.rms_norm_rows(jnp.asarray(x), jnp.asarray(weight), eps=1e-6, in_dtype=jnp.float32,
+                                             rope=rope, interpret=True), np.float64)
+    want = R.rms_norm(x.astype(np.float64), weight.astype(np.float64), 1e-6)
+    if rope is not None:     # at the float32 angles the model forms (position * f rounded), in float64 after that
+        angles = (positions.astype(np.float32) * rope[1][None, :]).astype(np.float64)          # [rows, R/2]
+        want = np.stack([R.apply_rope(want[r], 1.0, angles[r]) for r in range(len(want))])
+    err = np.max(np.abs(got - want), axis=-1) / np.max(np.abs(want), axis=-1)
+    assert np.all(err < 3e-6), err
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_keys_equal_the_jnp_path(dtype):
+    """Flash's keys: float32 matmul output -> rounded to dtype -> rms_norm -> RoPE -> FP8 fake quant of the nope
+    dims, against the jnp path on the same rounded input. bf16: equal bit for bit but for a rare element where a
+    last-bit difference of the norm's sum moved a rounding (one bf16 / FP8 step); float32: to rounding."""
+    rng = np.random.default_rng(5)
+    x, weight, positions = _inputs(rng, 16, 512)
+    inv_freq = rope_inv_freq(presets.named("flash"), 4)
+    got = norm_rope.rms_norm_rows(jnp.asarray(x), jnp.asarray(weight), eps=1e-6, in_dtype=dtype,
+                                  rope=(jnp.asarray(positions), inv_freq), fp8_nope=True, interpret=True)
+    want = apply_rope(rms_norm(jnp.asarray(x).astype(dtype), jnp.asarray(weight), 1e-6), jnp.asarray(positions),
+                      inv_freq)
+    want = jnp.concatenate([fp8_fake_quant(want[..., :448]), want[..., 448:]], axis=-1)
+    assert got.dtype == dtype
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    moved = np.abs(got - want) > 1e-6 * np.max(np.abs(want))
+    assert moved.mean() < 0.002, f"{moved.mean():.2%} of the elements differ by more than float32 rounding"
+    assert np.all(np.abs(got - want) <= 2.0 ** -3 * np.abs(want) + 1e-6)
+    # the nope dims are on the FP8 grid: each 64-block's values are multiples of its power-of-two step
+    blocks = got[..., :448].reshape(16, 7, 64)
+    scale = 2.0 ** np.ceil(np.log2(np.maximum(np.max(np.abs(blocks), axis=-1, keepdims=True), 1e-4) / 448))
+    assert np.all(np.abs(blocks / scale) <= 448)
+
+
+def test_unsupported_widths_are_refused():
+    with pytest.raises(ValueError, match="rope_dim a power of two"):
+        norm_rope.rms_norm_rows(jnp.ones((2, 100)), None, eps=1e-6, in_dtype=jnp.float32,
+                                rope=(jnp.zeros(2, jnp.int32), np.ones(24, np.float32)))
+    assert not norm_rope.supported(512, 32, fp8_nope=True) and norm_rope.supported(512, 64, fp8_nope=True)
+
+
+def test_attention_on_a_kernel_plan_equals_the_reference_plan():
+    """A decode step of the tiny model's CSA and HCA layers: with the norm kernel (the "interpret" plan; the decode
+    attention and compressor kernels too) the same output and cache as the reference plan, in float32."""
+    from dsv4_jax.layers.attention import attention
+    from dsv4_jax.params import init_params
+    from dsv4_jax.run_context import RunContext
+    from dsv4_jax.state import init_state
+
+    cfg = presets.named("tiny")
+    params = init_params(cfg, jax.random.PRNGKey(1))
+    state = init_state(cfg, 2, 64, jnp.float32)
+    rng = np.random.default_rng(2)
+    start = jnp.asarray([9, 30], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((2, 1, cfg.dim)), jnp.float32)
+    for layer in (1, 2):
+        ratio = cfg.compress_ratios[layer]
+        # filled caches and pending states (the same random values for both plans)
+        cache = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), state.layers[layer])
+        outs = []
+        for kernels in ("interpret", "reference"):
+            ctx = RunContext.create(kernels=kernels, dtype="float32")
+            outs.append(jax.jit(lambda p, x, c, ctx=ctx: attention(p, cfg, ratio, x, start, jnp.ones(2, jnp.int32),
+                                                                     c, rope_inv_freq(cfg, ratio), ctx)[:2])(
+                params["layers"][layer]["attn"], x, cache))
+        (y, c1), (want_y, c2) = outs
+        np.testing.assert_allclose(np.asarray(y), np.asarray(want_y), rtol=1e-4, atol=1e-5)
+        for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2)):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-4, atol=1e-5)
