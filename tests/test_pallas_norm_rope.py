@@ -102,3 +102,18 @@ def test_attention_on_a_kernel_plan_equals_the_reference_plan():
         np.testing.assert_allclose(np.asarray(y), np.asarray(want_y), rtol=1e-4, atol=1e-5)
         for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2)):
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-4, atol=1e-5)
+
+
+def test_columns_of_a_joined_output_read_in_place():
+    """`columns` normalises one part of two matmul outputs written side by side, exactly as that part alone."""
+    rng = np.random.default_rng(8)
+    joined = jnp.asarray(rng.standard_normal((3, 1, 1024 + 512)), jnp.float32)
+    wq, wkv = (jnp.asarray(1.0 + 0.3 * rng.standard_normal(d), jnp.float32) for d in (1024, 512))
+    rope = (jnp.asarray([[3], [70000], [9]], jnp.int32), rope_inv_freq(presets.named("flash"), 4))
+    run = lambda x, w, **kw: np.asarray(norm_rope.rms_norm_rows(x, w, eps=1e-6, in_dtype=jnp.bfloat16,  # noqa: E731
+                                                                interpret=True, **kw), np.float32)
+    np.testing.assert_array_equal(run(joined, wq, columns=(0, 1024)), run(joined[..., :1024], wq))
+    np.testing.assert_array_equal(run(joined, wkv, columns=(1024, 512), rope=rope, fp8_nope=True),
+                                  run(joined[..., 1024:], wkv, rope=rope, fp8_nope=True))
+    with pytest.raises(ValueError, match="outside"):
+        run(joined, wkv, columns=(1100, 512))

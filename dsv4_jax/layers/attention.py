@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from .. import kv_cache
 from ..config import ModelConfig
 from ..pallas_kernels import decode_attention, norm_rope
-from ..quant import group_linear, linear, linear_pair
+from ..quant import group_linear, linear, linear_joined, linear_pair
 from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
 from ..sharding import EXPERT, expert_devices, split_along, splits_heads
 from .compressor import compressor_commit, compressor_read, compressor_update
@@ -366,17 +366,18 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     on_kernel = not split and _takes_decode_kernel(ctx, cfg, seq)
     norm_kernel = not on_kernel and _takes_norm_kernel(ctx, cfg, seq)
     # wq_a and wkv read the same x: one launch for both where a decode kernel takes them (linear_pair)
-    q_a, kv_a = linear_pair(x, params["wq_a"]["weight"], params["wkv"]["weight"],
-                            jnp.float32 if norm_kernel else None, ctx=ctx)
     if norm_kernel:
-        # one launch per norm: the matmul's float32 output rounded to dtype, normalised (kv: rotated and
-        # fake-quantized too) in pallas_kernels/norm_rope.py
-        interpret = ctx.kernels.backend == "interpret"
-        q_latent = norm_rope.rms_norm_rows(q_a, params["q_norm"]["weight"], eps=cfg.norm_eps, in_dtype=dtype,
-                                           interpret=interpret)
-        kv = norm_rope.rms_norm_rows(kv_a, params["kv_norm"]["weight"], eps=cfg.norm_eps, in_dtype=dtype,
-                                     rope=(positions, inv_freq), fp8_nope=ctx.simulate_quant, interpret=interpret)
+        # one launch per norm (pallas_kernels/norm_rope.py), each reading its columns of the pair's float32 output
+        # in place and rounding them to dtype; the keys are also rotated and fake-quantized there
+        q_a_kv_a = linear_joined(x, params["wq_a"]["weight"], params["wkv"]["weight"], jnp.float32, ctx=ctx)
+        rank, interpret = cfg.q_lora_rank, ctx.kernels.backend == "interpret"
+        q_latent = norm_rope.rms_norm_rows(q_a_kv_a, params["q_norm"]["weight"], eps=cfg.norm_eps, in_dtype=dtype,
+                                           columns=(0, rank), interpret=interpret)
+        kv = norm_rope.rms_norm_rows(q_a_kv_a, params["kv_norm"]["weight"], eps=cfg.norm_eps, in_dtype=dtype,
+                                     rope=(positions, inv_freq), fp8_nope=ctx.simulate_quant,
+                                     columns=(rank, head_dim), interpret=interpret)
     else:
+        q_a, kv_a = linear_pair(x, params["wq_a"]["weight"], params["wkv"]["weight"], ctx=ctx)
         q_latent = rms_norm(q_a, params["q_norm"]["weight"], cfg.norm_eps)
     if on_kernel:
         # the kernel rounds q to dtype and does its per-head norm and RoPE, and makes the chunk's keys from kv_a

@@ -56,7 +56,8 @@ def _swap_pairs(y):
     return jnp.sum(jnp.where(other == lane + 1 - 2 * (lane % 2), y[None, :], 0.0), axis=1)
 
 
-def _kernel(*refs, dim: int, chunk: int, eps: float, in_dtype, has_weight: bool, rope: bool, fp8_nope: bool):
+def _kernel(*refs, first: int, dim: int, chunk: int, eps: float, in_dtype, has_weight: bool, rope: bool,
+            fp8_nope: bool):
     refs = list(refs)
     x_ref = refs.pop(0)
     w_ref = refs.pop(0) if has_weight else None
@@ -66,7 +67,7 @@ def _kernel(*refs, dim: int, chunk: int, eps: float, in_dtype, has_weight: bool,
     n_chunks = dim // chunk
 
     def load(j):
-        return x_ref[0, pl.ds(j * chunk, chunk)].astype(in_dtype).astype(_F32)
+        return x_ref[0, pl.ds(first + j * chunk, chunk)].astype(in_dtype).astype(_F32)
 
     sum_sq = jnp.zeros((), _F32)
     for j in range(n_chunks):
@@ -88,11 +89,17 @@ def _kernel(*refs, dim: int, chunk: int, eps: float, in_dtype, has_weight: bool,
 
 
 def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float, in_dtype, out_dtype=None, rope=None,
-                  fp8_nope: bool = False, interpret: bool = False) -> jax.Array:
+                  fp8_nope: bool = False, columns: tuple[int, int] | None = None,
+                  interpret: bool = False) -> jax.Array:
     """x [..., D] (any float dtype; rounded to in_dtype first) -> rms_norm(x, weight) in out_dtype (default
     in_dtype); `rope` = (positions [...] int32, inv_freq [rope_dim / 2]): then RoPE on the last rope_dim dims at
-    each row's position; `fp8_nope`: then the FP8 fake quant of the other dims (blocks of 64)."""
-    *lead, dim = x.shape
+    each row's position; `fp8_nope`: then the FP8 fake quant of the other dims (blocks of 64). `columns` = (first,
+    D): normalise only x[..., first:first + D] (e.g. one of two matmul outputs written side by side), read in place.
+    """
+    *lead, width = x.shape
+    first, dim = (0, width) if columns is None else columns
+    if first < 0 or first + dim > width:
+        raise ValueError(f"rms_norm_rows: columns {columns} lie outside the input's {width}")
     out_dtype = in_dtype if out_dtype is None else out_dtype
     rope_dim = None if rope is None else 2 * rope[1].shape[0]
     if not supported(dim, rope_dim, fp8_nope):
@@ -100,8 +107,8 @@ def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float, in_dtyp
                          f"(chunks of >= 64 columns; rope_dim a power of two dividing D, 64 with fp8_nope)")
     rows = int(np.prod(lead)) if lead else 1
     chunk = _chunk(dim) if rope is None else rope_dim
-    args = [x.reshape(rows, dim)]
-    specs = [pl.BlockSpec((1, dim), lambda r: (r, 0))]
+    args = [x.reshape(rows, width)]
+    specs = [pl.BlockSpec((1, width), lambda r: (r, 0))]
     if weight is not None:
         args.append(weight)
         specs.append(pl.BlockSpec((dim,), lambda r: (0,)))
@@ -110,7 +117,7 @@ def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float, in_dtyp
         args += [jnp.broadcast_to(positions, lead).reshape(rows).astype(jnp.int32),
                  jnp.asarray(np.repeat(np.asarray(inv_freq, np.float32), 2))]
         specs += [pl.BlockSpec((1,), lambda r: (r,)), pl.BlockSpec((rope_dim,), lambda r: (0,))]
-    kernel = functools.partial(_kernel, dim=dim, chunk=chunk, eps=eps, in_dtype=in_dtype,
+    kernel = functools.partial(_kernel, first=first, dim=dim, chunk=chunk, eps=eps, in_dtype=in_dtype,
                                has_weight=weight is not None, rope=rope is not None, fp8_nope=fp8_nope)
     out = pl.pallas_call(kernel, grid=(rows,), in_specs=specs, out_specs=pl.BlockSpec((1, dim), lambda r: (r, 0)),
                          out_shape=jax.ShapeDtypeStruct((rows, dim), out_dtype), interpret=interpret,

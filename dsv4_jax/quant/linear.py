@@ -125,17 +125,35 @@ def linear_pair(x: jax.Array, w_a, w_b, out_dtype=None, *, ctx) -> tuple[jax.Arr
     """(linear(x, w_a), linear(x, w_b)) for two weights of one input width, e.g. a gate and an up projection, or the
     attention's wq_a and wkv: one kernel launch where the decode kernels of ffi/ take both (decode rows on CUDA; one
     format and shape, or two FP8-block weights of one K), the input quantized once; otherwise two `linear` calls."""
+    y = _pair_kernel(x, w_a, w_b, out_dtype, ctx)
+    if y is None:
+        return linear(x, w_a, out_dtype, ctx=ctx), linear(x, w_b, out_dtype, ctx=ctx)
+    n = w_a.shape[0]
+    return y[..., :n], y[..., n:]
+
+
+@_scoped_by_format
+def linear_joined(x: jax.Array, w_a, w_b, out_dtype=None, *, ctx) -> jax.Array:
+    """linear_pair's two outputs side by side, [..., out_a + out_b], as its kernel writes them: a consumer that is a
+    kernel of its own reads its columns in place (a slice handed to a custom call is a copy: one launch more)."""
+    y = _pair_kernel(x, w_a, w_b, out_dtype, ctx)
+    if y is None:
+        return jnp.concatenate([linear(x, w_a, out_dtype, ctx=ctx), linear(x, w_b, out_dtype, ctx=ctx)], axis=-1)
+    return y
+
+
+def _pair_kernel(x: jax.Array, w_a, w_b, out_dtype, ctx) -> jax.Array | None:
+    """Both weights' outputs side by side from one kernel launch, or None where no kernel takes the pair."""
     x2 = x.reshape(-1, x.shape[-1])
     for weight in (w_a, w_b):
         check_weight(weight, "linear_pair weight")
         _check_in_features(x, weight.shape, "linear_pair", 2)
     kernel = kernel_dispatch.pair_matmul(x2, w_a, w_b, ctx.kernels, routed=False)
     if kernel is None:
-        return linear(x, w_a, out_dtype, ctx=ctx), linear(x, w_b, out_dtype, ctx=ctx)
+        return None
     xq, row_scale = _quantize_input(x2, w_a, ctx)
     y = _rescale(kernel(xq, None), row_scale, None).astype(out_dtype or x.dtype)
-    n, n2 = w_a.shape[0], w_b.shape[0]
-    return y[:, :n].reshape(*x.shape[:-1], n), y[:, n:].reshape(*x.shape[:-1], n2)
+    return y.reshape(*x.shape[:-1], w_a.shape[0] + w_b.shape[0])
 
 
 def _check_grouped_weight(x: jax.Array, weight, what: str):
