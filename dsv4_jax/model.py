@@ -15,7 +15,7 @@ from jax import lax
 from .config import ModelConfig
 from .layer_scan import StackedLayers
 from .layers.attention import attention, commit_attention
-from .layers.hyper import hc_head, hc_post, hc_pre_norm
+from .layers.hyper import hc_head, hc_post, hc_pre_norm, site_on_kernels
 from .layers.moe import moe
 from .layers.norm import rms_norm
 from .layers.rope import rope_inv_freq
@@ -71,8 +71,10 @@ def _block(params, cfg, ctx, layer, X, post_mix, token_ids, start, n_valid, cach
     ratio = cfg.compress_ratios[layer]
     x, post, comb, X = hc_pre_norm(X, params["hc_attn_fn"], params["hc_attn_base"], params["hc_attn_scale"],
                                    params["attn_norm"]["weight"], cfg, ctx, post_mix=post_mix)
+    # where the next mHC site runs on its kernels, they round the attention's float32 output: no cast launch
+    y_dtype = jnp.float32 if site_on_kernels(X, params["hc_ffn_fn"], cfg, ctx) else None
     y, cache, attn_stats = attention(params["attn"], cfg, ratio, x, start, n_valid, cache,
-                                     rope_inv_freq(cfg, ratio), ctx, defer)
+                                     rope_inv_freq(cfg, ratio), ctx, defer, out_dtype=y_dtype)
     # the attention's hc_post runs inside the next site (one pass over the streams on the GPU kernel plan)
     x, post, comb, X = hc_pre_norm(X, params["hc_ffn_fn"], params["hc_ffn_base"], params["hc_ffn_scale"],
                                    params["ffn_norm"]["weight"], cfg, ctx, post_mix=(y, post, comb))

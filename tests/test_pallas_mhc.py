@@ -139,7 +139,7 @@ def test_model_site_dispatch_interpret_equals_reference():
 def test_injected_bugs_fail(bug, monkeypatch):
     """The float32 check above catches each of these mistakes in the kernels."""
     if bug == "comb not transposed":
-        def post_mix(x, y_ref, post_ref, comb_ref):
+        def post_mix(x, y_ref, post_ref, comb_ref, dtype):
             comb = comb_ref[0, :, :]
             mixed = jnp.sum(comb[:, :, None] * x[None, :, :], axis=1)         # sum_k C[j, k] X_k
             return post_ref[0, :][:, None] * y_ref[0, :].astype(jnp.float32)[None, :] + mixed
@@ -192,3 +192,18 @@ def test_gpu_site_matches_float64(dim, lead):
     X, y = (np.asarray(bf(a).astype(jnp.float32)) for a in (X, y))
     want, bounds = _numpy_site(cfg, X, fn, base, scale, weight, (y, post, comb), bf16=True)
     _assert_within(got, want, bounds, "bf16")
+
+
+def test_float32_y_is_rounded_to_the_streams_dtype():
+    """A float32 y (a matmul kernel's output, handed over uncast) gives the kernels and the jnp path the results
+    of y rounded to the streams' dtype (bf16 here) first: each equal to its run on the rounded y."""
+    rng = np.random.default_rng(12)
+    cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, (2, 1), 256, jnp.bfloat16)
+    y32 = jnp.asarray(rng.standard_normal(y.shape), jnp.float32)            # not on the bf16 grid
+    for kernels in ("interpret", "reference"):
+        ctx = RunContext.create(kernels=kernels, dtype="bfloat16")
+        run = jax.jit(lambda X, y, ctx=ctx: hyper.hc_pre_norm(X, fn, base, scale, weight, cfg, ctx,
+                                                              post_mix=(y, post, comb)))
+        X16 = jnp.asarray(X, jnp.bfloat16)
+        for g, w in zip(run(X16, y32), run(X16, y32.astype(jnp.bfloat16))):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32), err_msg=kernels)

@@ -347,9 +347,10 @@ def _split_heads_output(params: dict, cfg: ModelConfig, q_latent, kv, ring, comp
 
 @jax.named_scope("attention")
 def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: jax.Array, n_valid: jax.Array,
-              cache: dict, inv_freq: np.ndarray, ctx, defer: bool = False):
-    """x [B, S, D] (attn_norm'd) at positions start[b] + i. Returns (output [B, S, D], updated layer cache,
-    statistics: {} for inference; under training {"indexer_kl": ...} in CSA layers, run_context.Training).
+              cache: dict, inv_freq: np.ndarray, ctx, defer: bool = False, out_dtype=None):
+    """x [B, S, D] (attn_norm'd) at positions start[b] + i. Returns (output [B, S, D] in out_dtype (default x's),
+    updated layer cache, statistics: {} for inference; under training {"indexer_kl": ...} in CSA layers,
+    run_context.Training).
 
     `defer`: read without committing (a speculative verify chunk): the window ring and the compressors' pending
     tokens are left as they were and the returned cache carries a "pending" entry, which commit_attention turns
@@ -453,7 +454,7 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         new_cache["window_kv"] = write_ring(ring, kv, start, n_valid)
     if split:
         y = _split_heads_output(params, cfg, q_latent, kv, ring, compressed, picks, start, positions,
-                                ratio if compressed is not None else 0, inv_freq, ctx)
+                                ratio if compressed is not None else 0, inv_freq, ctx).astype(out_dtype or dtype)
     else:
-        y = _output(params, cfg, out, dtype, ctx)
+        y = _output(params, cfg, out, out_dtype or dtype, ctx)
     return y, new_cache, stats

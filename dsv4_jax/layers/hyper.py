@@ -61,9 +61,10 @@ def hc_pre(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: 
 
 @jax.named_scope("mhc")
 def hc_post(y: jax.Array, X: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-    """X'_k = post_k * y + sum_j comb[j, k] * X_j (note the transpose), float32 math, stored in X.dtype."""
+    """X'_k = post_k * y + sum_j comb[j, k] * X_j (note the transpose), float32 math, stored in X.dtype. y is the
+    sub-layer's output in X.dtype, or in float32 to be rounded to X.dtype first (see hc_pre_norm)."""
     mixed = jnp.einsum("...jk,...jd->...kd", comb, X.astype(jnp.float32))
-    out = post[..., None] * y.astype(jnp.float32)[..., None, :] + mixed
+    out = post[..., None] * y.astype(X.dtype).astype(jnp.float32)[..., None, :] + mixed
     return out.astype(X.dtype)
 
 
@@ -75,22 +76,30 @@ def hc_head(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg:
     return jnp.einsum("...n,...nd->...d", pre, X.astype(jnp.float32)).astype(X.dtype)
 
 
+def site_on_kernels(X: jax.Array, fn: jax.Array, cfg: ModelConfig, ctx) -> bool:
+    """Whether hc_pre_norm runs this site on pallas_kernels/mhc.py (then a float32 y in its post_mix costs no cast of
+    its own: the kernel rounds it)."""
+    from ..pallas_kernels import mhc
+
+    return (ctx.kernels.backend is not None and ctx.training is None
+            and mhc.takes(math.prod(X.shape[:-2]), cfg.hc_mult, cfg.dim, fn.shape[0]))
+
+
 def hc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, norm_weight: jax.Array,
                 cfg: ModelConfig, ctx, post_mix=None):
     """One mHC site before a sub-layer: the hc_post still due from the previous sub-layer (`post_mix` = (y, post,
-    comb), or None), then hc_pre and the sub-layer's RMSNorm. Returns (x [..., D] normalised, post, comb, X' the
-    streams after that hc_post). On a GPU kernel plan (and in "interpret" mode) the three Pallas launches of
-    pallas_kernels/mhc.py for up to mhc.MAX_ROWS tokens (decode, verify); elsewhere, for prefill chunks and under
-    training (no derivatives there), hc_post + hc_pre + rms_norm."""
+    comb), or None; y in X's dtype or float32, rounded to X's dtype), then hc_pre and the sub-layer's RMSNorm.
+    Returns (x [..., D] normalised, post, comb, X' the streams after that hc_post). On a GPU kernel plan (and in
+    "interpret" mode) the two Pallas launches of pallas_kernels/mhc.py for up to mhc.MAX_ROWS tokens (decode,
+    verify; site_on_kernels); elsewhere, for prefill chunks and under training (no derivatives there), hc_post +
+    hc_pre + rms_norm."""
     from ..pallas_kernels import mhc
 
-    backend = ctx.kernels.backend
-    rows = math.prod(X.shape[:-2])
-    if backend is not None and ctx.training is None and mhc.takes(rows, cfg.hc_mult, cfg.dim, fn.shape[0]):
+    if site_on_kernels(X, fn, cfg, ctx):
         with jax.named_scope("mhc"):
             return mhc.mhc_pre_norm(X, fn, base, scale, norm_weight, norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
                                     sinkhorn_iters=cfg.hc_sinkhorn_iters, post_mix=post_mix,
-                                    interpret=backend == "interpret")
+                                    interpret=ctx.kernels.backend == "interpret")
     if post_mix is not None:
         X = hc_post(post_mix[0], X, post_mix[1], post_mix[2])
     u, post, comb = hc_pre(X, fn, base, scale, cfg, unroll_sinkhorn=ctx.kernels.on_gpu)

@@ -58,9 +58,10 @@ def _chunk(dim: int, cap: int = 1024) -> int:
     return c
 
 
-def _post_mix(x, y_ref, post_ref, comb_ref):
-    """hc_post on one chunk: X'_k = post_k * y + sum_j comb[j, k] * X_j, float32, x [n, C]."""
-    y = y_ref[0, :].astype(_F32)                                   # [C]
+def _post_mix(x, y_ref, post_ref, comb_ref, dtype):
+    """hc_post on one chunk: X'_k = post_k * y + sum_j comb[j, k] * X_j, float32, x [n, C]; y rounded to the
+    streams' dtype first (a float32 y is a matmul's output whose cast to that dtype happens here)."""
+    y = y_ref[0, :].astype(dtype).astype(_F32)                     # [C]
     post = post_ref[0, :]                                          # [n]
     comb = comb_ref[0, :, :]                                       # [n(j), n(k)]
     mixed = jnp.sum(comb[:, :, None] * x[:, None, :], axis=0)      # [n(k), C]
@@ -74,7 +75,7 @@ def _mix_kernel(*refs, has_pending: bool):
         x_ref, fn_ref, part_ref = refs
     x = x_ref[0, :, :].astype(_F32)                                # [n, C]
     if has_pending:
-        x = _post_mix(x, y_ref, post_ref, comb_ref).astype(x_ref.dtype)
+        x = _post_mix(x, y_ref, post_ref, comb_ref, x_ref.dtype).astype(x_ref.dtype)
         x_out_ref[0, :, :] = x
         x = x.astype(_F32)
 
@@ -154,7 +155,8 @@ def mhc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
                  norm_eps: float, hc_eps: float, sinkhorn_iters: int, post_mix=None, interpret: bool = False):
     """X [..., n, D] -> (x [..., D] = rms_norm(hc_pre's u) in X's dtype, post [..., n] f32, comb [..., n, n] f32,
     the streams X' [..., n, D]). `post_mix` = (y [..., D], post [..., n], comb [..., n, n]): the previous sub-layer's
-    hc_post, applied to X first (X' is then its result; otherwise X' is X)."""
+    hc_post, applied to X first (X' is then its result; otherwise X' is X); y in X's dtype, or float32 (rounded to
+    X's dtype here, as hyper.hc_post rounds it)."""
     *lead, n, dim = X.shape
     if not supported(n, dim, fn.shape[0]):
         raise ValueError(f"mhc_pre_norm: needs 4 streams, 24 mixing rows and D a multiple of {MIX_CHUNK}; got "
