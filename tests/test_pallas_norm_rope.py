@@ -117,3 +117,21 @@ def test_columns_of_a_joined_output_read_in_place():
                                   run(joined[..., 1024:], wkv, rope=rope, fp8_nope=True))
     with pytest.raises(ValueError, match="outside"):
         run(joined, wkv, columns=(1100, 512))
+
+
+def test_heads_share_their_tokens_position():
+    """Per-head query rows [B, S, H, hd] with positions [B, S, 1]: each head rotated at its token's position,
+    exactly as with the positions broadcast to every head."""
+    rng = np.random.default_rng(9)
+    q = jnp.asarray(rng.standard_normal((2, 3, 16, 128)), jnp.float32)
+    positions = jnp.asarray(rng.integers(0, 100000, (2, 3)), jnp.int32)
+    inv_freq = rope_inv_freq(presets.named("flash"), 0)[:16]
+    run = lambda pos: np.asarray(norm_rope.rms_norm_rows(q, None, eps=1e-6, in_dtype=jnp.bfloat16,  # noqa: E731
+                                                         rope=(pos, inv_freq), interpret=True), np.float32)
+    want = run(jnp.broadcast_to(positions[:, :, None], (2, 3, 16)))
+    np.testing.assert_array_equal(run(positions[:, :, None]), want)
+    np.testing.assert_array_equal(run(positions), want)
+    ref = apply_rope(rms_norm(q.astype(jnp.bfloat16), None, 1e-6), positions[:, :, None], inv_freq)
+    assert np.mean(want != np.asarray(ref, np.float32)) < 0.002
+    with pytest.raises(ValueError, match="leading dims"):
+        run(positions[:, :2])

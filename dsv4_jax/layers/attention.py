@@ -302,9 +302,15 @@ def _attend(q, ring, kv, start, positions, sink, scale: float, window: int, rati
 
 
 def _queries(params: dict, cfg: ModelConfig, q_latent: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
-             ctx) -> jax.Array:
-    """The rotated per-head queries [B, S, n_heads, head_dim] of q_latent (wq_b, per-head RMS norm, RoPE)."""
+             ctx, norm_kernel: bool = False) -> jax.Array:
+    """The rotated per-head queries [B, S, n_heads, head_dim] of q_latent (wq_b, per-head RMS norm, RoPE);
+    `norm_kernel`: the norm and RoPE in one launch of pallas_kernels/norm_rope.py, on wq_b's float32 output."""
     batch, seq, _ = q_latent.shape
+    if norm_kernel:
+        q = linear(q_latent, params["wq_b"]["weight"], jnp.float32, ctx=ctx)
+        return norm_rope.rms_norm_rows(q.reshape(batch, seq, cfg.n_heads, cfg.head_dim), None, eps=cfg.norm_eps,
+                                       in_dtype=q_latent.dtype, rope=(positions, inv_freq),
+                                       interpret=ctx.kernels.backend == "interpret")
     q = linear(q_latent, params["wq_b"]["weight"], ctx=ctx).reshape(batch, seq, cfg.n_heads, cfg.head_dim)
     q = rms_norm(q, None, cfg.norm_eps)
     return apply_rope(q, positions[:, :, None], inv_freq)
@@ -385,7 +391,8 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         # (norm, RoPE, fake quant): no launches of their own
         q = linear(q_latent, params["wq_b"]["weight"], jnp.float32, ctx=ctx).reshape(batch, seq, n_heads, head_dim)
     else:
-        q = None if split else _queries(params, cfg, q_latent, positions, inv_freq, ctx)   # split: per device
+        # with the heads split over a mesh each device makes its own (_split_heads_output)
+        q = None if split else _queries(params, cfg, q_latent, positions, inv_freq, ctx, norm_kernel)
     if not on_kernel and not norm_kernel:
         kv = rms_norm(kv_a, params["kv_norm"]["weight"], cfg.norm_eps)
         kv = apply_rope(kv, positions, inv_freq)

@@ -92,7 +92,8 @@ def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float, in_dtyp
                   fp8_nope: bool = False, columns: tuple[int, int] | None = None,
                   interpret: bool = False) -> jax.Array:
     """x [..., D] (any float dtype; rounded to in_dtype first) -> rms_norm(x, weight) in out_dtype (default
-    in_dtype); `rope` = (positions [...] int32, inv_freq [rope_dim / 2]): then RoPE on the last rope_dim dims at
+    in_dtype); `rope` = (positions int32 [...], the rows' leading dims, or fewer of them to share a position among
+    the rows of the rest, e.g. a token's heads; inv_freq [rope_dim / 2]): then RoPE on the last rope_dim dims at
     each row's position; `fp8_nope`: then the FP8 fake quant of the other dims (blocks of 64). `columns` = (first,
     D): normalise only x[..., first:first + D] (e.g. one of two matmul outputs written side by side), read in place.
     """
@@ -114,9 +115,18 @@ def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float, in_dtyp
         specs.append(pl.BlockSpec((dim,), lambda r: (0,)))
     if rope is not None:
         positions, inv_freq = rope
-        args += [jnp.broadcast_to(positions, lead).reshape(rows).astype(jnp.int32),
+        # positions [lead[:m]] (trailing ones allowed): each is shared by the rows of the trailing lead dims (e.g.
+        # a token's heads), read by every row of its group -- a broadcast copy would be a launch of its own
+        shape = tuple(positions.shape)
+        while shape and shape[-1] == 1 and tuple(lead[:len(shape)]) != shape:
+            shape = shape[:-1]
+        if tuple(lead[:len(shape)]) != shape:
+            raise ValueError(f"rms_norm_rows: positions {tuple(positions.shape)} must be the rows' leading dims "
+                             f"{tuple(lead)} (trailing ones allowed)")
+        group = rows // max(1, int(np.prod(shape)))
+        args += [positions.reshape(-1).astype(jnp.int32),
                  jnp.asarray(np.repeat(np.asarray(inv_freq, np.float32), 2))]
-        specs += [pl.BlockSpec((1,), lambda r: (r,)), pl.BlockSpec((rope_dim,), lambda r: (0,))]
+        specs += [pl.BlockSpec((1,), lambda r: (r // group,)), pl.BlockSpec((rope_dim,), lambda r: (0,))]
     kernel = functools.partial(_kernel, first=first, dim=dim, chunk=chunk, eps=eps, in_dtype=in_dtype,
                                has_weight=weight is not None, rope=rope is not None, fp8_nope=fp8_nope)
     out = pl.pallas_call(kernel, grid=(rows,), in_specs=specs, out_specs=pl.BlockSpec((1, dim), lambda r: (r, 0)),
