@@ -46,6 +46,15 @@ def write_ring(ring, kv: jax.Array, start: jax.Array, n_valid: jax.Array):
     as kv_cache.py lays it out."""
     batch, seq, _ = kv.shape
     window = kv_cache.n_entries(ring)
+    if seq == 1 and batch == 1:
+        # One token: its slot is always in range, so a dynamic_update_slice writes it in place (a scatter's bounds
+        # check reads the old row first: one launch more per layer); without a token (n_valid 0) the slot keeps its
+        # value, and where the token is always there (a decode step) the old value is never read
+        slot = start[0] % window
+        values = jax.tree.map(lambda new, old: jnp.where(n_valid[0] > 0, new, old), kv_cache.encode(kv, ring),
+                              jax.tree.map(lambda buf: jax.lax.dynamic_slice_in_dim(buf, slot, 1, axis=1), ring))
+        return jax.tree.map(lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new, slot, axis=1), ring,
+                            values)
     i = jnp.arange(seq, dtype=jnp.int32)[None, :]
     keep = (i < n_valid[:, None]) & (i >= n_valid[:, None] - window)
     slot = jnp.where(keep, (start[:, None] + i) % window, window)                # window -> dropped
