@@ -13,6 +13,8 @@ finished entries are scattered into the cache at slot j, and the new pending tok
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,13 +169,22 @@ def _takes_decode_kernel(ctx, seq: int, ratio: int, head_dim: int, inv_freq: np.
 def _decode_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax.Array, state: dict, cache, *,
                    ratio: int, nope_dim: int, inv_freq: np.ndarray, rotate: bool, ctx, norm_eps: float):
     """compressor_update for one token per sequence on the decode kernel: the projections, then the pooling, norm,
-    RoPE and the state's update in one launch; the fake quant and the cache write stay with XLA."""
+    RoPE, fake quant, cache write and the state's update in one launch (for a compact cache, or a fake quant the
+    kernel does not take, the last two stay with XLA)."""
     x32 = x.astype(jnp.float32)
     kv = linear(x32, params["wkv"]["weight"], ctx=ctx)[:, 0]                     # [B, coff*hd] fp32
     score = linear(x32, params["wgate"]["weight"], ctx=ctx)[:, 0]
-    entry, state_kv, state_score = decode_kernel.decode_pool(
-        state["kv"], state["score"], kv, score, params["ape"], start, n_valid, params["norm"]["weight"], inv_freq,
-        ratio=ratio, norm_eps=norm_eps, out_dtype=x.dtype, interpret=ctx.kernels.backend == "interpret")
+    pool = functools.partial(decode_kernel.decode_pool, state["kv"], state["score"], kv, score, params["ape"], start,
+                             n_valid, params["norm"]["weight"], inv_freq, ratio=ratio, norm_eps=norm_eps,
+                             out_dtype=x.dtype, interpret=ctx.kernels.backend == "interpret")
+    quant = None if not ctx.simulate_quant else "fp4" if rotate else "fp8"
+    head_dim = state["kv"].shape[-1] // overlap_factor(ratio)
+    if not isinstance(cache, dict) and (quant is None or decode_kernel.supported(ratio, head_dim, 2 * inv_freq.shape[0],
+                                                                                 quant)):
+        # the fake quant and the cache write in the same launch (the cache updated in place)
+        cache, state_kv, state_score = pool(cache=cache, quant=quant)
+        return cache, {"kv": state_kv, "score": state_score}
+    entry, state_kv, state_score = pool()
     entry_idx = (start // ratio)[:, None]
     complete = (entry_idx + 1) * ratio <= (start + n_valid)[:, None]
     cache = _store_entries(entry[:, None], entry_idx, complete, cache, nope_dim=nope_dim, rotate=rotate, ctx=ctx)

@@ -33,15 +33,21 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from ..quant.fake_quant import hadamard_matrix
+from .rounding import fp4_fake_quant, fp8_fake_quant
+
 _F32 = jnp.float32
 MAX_TILE = 8192               # float32 values of one window's column chunk ([c, rope_dim]) a program holds at once
 
 
-def supported(ratio: int, head_dim: int, rope_dim: int) -> bool:
+def supported(ratio: int, head_dim: int, rope_dim: int, quant: str | None = None) -> bool:
     """Whether the kernel takes this compressor: power-of-two ratio and rope_dim (Triton tiles), head_dim a
-    multiple of rope_dim, one window's chunk small enough for a program's registers."""
+    multiple of rope_dim, one window's chunk small enough for a program's registers; with the fake quant `quant`
+    ("fp8" / "fp4"), chunks of 64 (the FP8 block; FP4's 32 divide it) and, for "fp4", a power-of-two head_dim (the
+    Hadamard transform)."""
     pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
-    return (pow2(ratio) and pow2(rope_dim) and head_dim % rope_dim == 0 and ratio * rope_dim <= MAX_TILE)
+    fits = pow2(ratio) and pow2(rope_dim) and head_dim % rope_dim == 0 and ratio * rope_dim <= MAX_TILE
+    return fits and (quant is None or (rope_dim == 64 and (quant == "fp8" or pow2(head_dim))))
 
 
 def overlap_factor(ratio: int) -> int:
@@ -54,9 +60,15 @@ def _scalar(ref):
 
 
 def _decode_pool_kernel(start_ref, n_valid_ref, kv_ref, score_ref, ape_ref, tok_kv_ref, tok_score_ref, weight_ref,
-                        freq_ref, entry_ref, kv_out_ref, score_out_ref, *, ratio: int, head_dim: int, chunk: int,
-                        norm_eps: float):
-    # kv_out_ref / score_out_ref are kv_ref / score_ref's buffers (aliased): each chunk is read before it is written
+                        freq_ref, *refs, ratio: int, head_dim: int, chunk: int, norm_eps: float, out_dtype,
+                        quant: str | None, into_cache: bool):
+    # kv_out_ref / score_out_ref are kv_ref / score_ref's buffers (aliased): each chunk is read before it is written;
+    # with into_cache, entry_ref is the cache (aliased too) and only a completed entry's row is written
+    refs = list(refs)
+    hadamard_ref = refs.pop(0) if quant == "fp4" else None
+    if into_cache:
+        refs.pop(0)                                           # the cache as an input: written through entry_ref
+    entry_ref, kv_out_ref, score_out_ref = refs
     c, coff = ratio, overlap_factor(ratio)
     start = _scalar(start_ref)
     end = start + _scalar(n_valid_ref)
@@ -111,57 +123,92 @@ def _decode_pool_kernel(start_ref, n_valid_ref, kv_ref, score_ref, ape_ref, tok_
         total = functools.reduce(jnp.add, [jnp.sum(e, axis=0) for e in exps])
         value = functools.reduce(jnp.add, [jnp.sum((e / total[None, :]) * kv, axis=0)
                                            for e, (kv, _) in zip(exps, safe)])
-        value = value.astype(entry_ref.dtype).astype(_F32)
+        value = value.astype(out_dtype).astype(_F32)
         pooled.append(value)
         sum_sq = sum_sq + jnp.sum(value * value)
 
     inv_rms = jax.lax.rsqrt(sum_sq / head_dim + norm_eps)
+    entry = []
     for j, value in enumerate(pooled):
         col = j * chunk
-        y = (value * inv_rms * weight_ref[pl.ds(col, chunk)].astype(_F32)).astype(entry_ref.dtype)
+        y = (value * inv_rms * weight_ref[pl.ds(col, chunk)].astype(_F32)).astype(out_dtype).astype(_F32)
         if j == len(pooled) - 1:                # the rope dims: (y_2i, y_2i+1) -> rotated by position * f_i
-            y = y.astype(_F32)
             angle = (entry_idx * c).astype(_F32) * freq_ref[...]           # per column: f of its pair
             lane = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
             other = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
             partner = jnp.sum(jnp.where(other == lane + 1 - 2 * (lane % 2), y[None, :], 0.0), axis=1)
             sign = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) % 2 == 0, -1.0, 1.0)
-            y = (y * jnp.cos(angle) + partner * (sign * jnp.sin(angle))).astype(entry_ref.dtype)
-        entry_ref[0, pl.ds(col, chunk)] = y
+            y = (y * jnp.cos(angle) + partner * (sign * jnp.sin(angle))).astype(out_dtype).astype(_F32)
+        elif quant == "fp8":                    # the nope dims, one 64-value scale block per chunk
+            y = fp8_fake_quant(y[None, :])[0].astype(out_dtype).astype(_F32)
+        entry.append(y)
+    if quant == "fp4":                          # the normalised Hadamard transform of the whole entry, then FP4
+        entry = [fp4_fake_quant(sum(jnp.sum(entry[i][:, None] * hadamard_ref[pl.ds(i * chunk, chunk),
+                                                                             pl.ds(j * chunk, chunk)], axis=0)
+                                    for i in range(len(entry))).astype(out_dtype).astype(_F32))
+                 for j in range(len(entry))]
+    if not into_cache:
+        for j, y in enumerate(entry):
+            entry_ref[0, pl.ds(j * chunk, chunk)] = y.astype(entry_ref.dtype)
+        return
+
+    @pl.when(complete & (entry_idx < entry_ref.shape[1]))          # past the buffer: dropped, as the scatter does
+    def _():
+        for j, y in enumerate(entry):
+            entry_ref[0, pl.ds(entry_idx, 1), pl.ds(j * chunk, chunk)] = y[None, :].astype(entry_ref.dtype)
 
 
 def decode_pool(state_kv: jax.Array, state_score: jax.Array, kv: jax.Array, score: jax.Array, ape: jax.Array,
                 start: jax.Array, n_valid: jax.Array, norm_weight: jax.Array, inv_freq: np.ndarray, *, ratio: int,
-                norm_eps: float, out_dtype, interpret: bool = False):
+                norm_eps: float, out_dtype, cache: jax.Array | None = None, quant: str | None = None,
+                interpret: bool = False):
     """One token per sequence into a compressor's pending state.
 
     state_kv / state_score [B, coff*c, coff*hd] float32 (layers/compressor.py `init_compressor_state`), kv / score
     [B, coff*hd] float32 the token's projections (score without ape), ape [c, coff*hd], start / n_valid [B] int32
-    (n_valid 0 or 1), norm_weight [hd], inv_freq [rope_dim / 2]. Returns (entry [B, hd] in out_dtype -- the entry
-    floor(start/c) normalised and rotated, meaningful only where it completed --, new state_kv, new state_score);
-    the state buffers are updated in place."""
+    (n_valid 0 or 1), norm_weight [hd], inv_freq [rope_dim / 2].
+
+    Returns (entry, new state_kv, new state_score), the state buffers updated in place. Without `cache`: entry
+    [B, hd] in out_dtype, the entry floor(start/c) normalised and rotated, meaningful only where it completed. With
+    `cache` ([B, N, hd], a plain buffer: kv_cache.py's uncompact layout): that buffer with each completed entry
+    written at its index (none past N), after the model's fake quant `quant` -- "fp8" (the nope dims, main
+    compressor) or "fp4" (normalised Hadamard transform, then FP4: the indexer's) -- in place (aliased)."""
     batch, slots, width = state_kv.shape
     coff = overlap_factor(ratio)
     head_dim, rope_dim = width // coff, 2 * inv_freq.shape[0]
-    if slots != coff * ratio or not supported(ratio, head_dim, rope_dim):
+    if slots != coff * ratio or not supported(ratio, head_dim, rope_dim, quant):
         raise ValueError(f"decode_pool: needs a state of coff * ratio = {coff * ratio} slots, a power-of-two ratio "
-                         f"and rope_dim, head_dim a multiple of rope_dim and ratio * rope_dim <= {MAX_TILE}; got "
-                         f"state {state_kv.shape}, ratio {ratio}, rope_dim {rope_dim}")
+                         f"and rope_dim, head_dim a multiple of rope_dim, ratio * rope_dim <= {MAX_TILE} and, for "
+                         f"a fake quant, rope_dim 64 (its block); got state {state_kv.shape}, ratio {ratio}, rope_dim "
+                         f"{rope_dim}, quant {quant}")
+    if quant is not None and cache is None:
+        raise ValueError("decode_pool: the fake quant is applied only with the cache the entries go to")
     freq = jnp.asarray(np.repeat(np.asarray(inv_freq, np.float32), 2))             # per column of the rope chunk
     row = lambda *shape: pl.BlockSpec((1, *shape), lambda b: (b,) + (0,) * len(shape))  # noqa: E731
     whole = lambda *shape: pl.BlockSpec(shape, lambda b: (0,) * len(shape))  # noqa: E731
     state_spec = row(slots, width)
     kernel = functools.partial(_decode_pool_kernel, ratio=ratio, head_dim=head_dim, chunk=rope_dim,
-                               norm_eps=norm_eps)
-    args = (start.astype(jnp.int32), n_valid.astype(jnp.int32), state_kv, state_score, ape, kv.astype(_F32),
-            score.astype(_F32), norm_weight, freq)
+                               norm_eps=norm_eps, out_dtype=out_dtype, quant=quant, into_cache=cache is not None)
+    args = [start.astype(jnp.int32), n_valid.astype(jnp.int32), state_kv, state_score, ape, kv.astype(_F32),
+            score.astype(_F32), norm_weight, freq]
     in_specs = [pl.BlockSpec((1,), lambda b: (b,)), pl.BlockSpec((1,), lambda b: (b,)), state_spec, state_spec,
                 whole(ratio, width), row(width), row(width), whole(head_dim), whole(rope_dim)]
+    if quant == "fp4":
+        args.append(jnp.asarray(hadamard_matrix(head_dim)))
+        in_specs.append(whole(head_dim, head_dim))
+    aliases = {2: 1, 3: 2}
+    if cache is None:
+        entry_spec, entry_shape = row(head_dim), jax.ShapeDtypeStruct((batch, head_dim), out_dtype)
+    else:
+        entry_spec, entry_shape = row(*cache.shape[1:]), jax.ShapeDtypeStruct(cache.shape, cache.dtype)
+        aliases[len(args)] = 0
+        args.append(cache)
+        in_specs.append(entry_spec)
     return pl.pallas_call(
         kernel, grid=(batch,), in_specs=in_specs,
-        out_specs=[row(head_dim), state_spec, state_spec],
-        out_shape=[jax.ShapeDtypeStruct((batch, head_dim), out_dtype),
-                   jax.ShapeDtypeStruct(state_kv.shape, _F32), jax.ShapeDtypeStruct(state_score.shape, _F32)],
-        input_output_aliases={2: 1, 3: 2}, interpret=interpret, name="compressor_decode_pool",
+        out_specs=[entry_spec, state_spec, state_spec],
+        out_shape=[entry_shape, jax.ShapeDtypeStruct(state_kv.shape, _F32),
+                   jax.ShapeDtypeStruct(state_score.shape, _F32)],
+        input_output_aliases=aliases, interpret=interpret, name="compressor_decode_pool",
         compiler_params=pltriton.CompilerParams(num_warps=4 if ratio * rope_dim <= 1024 else 8, num_stages=1),
     )(*args)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..quant.fake_quant import FP8_MAX, pow2_ceil
+from .rounding import fp8_fake_quant
 
 _F32 = jnp.float32
 _EMPTY = -1e30       # the running maximum of a split that has seen no key yet (finite: exp(_EMPTY - m) is 0)
@@ -126,28 +126,6 @@ def _rotate(x, positions, inv_freq_cols, inverse: bool):
     return x * jnp.cos(angle) + partner * jnp.where(even, -sin, sin)
 
 
-def _round_to_e4m3(y):
-    """quant/fake_quant.round_to_e4m3 (ties to even, saturating at 448) with the integer rounding written with
-    floor: Pallas's Triton lowering has no `round`. Only the sign of a zero result differs (+0 for -0)."""
-    y = jnp.clip(y, -FP8_MAX, FP8_MAX)
-    exponent = ((jax.lax.bitcast_convert_type(y, jnp.uint32) >> 23) & 0xFF).astype(jnp.int32) - 127
-    step = jnp.maximum(exponent, -6) - 3                                      # e4m3: 3 mantissa bits, 2^-6
-    quantum = jax.lax.bitcast_convert_type(((step + 127) << 23).astype(jnp.uint32), _F32)
-    inverse = jax.lax.bitcast_convert_type(((127 - step) << 23).astype(jnp.uint32), _F32)
-    v = y * inverse                          # |v| < 16 with at most 24 significant bits: v + 0.5 is exact
-    r = jnp.floor(v + 0.5)
-    odd = r - 2.0 * jnp.floor(r * 0.5) == 1.0
-    r = jnp.where((r - v == 0.5) & odd, r - 1.0, r)                          # a tie goes to the even neighbour
-    return r * quantum
-
-
-def _fp8_fake_quant(x):
-    """quant/fake_quant.fp8_fake_quant of one float32 block [rows, 64] (one scale block per row)."""
-    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True), 1e-4)
-    scale = pow2_ceil(amax / FP8_MAX)
-    return _round_to_e4m3(x / scale) * scale
-
-
 def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: int, scale: float, precision,
             blocks, ring_parts: int, comp_parts: int, dtype, norm_eps: float | None, kv_fake_quant: bool | None,
             n_splits: int):
@@ -227,7 +205,7 @@ def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: i
                 for k, (first, width) in zip(kv32, blocks)]
         keys[-1] = _rotate(keys[-1].astype(_F32), start + chunk_rows, freq_ref[...], inverse=False).astype(dtype)
         if kv_fake_quant:
-            keys[:-1] = [_fp8_fake_quant(k.astype(_F32)).astype(dtype) for k in keys[:-1]]
+            keys[:-1] = [fp8_fake_quant(k.astype(_F32)).astype(dtype) for k in keys[:-1]]
 
         @pl.when((s == 0) & (pl.program_id(1) == 0) & first_split)     # one program per sequence writes them
         def _():

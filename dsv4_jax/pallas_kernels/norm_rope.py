@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .decode_attention import _fp8_fake_quant
+from .rounding import fp8_fake_quant
 
 _F32 = jnp.float32
 FP8_BLOCK = 64               # the fake quant's block (quant/fake_quant.fp8_fake_quant)
@@ -84,7 +84,7 @@ def _kernel(*refs, first: int, dim: int, chunk: int, eps: float, in_dtype, has_w
             sign = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) % 2 == 0, -1.0, 1.0)
             y = (y * jnp.cos(angle) + _swap_pairs(y) * (sign * jnp.sin(angle))).astype(out_ref.dtype)
         elif fp8_nope:
-            y = _fp8_fake_quant(y[None, :])[0].astype(out_ref.dtype)
+            y = fp8_fake_quant(y[None, :])[0].astype(out_ref.dtype)
         out_ref[0, pl.ds(j * chunk, chunk)] = y.astype(out_ref.dtype)
 
 

@@ -113,7 +113,7 @@ def fp4_fake_quant(x: jax.Array, block: int = 32) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=None)
-def _hadamard_matrix(n: int) -> np.ndarray:
+def hadamard_matrix(n: int) -> np.ndarray:
     if n & (n - 1):
         raise ValueError(f"Hadamard size must be a power of two, got {n}")
     h = np.ones((1, 1), np.float32)
@@ -124,7 +124,7 @@ def _hadamard_matrix(n: int) -> np.ndarray:
 
 def hadamard(x: jax.Array) -> jax.Array:
     """Normalised Sylvester-ordered Walsh-Hadamard transform over the last dim (computed in float32)."""
-    h = jnp.asarray(_hadamard_matrix(x.shape[-1]))
+    h = jnp.asarray(hadamard_matrix(x.shape[-1]))
     return jnp.einsum("...i,ij->...j", x.astype(jnp.float32), h,
                       precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
