@@ -135,3 +135,27 @@ def test_heads_share_their_tokens_position():
     assert np.mean(want != np.asarray(ref, np.float32)) < 0.002
     with pytest.raises(ValueError, match="leading dims"):
         run(positions[:, :2])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_indexer_queries_equal_the_jnp_path(dtype):
+    """The indexer's queries (no norm): RoPE, then the normalised Hadamard transform and FP4 of each head's 128
+    values, against the jnp path (apply_rope, fake_quant.hadamard, fp4_fake_quant) on the same rounded input: equal
+    but for rare elements a last-bit difference of the transform's sums moved by one FP4 step."""
+    from dsv4_jax.quant.fake_quant import fp4_fake_quant, hadamard
+
+    rng = np.random.default_rng(10)
+    q = jnp.asarray(rng.standard_normal((2, 1, 64, 128)), jnp.float32)
+    positions = jnp.asarray(rng.integers(0, 1 << 20, (2, 1)), jnp.int32)
+    inv_freq = rope_inv_freq(presets.named("flash"), 4)
+    got = norm_rope.rms_norm_rows(q, None, eps=None, in_dtype=dtype, rope=(positions, inv_freq), hadamard_fp4=True,
+                                  interpret=True)
+    want = fp4_fake_quant(hadamard(apply_rope(q.astype(dtype), positions[:, :, None], inv_freq)))
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    moved = got != want
+    assert moved.mean() < 0.01, f"{moved.mean():.2%} of the elements differ"
+    block_max = np.repeat(np.max(np.abs(want.reshape(2, 1, 64, 4, 32)), axis=-1), 32, axis=-1).reshape(want.shape)
+    assert np.all(np.abs(got - want) <= block_max / 3 + 1e-6)          # one FP4 step: 2 x scale <= 2 amax / 6
+    blocks = got.reshape(-1, 32)                 # every value on the e2m1 grid of its block's power-of-two scale
+    scale = 2.0 ** np.ceil(np.log2(np.maximum(np.max(np.abs(blocks), axis=-1, keepdims=True), 1e-30) / 6))
+    assert np.all(np.isin(np.abs(blocks / scale), [0, 0.5, 1, 1.5, 2, 3, 4, 6]))

@@ -88,10 +88,17 @@ def _indexer_query(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.A
     float32 [B, S, heads] (with the score scale folded in)."""
     batch, seq, _ = x.shape
     n_heads, head_dim = cfg.index_n_heads, cfg.index_head_dim
-    q = linear(q_latent, params["wq_b"]["weight"], ctx=ctx).reshape(batch, seq, n_heads, head_dim)
-    q = apply_rope(q, positions[:, :, None], inv_freq)
-    if ctx.simulate_quant:
-        q = trained_rounding(fp4_fake_quant, hadamard(q), ctx)
+    if _rows_on_kernels(ctx, seq) and norm_rope.supported(head_dim, cfg.rope_head_dim,
+                                                          hadamard_fp4=ctx.simulate_quant):
+        # RoPE and the rounding in one launch on wq_b's float32 output (pallas_kernels/norm_rope.py, no norm)
+        q = linear(q_latent, params["wq_b"]["weight"], jnp.float32, ctx=ctx).reshape(batch, seq, n_heads, head_dim)
+        q = norm_rope.rms_norm_rows(q, None, eps=None, in_dtype=q_latent.dtype, rope=(positions, inv_freq),
+                                    hadamard_fp4=ctx.simulate_quant, interpret=ctx.kernels.backend == "interpret")
+    else:
+        q = linear(q_latent, params["wq_b"]["weight"], ctx=ctx).reshape(batch, seq, n_heads, head_dim)
+        q = apply_rope(q, positions[:, :, None], inv_freq)
+        if ctx.simulate_quant:
+            q = trained_rounding(fp4_fake_quant, hadamard(q), ctx)
     head_weights = linear(x, params["weights_proj"]["weight"], out_dtype=jnp.float32, ctx=ctx)
     return q, head_weights * (head_dim ** -0.5 * n_heads ** -0.5)
 
@@ -212,11 +219,16 @@ def _takes_decode_kernel(ctx, cfg: ModelConfig, seq: int) -> bool:
             and decode_attention.takes(seq, cfg.n_heads, cfg.head_dim, cfg.window_size, cfg.rope_head_dim))
 
 
+def _rows_on_kernels(ctx, seq: int) -> bool:
+    """Whether a chunk's per-row prologues (norms, RoPE, roundings) run on pallas_kernels/norm_rope.py: a kernel plan
+    (a GPU's, or "interpret"), inference, decode or verify chunks (prefill keeps XLA's fusions)."""
+    return ctx.kernels.backend is not None and ctx.training is None and seq <= decode_attention.MAX_ROWS
+
+
 def _takes_norm_kernel(ctx, cfg: ModelConfig, seq: int) -> bool:
-    """Whether the query latent's and the keys' norms run on pallas_kernels/norm_rope.py: a kernel plan (a GPU's, or
-    "interpret"), inference, decode or verify chunks (prefill keeps XLA's fusions), supported widths."""
-    return (ctx.kernels.backend is not None and ctx.training is None and seq <= decode_attention.MAX_ROWS
-            and norm_rope.supported(cfg.q_lora_rank)
+    """Whether the query latent's and the keys' norms run on pallas_kernels/norm_rope.py (_rows_on_kernels, widths
+    it takes)."""
+    return (_rows_on_kernels(ctx, seq) and norm_rope.supported(cfg.q_lora_rank)
             and norm_rope.supported(cfg.head_dim, cfg.rope_head_dim, ctx.simulate_quant))
 
 

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..quant.fake_quant import hadamard_matrix
-from .rounding import fp4_fake_quant, fp8_fake_quant
+from .rounding import fp8_fake_quant, hadamard_fp4
 
 _F32 = jnp.float32
 MAX_TILE = 8192               # float32 values of one window's column chunk ([c, rope_dim]) a program holds at once
@@ -143,10 +143,7 @@ def _decode_pool_kernel(start_ref, n_valid_ref, kv_ref, score_ref, ape_ref, tok_
             y = fp8_fake_quant(y[None, :])[0].astype(out_dtype).astype(_F32)
         entry.append(y)
     if quant == "fp4":                          # the normalised Hadamard transform of the whole entry, then FP4
-        entry = [fp4_fake_quant(sum(jnp.sum(entry[i][:, None] * hadamard_ref[pl.ds(i * chunk, chunk),
-                                                                             pl.ds(j * chunk, chunk)], axis=0)
-                                    for i in range(len(entry))).astype(out_dtype).astype(_F32))
-                 for j in range(len(entry))]
+        entry = hadamard_fp4(entry, hadamard_ref, out_dtype)
     if not into_cache:
         for j, y in enumerate(entry):
             entry_ref[0, pl.ds(j * chunk, chunk)] = y.astype(entry_ref.dtype)

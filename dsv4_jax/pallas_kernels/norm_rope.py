@@ -5,6 +5,8 @@ XLA does not fuse a reduction with the elementwise work that reads its result.
 
     q_latent = rms_norm_rows(q_a, weight, eps=1e-6, in_dtype=bf16)                       # the query latent
     kv = rms_norm_rows(kv_a, weight, eps=1e-6, in_dtype=bf16, rope=(positions, inv_freq), fp8_nope=True)
+    q = rms_norm_rows(q, None, eps=1e-6, in_dtype=bf16, rope=(positions, inv_freq))      # per-head queries
+    iq = rms_norm_rows(iq, None, eps=None, in_dtype=bf16, rope=(positions, inv_freq), hadamard_fp4=True)  # indexer
 
 The input may be the float32 a matmul kernel wrote: it is first rounded to `in_dtype` (what the matmul would have
 returned in the model's dtype), so the cast costs no launch of its own. One program per row, two passes over
@@ -12,7 +14,8 @@ power-of-two column chunks (the sum of squares, then the normalised chunks; with
 wide and the last one is rotated). Numerics follow the jnp path operation for operation in float32: the normalised
 row is rounded to the output dtype, then the rope dims are rotated in float32 (each value's pair partner found with
 a 0/1 permutation, exact) and rounded again, and each 64-value block of the other dims is rounded to e4m3 under its
-power-of-two scale; only the order of the sum of squares differs.
+power-of-two scale; only the order of the sum of squares differs. The indexer's queries take no norm (eps None):
+RoPE, then the normalised Hadamard transform of the row (its float32 sums in chunk order) and FP4 per 32 values.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .rounding import fp8_fake_quant
+from ..quant.fake_quant import hadamard_matrix
+from .rounding import fp8_fake_quant, hadamard_fp4
 
 _F32 = jnp.float32
 FP8_BLOCK = 64               # the fake quant's block (quant/fake_quant.fp8_fake_quant)
@@ -39,13 +43,16 @@ def _chunk(dim: int) -> int:
     return c
 
 
-def supported(dim: int, rope_dim: int | None = None, fp8_nope: bool = False) -> bool:
+def supported(dim: int, rope_dim: int | None = None, fp8_nope: bool = False, hadamard_fp4: bool = False) -> bool:
     """Whether the kernel takes rows of `dim`: chunks of at least 64 columns; with rope, power-of-two rope dims
-    that divide dim (at least the FP8 block with fp8_nope)."""
+    that divide dim (the FP8 block with fp8_nope); a power-of-two dim with hadamard_fp4 (at most 1,024: the
+    transform's matrix is read in chunk x chunk tiles per row)."""
+    pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+    if hadamard_fp4 and not (pow2(dim) and dim <= MAX_CHUNK):
+        return False
     if rope_dim is None:
         return not fp8_nope and _chunk(dim) >= 64
-    pow2 = rope_dim > 0 and rope_dim & (rope_dim - 1) == 0
-    return pow2 and dim % rope_dim == 0 and (not fp8_nope or rope_dim == FP8_BLOCK)
+    return pow2(rope_dim) and dim % rope_dim == 0 and (not fp8_nope or rope_dim == FP8_BLOCK)
 
 
 def _swap_pairs(y):
@@ -56,56 +63,69 @@ def _swap_pairs(y):
     return jnp.sum(jnp.where(other == lane + 1 - 2 * (lane % 2), y[None, :], 0.0), axis=1)
 
 
-def _kernel(*refs, first: int, dim: int, chunk: int, eps: float, in_dtype, has_weight: bool, rope: bool,
-            fp8_nope: bool):
+def _kernel(*refs, first: int, dim: int, chunk: int, eps: float | None, in_dtype, has_weight: bool, rope: bool,
+            fp8_nope: bool, hadamard: bool):
     refs = list(refs)
     x_ref = refs.pop(0)
     w_ref = refs.pop(0) if has_weight else None
     if rope:
         pos_ref, freq_ref = refs.pop(0), refs.pop(0)
+    hadamard_ref = refs.pop(0) if hadamard else None
     (out_ref,) = refs
+    dtype = out_ref.dtype
     n_chunks = dim // chunk
 
     def load(j):
         return x_ref[0, pl.ds(first + j * chunk, chunk)].astype(in_dtype).astype(_F32)
 
-    sum_sq = jnp.zeros((), _F32)
+    scale = None
+    if eps is not None:                         # the RMSNorm: the row's sum of squares first
+        sum_sq = jnp.zeros((), _F32)
+        for j in range(n_chunks):
+            x = load(j)
+            sum_sq = sum_sq + jnp.sum(x * x)
+        scale = jax.lax.rsqrt(sum_sq / dim + eps)
+    out = []
     for j in range(n_chunks):
-        x = load(j)
-        sum_sq = sum_sq + jnp.sum(x * x)
-    inv_rms = jax.lax.rsqrt(sum_sq / dim + eps)
-    for j in range(n_chunks):
-        y = load(j) * inv_rms
-        if w_ref is not None:
-            y = y * w_ref[pl.ds(j * chunk, chunk)].astype(_F32)
-        y = y.astype(out_ref.dtype).astype(_F32)
+        y = load(j)
+        if scale is not None:
+            y = y * scale
+            if w_ref is not None:
+                y = y * w_ref[pl.ds(j * chunk, chunk)].astype(_F32)
+            y = y.astype(dtype).astype(_F32)
         if rope and j == n_chunks - 1:          # layers/rope.apply_rope: (y_2i, y_2i+1) turned by position * f_i
             angle = jnp.sum(pos_ref[pl.ds(0, 1)]).astype(_F32) * freq_ref[...]
             sign = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) % 2 == 0, -1.0, 1.0)
-            y = (y * jnp.cos(angle) + _swap_pairs(y) * (sign * jnp.sin(angle))).astype(out_ref.dtype)
+            y = (y * jnp.cos(angle) + _swap_pairs(y) * (sign * jnp.sin(angle))).astype(dtype).astype(_F32)
         elif fp8_nope:
-            y = fp8_fake_quant(y[None, :])[0].astype(out_ref.dtype)
-        out_ref[0, pl.ds(j * chunk, chunk)] = y.astype(out_ref.dtype)
+            y = fp8_fake_quant(y[None, :])[0].astype(dtype).astype(_F32)
+        out.append(y)
+    if hadamard:
+        out = hadamard_fp4(out, hadamard_ref, dtype)
+    for j, y in enumerate(out):
+        out_ref[0, pl.ds(j * chunk, chunk)] = y.astype(dtype)
 
 
-def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float, in_dtype, out_dtype=None, rope=None,
-                  fp8_nope: bool = False, columns: tuple[int, int] | None = None,
-                  interpret: bool = False) -> jax.Array:
+def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float | None, in_dtype, out_dtype=None,
+                  rope=None, fp8_nope: bool = False, hadamard_fp4: bool = False,
+                  columns: tuple[int, int] | None = None, interpret: bool = False) -> jax.Array:
     """x [..., D] (any float dtype; rounded to in_dtype first) -> rms_norm(x, weight) in out_dtype (default
     in_dtype); `rope` = (positions int32 [...], the rows' leading dims, or fewer of them to share a position among
     the rows of the rest, e.g. a token's heads; inv_freq [rope_dim / 2]): then RoPE on the last rope_dim dims at
-    each row's position; `fp8_nope`: then the FP8 fake quant of the other dims (blocks of 64). `columns` = (first,
-    D): normalise only x[..., first:first + D] (e.g. one of two matmul outputs written side by side), read in place.
-    """
+    each row's position; `fp8_nope`: then the FP8 fake quant of the other dims (blocks of 64); `hadamard_fp4`: then
+    the indexer's rounding of the whole row (normalised Hadamard transform, FP4; D a power of two). `eps` None: no
+    norm (the indexer's query: RoPE and its rounding only). `columns` = (first, D): only x[..., first:first + D]
+    (e.g. one of two matmul outputs written side by side), read in place."""
     *lead, width = x.shape
     first, dim = (0, width) if columns is None else columns
     if first < 0 or first + dim > width:
         raise ValueError(f"rms_norm_rows: columns {columns} lie outside the input's {width}")
     out_dtype = in_dtype if out_dtype is None else out_dtype
     rope_dim = None if rope is None else 2 * rope[1].shape[0]
-    if not supported(dim, rope_dim, fp8_nope):
-        raise ValueError(f"rms_norm_rows: D {dim} with rope_dim {rope_dim} and fp8_nope {fp8_nope} is not supported "
-                         f"(chunks of >= 64 columns; rope_dim a power of two dividing D, 64 with fp8_nope)")
+    if not supported(dim, rope_dim, fp8_nope, hadamard_fp4):
+        raise ValueError(f"rms_norm_rows: D {dim} with rope_dim {rope_dim}, fp8_nope {fp8_nope} and hadamard_fp4 "
+                         f"{hadamard_fp4} is not supported (chunks of >= 64 columns; rope_dim a power of two dividing "
+                         f"D, 64 with fp8_nope; a power-of-two D with hadamard_fp4)")
     rows = int(np.prod(lead)) if lead else 1
     chunk = _chunk(dim) if rope is None else rope_dim
     args = [x.reshape(rows, width)]
@@ -127,8 +147,12 @@ def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float, in_dtyp
         args += [positions.reshape(-1).astype(jnp.int32),
                  jnp.asarray(np.repeat(np.asarray(inv_freq, np.float32), 2))]
         specs += [pl.BlockSpec((1,), lambda r: (r // group,)), pl.BlockSpec((rope_dim,), lambda r: (0,))]
+    if hadamard_fp4:
+        args.append(jnp.asarray(hadamard_matrix(dim)))
+        specs.append(pl.BlockSpec((dim, dim), lambda r: (0, 0)))
     kernel = functools.partial(_kernel, first=first, dim=dim, chunk=chunk, eps=eps, in_dtype=in_dtype,
-                               has_weight=weight is not None, rope=rope is not None, fp8_nope=fp8_nope)
+                               has_weight=weight is not None, rope=rope is not None, fp8_nope=fp8_nope,
+                               hadamard=hadamard_fp4)
     out = pl.pallas_call(kernel, grid=(rows,), in_specs=specs, out_specs=pl.BlockSpec((1, dim), lambda r: (r, 0)),
                          out_shape=jax.ShapeDtypeStruct((rows, dim), out_dtype), interpret=interpret,
                          name="rms_norm_rows", compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(*args)

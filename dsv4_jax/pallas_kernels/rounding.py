@@ -1,11 +1,13 @@
 """The model's fake-quant roundings (quant/fake_quant.py) inside Pallas kernels: Pallas's Triton lowering has no
 `round`, so the integer rounding is written with floor (ties to even by hand). Values equal fake_quant.py's but
-for the sign of a zero result (+0 for -0)."""
+for the sign of a zero result (+0 for -0); the Hadamard transform's float32 sums (hadamard_fp4) are in another
+order than XLA's dot."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from ..quant.fake_quant import FP4_MAX, FP8_MAX, pow2_ceil
 
@@ -49,3 +51,17 @@ def fp4_fake_quant(x, block: int = 32):
         amax = jnp.maximum(jnp.max(jnp.where(lane == b, jnp.abs(x), 0.0)), FP4_MAX * 2.0 ** -126)
         scale = jnp.where(lane == b, pow2_ceil(amax / FP4_MAX), scale)
     return round_to_float_grid(x / scale, 1, 0, FP4_MAX) * scale
+
+
+def hadamard_fp4(chunks: list, hadamard_ref, dtype) -> list:
+    """The indexer's rounding (layers/attention.py, layers/compressor.py: fake_quant.hadamard, then fp4_fake_quant)
+    of a vector held as float32 chunks [C] each: the normalised Hadamard transform (hadamard_ref: the [n, n] matrix,
+    n = its length) summed chunk by chunk in float32, rounded to dtype as `hadamard` returns it, then FP4 per
+    32-value block. Returns the chunks, float32 on dtype's grid."""
+    width = chunks[0].shape[0]
+
+    def transformed(j):
+        return sum(jnp.sum(c[:, None] * hadamard_ref[pl.ds(i * width, width), pl.ds(j * width, width)], axis=0)
+                   for i, c in enumerate(chunks))
+    return [fp4_fake_quant(transformed(j).astype(dtype).astype(_F32)).astype(dtype).astype(_F32)
+            for j in range(len(chunks))]
