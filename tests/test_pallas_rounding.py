@@ -3,6 +3,7 @@ quant/fake_quant.py's bit for bit (a zero's sign aside), ties included: plain jn
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,3 +30,17 @@ def test_fp8_and_fp4_roundings_equal_fake_quant():
     y = _with_ties(rng, (4096,), 16) * 64
     np.testing.assert_array_equal(np.asarray(rounding.round_to_e4m3(jnp.asarray(y))),
                                   np.asarray(fake_quant.round_to_e4m3(jnp.asarray(y))))
+
+
+def test_in_kernel_e4m3_rounding_equals_the_models():
+    """The kernels' e4m3 rounding (floor-based: Triton has no `round`) against quant/fake_quant.round_to_e4m3 on every
+    e4m3 value, every midpoint between neighbours (the ties, which go to the even one), points just off them, values
+    past saturation and below the smallest subnormal."""
+    from dsv4_jax.quant.fake_quant import round_to_e4m3
+    grid = np.unique(np.asarray(jnp.arange(256, dtype=jnp.uint8).view(jnp.float8_e4m3fn).astype(jnp.float32)))
+    grid = grid[np.isfinite(grid)]
+    mids = (grid[1:] + grid[:-1]) / 2
+    x = np.concatenate([grid, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf),
+                        [500.0, -1e4, 2.0 ** -12, -(2.0 ** -11) * 0.75]]).astype(np.float32)
+    got = np.asarray(jax.jit(rounding.round_to_e4m3)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(round_to_e4m3(jnp.asarray(x))))

@@ -282,6 +282,8 @@ def _attend(q, ring, kv, start, positions, sink, scale: float, window: int, rati
     batch, seq, n_heads, head_dim = q.shape
     keys = jnp.concatenate([kv_cache.decode(ring, dtype), kv], axis=1)                   # [B, W+S, hd]
     key_pos = jnp.concatenate([ring_positions(start, window), positions], axis=1)
+    if seq == 1:
+        return _attend_one_token(q, keys, key_pos, positions, sink, scale, window, ratio, compressed, picks)
     if seq > window:
         window_logits, window_mask, window_values = _window_blocks(q, keys, key_pos, positions, window)
         logits = [window_logits * scale]
@@ -319,6 +321,39 @@ def _attend(q, ring, kv, start, positions, sink, scale: float, window: int, rati
             out = out + _window_blocks_values(p, v)
         else:
             out = out + jnp.einsum("bshk,bkd->bshd", p, v, preferred_element_type=jnp.float32)
+    return (out / denom[..., None]).astype(dtype)
+
+
+KEY_ALIGN = 64         # _attend_one_token's keys come in multiples of this (else XLA pads them for its matmuls: a copy)
+
+
+def _attend_one_token(q, keys, key_pos, positions, sink, scale: float, window: int, ratio: int, compressed, picks):
+    """_attend for one token per sequence: every key it may see (the window's, then the picked or visible
+    compressed entries) in one array, so that the logits, the softmax and the values are one matmul, two
+    reductions and one matmul (on a GPU about half the launches of scoring the two kinds of keys apart)."""
+    dtype = q.dtype
+    delta = positions[:, :, None] - key_pos[:, None, :]
+    masks = [(key_pos[:, None, :] >= 0) & (delta >= 0) & (delta < window)]                # [B, 1, W+1]
+    parts = [keys]
+    if compressed is not None and ratio == 4:
+        idx, valid = picks
+        parts.append(kv_cache.decode(kv_cache.gather_rows(compressed, idx), dtype)[:, 0])  # [B, k, hd]
+        masks.append(valid)
+    elif compressed is not None:
+        parts.append(kv_cache.decode(compressed, dtype))
+        masks.append(compressed_visible(positions, parts[-1].shape[1], ratio))
+    pad = -sum(p.shape[1] for p in parts) % KEY_ALIGN      # masked zero keys: the matmuls take the array as made
+    if pad:
+        parts.append(jnp.zeros((keys.shape[0], pad, keys.shape[2]), dtype))
+        masks.append(jnp.zeros((keys.shape[0], 1, pad), bool))
+    keys, mask = jnp.concatenate(parts, axis=1), jnp.concatenate(masks, axis=2)
+    logits = jnp.einsum("bshd,bkd->bshk", q, keys, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask[:, :, None, :], logits, -jnp.inf)
+    sink = sink.astype(jnp.float32)[None, None, :]
+    peak = jnp.maximum(jnp.max(logits, axis=-1), sink)
+    probs = jnp.exp(logits - peak[..., None])
+    denom = jnp.sum(probs, axis=-1) + jnp.exp(sink - peak)
+    out = jnp.einsum("bshk,bkd->bshd", probs.astype(dtype), keys, preferred_element_type=jnp.float32)
     return (out / denom[..., None]).astype(dtype)
 
 

@@ -179,8 +179,8 @@ def _decode_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax.Ar
                              out_dtype=x.dtype, interpret=ctx.kernels.backend == "interpret")
     quant = None if not ctx.simulate_quant else "fp4" if rotate else "fp8"
     head_dim = state["kv"].shape[-1] // overlap_factor(ratio)
-    if not isinstance(cache, dict) and (quant is None or decode_kernel.supported(ratio, head_dim, 2 * inv_freq.shape[0],
-                                                                                 quant)):
+    in_kernel = quant is None or decode_kernel.supported(ratio, head_dim, 2 * inv_freq.shape[0], quant)
+    if in_kernel and not isinstance(cache, dict) and kv_cache.n_entries(cache):
         # the fake quant and the cache write in the same launch (the cache updated in place)
         cache, state_kv, state_score = pool(cache=cache, quant=quant)
         return cache, {"kv": state_kv, "score": state_score}
