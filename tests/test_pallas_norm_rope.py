@@ -159,3 +159,53 @@ def test_indexer_queries_equal_the_jnp_path(dtype):
     blocks = got.reshape(-1, 32)                 # every value on the e2m1 grid of its block's power-of-two scale
     scale = 2.0 ** np.ceil(np.log2(np.maximum(np.max(np.abs(blocks), axis=-1, keepdims=True), 1e-30) / 6))
     assert np.all(np.isin(np.abs(blocks / scale), [0, 0.5, 1, 1.5, 2, 3, 4, 6]))
+
+
+# ---- on the GPU -----------------------------------------------------------------------------------------------
+HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("dim, rope_dim", [(1024, None), (1536, None), (512, 64)])
+def test_gpu_rows_match_float64(dim, rope_dim):
+    """The compiled Triton kernel at Flash's and Pro's widths (the query latent 1,024 / 1,536, the keys 512 with
+    RoPE), float32 against float64 as test_float32_rows_match_float64 checks it in interpret mode."""
+    rng = np.random.default_rng()
+    x, weight, positions = _inputs(rng, 8, dim)
+    rope = None if rope_dim is None else (positions, rope_inv_freq(presets.named("flash"), 4))
+    got = np.asarray(jax.jit(lambda x, w, p: norm_rope.rms_norm_rows(
+        x, w, eps=1e-6, in_dtype=jnp.float32, rope=None if rope is None else (p, rope[1])))(x, weight, positions),
+        np.float64)
+    want = R.rms_norm(x.astype(np.float64), weight.astype(np.float64), 1e-6)
+    if rope is not None:
+        angles = (positions.astype(np.float32) * rope[1][None, :]).astype(np.float64)
+        want = np.stack([R.apply_rope(want[r], 1.0, angles[r]) for r in range(len(want))])
+    err = np.max(np.abs(got - want), axis=-1) / np.max(np.abs(want), axis=-1)
+    assert np.all(err < 3e-6), err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+def test_gpu_keys_and_indexer_queries_equal_the_jnp_path():
+    """The compiled kernel's keys (norm, RoPE, FP8) and indexer queries (RoPE, Hadamard, FP4) in bf16 against the
+    jnp path on the GPU: equal but for rare elements moved by one FP8 / FP4 step."""
+    from dsv4_jax.quant.fake_quant import fp4_fake_quant, hadamard
+
+    rng = np.random.default_rng()
+    inv_freq = rope_inv_freq(presets.named("flash"), 4)
+    x, weight, positions = (jnp.asarray(a) for a in _inputs(rng, 16, 512))
+    keys = jax.jit(lambda x, w, p: norm_rope.rms_norm_rows(x, w, eps=1e-6, in_dtype=jnp.bfloat16,
+                                                           rope=(p, inv_freq), fp8_nope=True))(x, weight, positions)
+    want = jax.jit(lambda x, w, p: (lambda k: jnp.concatenate([fp8_fake_quant(k[..., :448]), k[..., 448:]], -1))(
+        apply_rope(rms_norm(x.astype(jnp.bfloat16), w, 1e-6), p, inv_freq)))(x, weight, positions)
+    q = jnp.asarray(rng.standard_normal((4, 1, 64, 128)), jnp.float32)
+    qpos = positions[:4]
+    iq = jax.jit(lambda q, p: norm_rope.rms_norm_rows(q, None, eps=None, in_dtype=jnp.bfloat16, rope=(p, inv_freq),
+                                                      hadamard_fp4=True))(q, qpos)
+    want_iq = jax.jit(lambda q, p: fp4_fake_quant(hadamard(apply_rope(q.astype(jnp.bfloat16), p[:, :, None],
+                                                                      inv_freq))))(q, qpos)
+    for got, ref in ((keys, want), (iq, want_iq)):
+        got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+        assert np.mean(got != ref) < 0.01
+        assert np.all(np.abs(got - ref) <= np.max(np.abs(ref), axis=-1, keepdims=True) / 3 + 1e-6)
