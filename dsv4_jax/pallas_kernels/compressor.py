@@ -1,26 +1,29 @@
-"""One compressor's decode update in one launch (Pallas, GPU): a token joins the pending window, the window it
-completes is pooled, RMS-normalised and rotated, and the pending state is updated in place -- what the jnp path
-(layers/compressor.py `compressor_pool` for a one-token chunk) does in about ten small XLA kernels plus two copies
-of the state.
+"""One compressor's decode update in two launches (Pallas, GPU): a token joins the pending window, the window it
+completes is pooled, RMS-normalised, rotated and fake-quantized, written to the cache, and the pending state is
+updated in place -- what the jnp path (layers/compressor.py `compressor_pool` and its cache write for a one-token
+chunk) does in about ten small XLA kernels plus two copies of the state.
 
-    entry, state_kv, state_score = decode_pool(state_kv, state_score, kv, score, ape, start, n_valid, norm_weight,
-                                               inv_freq, ratio=4, norm_eps=1e-6)
+    cache, state_kv, state_score = decode_pool(state_kv, state_score, kv, score, ape, start, n_valid, norm_weight,
+                                               inv_freq, ratio=4, norm_eps=1e-6, out_dtype=bf16, cache=cache,
+                                               quant="fp8")
 
 The state is the jnp path's pending state: [B, coff*c, coff*hd] float32 kv and gate logits, the slots of windows
 floor(start/c) - coff + 1 .. floor(start/c) (ratio 4 overlaps: coff = 2, each token's A half pools into the next
-entry, its B half into its own). One program per sequence, in passes over column chunks of `rope_dim` (Triton's
-power-of-two tiles; the last chunk is the rotated one):
-  1. the token's kv and gate logits (+ ape of its slot) go into slot start mod c of the last window; slots before
-     position 0 carry -inf logits, as the jnp path's grid;
-  2. the entry floor(start/c) -- complete iff (floor(start/c) + 1) c <= start + n_valid -- pools its 2c (A of the
-     previous window, B of its own) or c slots with a per-channel softmax, rounded to the output dtype as the jnp
-     path's `sum(weights * kv).astype(out_dtype)`; the new state is written back over the old (input / output
-     aliasing: the update is in place), shifted by one window when the entry completed, unconsumed slots empty;
-  3. RMSNorm of the entry with `norm_weight`, then RoPE at position floor(start/c) c on the last chunk (interleaved
-     pairs: each value's partner is found with a 0/1 permutation, exact in float32), in the output dtype.
-The entry is written whether or not it completed; the caller scatters only completed ones (and fake-quantizes them
-first, as the jnp path does). Numerics follow the jnp path operation for operation in float32 (the softmax's
-sum and the RMS sum are reduced in another order), so results agree to float32 rounding before the final cast.
+entry, its B half into its own). Column chunks are `rope_dim` wide (Triton's power-of-two tiles; the last chunk of
+the entry is the rotated one).
+  1. `_pool_kernel`, grid (sequences, hd / chunk): the token's kv and gate logits (+ ape of its slot) go into slot
+     start mod c of the last window (slots before position 0 carry -inf logits, as the jnp path's grid); the entry
+     floor(start/c) -- complete iff (floor(start/c) + 1) c <= start + n_valid -- pools its 2c (A of the previous
+     window, B of its own) or c slots with a per-channel softmax, rounded to the output dtype as the jnp path's
+     `sum(weights * kv).astype(out_dtype)`; the state's tiles are written back over the old (input / output
+     aliasing: in place), shifted by one window when the entry completed, unconsumed slots empty.
+  2. `_finish_kernel`, grid (sequences,): RMSNorm of the pooled entry with `norm_weight` (its sum of squares spans
+     every chunk: the kernel boundary is the barrier between the chunks' programs), RoPE at position
+     floor(start/c) c on the last chunk (interleaved pairs: each value's partner found with a 0/1 permutation,
+     exact in float32), the fake quant, then the write: the entry row, or the cache row of a completed entry.
+One program per sequence for everything was 2-3x slower than XLA's kernels on an H200 (one SM walked every tile).
+Numerics follow the jnp path operation for operation in float32 (the softmax's sum, the RMS sum and the Hadamard
+transform's sums are reduced in another order), so results agree to float32 rounding before each cast.
 """
 
 from __future__ import annotations
@@ -59,22 +62,23 @@ def _scalar(ref):
     return jnp.sum(ref[pl.ds(0, 1)])
 
 
-def _decode_pool_kernel(start_ref, n_valid_ref, kv_ref, score_ref, ape_ref, tok_kv_ref, tok_score_ref, weight_ref,
-                        freq_ref, *refs, ratio: int, head_dim: int, chunk: int, norm_eps: float, out_dtype,
-                        quant: str | None, into_cache: bool):
-    # kv_out_ref / score_out_ref are kv_ref / score_ref's buffers (aliased): each chunk is read before it is written;
-    # with into_cache, entry_ref is the cache (aliased too) and only a completed entry's row is written
-    refs = list(refs)
-    hadamard_ref = refs.pop(0) if quant == "fp4" else None
-    if into_cache:
-        refs.pop(0)                                           # the cache as an input: written through entry_ref
-    entry_ref, kv_out_ref, score_out_ref = refs
-    c, coff = ratio, overlap_factor(ratio)
+def _positions(start_ref, n_valid_ref, ratio: int):
+    """(start, end = start + n_valid, the entry index floor(start / c), whether that entry completes)."""
     start = _scalar(start_ref)
     end = start + _scalar(n_valid_ref)
-    entry_idx = start // c
+    entry_idx = start // ratio
+    return start, end, entry_idx, (entry_idx + 1) * ratio <= end
+
+
+def _pool_kernel(start_ref, n_valid_ref, kv_ref, score_ref, ape_ref, tok_kv_ref, tok_score_ref, pooled_ref,
+                 kv_out_ref, score_out_ref, *, ratio: int, head_dim: int, chunk: int):
+    """Program (b, j): the state's columns of entry chunk j -- [j C, (j + 1) C), and with the overlap also
+    [hd + j C, ...) -- updated with the token (kv_out_ref / score_out_ref are kv_ref / score_ref's buffers,
+    aliased: each tile is read before it is written, and no two programs share one), and the entry's chunk j pooled,
+    rounded to pooled_ref's dtype (the output's)."""
+    c, coff = ratio, overlap_factor(ratio)
+    start, end, entry_idx, complete = _positions(start_ref, n_valid_ref, c)
     base = entry_idx * c - (coff - 1) * c                     # position of state slot 0
-    complete = (entry_idx + 1) * c <= end
     rows = jax.lax.broadcasted_iota(jnp.int32, (c, chunk), 0)
     token_row = rows == start - entry_idx * c                 # the token's slot in the last window
     empty_kv, empty_score = jnp.zeros((c, chunk), _F32), jnp.full((c, chunk), -jnp.inf, _F32)
@@ -92,58 +96,63 @@ def _decode_pool_kernel(start_ref, n_valid_ref, kv_ref, score_ref, ape_ref, tok_
         score = jnp.where(position >= 0, score, -jnp.inf)
         return kv, score, position < end
 
-    def store(w, col, kv, score):
-        kv_out_ref[0, pl.ds(w * c, c), pl.ds(col, chunk)] = kv
-        score_out_ref[0, pl.ds(w * c, c), pl.ds(col, chunk)] = score
-
     def update_state(col):
-        """Read the state's columns [col, col + chunk) of every window; write them back updated. Returns the
-        windows' (kv, score) as the pooling reads them."""
+        """Read the state's columns [col, col + chunk) of every window; write them back updated (shifted by a window
+        when the entry completed, unconsumed slots empty). Returns the windows' (kv, score) as the pooling reads
+        them."""
         windows = [window(w, col) for w in range(coff)]
         kept = [(jnp.where(done, kv, 0.0), jnp.where(done, score, -jnp.inf)) for kv, score, done in windows]
         shifted = kept[1:] + [(empty_kv, empty_score)]            # the entry completed: drop its first window
         for w in range(coff):
-            store(w, col, jnp.where(complete, shifted[w][0], kept[w][0]),
-                  jnp.where(complete, shifted[w][1], kept[w][1]))
+            kv_out_ref[0, pl.ds(w * c, c), pl.ds(col, chunk)] = jnp.where(complete, shifted[w][0], kept[w][0])
+            score_out_ref[0, pl.ds(w * c, c), pl.ds(col, chunk)] = jnp.where(complete, shifted[w][1], kept[w][1])
         return windows
 
-    pooled, sum_sq = [], jnp.zeros((), _F32)
-    for j in range(head_dim // chunk):
-        col = j * chunk
-        if coff == 2:           # entry slots: A halves (columns [0, hd)) of window 0, B halves of window 1
-            kv_a, score_a, _ = update_state(col)[0]
-            kv_b, score_b, _ = update_state(head_dim + col)[1]
-        else:
-            (kv_b, score_b, _), = update_state(col)
-            kv_a = score_a = None
-        parts = [(kv_a, score_a), (kv_b, score_b)] if coff == 2 else [(kv_b, score_b)]
-        safe = [(kv, jnp.where(complete, score, 0.0)) for kv, score in parts]  # NaN-free when not complete
-        top = functools.reduce(jnp.maximum, [jnp.max(s, axis=0) for _, s in safe])
-        exps = [jnp.exp(s - top[None, :]) for _, s in safe]
-        total = functools.reduce(jnp.add, [jnp.sum(e, axis=0) for e in exps])
-        value = functools.reduce(jnp.add, [jnp.sum((e / total[None, :]) * kv, axis=0)
-                                           for e, (kv, _) in zip(exps, safe)])
-        value = value.astype(out_dtype).astype(_F32)
-        pooled.append(value)
-        sum_sq = sum_sq + jnp.sum(value * value)
+    col = pl.program_id(1) * chunk
+    if coff == 2:               # entry slots: A halves (columns [0, hd)) of window 0, B halves of window 1
+        kv_a, score_a, _ = update_state(col)[0]
+        kv_b, score_b, _ = update_state(head_dim + col)[1]
+        parts = [(kv_a, score_a), (kv_b, score_b)]
+    else:
+        (kv_b, score_b, _), = update_state(col)
+        parts = [(kv_b, score_b)]
+    safe = [(kv, jnp.where(complete, score, 0.0)) for kv, score in parts]      # NaN-free when not complete
+    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=0) for _, s in safe])
+    exps = [jnp.exp(s - top[None, :]) for _, s in safe]
+    total = functools.reduce(jnp.add, [jnp.sum(e, axis=0) for e in exps])
+    value = functools.reduce(jnp.add, [jnp.sum((e / total[None, :]) * kv, axis=0) for e, (kv, _) in zip(exps, safe)])
+    pooled_ref[0, pl.ds(col, chunk)] = value.astype(pooled_ref.dtype)
 
-    inv_rms = jax.lax.rsqrt(sum_sq / head_dim + norm_eps)
+
+def _finish_kernel(start_ref, n_valid_ref, pooled_ref, weight_ref, freq_ref, *refs, ratio: int, head_dim: int,
+                   chunk: int, norm_eps: float, quant: str | None, into_cache: bool):
+    """Program b: the pooled entry's RMSNorm, RoPE on its last chunk, the fake quant `quant`; written to entry_ref
+    [b], or (into_cache: entry_ref is the cache, aliased) to the cache row of a completed entry."""
+    refs = list(refs)
+    hadamard_ref = refs.pop(0) if quant == "fp4" else None
+    if into_cache:
+        refs.pop(0)                                           # the cache as an input: written through entry_ref
+    (entry_ref,) = refs
+    dtype = pooled_ref.dtype
+    _, _, entry_idx, complete = _positions(start_ref, n_valid_ref, ratio)
+    pooled = [pooled_ref[0, pl.ds(j * chunk, chunk)].astype(_F32) for j in range(head_dim // chunk)]
+    inv_rms = jax.lax.rsqrt(sum(jnp.sum(v * v) for v in pooled) / head_dim + norm_eps)
     entry = []
     for j, value in enumerate(pooled):
         col = j * chunk
-        y = (value * inv_rms * weight_ref[pl.ds(col, chunk)].astype(_F32)).astype(out_dtype).astype(_F32)
+        y = (value * inv_rms * weight_ref[pl.ds(col, chunk)].astype(_F32)).astype(dtype).astype(_F32)
         if j == len(pooled) - 1:                # the rope dims: (y_2i, y_2i+1) -> rotated by position * f_i
-            angle = (entry_idx * c).astype(_F32) * freq_ref[...]           # per column: f of its pair
+            angle = (entry_idx * ratio).astype(_F32) * freq_ref[...]       # per column: f of its pair
             lane = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
             other = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
             partner = jnp.sum(jnp.where(other == lane + 1 - 2 * (lane % 2), y[None, :], 0.0), axis=1)
             sign = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) % 2 == 0, -1.0, 1.0)
-            y = (y * jnp.cos(angle) + partner * (sign * jnp.sin(angle))).astype(out_dtype).astype(_F32)
+            y = (y * jnp.cos(angle) + partner * (sign * jnp.sin(angle))).astype(dtype).astype(_F32)
         elif quant == "fp8":                    # the nope dims, one 64-value scale block per chunk
-            y = fp8_fake_quant(y[None, :])[0].astype(out_dtype).astype(_F32)
+            y = fp8_fake_quant(y[None, :])[0].astype(dtype).astype(_F32)
         entry.append(y)
     if quant == "fp4":                          # the normalised Hadamard transform of the whole entry, then FP4
-        entry = hadamard_fp4(entry, hadamard_ref, out_dtype)
+        entry = hadamard_fp4(entry, hadamard_ref, dtype)
     if not into_cache:
         for j, y in enumerate(entry):
             entry_ref[0, pl.ds(j * chunk, chunk)] = y.astype(entry_ref.dtype)
@@ -181,19 +190,29 @@ def decode_pool(state_kv: jax.Array, state_score: jax.Array, kv: jax.Array, scor
     if quant is not None and cache is None:
         raise ValueError("decode_pool: the fake quant is applied only with the cache the entries go to")
     freq = jnp.asarray(np.repeat(np.asarray(inv_freq, np.float32), 2))             # per column of the rope chunk
-    row = lambda *shape: pl.BlockSpec((1, *shape), lambda b: (b,) + (0,) * len(shape))  # noqa: E731
-    whole = lambda *shape: pl.BlockSpec(shape, lambda b: (0,) * len(shape))  # noqa: E731
+    n_chunks = head_dim // rope_dim
+    scalar = pl.BlockSpec((1,), lambda b, *_: (b,))
+    row = lambda *shape: pl.BlockSpec((1, *shape), lambda b, *_: (b,) + (0,) * len(shape))  # noqa: E731
+    whole = lambda *shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     state_spec = row(slots, width)
-    kernel = functools.partial(_decode_pool_kernel, ratio=ratio, head_dim=head_dim, chunk=rope_dim,
-                               norm_eps=norm_eps, out_dtype=out_dtype, quant=quant, into_cache=cache is not None)
-    args = [start.astype(jnp.int32), n_valid.astype(jnp.int32), state_kv, state_score, ape, kv.astype(_F32),
-            score.astype(_F32), norm_weight, freq]
-    in_specs = [pl.BlockSpec((1,), lambda b: (b,)), pl.BlockSpec((1,), lambda b: (b,)), state_spec, state_spec,
-                whole(ratio, width), row(width), row(width), whole(head_dim), whole(rope_dim)]
+    positions = (start.astype(jnp.int32), n_valid.astype(jnp.int32))
+    warps = 4 if ratio * rope_dim <= 1024 else 8
+    pooled, state_kv, state_score = pl.pallas_call(
+        functools.partial(_pool_kernel, ratio=ratio, head_dim=head_dim, chunk=rope_dim), grid=(batch, n_chunks),
+        in_specs=[scalar, scalar, state_spec, state_spec, whole(ratio, width), row(width), row(width)],
+        out_specs=[row(head_dim), state_spec, state_spec],
+        out_shape=[jax.ShapeDtypeStruct((batch, head_dim), out_dtype), jax.ShapeDtypeStruct(state_kv.shape, _F32),
+                   jax.ShapeDtypeStruct(state_score.shape, _F32)],
+        input_output_aliases={2: 1, 3: 2}, interpret=interpret, name="compressor_decode_pool",
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
+    )(*positions, state_kv, state_score, ape, kv.astype(_F32), score.astype(_F32))
+
+    args = [*positions, pooled, norm_weight, freq]
+    in_specs = [scalar, scalar, row(head_dim), whole(head_dim), whole(rope_dim)]
     if quant == "fp4":
         args.append(jnp.asarray(hadamard_matrix(head_dim)))
         in_specs.append(whole(head_dim, head_dim))
-    aliases = {2: 1, 3: 2}
+    aliases = {}
     if cache is None:
         entry_spec, entry_shape = row(head_dim), jax.ShapeDtypeStruct((batch, head_dim), out_dtype)
     else:
@@ -201,11 +220,11 @@ def decode_pool(state_kv: jax.Array, state_score: jax.Array, kv: jax.Array, scor
         aliases[len(args)] = 0
         args.append(cache)
         in_specs.append(entry_spec)
-    return pl.pallas_call(
-        kernel, grid=(batch,), in_specs=in_specs,
-        out_specs=[entry_spec, state_spec, state_spec],
-        out_shape=[entry_shape, jax.ShapeDtypeStruct(state_kv.shape, _F32),
-                   jax.ShapeDtypeStruct(state_score.shape, _F32)],
-        input_output_aliases=aliases, interpret=interpret, name="compressor_decode_pool",
-        compiler_params=pltriton.CompilerParams(num_warps=4 if ratio * rope_dim <= 1024 else 8, num_stages=1),
+    entry = pl.pallas_call(
+        functools.partial(_finish_kernel, ratio=ratio, head_dim=head_dim, chunk=rope_dim, norm_eps=norm_eps,
+                          quant=quant, into_cache=cache is not None), grid=(batch,),
+        in_specs=in_specs, out_specs=entry_spec, out_shape=entry_shape, input_output_aliases=aliases,
+        interpret=interpret, name="compressor_decode_finish",
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
     )(*args)
+    return entry, state_kv, state_score
