@@ -1,0 +1,42 @@
+"""The decode step's kernel launches, compiled for a compile-only H200 on this CPU machine (scripts/count_kernels.py,
+dsv4_jax/hlo_census.py): the counts are deterministic, so they are held to limits -- the launches per layer kind
+of a 4-layer Flash-geometry step at batch 1 as last counted (docs/performance.md), so that a change that adds
+launches has to say so. Needs jax's CUDA build in the environment (`pip install "jax[cuda13]==0.11.2"`, no GPU;
+JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1); skipped where it is missing, as in the CPU-only CI."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+
+# launches per layer of each kind (window: layers 0-1, CSA: 2, HCA: 3, whose count includes the final hc_post);
+# counted 2026-12-04: window 29.5, CSA 43, HCA 36 (146 for the step)
+LIMITS_PER_LAYER = {"window": 30, "csa": 43, "hca": 36}
+LIMIT_STEP = 146
+
+
+def _h200():
+    import count_kernels
+    try:
+        return count_kernels, count_kernels.h200_device()
+    except SystemExit as err:                 # no CUDA plugin here: count_kernels says what is missing
+        pytest.skip(str(err))
+
+
+def test_decode_step_launches_stay_within_limits():
+    count_kernels, device = _h200()
+    from dsv4_jax import presets
+    from dsv4_jax.run_context import RunContext
+
+    cfg = presets.named("flash", 4)
+    ctx = RunContext.create(kernels="auto", device=device)
+    counts = count_kernels.count_programs(cfg, ctx, 1, 4096, 512, 16, device, names=("decode_step",))["decode_step"]
+    assert counts["while_loops"] == 0 and counts["unknown_trip_counts"] == 0
+    layers = {"window": 2, "csa": 1, "hca": 1}
+    per_layer = {kind: counts["by_layer_kind"].get(kind, 0) / n for kind, n in layers.items()}
+    assert all(per_layer[kind] <= LIMITS_PER_LAYER[kind] for kind in layers), per_layer
+    assert counts["launches_per_call"] <= LIMIT_STEP, counts
