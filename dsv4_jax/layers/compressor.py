@@ -168,8 +168,8 @@ def _takes_decode_kernel(ctx, seq: int, ratio: int, head_dim: int, inv_freq: np.
 
 def _decode_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax.Array, state: dict, cache, *,
                    ratio: int, nope_dim: int, inv_freq: np.ndarray, rotate: bool, ctx, norm_eps: float):
-    """compressor_update for one token per sequence on the decode kernel: the projections, then the pooling, norm,
-    RoPE, fake quant, cache write and the state's update in one launch (for a compact cache, or a fake quant the
+    """compressor_update for one token per sequence on the decode kernel: the projections, then the pooling, the
+    state's update, norm, RoPE, fake quant and cache write in two launches (for a compact cache, or a fake quant the
     kernel does not take, the last two stay with XLA)."""
     x32 = x.astype(jnp.float32)
     kv = linear(x32, params["wkv"]["weight"], ctx=ctx)[:, 0]                     # [B, coff*hd] fp32
