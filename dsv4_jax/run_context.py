@@ -95,6 +95,12 @@ class RunContext:
     def jnp_dtype(self):
         return DTYPES[self.dtype]
 
+    @property
+    def inference_kernels(self) -> bool:
+        """Whether the model's fused Pallas kernels (mHC sites, compressors, per-row norms; no derivatives) may run:
+        a kernel plan (a GPU's, or "interpret") and no training."""
+        return self.kernels.backend is not None and self.training is None
+
     def replace(self, **changes) -> RunContext:
         return dataclasses.replace(self, **changes)
 

@@ -222,7 +222,7 @@ def _takes_decode_kernel(ctx, cfg: ModelConfig, seq: int) -> bool:
 def _rows_on_kernels(ctx, seq: int) -> bool:
     """Whether a chunk's per-row prologues (norms, RoPE, roundings) run on pallas_kernels/norm_rope.py: a kernel plan
     (a GPU's, or "interpret"), inference, decode or verify chunks (prefill keeps XLA's fusions)."""
-    return ctx.kernels.backend is not None and ctx.training is None and seq <= decode_attention.MAX_ROWS
+    return ctx.inference_kernels and seq <= decode_attention.MAX_ROWS
 
 
 def _takes_norm_kernel(ctx, cfg: ModelConfig, seq: int) -> bool:

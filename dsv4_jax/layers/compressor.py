@@ -59,8 +59,8 @@ def compressor_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax
     runs when the run context `ctx` simulates the model's quantization.
     """
     if _takes_decode_kernel(ctx, x.shape[1], ratio, head_dim, inv_freq):
-        return _decode_update(params, x, start, n_valid, state, cache, ratio=ratio, nope_dim=nope_dim,
-                              inv_freq=inv_freq, rotate=rotate, ctx=ctx, norm_eps=norm_eps)
+        return _decode_update(params, x, start, n_valid, state, cache, ratio=ratio, head_dim=head_dim,
+                              nope_dim=nope_dim, inv_freq=inv_freq, rotate=rotate, ctx=ctx, norm_eps=norm_eps)
     projected = compressor_project(params, x, start, ratio=ratio, ctx=ctx)
     return compressor_pool(params, projected, start, n_valid, state, cache, ratio=ratio, head_dim=head_dim,
                            nope_dim=nope_dim, inv_freq=inv_freq, rotate=rotate, ctx=ctx, norm_eps=norm_eps,
@@ -162,12 +162,12 @@ def _store_entries(entries: jax.Array, entry_idx: jax.Array, complete: jax.Array
 def _takes_decode_kernel(ctx, seq: int, ratio: int, head_dim: int, inv_freq: np.ndarray) -> bool:
     """Whether a chunk runs on pallas_kernels/compressor.py: one token per sequence (decode), inference, a kernel
     plan (a GPU's, or "interpret"), a geometry the kernel takes."""
-    return (seq == 1 and ctx.kernels.backend is not None and ctx.training is None
-            and decode_kernel.supported(ratio, head_dim, 2 * inv_freq.shape[0]))
+    return seq == 1 and ctx.inference_kernels and decode_kernel.supported(ratio, head_dim, 2 * inv_freq.shape[0])
 
 
 def _decode_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax.Array, state: dict, cache, *,
-                   ratio: int, nope_dim: int, inv_freq: np.ndarray, rotate: bool, ctx, norm_eps: float):
+                   ratio: int, head_dim: int, nope_dim: int, inv_freq: np.ndarray, rotate: bool, ctx,
+                   norm_eps: float):
     """compressor_update for one token per sequence on the decode kernel: the projections, then the pooling, the
     state's update, norm, RoPE, fake quant and cache write in two launches (for a compact cache, or a fake quant the
     kernel does not take, the last two stay with XLA)."""
@@ -178,7 +178,6 @@ def _decode_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax.Ar
                              n_valid, params["norm"]["weight"], inv_freq, ratio=ratio, norm_eps=norm_eps,
                              out_dtype=x.dtype, interpret=ctx.kernels.backend == "interpret")
     quant = None if not ctx.simulate_quant else "fp4" if rotate else "fp8"
-    head_dim = state["kv"].shape[-1] // overlap_factor(ratio)
     in_kernel = quant is None or decode_kernel.supported(ratio, head_dim, 2 * inv_freq.shape[0], quant)
     if in_kernel and not isinstance(cache, dict) and kv_cache.n_entries(cache):
         # the fake quant and the cache write in the same launch (the cache updated in place)

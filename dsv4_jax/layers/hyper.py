@@ -81,8 +81,7 @@ def site_on_kernels(X: jax.Array, fn: jax.Array, cfg: ModelConfig, ctx) -> bool:
     its own: the kernel rounds it)."""
     from ..pallas_kernels import mhc
 
-    return (ctx.kernels.backend is not None and ctx.training is None
-            and mhc.takes(math.prod(X.shape[:-2]), cfg.hc_mult, cfg.dim, fn.shape[0]))
+    return ctx.inference_kernels and mhc.takes(math.prod(X.shape[:-2]), cfg.hc_mult, cfg.dim, fn.shape[0])
 
 
 def hc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, norm_weight: jax.Array,

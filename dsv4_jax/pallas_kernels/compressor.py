@@ -19,8 +19,8 @@ the entry is the rotated one).
      aliasing: in place), shifted by one window when the entry completed, unconsumed slots empty.
   2. `_finish_kernel`, grid (sequences,): RMSNorm of the pooled entry with `norm_weight` (its sum of squares spans
      every chunk: the kernel boundary is the barrier between the chunks' programs), RoPE at position
-     floor(start/c) c on the last chunk (interleaved pairs: each value's partner found with a 0/1 permutation,
-     exact in float32), the fake quant, then the write: the entry row, or the cache row of a completed entry.
+     floor(start/c) c on the last chunk (norm_rope.rotate_pairs), the fake quant, then the write: the entry row,
+     or the cache row of a completed entry.
 One program per sequence for everything was 2-3x slower than XLA's kernels on an H200 (one SM walked every tile).
 Numerics follow the jnp path operation for operation in float32 (the softmax's sum, the RMS sum and the Hadamard
 transform's sums are reduced in another order), so results agree to float32 rounding before each cast.
@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..quant.fake_quant import hadamard_matrix
+from .norm_rope import rotate_pairs
 from .rounding import fp8_fake_quant, hadamard_fp4
 
 _F32 = jnp.float32
@@ -53,10 +54,6 @@ def supported(ratio: int, head_dim: int, rope_dim: int, quant: str | None = None
     return fits and (quant is None or (rope_dim == 64 and (quant == "fp8" or pow2(head_dim))))
 
 
-def overlap_factor(ratio: int) -> int:
-    return 2 if ratio == 4 else 1
-
-
 def _scalar(ref):
     """The one value of a (1,)-block (Triton loads tiles, not scalars)."""
     return jnp.sum(ref[pl.ds(0, 1)])
@@ -71,12 +68,12 @@ def _positions(start_ref, n_valid_ref, ratio: int):
 
 
 def _pool_kernel(start_ref, n_valid_ref, kv_ref, score_ref, ape_ref, tok_kv_ref, tok_score_ref, pooled_ref,
-                 kv_out_ref, score_out_ref, *, ratio: int, head_dim: int, chunk: int):
+                 kv_out_ref, score_out_ref, *, ratio: int, coff: int, head_dim: int, chunk: int):
     """Program (b, j): the state's columns of entry chunk j -- [j C, (j + 1) C), and with the overlap also
     [hd + j C, ...) -- updated with the token (kv_out_ref / score_out_ref are kv_ref / score_ref's buffers,
     aliased: each tile is read before it is written, and no two programs share one), and the entry's chunk j pooled,
     rounded to pooled_ref's dtype (the output's)."""
-    c, coff = ratio, overlap_factor(ratio)
+    c = ratio
     start, end, entry_idx, complete = _positions(start_ref, n_valid_ref, c)
     base = entry_idx * c - (coff - 1) * c                     # position of state slot 0
     rows = jax.lax.broadcasted_iota(jnp.int32, (c, chunk), 0)
@@ -143,11 +140,7 @@ def _finish_kernel(start_ref, n_valid_ref, pooled_ref, weight_ref, freq_ref, *re
         y = (value * inv_rms * weight_ref[pl.ds(col, chunk)].astype(_F32)).astype(dtype).astype(_F32)
         if j == len(pooled) - 1:                # the rope dims: (y_2i, y_2i+1) -> rotated by position * f_i
             angle = (entry_idx * ratio).astype(_F32) * freq_ref[...]       # per column: f of its pair
-            lane = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-            other = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-            partner = jnp.sum(jnp.where(other == lane + 1 - 2 * (lane % 2), y[None, :], 0.0), axis=1)
-            sign = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) % 2 == 0, -1.0, 1.0)
-            y = (y * jnp.cos(angle) + partner * (sign * jnp.sin(angle))).astype(dtype).astype(_F32)
+            y = rotate_pairs(y, angle).astype(dtype).astype(_F32)
         elif quant == "fp8":                    # the nope dims, one 64-value scale block per chunk
             y = fp8_fake_quant(y[None, :])[0].astype(dtype).astype(_F32)
         entry.append(y)
@@ -180,13 +173,14 @@ def decode_pool(state_kv: jax.Array, state_score: jax.Array, kv: jax.Array, scor
     written at its index (none past N), after the model's fake quant `quant` -- "fp8" (the nope dims, main
     compressor) or "fp4" (normalised Hadamard transform, then FP4: the indexer's) -- in place (aliased)."""
     batch, slots, width = state_kv.shape
-    coff = overlap_factor(ratio)
+    coff = slots // ratio                       # the overlap (2 for ratio 4), as the state was laid out for it
     head_dim, rope_dim = width // coff, 2 * inv_freq.shape[0]
-    if slots != coff * ratio or not supported(ratio, head_dim, rope_dim, quant):
-        raise ValueError(f"decode_pool: needs a state of coff * ratio = {coff * ratio} slots, a power-of-two ratio "
-                         f"and rope_dim, head_dim a multiple of rope_dim, ratio * rope_dim <= {MAX_TILE} and, for "
-                         f"a fake quant, rope_dim 64 (its block); got state {state_kv.shape}, ratio {ratio}, rope_dim "
-                         f"{rope_dim}, quant {quant}")
+    if coff not in (1, 2) or slots != coff * ratio or width != coff * head_dim or not supported(
+            ratio, head_dim, rope_dim, quant):
+        raise ValueError(f"decode_pool: needs a state of coff * ratio slots (coff 1 or 2) by coff * head_dim, a "
+                         f"power-of-two ratio and rope_dim, head_dim a multiple of rope_dim, ratio * rope_dim <= "
+                         f"{MAX_TILE} and, for a fake quant, rope_dim 64 (its block); got state {state_kv.shape}, "
+                         f"ratio {ratio}, rope_dim {rope_dim}, quant {quant}")
     if quant is not None and cache is None:
         raise ValueError("decode_pool: the fake quant is applied only with the cache the entries go to")
     freq = jnp.asarray(np.repeat(np.asarray(inv_freq, np.float32), 2))             # per column of the rope chunk
@@ -198,7 +192,8 @@ def decode_pool(state_kv: jax.Array, state_score: jax.Array, kv: jax.Array, scor
     positions = (start.astype(jnp.int32), n_valid.astype(jnp.int32))
     warps = 4 if ratio * rope_dim <= 1024 else 8
     pooled, state_kv, state_score = pl.pallas_call(
-        functools.partial(_pool_kernel, ratio=ratio, head_dim=head_dim, chunk=rope_dim), grid=(batch, n_chunks),
+        functools.partial(_pool_kernel, ratio=ratio, coff=coff, head_dim=head_dim, chunk=rope_dim),
+        grid=(batch, n_chunks),
         in_specs=[scalar, scalar, state_spec, state_spec, whole(ratio, width), row(width), row(width)],
         out_specs=[row(head_dim), state_spec, state_spec],
         out_shape=[jax.ShapeDtypeStruct((batch, head_dim), out_dtype), jax.ShapeDtypeStruct(state_kv.shape, _F32),

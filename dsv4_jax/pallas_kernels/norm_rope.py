@@ -55,12 +55,16 @@ def supported(dim: int, rope_dim: int | None = None, fp8_nope: bool = False, had
     return pow2(rope_dim) and dim % rope_dim == 0 and (not fp8_nope or rope_dim == FP8_BLOCK)
 
 
-def _swap_pairs(y):
-    """y [C] -> its pair partners (y_2i+1, y_2i): a 0/1 permutation summed, exact in float32."""
+def rotate_pairs(y, angle):
+    """layers/rope.apply_rope inside a kernel, on float32 rope dims y [C] turned by angle [C] (position * f_i, both
+    columns of pair i): column 2i y_2i cos - y_2i+1 sin, column 2i+1 y_2i+1 cos + y_2i sin. Triton has no pair
+    shuffle: each value's partner comes from a 0/1 permutation summed, exact in float32."""
     width = y.shape[0]
     lane = jax.lax.broadcasted_iota(jnp.int32, (width, width), 0)
     other = jax.lax.broadcasted_iota(jnp.int32, (width, width), 1)
-    return jnp.sum(jnp.where(other == lane + 1 - 2 * (lane % 2), y[None, :], 0.0), axis=1)
+    partner = jnp.sum(jnp.where(other == lane + 1 - 2 * (lane % 2), y[None, :], 0.0), axis=1)
+    sign = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (width,), 0) % 2 == 0, -1.0, 1.0)
+    return y * jnp.cos(angle) + partner * (sign * jnp.sin(angle))
 
 
 def _kernel(*refs, first: int, dim: int, chunk: int, eps: float | None, in_dtype, has_weight: bool, rope: bool,
@@ -95,8 +99,7 @@ def _kernel(*refs, first: int, dim: int, chunk: int, eps: float | None, in_dtype
             y = y.astype(dtype).astype(_F32)
         if rope and j == n_chunks - 1:          # layers/rope.apply_rope: (y_2i, y_2i+1) turned by position * f_i
             angle = jnp.sum(pos_ref[pl.ds(0, 1)]).astype(_F32) * freq_ref[...]
-            sign = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) % 2 == 0, -1.0, 1.0)
-            y = (y * jnp.cos(angle) + _swap_pairs(y) * (sign * jnp.sin(angle))).astype(dtype).astype(_F32)
+            y = rotate_pairs(y, angle).astype(dtype).astype(_F32)
         elif fp8_nope:
             y = fp8_fake_quant(y[None, :])[0].astype(dtype).astype(_F32)
         out.append(y)
