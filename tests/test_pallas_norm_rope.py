@@ -26,6 +26,16 @@ def _inputs(rng, rows, dim):
     return x, weight, positions
 
 
+def _float64_rows(x, weight, rope):
+    """float64 rms_norm (+ RoPE with rope = (positions, inv_freq)) of rows x [rows, 1, D], at the float32 angles the
+    model forms (position * f rounded), in float64 after that."""
+    want = R.rms_norm(x.astype(np.float64), weight.astype(np.float64), 1e-6)
+    if rope is None:
+        return want
+    angles = (np.asarray(rope[0]).astype(np.float32) * rope[1][None, :]).astype(np.float64)       # [rows, R/2]
+    return np.stack([R.apply_rope(want[r], 1.0, angles[r]) for r in range(len(want))])
+
+
 @pytest.mark.parametrize("dim, rope_dim", [(1024, None), (1536, None), (512, 64), (96, 32)])
 def test_float32_rows_match_float64(dim, rope_dim):
     """Float32: the norm (and RoPE at each row's position) against float64, every row checked; positions up to 1M,
@@ -35,10 +45,7 @@ def test_float32_rows_match_float64(dim, rope_dim):
     rope = None if rope_dim is None else (positions, rope_inv_freq(presets.named("flash"), 4)[:rope_dim // 2])
     got = np.asarray(norm_rope.rms_norm_rows(jnp.asarray(x), jnp.asarray(weight), eps=1e-6, in_dtype=jnp.float32,
                                              rope=rope, interpret=True), np.float64)
-    want = R.rms_norm(x.astype(np.float64), weight.astype(np.float64), 1e-6)
-    if rope is not None:     # at the float32 angles the model forms (position * f rounded), in float64 after that
-        angles = (positions.astype(np.float32) * rope[1][None, :]).astype(np.float64)          # [rows, R/2]
-        want = np.stack([R.apply_rope(want[r], 1.0, angles[r]) for r in range(len(want))])
+    want = _float64_rows(x, weight, rope)
     err = np.max(np.abs(got - want), axis=-1) / np.max(np.abs(want), axis=-1)
     assert np.all(err < 3e-6), err
 
@@ -177,10 +184,7 @@ def test_gpu_rows_match_float64(dim, rope_dim):
     got = np.asarray(jax.jit(lambda x, w, p: norm_rope.rms_norm_rows(
         x, w, eps=1e-6, in_dtype=jnp.float32, rope=None if rope is None else (p, rope[1])))(x, weight, positions),
         np.float64)
-    want = R.rms_norm(x.astype(np.float64), weight.astype(np.float64), 1e-6)
-    if rope is not None:
-        angles = (positions.astype(np.float32) * rope[1][None, :]).astype(np.float64)
-        want = np.stack([R.apply_rope(want[r], 1.0, angles[r]) for r in range(len(want))])
+    want = _float64_rows(x, weight, rope)
     err = np.max(np.abs(got - want), axis=-1) / np.max(np.abs(want), axis=-1)
     assert np.all(err < 3e-6), err
 
