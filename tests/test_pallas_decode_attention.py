@@ -34,7 +34,7 @@ def _numpy_attention(q, ring, chunk, start, sink, scale, compressed=None, picks=
                     keys.append(ring[b, slot])
             keys += [chunk[b, i] for i in range(s + 1)]
             if ratio == 4:
-                keys += [comp[b, j] for j in picks[b, s] if j >= 0]
+                keys += [comp[b, j] for j in picks[b, s] if 0 <= j < (t + 1) // 4]    # picks it can see
             elif ratio > 0:
                 keys += [comp[b, j] for j in range(min((t + 1) // ratio, comp.shape[1]))]
             keys = np.stack(keys)                             # [K, D]
@@ -51,14 +51,19 @@ def _inputs(rng, batch, seq, n_heads, head_dim, n_entries, ratio, starts, n_pick
     sink = f(n_heads) * 2
     compressed = f(batch, n_entries, head_dim) if ratio else None
     picks = None
-    if ratio == 4:                  # distinct visible entries in random order, -1 in a random share of the slots
+    if ratio == 4:
+        # distinct visible entries in random order; the other slots -1 or, as top-k fills its k slots when fewer
+        # entries are visible, entries the token cannot see (the kernel must skip both)
         picks = np.full((batch, seq, n_picks), -1, np.int32)
         for b in range(batch):
             for s in range(seq):
                 visible = min((starts[b] + s + 1) // 4, n_entries)
                 chosen = rng.permutation(visible)[:n_picks]
-                slots = rng.permutation(n_picks)[:len(chosen)]
-                picks[b, s, slots] = chosen
+                slots = rng.permutation(n_picks)
+                picks[b, s, slots[:len(chosen)]] = chosen
+                unseen = slots[len(chosen):][rng.random(n_picks - len(chosen)) < 0.5]
+                if visible < n_entries:
+                    picks[b, s, unseen] = rng.integers(visible, n_entries, len(unseen))
     return q, ring, chunk, np.asarray(starts, np.int32), sink, compressed, picks
 
 

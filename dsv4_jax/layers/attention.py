@@ -427,7 +427,7 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     if split and ctx.training is not None:
         raise NotImplementedError("training with the attention heads split over a mesh (sharding.splits_heads)")
     on_kernel = not split and _takes_decode_kernel(ctx, cfg, seq)
-    norm_kernel = not on_kernel and _takes_norm_kernel(ctx, cfg, seq)
+    norm_kernel = _takes_norm_kernel(ctx, cfg, seq)
     # wq_a and wkv read the same x: one launch for both where a decode kernel takes them (linear_pair)
     if norm_kernel:
         # one launch per norm (pallas_kernels/norm_rope.py), each reading its columns of the pair's float32 output
@@ -443,8 +443,8 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         q_a, kv_a = linear_pair(x, params["wq_a"]["weight"], params["wkv"]["weight"], ctx=ctx)
         q_latent = rms_norm(q_a, params["q_norm"]["weight"], cfg.norm_eps)
     if on_kernel:
-        # the kernel rounds q to dtype and does its per-head norm and RoPE, and makes the chunk's keys from kv_a
-        # (norm, RoPE, fake quant): no launches of their own
+        # the kernel rounds q to dtype and does its per-head norm and RoPE (and, without the norm kernels, makes the
+        # chunk's keys from kv_a: norm, RoPE, fake quant): no launches of their own
         q = linear(q_latent, params["wq_b"]["weight"], jnp.float32, ctx=ctx).reshape(batch, seq, n_heads, head_dim)
     else:
         # with the heads split over a mesh each device makes its own (_split_heads_output)
@@ -500,11 +500,14 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         # one launch for the query's norm and RoPE, the chunk's keys (norm, RoPE, fake quant), the window, the
         # compressed entries, the softmax and the inverse RoPE, reading only the entries attended (the whole
         # compressed buffer is passed: a slice would be a copy; the kernel stops at the visible entries)
-        out, kv = decode_attention.decode_attention(
-            q, ring, kv_a, start, sink, scale=scale, compressed=compressed,
-            picks=None if picks is None else jnp.where(picks[1], picks[0], -1),
-            ratio=ratio if compressed is not None else 0, rope=(inv_freq, cfg.norm_eps),
-            kv_prologue=(params["kv_norm"]["weight"], ctx.simulate_quant), interpret=ctx.kernels.backend == "interpret")
+        prologue = None if norm_kernel else (params["kv_norm"]["weight"], ctx.simulate_quant)
+        out = decode_attention.decode_attention(
+            q, ring, kv if norm_kernel else kv_a, start, sink, scale=scale, compressed=compressed,
+            picks=None if picks is None else picks[0],      # the kernel skips picks the token cannot see
+            ratio=ratio if compressed is not None else 0, rope=(inv_freq, cfg.norm_eps), kv_prologue=prologue,
+            interpret=ctx.kernels.backend == "interpret")
+        if prologue is not None:
+            out, kv = out
     else:
         if compressed is not None and ratio != 4:
             compressed = kv_cache.leading(compressed, live)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
+from .moe import MoeParts
 from .norm import rms_norm
 
 
@@ -60,9 +61,12 @@ def hc_pre(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: 
 
 
 @jax.named_scope("mhc")
-def hc_post(y: jax.Array, X: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+def hc_post(y, X: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
     """X'_k = post_k * y + sum_j comb[j, k] * X_j (note the transpose), float32 math, stored in X.dtype. y is the
-    sub-layer's output in X.dtype, or in float32 to be rounded to X.dtype first (see hc_pre_norm)."""
+    sub-layer's output in X.dtype, or in float32 to be rounded to X.dtype first (see hc_pre_norm), or the MoE's
+    unsummed moe.MoeParts (their float32 total, rounded likewise)."""
+    if isinstance(y, MoeParts):
+        y = y.total()
     mixed = jnp.einsum("...jk,...jd->...kd", comb, X.astype(jnp.float32))
     out = post[..., None] * y.astype(X.dtype).astype(jnp.float32)[..., None, :] + mixed
     return out.astype(X.dtype)
@@ -88,7 +92,7 @@ def hc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, 
                 cfg: ModelConfig, ctx, post_mix=None):
     """One mHC site before a sub-layer: the hc_post still due from the previous sub-layer (`post_mix` = (y, post,
     comb), or None; y in X's dtype or float32, rounded to X's dtype), then hc_pre and the sub-layer's RMSNorm.
-    Returns (x [..., D] normalised, post, comb, X' the streams after that hc_post). On a GPU kernel plan (and in
+    Returns (x [..., D] normalised, post, comb, X' the streams after that hc_post); y may also be moe.MoeParts. On a GPU kernel plan (and in
     "interpret" mode) the two Pallas launches of pallas_kernels/mhc.py for up to mhc.MAX_ROWS tokens (decode,
     verify; site_on_kernels); elsewhere, for prefill chunks and under training (no derivatives there), hc_post +
     hc_pre + rms_norm."""

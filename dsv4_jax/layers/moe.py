@@ -8,28 +8,53 @@ routing weights are the unbiased scores of the picked experts, renormalised and 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..config import ModelConfig
-from ..quant import dequantize, grouped_linear, grouped_linear_pair, kernel_dispatch, linear, linear_pair
+from ..pallas_kernels import moe_decode
+from ..quant import (dequantize, grouped_linear, grouped_linear_joined, grouped_linear_pair, kernel_dispatch,
+                     linear, linear_joined, linear_pair)
 from ..sharding import DATA, EXPERT, expert_devices, split_along, splits_shared_expert
+
+
+class MoeParts(NamedTuple):
+    """The MoE's output before its sum, for a consumer that adds it up itself (the next mHC site's kernel,
+    pallas_kernels/mhc.py, where the sum costs no launch): routed float32 [..., K, D] (each of a token's K experts,
+    times its routing weight) and shared float32 [..., D]. `total` is the sum, in the one order both use."""
+    routed: jax.Array
+    shared: jax.Array
+
+    def total(self) -> jax.Array:
+        """sum over k = 0 .. K-1 of routed, then + shared: float32 [..., D]."""
+        y = self.routed[..., 0, :]
+        for k in range(1, self.routed.shape[-2]):
+            y = y + self.routed[..., k, :]
+        return y + self.shared
+
+
+def router_logits(params: dict, x: jax.Array) -> jax.Array:
+    """The router's GEMM, float32 [T, E] (never on a quantized weight)."""
+    gate = params["weight"].astype(jnp.float32)
+    return jnp.einsum("td,ed->te", x.astype(jnp.float32), gate, precision=jax.lax.Precision.HIGHEST)
 
 
 @jax.named_scope("router")
 def route(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool):
     """x [T, D], token_ids [T] -> (expert ids [T, K] int32, weights [T, K] float32)."""
-    gate = params["weight"].astype(jnp.float32)
-    logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), gate, precision=jax.lax.Precision.HIGHEST)
-    scores = jnp.sqrt(jax.nn.softplus(logits))
+    scores = jnp.sqrt(jax.nn.softplus(router_logits(params, x)))
     if hash_routed:
         expert_ids = params["tid2eid"][token_ids].astype(jnp.int32)
     else:
         _, expert_ids = jax.lax.top_k(scores + params["bias"].astype(jnp.float32), cfg.n_activated_experts)
     weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True) * cfg.route_scale
+    total = weights[:, 0]              # summed in order, as pallas_kernels/moe_decode.py sums them
+    for k in range(1, weights.shape[-1]):
+        total = total + weights[:, k]
+    weights = weights / total[:, None] * cfg.route_scale
     return expert_ids, weights
 
 
@@ -134,11 +159,55 @@ def capacity_routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert
     return jnp.zeros((n_tokens, x.shape[-1]), jnp.float32).at[token_of].add(y)
 
 
+MAX_KERNEL_TOKENS = 16     # tokens up to which a step takes _ffn_on_kernels (decode, speculative verify)
+
+
+def _takes_ffn_kernels(cfg: ModelConfig, n_tokens: int, ctx) -> bool:
+    """Whether a call runs on _ffn_on_kernels: a kernel plan, inference, decode or verify rows, one device's experts
+    (or an expert axis of 1), a geometry pallas_kernels/moe_decode.py takes."""
+    return (ctx.inference_kernels and n_tokens <= MAX_KERNEL_TOKENS
+            and (ctx.mesh is None or ctx.mesh.shape[EXPERT] == 1)
+            and moe_decode.supported(cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim)
+            and cfg.n_shared_experts == 1)
+
+
+def _ffn_on_kernels(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool,
+                    ctx) -> MoeParts:
+    """The MoE of a decode or verify step, x [T, D]: the router's GEMV, then pallas_kernels/moe_decode.py for the
+    top-k, weights and each pick's row of x (one launch), the routed and the shared gate + up GEMVs, both SwiGLUs
+    in one launch, and the two down GEMVs. The sum of the parts is left to the consumer (MoeParts). Every expert
+    id comes from the router, so the grouped matmuls skip their range clip (groups_in_range)."""
+    interpret = ctx.kernels.backend == "interpret"
+    gate = params["gate"]
+    k = cfg.n_activated_experts
+    with jax.named_scope("router"):
+        picks = dict(hash_ids=gate["tid2eid"][token_ids]) if hash_routed else dict(bias=gate["bias"])
+        expert_ids, weights, rows = moe_decode.route_rows(router_logits(gate, x), x, k=k,
+                                                          route_scale=cfg.route_scale, interpret=interpret, **picks)
+    experts, shared = params["experts"], params["shared_experts"]
+    row_experts = expert_ids.reshape(-1)
+    with jax.named_scope("routed_experts"):
+        gate_up = grouped_linear_joined(rows, experts["w1"]["weight"], experts["w3"]["weight"], jnp.float32,
+                                        ctx=ctx, row_groups=row_experts)
+        shared_gate_up = linear_joined(x, shared["w1"]["weight"], shared["w3"]["weight"], jnp.float32, ctx=ctx)
+        h, shared_h = moe_decode.swiglu_pairs(gate_up, weights.reshape(-1), shared_gate_up,
+                                              limit=cfg.swiglu_limit, dtype=x.dtype, interpret=interpret)
+        y = grouped_linear(h, experts["w2"]["weight"], None, jnp.float32, ctx=ctx, row_groups=row_experts,
+                           groups_in_range=True)
+        shared_y = linear(shared_h, shared["w2"]["weight"], jnp.float32, ctx=ctx)
+    return MoeParts(y.reshape(x.shape[0], k, -1), shared_y)
+
+
 def moe(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool, ctx):
-    """x [..., D] (ffn_norm'd), token_ids [...] -> ([..., D] in x.dtype, statistics: {} for inference; under
-    training {"expert_load": assignments per expert [E]} in score-routed layers)."""
+    """x [..., D] (ffn_norm'd), token_ids [...] -> (the output, statistics: {} for inference; under training
+    {"expert_load": assignments per expert [E]} in score-routed layers). The output is [..., D] in x.dtype, or, in a
+    decode or verify step on a kernel plan (_ffn_on_kernels), its unsummed MoeParts ([..., K, D] and [..., D]),
+    which hyper.hc_post and the mHC kernels take as y."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if _takes_ffn_kernels(cfg, x2.shape[0], ctx):
+        parts = _ffn_on_kernels(params, cfg, x2, token_ids.reshape(-1), hash_routed, ctx)
+        return MoeParts(parts.routed.reshape(*lead, *parts.routed.shape[1:]), parts.shared.reshape(*lead, -1)), {}
     expert_ids, weights = route(params["gate"], cfg, x2, token_ids.reshape(-1), hash_routed)
     training = ctx.training
     if training is not None and training.moe_capacity > 0:

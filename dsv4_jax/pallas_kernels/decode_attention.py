@@ -41,6 +41,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -217,7 +218,9 @@ def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: i
         def pick_block(i, carry):
             j = pick_first + i * n_splits
             picks = picks_ref[pl.ds(j * BLOCK_KEYS, BLOCK_KEYS)]
-            return attend(carry, _load_keys(comp_refs, jnp.maximum(picks, 0), blocks, dtype), picks >= 0)
+            valid = (picks >= 0) & (picks < n_visible)
+            return attend(carry, _load_keys(comp_refs, jnp.maximum(picks, 0), blocks, dtype), valid)
+        n_visible = (t + 1) // ratio
         pick_first, pick_count = own_blocks(n_ring + 1, n_picks // BLOCK_KEYS)
         carry = jax.lax.fori_loop(0, pick_count, pick_block, carry)
     elif ratio > 0:
@@ -281,7 +284,8 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
 
     ring [B, window, D]: the window ring before this chunk; chunk_kv [B, S, D]: the chunk's keys; sink [H];
     compressed [B, N, D]: the compressed entries (ratio > 0); picks [B, S, k] int32: the indexer's picks of a CSA
-    layer (ratio 4), -1 where a slot holds no visible entry. The ring and the compressed entries as kv_cache.py
+    layer (ratio 4); a pick the token cannot see (j >= (t + 1) // 4: top-k's fill where fewer entries are
+    visible than k) or -1 is skipped. The ring and the compressed entries as kv_cache.py
     stores them: in the activation dtype, or both compact ({nope e4m3, scale, rope}).
 
     kv_prologue=(kv_norm weight [D], fake_quant): chunk_kv is wkv's output and the kernel makes the chunk's keys as
@@ -326,7 +330,7 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
     args = [start.astype(jnp.int32), sink.astype(_F32)]
     freq = None
     if rope is not None:                          # each pair's frequency for both of its columns
-        freq = jnp.repeat(jnp.asarray(inv_freq, _F32), 2)
+        freq = np.repeat(np.asarray(inv_freq, np.float32), 2)   # numpy: a constant of the program, no launch
         in_specs.append(pl.BlockSpec((rope_dim,), lambda r, h, j: (0,)))
         args.append(freq)
     if n_splits > 1:                              # each split's running max, denominator and output

@@ -58,24 +58,35 @@ def _chunk(dim: int, cap: int = 1024) -> int:
     return c
 
 
-def _post_mix(x, y_ref, post_ref, comb_ref, dtype):
+def _post_mix(x, y_refs, post_ref, comb_ref, dtype):
     """hc_post on one chunk: X'_k = post_k * y + sum_j comb[j, k] * X_j, float32, x [n, C]; y rounded to the
-    streams' dtype first (a float32 y is a matmul's output whose cast to that dtype happens here)."""
-    y = y_ref[0, :].astype(dtype).astype(_F32)                     # [C]
+    streams' dtype first (a float32 y is a matmul's output whose cast to that dtype happens here). Two y_refs: the
+    MoE's parts (routed [1, K, C], shared [1, C]), y their sum in moe.MoeParts.total's order."""
+    if len(y_refs) == 1:
+        y = y_refs[0][0, :]
+    else:
+        routed_ref, shared_ref = y_refs
+        y = routed_ref[0, 0, :].astype(_F32)
+        for k in range(1, routed_ref.shape[1]):
+            y = y + routed_ref[0, k, :].astype(_F32)
+        y = y + shared_ref[0, :].astype(_F32)
+    y = y.astype(dtype).astype(_F32)                               # [C]
     post = post_ref[0, :]                                          # [n]
     comb = comb_ref[0, :, :]                                       # [n(j), n(k)]
     mixed = jnp.sum(comb[:, :, None] * x[:, None, :], axis=0)      # [n(k), C]
     return post[:, None] * y[None, :] + mixed
 
 
-def _mix_kernel(*refs, has_pending: bool):
-    if has_pending:
-        x_ref, y_ref, post_ref, comb_ref, fn_ref, part_ref, x_out_ref = refs
+def _mix_kernel(*refs, y_parts: int):
+    """y_parts: 0 (no hc_post due), 1 (y), 2 (the MoE's routed and shared parts)."""
+    if y_parts:
+        x_ref, y_refs = refs[0], refs[1:1 + y_parts]
+        post_ref, comb_ref, fn_ref, part_ref, x_out_ref = refs[1 + y_parts:]
     else:
         x_ref, fn_ref, part_ref = refs
     x = x_ref[0, :, :].astype(_F32)                                # [n, C]
-    if has_pending:
-        x = _post_mix(x, y_ref, post_ref, comb_ref, x_ref.dtype).astype(x_ref.dtype)
+    if y_parts:
+        x = _post_mix(x, y_refs, post_ref, comb_ref, x_ref.dtype).astype(x_ref.dtype)
         x_out_ref[0, :, :] = x
         x = x.astype(_F32)
 
@@ -156,7 +167,8 @@ def mhc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
     """X [..., n, D] -> (x [..., D] = rms_norm(hc_pre's u) in X's dtype, post [..., n] f32, comb [..., n, n] f32,
     the streams X' [..., n, D]). `post_mix` = (y [..., D], post [..., n], comb [..., n, n]): the previous sub-layer's
     hc_post, applied to X first (X' is then its result; otherwise X' is X); y in X's dtype, or float32 (rounded to
-    X's dtype here, as hyper.hc_post rounds it)."""
+    X's dtype here, as hyper.hc_post rounds it), or a pair (routed [..., K, D], shared [..., D]) of float32 MoE
+    parts (moe.MoeParts), summed here in its `total`'s order, then rounded."""
     *lead, n, dim = X.shape
     if not supported(n, dim, fn.shape[0]):
         raise ValueError(f"mhc_pre_norm: needs 4 streams, 24 mixing rows and D a multiple of {MIX_CHUNK}; got "
@@ -172,16 +184,23 @@ def mhc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
     part_spec = pl.BlockSpec((1, 1, LANES), lambda r, j: (r, j, 0))
     part_shape = jax.ShapeDtypeStruct((rows, n_mix, LANES), _F32)
     if post_mix is None:
-        (part,) = _call(functools.partial(_mix_kernel, has_pending=False), (rows, n_mix), [x_spec, fn_spec],
+        (part,) = _call(functools.partial(_mix_kernel, y_parts=0), (rows, n_mix), [x_spec, fn_spec],
                         [part_spec], [part_shape], (X2, fn3), interpret, "mhc_mix")
         streams = X2
     else:
         y, post_prev, comb_prev = post_mix
-        args = (X2, y.reshape(rows, dim), post_prev.astype(_F32).reshape(rows, n),
-                comb_prev.astype(_F32).reshape(rows, n, n), fn3)
-        specs = [x_spec, pl.BlockSpec((1, MIX_CHUNK), lambda r, j: (r, j)), pl.BlockSpec((1, n), lambda r, j: (r, 0)),
+        y_spec = pl.BlockSpec((1, MIX_CHUNK), lambda r, j: (r, j))
+        if isinstance(y, tuple):                   # the MoE's parts
+            routed, shared = y
+            k = routed.shape[-2]
+            ys = (routed.reshape(rows, k, dim), shared.reshape(rows, dim))
+            y_specs = [pl.BlockSpec((1, k, MIX_CHUNK), lambda r, j: (r, 0, j)), y_spec]
+        else:
+            ys, y_specs = (y.reshape(rows, dim),), [y_spec]
+        args = (X2, *ys, post_prev.astype(_F32).reshape(rows, n), comb_prev.astype(_F32).reshape(rows, n, n), fn3)
+        specs = [x_spec, *y_specs, pl.BlockSpec((1, n), lambda r, j: (r, 0)),
                  pl.BlockSpec((1, n, n), lambda r, j: (r, 0, 0)), fn_spec]
-        part, streams = _call(functools.partial(_mix_kernel, has_pending=True), (rows, n_mix), specs,
+        part, streams = _call(functools.partial(_mix_kernel, y_parts=len(ys)), (rows, n_mix), specs,
                               [part_spec, x_spec], [part_shape, jax.ShapeDtypeStruct(X2.shape, X.dtype)], args,
                               interpret, "mhc_post_mix")
 

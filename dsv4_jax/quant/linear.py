@@ -161,14 +161,20 @@ def _check_grouped_weight(x: jax.Array, weight, what: str):
     _check_in_features(x, weight.shape, what, 3)
 
 
-def _row_groups(x: jax.Array, weight, group_sizes, row_groups, what: str) -> tuple[jax.Array, jax.Array]:
-    """(the group of each row of x [m, in], clipped to a valid index; whether the row is real). Rows sorted by group
-    (`group_sizes`: rows past their sum are not real) or each row's own group (`row_groups`: a group >= G, e.g. an
-    expert of another device, is not real)."""
+def _row_groups(x: jax.Array, weight, group_sizes, row_groups, what: str,
+                in_range: bool = False) -> tuple[jax.Array, jax.Array | None]:
+    """(the group of each row of x [m, in], clipped to a valid index; whether the row is real, None: all are). Rows
+    sorted by group (`group_sizes`: rows past their sum are not real) or each row's own group (`row_groups`: a group
+    >= G, e.g. an expert of another device, is not real; `in_range`: the caller's word that every group is in
+    0 .. G-1, so no clip and no zeroing: launches fewer in a decode step)."""
     _check_grouped_weight(x, weight, what)
     n_groups = weight.shape[0]
     if (group_sizes is None) == (row_groups is None):
         raise ValueError(f"{what}: give exactly one of group_sizes (rows sorted by group) and row_groups")
+    if in_range:
+        if row_groups is None:
+            raise ValueError(f"{what}: groups_in_range needs row_groups")
+        return row_groups, None
     if row_groups is None:
         groups = jnp.repeat(jnp.arange(n_groups, dtype=jnp.int32), group_sizes, total_repeat_length=x.shape[0])
         real = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
@@ -178,8 +184,9 @@ def _row_groups(x: jax.Array, weight, group_sizes, row_groups, what: str) -> tup
 
 
 def _grouped_kernel_output(y: jax.Array, row_scale, real: jax.Array, out_dtype) -> jax.Array:
-    """A kernel's grouped-matmul rows, rescaled, with the rows that are not real zeroed."""
-    return jnp.where(real[:, None], _rescale(y, row_scale, None), 0).astype(out_dtype)
+    """A kernel's grouped-matmul rows, rescaled, with the rows that are not real zeroed (real None: all are)."""
+    y = _rescale(y, row_scale, None)
+    return (y if real is None else jnp.where(real[:, None], y, 0)).astype(out_dtype)
 
 
 def _sorted_reference(x: jax.Array, weight, row_groups: jax.Array, out_dtype, ctx) -> jax.Array:
@@ -192,11 +199,12 @@ def _sorted_reference(x: jax.Array, weight, row_groups: jax.Array, out_dtype, ct
 
 @_scoped_by_format
 def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array | None, out_dtype=None, *, ctx,
-                   row_groups: jax.Array | None = None) -> jax.Array:
+                   row_groups: jax.Array | None = None, groups_in_range: bool = False) -> jax.Array:
     """Rows of x [m, in] times W[g]^T of their group g (W [G, out, in], e.g. stacked experts): rows sorted by group
     with `group_sizes` (rows past their sum give zeros), or in any order with each row's group in `row_groups`
-    (a group >= G gives zeros; no sort where a per-row kernel takes the call). Returns [m, out]."""
-    groups, real = _row_groups(x, weight, group_sizes, row_groups, "grouped_linear")
+    (a group >= G gives zeros; no sort where a per-row kernel takes the call; `groups_in_range`: every group is
+    one of W's, _row_groups). Returns [m, out]."""
+    groups, real = _row_groups(x, weight, group_sizes, row_groups, "grouped_linear", groups_in_range)
     if group_sizes is None and kernel_dispatch.expert_kernel(x.shape[0], x.dtype, weight, ctx.kernels) is None:
         return _sorted_reference(x, weight, row_groups, out_dtype, ctx)
     xq, row_scale = _quantize_input(x, weight, ctx, groups)
@@ -226,6 +234,21 @@ def grouped_linear_pair(x: jax.Array, w_a, w_b, group_sizes: jax.Array | None, o
     y = _grouped_kernel_output(kernel(xq, groups), row_scale, real, out_dtype or x.dtype)
     n = w_a.shape[1]
     return y[:, :n], y[:, n:]
+
+
+@_scoped_by_format
+def grouped_linear_joined(x: jax.Array, w_a, w_b, out_dtype=None, *, ctx, row_groups: jax.Array) -> jax.Array:
+    """grouped_linear_pair's two outputs side by side, [m, out_a + out_b], as its kernel writes them (for a consumer
+    that is a kernel of its own: linear_joined), for rows in any order whose groups `row_groups` are all one of
+    the weights' (groups_in_range)."""
+    groups, _ = _row_groups(x, w_a, None, row_groups, "grouped_linear_joined", in_range=True)
+    _check_grouped_weight(x, w_b, "grouped_linear_joined")
+    kernel = kernel_dispatch.pair_matmul(x, w_a, w_b, ctx.kernels, routed=True)
+    if kernel is None:
+        return jnp.concatenate([grouped_linear(x, w, None, out_dtype, ctx=ctx, row_groups=row_groups,
+                                               groups_in_range=True) for w in (w_a, w_b)], axis=-1)
+    xq, row_scale = _quantize_input(x, w_a, ctx, groups)
+    return _grouped_kernel_output(kernel(xq, groups), row_scale, None, out_dtype or x.dtype)
 
 
 @_scoped_by_format
