@@ -6,15 +6,15 @@ sink in one online softmax, reading only the keys a token can attend to.
 
 What the pure-jnp path of layers/attention.py does in ~12 XLA kernels per layer on the GPU (the window and compressed
 logits, three maxima, the sink, two sums, the value products and, for CSA, a gather of the picked entries into a
-[B, S, k, head_dim] copy). Here programs per (token, 16 query heads, split) walk their keys 32 at a time:
+[B, S, k, head_dim] copy). Here programs per (token, 16 query heads, split) walk their keys 64 at a time:
   - the window ring (the 128 positions before the chunk; slot = position mod 128), masked by position;
   - the chunk's own keys up to the token (decode: itself; a speculative verify: the earlier drafts too);
   - CSA (ratio 4): the indexer's picks, each row read from the compressed cache by its index (-1: no pick), so only
     the picked entries are read;
   - HCA (other ratios): the compressed entries the token can see (j < (t + 1) // ratio); the loop stops there, so
     a step reads the entries in use, not the whole buffer.
-Key block b belongs to split b mod n_splits (up to MAX_SPLITS at small batches, so that a token's few programs do
-not each walk a long chain of blocks); a second launch merges the splits' running states.
+With MAX_SPLITS > 1 key block b belongs to split b mod n_splits (up to MAX_SPLITS at small batches) and a second
+launch merges the splits' running states; measured slower, it is off by default (MAX_SPLITS = 1: one launch).
 
 The single shared key is also the value (K = V). The softmax is the online one (running maximum, rescaled sums),
 started from the sink logit: the sink is in the denominator only, as in the model. Each block's probabilities are
@@ -30,8 +30,8 @@ them for the window ring. Rotations pair each rope column with its partner throu
 activation dtype, or compact (e4m3 nope dims decoded with their E8M0 block scale as they load).
 
 Triton needs power-of-two tensor shapes: heads a multiple of 16, head_dim a power of two, the window a multiple of
-32, the rope dims a power-of-two block after nope dims in blocks of 64 (`supported`); the picks are padded to a
-multiple of 32 with -1. GPU kernel plans take it only when switched on (`enabled_on_gpu`).
+BLOCK_KEYS, the rope dims a power-of-two block after nope dims in blocks of 64 (`supported`); the picks are padded to
+a multiple of BLOCK_KEYS with -1. GPU kernel plans take it only when switched on (`enabled_on_gpu`).
 """
 
 from __future__ import annotations
@@ -50,11 +50,15 @@ from .rounding import fp8_fake_quant
 _F32 = jnp.float32
 _EMPTY = -1e30       # the running maximum of a split that has seen no key yet (finite: exp(_EMPTY - m) is 0)
 BLOCK_HEADS = 16     # query heads per program: a tensor-core dot needs at least 16 rows
-BLOCK_KEYS = 32      # keys per step of the online softmax
+# The schedule: the fastest of scripts/bench_decode_attention.py's sweep on an H200 (2026-12-04, batch 1, Flash
+# geometry; docs/kernels.md): 16 heads and 64 keys per step on 8 warps, no key splits (37 us for a CSA layer, 20 us
+# for an HCA layer; the earlier 32 keys, 8 splits, 4 warps took 91 / 88 us). Splitting a token's keys over more
+# programs made every case slower in proportion to the splits (8: 2.5x, 16: 5x), the opposite of its purpose; the
+# split path (a second launch merges the splits' running states) stays for MAX_SPLITS > 1 and is tested.
+BLOCK_KEYS = 64      # keys per step of the online softmax
 COLUMNS = 64         # key columns per dot: the compact layout's scale block (kv_cache.KV_BLOCK)
-MAX_SPLITS = 8       # a token's keys are spread over up to 8 programs per head block (fewer as rows grow), whose
-                     # running states a second launch merges: at batch 1 one program per head block walked all
-                     # ~20 key blocks of a CSA layer in sequence, 16% slower than XLA's path on an H200
+MAX_SPLITS = 1       # programs a token's keys may be spread over per head block (fewer as rows grow)
+NUM_WARPS, NUM_STAGES = 8, 2   # Triton's schedule of both launches
 MAX_ROWS = 16        # tokens per sequence the model sends here (decode, speculative verify); prefill chunks keep
                      # the jnp path, whose matmuls share each key across the chunk's tokens
 
@@ -76,9 +80,9 @@ ON_GPU_FLAG = "DSV4_JAX_DECODE_ATTENTION"
 
 def enabled_on_gpu() -> bool:
     """Whether GPU kernel plans take this kernel: only with DSV4_JAX_DECODE_ATTENTION=1 in the environment (read when
-    a step is traced). Its first version (one program per head block) made the 4-layer Flash decode step 16% slower
-    at batch 1 on an H200 (2026-12-03); the split version passes its GPU tests but has not been timed, so it stays
-    opt-in until a benchmark shows it faster. The "interpret" plan always takes it (tests)."""
+    a step is traced). It stays opt-in while XLA's path is faster: one layer's attention at Flash geometry, batch 1,
+    on an H200 (scripts/bench_decode_attention.py, 2026-12-04) took 37 us (CSA) and 20 us (HCA) on this kernel
+    against 19 and 16 us on XLA's kernels. The "interpret" plan always takes it (tests)."""
     return os.environ.get(ON_GPU_FLAG, "") == "1"
 
 
@@ -367,7 +371,7 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
                                comp_parts=len(comp_parts), dtype=dtype, norm_eps=None if rope is None else norm_eps,
                                kv_fake_quant=None if kv_prologue is None else bool(kv_fake_quant),
                                n_splits=n_splits)
-    params = pltriton.CompilerParams(num_warps=4, num_stages=2)
+    params = pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     outs = pl.pallas_call(
         kernel, grid=(rows, n_heads // BLOCK_HEADS, n_splits), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, name="decode_attention", compiler_params=params)(*args)

@@ -1,0 +1,119 @@
+"""Time the decode attention kernel (pallas_kernels/decode_attention.py) against XLA's path for one layer's
+attention at Flash geometry (64 heads of 512, window 128; CSA: 512 picks of 1,024 entries; HCA: 32 entries), batch 1,
+one token, and sweep the kernel's schedule (heads per program, keys per step, splits, warps, stages).
+
+    python scripts/bench_decode_attention.py --out decode_attention.json
+
+Each case runs 200 times inside one jitted fori_loop (each iteration's query depends on the previous output, so
+the calls cannot overlap), on the attached GPU; the table gives microseconds per call. XLA's path is what the
+model runs without the kernel: the query's per-head norm and RoPE (norm_rope kernel), window + compressed keys in
+one array, one softmax (attention._attend_one_token) and the inverse RoPE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+ITERS = 200
+
+
+def _inputs(ratio: int, batch: int = 1):
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    bf = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)   # noqa: E731
+    n_entries = 1024 if ratio == 4 else 32
+    start = jnp.full((batch,), 4000, jnp.int32)
+    picks = jnp.asarray(np.stack([rng.permutation(1000)[:512] for _ in range(batch)])[:, None], jnp.int32)
+    return dict(q=jnp.asarray(rng.standard_normal((batch, 1, 64, 512)), jnp.float32), ring=bf(batch, 128, 512),
+                kv=bf(batch, 1, 512), start=start, sink=jnp.asarray(rng.standard_normal(64), jnp.float32),
+                compressed=bf(batch, n_entries, 512), picks=picks if ratio == 4 else None)
+
+
+def _timed(fn, args) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    def loop(q, *rest):
+        def body(_, q):
+            return q + fn(q, *rest).astype(jnp.float32) * 1e-30
+        return jax.lax.fori_loop(0, ITERS, body, q)
+
+    run = jax.jit(loop)
+    jax.block_until_ready(run(*args))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(*args))
+        best = min(best, (time.perf_counter() - t0) / ITERS * 1e6)
+    return best
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", metavar="FILE")
+    args = p.parse_args(argv)
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dsv4_jax.layers import attention
+    from dsv4_jax.layers.rope import apply_rope
+    from dsv4_jax.pallas_kernels import decode_attention as da
+    from dsv4_jax.pallas_kernels import norm_rope
+
+    inv_freq = (10000.0 ** (-np.arange(0, 64, 2) / 64)).astype(np.float32)
+    rows = []
+    for ratio in (4, 128):
+        x = _inputs(ratio)
+        positions = x["start"][:, None]
+
+        def xla_path(q, ring, kv, start, sink, compressed, picks, ratio=ratio):
+            qn = norm_rope.rms_norm_rows(q, None, eps=1e-6, in_dtype=jnp.bfloat16, rope=(positions, inv_freq))
+            keys = jnp.concatenate([ring, kv], axis=1)
+            key_pos = jnp.concatenate([attention.ring_positions(start, 128), start[:, None]], axis=1)
+            sel = None if picks is None else (picks, picks < (start[:, None, None] + 1) // 4)
+            out = attention._attend_one_token(qn, keys, key_pos, positions, sink, 512 ** -0.5, 128, ratio,
+                                              compressed, sel)
+            return apply_rope(out, positions[:, :, None], inv_freq, inverse=True)
+
+        args_ = (x["q"], x["ring"], x["kv"], x["start"], x["sink"], x["compressed"], x["picks"])
+        rows.append({"ratio": ratio, "path": "xla", "us": _timed(xla_path, args_)})
+        print(rows[-1], flush=True)
+        defaults = (da.BLOCK_HEADS, da.BLOCK_KEYS, da.MAX_SPLITS, da.NUM_WARPS, da.NUM_STAGES)
+        for heads, keys, splits, warps, stages in itertools.product((16, 32), (32, 64), (1, 8, 16), (4, 8), (2,)):
+            da.BLOCK_HEADS, da.BLOCK_KEYS, da.MAX_SPLITS, da.NUM_WARPS, da.NUM_STAGES = (heads, keys, splits, warps,
+                                                                                      stages)
+
+            def kernel_path(q, ring, kv, start, sink, compressed, picks, ratio=ratio):
+                return da.decode_attention(q, ring, kv, start, sink, scale=512 ** -0.5, compressed=compressed,
+                                           picks=picks, ratio=ratio, rope=(inv_freq, 1e-6))
+            try:
+                us = _timed(kernel_path, args_)
+            except Exception as err:       # a schedule Triton cannot compile (registers, shared memory)
+                us = None
+                print(f"  {heads} {keys} {splits} {warps} {stages}: {str(err).splitlines()[0][:120]}", flush=True)
+            rows.append({"ratio": ratio, "path": "kernel", "block_heads": heads, "block_keys": keys,
+                         "max_splits": splits, "num_warps": warps, "num_stages": stages, "us": us})
+            print(rows[-1], flush=True)
+        da.BLOCK_HEADS, da.BLOCK_KEYS, da.MAX_SPLITS, da.NUM_WARPS, da.NUM_STAGES = defaults
+    print(f"\n{'ratio':>5} {'path':>6} {'heads':>5} {'keys':>4} {'splits':>6} {'warps':>5} {'stages':>6} {'us':>8}")
+    for r in sorted(rows, key=lambda r: (r["ratio"], r["us"] is None, r["us"] or 0)):
+        print(f"{r['ratio']:>5} {r['path']:>6} {r.get('block_heads', ''):>5} {r.get('block_keys', ''):>4} "
+              f"{r.get('max_splits', ''):>6} {r.get('num_warps', ''):>5} {r.get('num_stages', ''):>6} "
+              f"{'-' if r['us'] is None else format(r['us'], '.1f'):>8}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"iters": ITERS, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
