@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         rows.append({"ratio": ratio, "path": "xla", "us": _timed(xla_path, args_)})
         print(rows[-1], flush=True)
         defaults = (da.BLOCK_HEADS, da.BLOCK_KEYS, da.MAX_SPLITS, da.NUM_WARPS, da.NUM_STAGES)
-        for heads, keys, splits, warps, stages in itertools.product((16, 32), (32, 64), (1, 8, 16), (4, 8), (2,)):
+        for heads, keys, splits, warps, stages in itertools.product((16,), (32, 64), (1, 4, 8, 16), (4, 8), (2,)):
             da.BLOCK_HEADS, da.BLOCK_KEYS, da.MAX_SPLITS, da.NUM_WARPS, da.NUM_STAGES = (heads, keys, splits, warps,
                                                                                       stages)
 

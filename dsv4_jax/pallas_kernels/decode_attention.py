@@ -13,8 +13,8 @@ logits, three maxima, the sink, two sums, the value products and, for CSA, a gat
     the picked entries are read;
   - HCA (other ratios): the compressed entries the token can see (j < (t + 1) // ratio); the loop stops there, so
     a step reads the entries in use, not the whole buffer.
-With MAX_SPLITS > 1 key block b belongs to split b mod n_splits (up to MAX_SPLITS at small batches) and a second
-launch merges the splits' running states; measured slower, it is off by default (MAX_SPLITS = 1: one launch).
+Key block b belongs to split b mod n_splits (up to MAX_SPLITS at small batches, so that a token's few programs do
+not each walk a long chain of blocks); a second launch merges the splits' running states.
 
 The single shared key is also the value (K = V). The softmax is the online one (running maximum, rescaled sums),
 started from the sink logit: the sink is in the denominator only, as in the model. Each block's probabilities are
@@ -50,14 +50,15 @@ from .rounding import fp8_fake_quant
 _F32 = jnp.float32
 _EMPTY = -1e30       # the running maximum of a split that has seen no key yet (finite: exp(_EMPTY - m) is 0)
 BLOCK_HEADS = 16     # query heads per program: a tensor-core dot needs at least 16 rows
-# The schedule: the fastest of scripts/bench_decode_attention.py's sweep on an H200 (2026-12-04, batch 1, Flash
-# geometry; docs/kernels.md): 16 heads and 64 keys per step on 8 warps, no key splits (37 us for a CSA layer, 20 us
-# for an HCA layer; the earlier 32 keys, 8 splits, 4 warps took 91 / 88 us). Splitting a token's keys over more
-# programs made every case slower in proportion to the splits (8: 2.5x, 16: 5x), the opposite of its purpose; the
-# split path (a second launch merges the splits' running states) stays for MAX_SPLITS > 1 and is tested.
+# The schedule: the fastest for a CSA layer in scripts/bench_decode_attention.py's sweep on an H200 (2026-12-04,
+# batch 1, Flash geometry; docs/kernels.md): 16 heads and 64 keys per step on 8 warps, a token's keys split over 4
+# programs per head block (24 us for a CSA layer, 22 us for an HCA layer, against XLA's 18.5 and 15.3 us; the
+# earlier 32 keys, 8 splits, 4 warps took 91 / 88 us). More splits made every case slower, in proportion to the
+# splits (8: 2.2x, 16: 3.4x of 4), for a reason not found yet (not the merge: summing it split by split changed
+# nothing); a second launch merges the splits' running states.
 BLOCK_KEYS = 64      # keys per step of the online softmax
 COLUMNS = 64         # key columns per dot: the compact layout's scale block (kv_cache.KV_BLOCK)
-MAX_SPLITS = 1       # programs a token's keys may be spread over per head block (fewer as rows grow)
+MAX_SPLITS = 4       # programs a token's keys may be spread over per head block (fewer as rows grow)
 NUM_WARPS, NUM_STAGES = 8, 2   # Triton's schedule of both launches
 MAX_ROWS = 16        # tokens per sequence the model sends here (decode, speculative verify); prefill chunks keep
                      # the jnp path, whose matmuls share each key across the chunk's tokens
@@ -81,8 +82,8 @@ ON_GPU_FLAG = "DSV4_JAX_DECODE_ATTENTION"
 def enabled_on_gpu() -> bool:
     """Whether GPU kernel plans take this kernel: only with DSV4_JAX_DECODE_ATTENTION=1 in the environment (read when
     a step is traced). It stays opt-in while XLA's path is faster: one layer's attention at Flash geometry, batch 1,
-    on an H200 (scripts/bench_decode_attention.py, 2026-12-04) took 37 us (CSA) and 20 us (HCA) on this kernel
-    against 19 and 16 us on XLA's kernels. The "interpret" plan always takes it (tests)."""
+    on an H200 (scripts/bench_decode_attention.py, 2026-12-04) took 24 us (CSA) and 22 us (HCA) on this kernel
+    against 18.5 and 15.3 us on XLA's kernels. The "interpret" plan always takes it (tests)."""
     return os.environ.get(ON_GPU_FLAG, "") == "1"
 
 
@@ -266,11 +267,23 @@ def _merge_kernel(*refs, seq: int, blocks, dtype, fused_rope: bool):
     m_ref, l_ref, acc_ref, out_ref = refs
     row = pl.program_id(0)
     t = jnp.sum(start_ref[pl.ds(row // seq, 1)]) + row % seq
-    m = m_ref[...]                                                    # [splits, Hb]
-    w = jnp.exp(m - jnp.max(m, axis=0)[None, :])
-    denom = jnp.sum(w * l_ref[...], axis=0)                           # [Hb]
-    out = [jnp.sum(w[:, :, None] * acc_ref[:, :, pl.ds(first, width)], axis=0) / denom[:, None]
-           for first, width in blocks]
+    # one split at a time ([Hb] and [Hb, width] tiles): a [splits, Hb, width] tensor spilled Triton's registers,
+    # and the time grew with the splits
+    splits = range(m_ref.shape[0])
+    m = [m_ref[j, :] for j in splits]                                 # [Hb] each
+    peak = m[0]
+    for m_j in m[1:]:
+        peak = jnp.maximum(peak, m_j)
+    w = [jnp.exp(m_j - peak) for m_j in m]
+    denom = w[0] * l_ref[0, :]
+    for j in splits[1:]:
+        denom = denom + w[j] * l_ref[j, :]
+    out = []
+    for first, width in blocks:
+        acc = w[0][:, None] * acc_ref[0, :, pl.ds(first, width)]
+        for j in splits[1:]:
+            acc = acc + w[j][:, None] * acc_ref[j, :, pl.ds(first, width)]
+        out.append(acc / denom[:, None])
     _finish(out_ref, out, blocks, dtype, t, freq_ref)
 
 
