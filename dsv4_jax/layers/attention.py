@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from .. import kv_cache
 from ..config import ModelConfig
 from ..pallas_kernels import decode_attention, norm_rope
+from ..pallas_kernels import indexer as indexer_kernel
 from ..quant import group_linear, linear, linear_joined, linear_pair
 from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
 from ..sharding import EXPERT, expert_devices, split_along, splits_heads
@@ -223,6 +224,14 @@ def _rows_on_kernels(ctx, seq: int) -> bool:
     """Whether a chunk's per-row prologues (norms, RoPE, roundings) run on pallas_kernels/norm_rope.py: a kernel plan
     (a GPU's, or "interpret"), inference, decode or verify chunks (prefill keeps XLA's fusions)."""
     return ctx.inference_kernels and seq <= decode_attention.MAX_ROWS
+
+
+def _takes_indexer_kernel(ctx, cfg: ModelConfig, seq: int, index_keys, live: int, dtype) -> bool:
+    """Whether the indexer's scores run on pallas_kernels/indexer.py: _rows_on_kernels under inference, keys stored
+    in the activation dtype (not compact), a geometry it takes. Its scores need no [B, S, heads, N] intermediate, so
+    even a 1M-token context's entries are scored in one pass (no blocked top-k)."""
+    return (_rows_on_kernels(ctx, seq) and not isinstance(index_keys, dict)
+            and index_keys.dtype == dtype and indexer_kernel.supported(cfg.index_n_heads, cfg.index_head_dim, live))
 
 
 def _takes_norm_kernel(ctx, cfg: ModelConfig, seq: int) -> bool:
@@ -478,6 +487,13 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         live = n_stored if ctx.context_limit is None else min(n_stored, ctx.context_limit // ratio)
         if live == 0:              # buffers shorter than c never complete an entry
             compressed = None
+        elif ratio == 4 and _takes_indexer_kernel(ctx, cfg, seq, index_keys, live, dtype):
+            with jax.named_scope("indexer"):
+                q_idx, head_weights = _indexer_query(params["indexer"], cfg, x, q_latent, positions, inv_freq, ctx)
+                scores = indexer_kernel.indexer_scores(q_idx, head_weights, index_keys, positions, n_entries=live,
+                                                       interpret=ctx.kernels.backend == "interpret")
+                top_scores, idx = jax.lax.top_k(scores, min(cfg.index_topk, live))
+            picks = (idx, top_scores > -jnp.inf)
         elif ratio == 4:
             index_keys = kv_cache.decode(kv_cache.leading(index_keys, live), dtype)
             scores = None

@@ -1,0 +1,73 @@
+"""The Lightning indexer's scores of decode rows in one launch (Pallas, GPU): for each query row and each compressed
+entry n it can see, sum over heads of w_h * ReLU(q_h . key_n); -inf for the entries it cannot see.
+
+    scores = indexer_scores(q, head_weights, keys, positions, n_entries=live)      # float32 [B, S, live]
+
+What layers/attention.py `_scores` and its visibility mask cost XLA three launches for on the GPU (the heads' dot
+products, their weighted sum, the mask), with a [B, S, heads, N] float32 intermediate in memory: 64 MB per query
+row at a 1M-token context's 262,144 entries, which made the model score long contexts a block at a time. Here
+programs per (query row, BLOCK_ENTRIES entries) hold that block's [heads, BLOCK_ENTRIES] products in registers
+and write only the row's scores. The keys are read from the whole cache buffer (a slice handed to a custom call
+would be a copy): `n_entries` of them, the entries the call's context can hold.
+
+Numerics as the jnp path: the dot products of the stored values accumulate in float32, ReLU, times the float32
+head weights, summed over heads in float32; only the order of the sums differs (float32 rounding). Triton needs
+power-of-two tensor shapes and tensor-core dots at least 16 rows: heads a multiple of 16, head_dim a power of two
+>= 16, n_entries a multiple of BLOCK_ENTRIES (`supported`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+_F32 = jnp.float32
+BLOCK_ENTRIES = 64       # entries per program
+
+
+def supported(n_heads: int, head_dim: int, n_entries: int) -> bool:
+    return (n_heads % 16 == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+            and n_entries > 0 and n_entries % BLOCK_ENTRIES == 0)
+
+
+def _kernel(q_ref, w_ref, keys_ref, pos_ref, out_ref, *, ratio: int, precision):
+    row, block = pl.program_id(0), pl.program_id(1)
+    keys = keys_ref[...]                                                  # [BLOCK_ENTRIES, d]
+    dots = jnp.dot(q_ref[...], keys.T, preferred_element_type=_F32, precision=precision)   # [heads, BLOCK_ENTRIES]
+    scores = jnp.sum(jnp.maximum(dots, 0.0) * w_ref[...][:, None], axis=0)
+    entry = block * BLOCK_ENTRIES + jax.lax.iota(jnp.int32, BLOCK_ENTRIES)
+    t = jnp.sum(pos_ref[pl.ds(row, 1)])
+    out_ref[...] = jnp.where(entry < (t + 1) // ratio, scores, -jnp.inf)
+
+
+def indexer_scores(q: jax.Array, head_weights: jax.Array, keys: jax.Array, positions: jax.Array, *, n_entries: int,
+                   ratio: int = 4, interpret: bool = False) -> jax.Array:
+    """q [B, S, heads, d] (the indexer's rotated, rounded queries), head_weights float32 [B, S, heads] (score scale
+    folded in), keys [B, N, d] (the cache buffer in q's dtype; its first n_entries are read), positions [B, S] ->
+    float32 [B, S, n_entries]: sum_h w_h ReLU(q_h . key_n) where n < (t + 1) // ratio, else -inf."""
+    batch, seq, n_heads, head_dim = q.shape
+    if not supported(n_heads, head_dim, n_entries) or keys.shape[-1] != head_dim or keys.shape[1] < n_entries:
+        raise ValueError(f"indexer_scores: needs heads a multiple of 16, a power-of-two head_dim >= 16 and "
+                         f"n_entries a multiple of {BLOCK_ENTRIES} within the buffer; got q {q.shape}, keys "
+                         f"{keys.shape}, n_entries {n_entries}")
+    if keys.dtype != q.dtype:
+        raise ValueError(f"indexer_scores: keys {keys.dtype} and queries {q.dtype} differ")
+    rows = batch * seq
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    out = pl.pallas_call(
+        functools.partial(_kernel, ratio=ratio, precision=precision),
+        grid=(rows, n_entries // BLOCK_ENTRIES),
+        in_specs=[pl.BlockSpec((None, n_heads, head_dim), lambda r, n: (r, 0, 0)),
+                  pl.BlockSpec((None, n_heads), lambda r, n: (r, 0)),
+                  pl.BlockSpec((None, BLOCK_ENTRIES, head_dim), lambda r, n: (r // seq, n, 0)),
+                  pl.BlockSpec((rows,), lambda r, n: (0,))],
+        out_specs=pl.BlockSpec((None, BLOCK_ENTRIES), lambda r, n: (r, n)),
+        out_shape=jax.ShapeDtypeStruct((rows, n_entries), _F32), interpret=interpret, name="indexer_scores",
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2))(
+            q.reshape(rows, n_heads, head_dim), head_weights.astype(_F32).reshape(rows, n_heads), keys,
+            positions.astype(jnp.int32).reshape(rows))
+    return out.reshape(batch, seq, n_entries)
