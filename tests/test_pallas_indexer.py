@@ -34,15 +34,16 @@ def _inputs(rng, batch, seq, heads, dim, n_buffer, starts, dtype):
 @pytest.mark.parametrize("batch, seq", [(1, 1), (2, 3)])
 def test_matches_float64(batch, seq, dtype):
     """Entries read from a longer buffer (its tail never read: poisoned with NaN), positions that see none, some and
-    all of the entries; the scores to float32 rounding of their sums (the products of dtype values are exact)."""
+    all of the entries, the weights' scale folded in; the scores to float32 rounding of their sums (the products of
+    dtype values are exact)."""
     rng = np.random.default_rng(batch * 10 + seq)
     n_entries = 192
     q, w, keys, positions = _inputs(rng, batch, seq, 16, 64, 256, [2, 900] if batch > 1 else [500],
                                     dtype)
     keys[:, n_entries:] = np.nan
     got = kernel.indexer_scores(jnp.asarray(q, dtype), jnp.asarray(w), jnp.asarray(keys, dtype),
-                                jnp.asarray(positions), n_entries=n_entries, interpret=True)
-    want = _scores64(q, w, keys, positions, n_entries)
+                                jnp.asarray(positions), n_entries=n_entries, weight_scale=0.3, interpret=True)
+    want = _scores64(q, np.float32(0.3) * w, keys, positions, n_entries)
     got = np.asarray(got, np.float64)
     assert got.shape == want.shape
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))

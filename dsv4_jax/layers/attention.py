@@ -83,10 +83,15 @@ def indexer_block(batch: int, seq: int, n_heads: int) -> int:
     return block
 
 
+def _indexer_weight_scale(cfg: ModelConfig) -> float:
+    """The indexer's score scale, folded into its per-head weights."""
+    return cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
+
+
 def _indexer_query(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array, positions: jax.Array,
-                   inv_freq: np.ndarray, ctx) -> tuple[jax.Array, jax.Array]:
+                   inv_freq: np.ndarray, ctx, scale_weights: bool = True) -> tuple[jax.Array, jax.Array]:
     """The indexer's queries [B, S, heads, head_dim] (rotated, fake-quantized as trained) and its per-head weights
-    float32 [B, S, heads] (with the score scale folded in)."""
+    float32 [B, S, heads] (with the score scale folded in, unless `scale_weights` is False: a kernel folds it)."""
     batch, seq, _ = x.shape
     n_heads, head_dim = cfg.index_n_heads, cfg.index_head_dim
     if _rows_on_kernels(ctx, seq) and norm_rope.supported(head_dim, cfg.rope_head_dim,
@@ -101,7 +106,7 @@ def _indexer_query(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.A
         if ctx.simulate_quant:
             q = trained_rounding(fp4_fake_quant, hadamard(q), ctx)
     head_weights = linear(x, params["weights_proj"]["weight"], out_dtype=jnp.float32, ctx=ctx)
-    return q, head_weights * (head_dim ** -0.5 * n_heads ** -0.5)
+    return q, head_weights * _indexer_weight_scale(cfg) if scale_weights else head_weights
 
 
 def _scores(q: jax.Array, head_weights: jax.Array, keys: jax.Array) -> jax.Array:
@@ -489,8 +494,10 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
             compressed = None
         elif ratio == 4 and _takes_indexer_kernel(ctx, cfg, seq, index_keys, live, dtype):
             with jax.named_scope("indexer"):
-                q_idx, head_weights = _indexer_query(params["indexer"], cfg, x, q_latent, positions, inv_freq, ctx)
+                q_idx, head_weights = _indexer_query(params["indexer"], cfg, x, q_latent, positions, inv_freq, ctx,
+                                                     scale_weights=False)
                 scores = indexer_kernel.indexer_scores(q_idx, head_weights, index_keys, positions, n_entries=live,
+                                                       weight_scale=_indexer_weight_scale(cfg),
                                                        interpret=ctx.kernels.backend == "interpret")
                 top_scores, idx = jax.lax.top_k(scores, min(cfg.index_topk, live))
             picks = (idx, top_scores > -jnp.inf)

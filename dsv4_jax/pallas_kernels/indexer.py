@@ -34,21 +34,23 @@ def supported(n_heads: int, head_dim: int, n_entries: int) -> bool:
             and n_entries > 0 and n_entries % BLOCK_ENTRIES == 0)
 
 
-def _kernel(q_ref, w_ref, keys_ref, pos_ref, out_ref, *, ratio: int, precision):
+def _kernel(q_ref, w_ref, keys_ref, pos_ref, out_ref, *, ratio: int, weight_scale: float, precision):
     row, block = pl.program_id(0), pl.program_id(1)
     keys = keys_ref[...]                                                  # [BLOCK_ENTRIES, d]
     dots = jnp.dot(q_ref[...], keys.T, preferred_element_type=_F32, precision=precision)   # [heads, BLOCK_ENTRIES]
-    scores = jnp.sum(jnp.maximum(dots, 0.0) * w_ref[...][:, None], axis=0)
+    weights = w_ref[...] * weight_scale                                   # as the jnp path scales them
+    scores = jnp.sum(jnp.maximum(dots, 0.0) * weights[:, None], axis=0)
     entry = block * BLOCK_ENTRIES + jax.lax.iota(jnp.int32, BLOCK_ENTRIES)
     t = jnp.sum(pos_ref[pl.ds(row, 1)])
     out_ref[...] = jnp.where(entry < (t + 1) // ratio, scores, -jnp.inf)
 
 
 def indexer_scores(q: jax.Array, head_weights: jax.Array, keys: jax.Array, positions: jax.Array, *, n_entries: int,
-                   ratio: int = 4, interpret: bool = False) -> jax.Array:
-    """q [B, S, heads, d] (the indexer's rotated, rounded queries), head_weights float32 [B, S, heads] (score scale
-    folded in), keys [B, N, d] (the cache buffer in q's dtype; its first n_entries are read), positions [B, S] ->
-    float32 [B, S, n_entries]: sum_h w_h ReLU(q_h . key_n) where n < (t + 1) // ratio, else -inf."""
+                   ratio: int = 4, weight_scale: float = 1.0, interpret: bool = False) -> jax.Array:
+    """q [B, S, heads, d] (the indexer's rotated, rounded queries), head_weights float32 [B, S, heads] (times
+    `weight_scale` here: the score scale, whose multiply would otherwise be a launch of its own), keys [B, N, d] (the
+    cache buffer in q's dtype; its first n_entries are read), positions [B, S] -> float32 [B, S, n_entries]:
+    sum_h w_h ReLU(q_h . key_n) where n < (t + 1) // ratio, else -inf."""
     batch, seq, n_heads, head_dim = q.shape
     if not supported(n_heads, head_dim, n_entries) or keys.shape[-1] != head_dim or keys.shape[1] < n_entries:
         raise ValueError(f"indexer_scores: needs heads a multiple of 16, a power-of-two head_dim >= 16 and "
@@ -59,7 +61,7 @@ def indexer_scores(q: jax.Array, head_weights: jax.Array, keys: jax.Array, posit
     rows = batch * seq
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     out = pl.pallas_call(
-        functools.partial(_kernel, ratio=ratio, precision=precision),
+        functools.partial(_kernel, ratio=ratio, weight_scale=float(weight_scale), precision=precision),
         grid=(rows, n_entries // BLOCK_ENTRIES),
         in_specs=[pl.BlockSpec((None, n_heads, head_dim), lambda r, n: (r, 0, 0)),
                   pl.BlockSpec((None, n_heads), lambda r, n: (r, 0)),
