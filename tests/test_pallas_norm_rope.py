@@ -74,6 +74,41 @@ def test_keys_equal_the_jnp_path(dtype):
     assert np.all(np.abs(blocks / scale) <= 448)
 
 
+def test_keys_written_into_the_window_ring_in_place():
+    """ring=(ring, n_valid): each sequence's key also lands in ring slot position mod W (positions past the window
+    wrap), where n_valid > 0; every other slot, and a row without a token, keeps its value bit for bit."""
+    rng = np.random.default_rng(6)
+    x, weight, _ = _inputs(rng, 3, 512)
+    positions = np.asarray([[5], [300], [77]], np.int32)            # slots 5, 300 mod 128 = 44, 77
+    n_valid = jnp.asarray([1, 1, 0], jnp.int32)
+    ring = rng.standard_normal((3, 128, 512)).astype(np.float32)
+    inv_freq = rope_inv_freq(presets.named("flash"), 4)
+    run = lambda **kw: norm_rope.rms_norm_rows(jnp.asarray(x), jnp.asarray(weight), eps=1e-6,  # noqa: E731
+                                               in_dtype=jnp.float32, rope=(jnp.asarray(positions), inv_freq),
+                                               fp8_nope=True, interpret=True, **kw)
+    keys, new_ring = run(ring=(jnp.asarray(ring), n_valid))
+    np.testing.assert_array_equal(np.asarray(keys), np.asarray(run()))
+    want = ring.copy()
+    want[0, 5], want[1, 44] = np.asarray(keys)[0, 0], np.asarray(keys)[1, 0]
+    np.testing.assert_array_equal(np.asarray(new_ring), want)
+
+
+def test_cuda_lowering_of_the_keys_with_the_ring_write():
+    """Pallas -> Triton IR for an H200 without a GPU at Flash's keys (wq_a + wkv's joined float32 output, the ring of
+    a batch of 4): one Triton kernel, the ring aliased to its input (written in place)."""
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    sds = jax.ShapeDtypeStruct
+    inv_freq = rope_inv_freq(presets.named("flash"), 4)
+    fn = jax.jit(lambda x, w, pos, ring, n: norm_rope.rms_norm_rows(
+        x, w, eps=1e-6, in_dtype=jnp.bfloat16, rope=(pos, inv_freq), fp8_nope=True, columns=(1024, 512),
+        ring=(ring, n)), donate_argnums=(3,))
+    args = (sds((4, 1, 1536), jnp.float32), sds((512,), jnp.bfloat16), sds((4, 1), jnp.int32),
+            sds((4, 128, 512), jnp.bfloat16), sds((4,), jnp.int32))
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and text.count("output_operand_aliases") == 1
+
+
 def test_unsupported_widths_are_refused():
     with pytest.raises(ValueError, match="rope_dim a power of two"):
         norm_rope.rms_norm_rows(jnp.ones((2, 100)), None, eps=1e-6, in_dtype=jnp.float32,

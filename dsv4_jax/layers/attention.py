@@ -12,6 +12,8 @@ chunked prefill and decode share one code path. Window keys are the ring of the 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -442,6 +444,9 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         raise NotImplementedError("training with the attention heads split over a mesh (sharding.splits_heads)")
     on_kernel = not split and _takes_decode_kernel(ctx, cfg, seq)
     norm_kernel = _takes_norm_kernel(ctx, cfg, seq)
+    # the keys' norm kernel writes the window ring too: one token per sequence, committed, a plain ring
+    ring_in_kernel = (norm_kernel and seq == 1 and not defer and not split and not isinstance(ring, dict)
+                      and ring.dtype == dtype)
     # wq_a and wkv read the same x: one launch for both where a decode kernel takes them (linear_pair)
     if norm_kernel:
         # one launch per norm (pallas_kernels/norm_rope.py), each reading its columns of the pair's float32 output
@@ -450,9 +455,15 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         rank, interpret = cfg.q_lora_rank, ctx.kernels.backend == "interpret"
         q_latent = norm_rope.rms_norm_rows(q_a_kv_a, params["q_norm"]["weight"], eps=cfg.norm_eps, in_dtype=dtype,
                                            columns=(0, rank), interpret=interpret)
-        kv = norm_rope.rms_norm_rows(q_a_kv_a, params["kv_norm"]["weight"], eps=cfg.norm_eps, in_dtype=dtype,
-                                     rope=(positions, inv_freq), fp8_nope=ctx.simulate_quant,
-                                     columns=(rank, head_dim), interpret=interpret)
+        key_norm = functools.partial(norm_rope.rms_norm_rows, q_a_kv_a, params["kv_norm"]["weight"],
+                                     eps=cfg.norm_eps, in_dtype=dtype, rope=(positions, inv_freq),
+                                     fp8_nope=ctx.simulate_quant, columns=(rank, head_dim), interpret=interpret)
+        if ring_in_kernel:
+            # the new key also goes into its window-ring slot, in place: the slot held position t - window, which
+            # no query of this call sees (masked by position), so attention may read the ring after the write
+            kv, ring = key_norm(ring=(ring, n_valid))
+        else:
+            kv = key_norm()
     else:
         q_a, kv_a = linear_pair(x, params["wq_a"]["weight"], params["wkv"]["weight"], ctx=ctx)
         q_latent = rms_norm(q_a, params["q_norm"]["weight"], cfg.norm_eps)
@@ -539,6 +550,8 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
             out = apply_rope(out, positions[:, :, None], inv_freq, inverse=True)
     if defer:
         new_cache["window_kv"], new_cache["pending"]["window_kv"] = ring, kv
+    elif ring_in_kernel:
+        new_cache["window_kv"] = ring                          # written by the keys' norm kernel
     else:
         new_cache["window_kv"] = write_ring(ring, kv, start, n_valid)
     if split:

@@ -68,14 +68,18 @@ def rotate_pairs(y, angle):
 
 
 def _kernel(*refs, first: int, dim: int, chunk: int, eps: float | None, in_dtype, has_weight: bool, rope: bool,
-            fp8_nope: bool, hadamard: bool):
+            fp8_nope: bool, hadamard: bool, ring_window: int | None):
     refs = list(refs)
     x_ref = refs.pop(0)
     w_ref = refs.pop(0) if has_weight else None
     if rope:
         pos_ref, freq_ref = refs.pop(0), refs.pop(0)
     hadamard_ref = refs.pop(0) if hadamard else None
-    (out_ref,) = refs
+    if ring_window is not None:          # the window ring, written in place: its input ref is aliased to ring_ref
+        n_valid_ref, _ = refs.pop(0), refs.pop(0)
+        out_ref, ring_ref = refs
+    else:
+        (out_ref,) = refs
     dtype = out_ref.dtype
     n_chunks = dim // chunk
 
@@ -107,18 +111,28 @@ def _kernel(*refs, first: int, dim: int, chunk: int, eps: float | None, in_dtype
         out = hadamard_fp4(out, hadamard_ref, dtype)
     for j, y in enumerate(out):
         out_ref[0, pl.ds(j * chunk, chunk)] = y.astype(dtype)
+    if ring_window is not None:
+        slot = jnp.sum(pos_ref[pl.ds(0, 1)]) % ring_window
+
+        @pl.when(jnp.sum(n_valid_ref[pl.ds(pl.program_id(0), 1)]) > 0)     # a row without a token writes nothing
+        def _():
+            for j, y in enumerate(out):
+                ring_ref[pl.ds(slot, 1), pl.ds(j * chunk, chunk)] = y.astype(dtype)[None, :]
 
 
 def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float | None, in_dtype, out_dtype=None,
                   rope=None, fp8_nope: bool = False, hadamard_fp4: bool = False,
-                  columns: tuple[int, int] | None = None, interpret: bool = False) -> jax.Array:
+                  columns: tuple[int, int] | None = None, ring=None, interpret: bool = False):
     """x [..., D] (any float dtype; rounded to in_dtype first) -> rms_norm(x, weight) in out_dtype (default
     in_dtype); `rope` = (positions int32 [...], the rows' leading dims, or fewer of them to share a position among
     the rows of the rest, e.g. a token's heads; inv_freq [rope_dim / 2]): then RoPE on the last rope_dim dims at
     each row's position; `fp8_nope`: then the FP8 fake quant of the other dims (blocks of 64); `hadamard_fp4`: then
     the indexer's rounding of the whole row (normalised Hadamard transform, FP4; D a power of two). `eps` None: no
     norm (the indexer's query: RoPE and its rounding only). `columns` = (first, D): only x[..., first:first + D]
-    (e.g. one of two matmul outputs written side by side), read in place."""
+    (e.g. one of two matmul outputs written side by side), read in place. `ring` = (window ring [B, W, D] in
+    out_dtype, n_valid [B]) for one token per sequence (x [B, 1, ...] with `rope`): each row is also written into the
+    ring at slot position mod W, in place, where n_valid > 0 (attention.write_ring's one-token case, without a launch
+    of its own); returns (rows, the ring)."""
     *lead, width = x.shape
     first, dim = (0, width) if columns is None else columns
     if first < 0 or first + dim > width:
@@ -153,10 +167,28 @@ def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float | None, 
     if hadamard_fp4:
         args.append(jnp.asarray(hadamard_matrix(dim)))
         specs.append(pl.BlockSpec((dim, dim), lambda r: (0, 0)))
+    out_specs = [pl.BlockSpec((1, dim), lambda r: (r, 0))]
+    out_shape = [jax.ShapeDtypeStruct((rows, dim), out_dtype)]
+    aliases = {}
+    window = None
+    if ring is not None:
+        ring_buffer, n_valid = ring
+        window = ring_buffer.shape[1]
+        if (rope is None or ring_buffer.shape != (rows, window, dim) or ring_buffer.dtype != jnp.dtype(out_dtype)
+                or group != 1):
+            raise ValueError(f"rms_norm_rows: a ring write takes one row of {dim} per sequence with rope and a ring "
+                             f"[rows, W, {dim}] in {jnp.dtype(out_dtype)}; got rows {rows}, ring "
+                             f"{ring_buffer.shape} {ring_buffer.dtype}")
+        aliases = {len(args) + 1: 1}
+        args += [n_valid.astype(jnp.int32), ring_buffer]
+        specs += [pl.BlockSpec((rows,), lambda r: (0,)), pl.BlockSpec((None, window, dim), lambda r: (r, 0, 0))]
+        out_specs.append(pl.BlockSpec((None, window, dim), lambda r: (r, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct(ring_buffer.shape, ring_buffer.dtype))
     kernel = functools.partial(_kernel, first=first, dim=dim, chunk=chunk, eps=eps, in_dtype=in_dtype,
                                has_weight=weight is not None, rope=rope is not None, fp8_nope=fp8_nope,
-                               hadamard=hadamard_fp4)
-    out = pl.pallas_call(kernel, grid=(rows,), in_specs=specs, out_specs=pl.BlockSpec((1, dim), lambda r: (r, 0)),
-                         out_shape=jax.ShapeDtypeStruct((rows, dim), out_dtype), interpret=interpret,
-                         name="rms_norm_rows", compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(*args)
-    return out.reshape(*lead, dim)
+                               hadamard=hadamard_fp4, ring_window=window)
+    outs = pl.pallas_call(kernel, grid=(rows,), in_specs=specs, out_specs=out_specs, out_shape=out_shape,
+                          input_output_aliases=aliases, interpret=interpret, name="rms_norm_rows",
+                          compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(*args)
+    out = outs[0].reshape(*lead, dim)
+    return out if ring is None else (out, outs[1])
