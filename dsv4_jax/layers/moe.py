@@ -162,13 +162,18 @@ def capacity_routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert
 MAX_KERNEL_TOKENS = 16     # tokens up to which a step takes _ffn_on_kernels (decode, speculative verify)
 
 
-def _takes_ffn_kernels(cfg: ModelConfig, n_tokens: int, ctx) -> bool:
-    """Whether a call runs on _ffn_on_kernels: a kernel plan, inference, decode or verify rows, one device's experts
-    (or an expert axis of 1), a geometry pallas_kernels/moe_decode.py takes."""
-    return (ctx.inference_kernels and n_tokens <= MAX_KERNEL_TOKENS
+def _takes_ffn_kernels(params: dict, cfg: ModelConfig, x: jax.Array, ctx) -> bool:
+    """Whether a call on rows x [T, D] runs on _ffn_on_kernels: a kernel plan, inference, decode or verify rows, one
+    device's experts (or an expert axis of 1), a geometry pallas_kernels/moe_decode.py takes, and per-row expert
+    kernels for the routed rows (as _grouped_experts' unsorted path needs)."""
+    rows = x.shape[0] * cfg.n_activated_experts
+    experts = params["experts"]
+    return (ctx.inference_kernels and x.shape[0] <= MAX_KERNEL_TOKENS
             and (ctx.mesh is None or ctx.mesh.shape[EXPERT] == 1)
             and moe_decode.supported(cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim)
-            and cfg.n_shared_experts == 1)
+            and cfg.n_shared_experts == 1
+            and all(kernel_dispatch.expert_kernel(rows, x.dtype, experts[w]["weight"], ctx.kernels)
+                    for w in ("w1", "w2")))
 
 
 def _ffn_on_kernels(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool,
@@ -205,7 +210,7 @@ def moe(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash
     which hyper.hc_post and the mHC kernels take as y."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if _takes_ffn_kernels(cfg, x2.shape[0], ctx):
+    if _takes_ffn_kernels(params, cfg, x2, ctx):
         parts = _ffn_on_kernels(params, cfg, x2, token_ids.reshape(-1), hash_routed, ctx)
         return MoeParts(parts.routed.reshape(*lead, *parts.routed.shape[1:]), parts.shared.reshape(*lead, -1)), {}
     expert_ids, weights = route(params["gate"], cfg, x2, token_ids.reshape(-1), hash_routed)
