@@ -250,3 +250,27 @@ def test_gpu_keys_and_indexer_queries_equal_the_jnp_path():
         got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
         assert np.mean(got != ref) < 0.01
         assert np.all(np.abs(got - ref) <= np.max(np.abs(ref), axis=-1, keepdims=True) / 3 + 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+def test_gpu_ring_write_in_place():
+    """The compiled kernel with the ring write, batch 4 (one row without a token), ring donated: the keys equal the
+    kernel's without the write, the ring holds them at their slots and is otherwise unchanged, bit for bit."""
+    rng = np.random.default_rng(12)
+    inv_freq = rope_inv_freq(presets.named("flash"), 4)
+    x, weight, _ = (jnp.asarray(a) for a in _inputs(rng, 4, 512))
+    positions = jnp.asarray([[0], [127], [128], [4095]], jnp.int32)
+    ring = rng.standard_normal((4, 128, 512)).astype(np.float32)
+    n_valid = jnp.asarray([1, 1, 0, 1], jnp.int32)
+    keys_alone = jax.jit(lambda x, w, p: norm_rope.rms_norm_rows(x, w, eps=1e-6, in_dtype=jnp.bfloat16,
+                                                                 rope=(p, inv_freq), fp8_nope=True))(x, weight,
+                                                                                                     positions)
+    keys, new_ring = jax.jit(lambda x, w, p, r, n: norm_rope.rms_norm_rows(
+        x, w, eps=1e-6, in_dtype=jnp.bfloat16, rope=(p, inv_freq), fp8_nope=True, ring=(r, n)), donate_argnums=(3,))(
+            x, weight, positions, jnp.asarray(ring, jnp.bfloat16), n_valid)
+    np.testing.assert_array_equal(np.asarray(keys, np.float32), np.asarray(keys_alone, np.float32))
+    want = np.asarray(jnp.asarray(ring, jnp.bfloat16), np.float32)
+    for row, slot in ((0, 0), (1, 127), (3, 4095 % 128)):
+        want[row, slot] = np.asarray(keys, np.float32)[row, 0]
+    np.testing.assert_array_equal(np.asarray(new_ring, np.float32), want)
