@@ -26,11 +26,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 TARGET_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "h200_target_config.txtpb")
 
 
-def h200_devices(n: int = 1) -> list:
-    """The compile-only H200s of a one-host CUDA topology of n GPUs."""
+def h200_devices(n: int = 1, memory_gib: float | None = None) -> list:
+    """The compile-only H200s of a one-host CUDA topology of n GPUs (`memory_gib`: with that much device memory
+    instead of the H200's 141 GiB)."""
+    import re
+
     from jax.experimental import topologies
     with open(TARGET_CONFIG) as f:
         target_config = f.read()
+    if memory_gib is not None:
+        target_config = re.sub(r"device_memory_size: \d+", f"device_memory_size: {int(memory_gib * 2 ** 30)}",
+                               target_config)
     try:
         topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{n}", target_config=target_config)
     except Exception as err:       # no CUDA plugin in this environment, or its checks refused to load
@@ -39,9 +45,9 @@ def h200_devices(n: int = 1) -> list:
     return list(topology.devices)
 
 
-def h200_device():
+def h200_device(memory_gib: float | None = None):
     """The compile-only H200 of a one-device CUDA topology."""
-    return h200_devices(1)[0]
+    return h200_devices(1, memory_gib)[0]
 
 
 def _pallas_target(device):
@@ -159,6 +165,10 @@ def main(argv=None) -> int:
                    help="also the dispatch table of the decode step at batch 1, 8, 16, 32, 64 and of a verify step "
                         "at batch 64 with 3 drafts")
     p.add_argument("--scan-layers", action="store_true", help="the repeated layer pattern under lax.scan")
+    p.add_argument("--device-memory-gib", type=float, default=None,
+                   help="compile for an H200 with this much memory: all of Flash (156 GB of arguments) exceeds the "
+                        "H200's 141 GiB, and XLA then rematerializes small kernels per layer to save memory, "
+                        "launches a model that fits its devices (sharded) does not make; e.g. 256")
     p.add_argument("--attached-gpu", action="store_true",
                    help="compile for this machine's GPU instead of a compile-only H200: the HLO then also shows "
                         "XLA's command buffers (command_buffers, launches_in_command_buffers)")
@@ -178,13 +188,13 @@ def main(argv=None) -> int:
         import jax
         device = jax.devices("gpu")[0]
     else:
-        device = h200_device()
+        device = h200_device(args.device_memory_gib)
     ctx = RunContext.create(kernels=args.kernels, device=device)
     print(f"{args.preset} geometry, {cfg.n_layers} layers, batch {args.batch}, compiled for {device.device_kind} "
           f"(kernel backend {ctx.kernels.backend}, ffi {ctx.kernels.ffi})", flush=True)
     result = {"preset": args.preset, "layers": cfg.n_layers, "batch": args.batch, "max_seq_len": args.max_seq_len,
               "decode_attention_kernel": args.decode_attention, "device": device.device_kind,
-              "attached_gpu": args.attached_gpu,
+              "attached_gpu": args.attached_gpu, "device_memory_gib": args.device_memory_gib,
               "kernels": args.kernels, "scan_layers": args.scan_layers, "kernel_backend": ctx.kernels.backend,
               "ffi": ctx.kernels.ffi,
               "programs": count_programs(cfg, ctx, args.batch, args.max_seq_len, args.prefill_chunk, args.gen_chunk,
