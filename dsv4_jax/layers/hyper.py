@@ -92,10 +92,10 @@ def hc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, 
                 cfg: ModelConfig, ctx, post_mix=None):
     """One mHC site before a sub-layer: the hc_post still due from the previous sub-layer (`post_mix` = (y, post,
     comb), or None; y in X's dtype or float32, rounded to X's dtype), then hc_pre and the sub-layer's RMSNorm.
-    Returns (x [..., D] normalised, post, comb, X' the streams after that hc_post); y may also be moe.MoeParts. On a GPU kernel plan (and in
-    "interpret" mode) the two Pallas launches of pallas_kernels/mhc.py for up to mhc.MAX_ROWS tokens (decode,
-    verify; site_on_kernels); elsewhere, for prefill chunks and under training (no derivatives there), hc_post +
-    hc_pre + rms_norm."""
+    Returns (x [..., D] normalised, post, comb, X' the streams after that hc_post); y may also be moe.MoeParts. On
+    a GPU kernel plan (and in "interpret" mode) the two Pallas launches of pallas_kernels/mhc.py for up to
+    mhc.MAX_ROWS tokens (decode, verify; site_on_kernels); elsewhere, for prefill chunks and under training (no
+    derivatives there), hc_post + hc_pre + rms_norm."""
     from ..pallas_kernels import mhc
 
     if site_on_kernels(X, fn, cfg, ctx):
