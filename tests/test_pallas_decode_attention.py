@@ -14,6 +14,7 @@ import pytest
 
 from dsv4_jax import kv_cache
 from dsv4_jax.pallas_kernels import decode_attention as kernel
+from kernel_decode_checks import decode_matches_reference
 
 WINDOW = 128
 
@@ -274,26 +275,13 @@ def test_model_decode_takes_the_kernel_and_equals_the_jnp_path(kv_cache_dtype, m
     tokens). Other decode kernels (matmuls, mHC) also run in interpret mode: float32 meets them as bf16 hi + lo
     parts, hence 1e-4 (test_kernel_dispatch.py); fake-quant roundings off so that no e4m3 rounding flips. Caches in
     the activation dtype and compact (kv_cache_dtype "fp8")."""
-    import dsv4_jax
     from dsv4_jax import presets
 
     cfg = presets.tiny().replace(n_heads=16, head_dim=128, rope_head_dim=64, index_head_dim=128)
-    kw = dict(dtype="float32", max_seq_len=512, max_batch=2, simulate_quant=False, kv_cache_dtype=kv_cache_dtype)
-    reference = dsv4_jax.init_random(cfg, seed=3, kernels="reference", **kw)
-    with_kernel = dsv4_jax.init_random(cfg, seed=3, kernels="interpret", **kw)
-    prompt = np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 300)).astype(np.int32)
-    _, state = reference.prefill(prompt, lengths=np.array([300, 257], np.int32))
-
     ratios = []
     real = kernel.decode_attention
     monkeypatch.setattr(kernel, "decode_attention", lambda *a, **k: ratios.append(k["ratio"]) or real(*a, **k))
-    tokens = jnp.asarray([5, 9], jnp.int32)
-    for step in range(2):
-        got, _ = with_kernel.decode(tokens, jax.tree.map(jnp.copy, state))      # decode donates its state
-        want, want_state = reference.decode(tokens, state)
-        err = np.abs(np.asarray(got) - np.asarray(want)).max() / np.abs(np.asarray(want)).max()
-        assert err < 1e-4, (step, err)
-        state, tokens = want_state, jnp.argmax(want, axis=-1).astype(jnp.int32)
+    decode_matches_reference(cfg, 512, 300, [300, 257], kv_cache_dtype=kv_cache_dtype)
     assert sorted(set(ratios)) == [0, 4, 128], ratios        # traced once: every layer kind took the kernel
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dsv4_jax.pallas_kernels import indexer as kernel
+from kernel_decode_checks import decode_matches_reference
 
 
 def _scores64(q, w, keys, positions, n_entries, ratio=4):
@@ -66,25 +67,12 @@ def test_model_decode_takes_the_kernel_and_equals_the_jnp_path(monkeypatch):
     kernel plan ("interpret") score every CSA layer's entries on the kernel and give the jnp path's logits (1e-4:
     the interpret plan's matmuls meet float32 as bf16 hi + lo parts). Prefilled past 256 positions (64 entries
     visible) on the reference plan."""
-    import dsv4_jax
     from dsv4_jax import presets
 
-    cfg = presets.tiny().replace(index_n_heads=16)
-    kw = dict(dtype="float32", max_seq_len=512, max_batch=2, simulate_quant=False)
-    reference = dsv4_jax.init_random(cfg, seed=3, kernels="reference", **kw)
-    with_kernel = dsv4_jax.init_random(cfg, seed=3, kernels="interpret", **kw)
-    prompt = np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 300)).astype(np.int32)
-    _, state = reference.prefill(prompt, lengths=np.array([300, 257], np.int32))
     calls = []
     real = kernel.indexer_scores
     monkeypatch.setattr(kernel, "indexer_scores", lambda *a, **k: calls.append(k["n_entries"]) or real(*a, **k))
-    tokens = jnp.asarray([5, 9], jnp.int32)
-    for step in range(2):
-        got, _ = with_kernel.decode(tokens, jax.tree.map(jnp.copy, state))      # decode donates its state
-        want, state = reference.decode(tokens, state)
-        err = np.abs(np.asarray(got) - np.asarray(want)).max() / np.abs(np.asarray(want)).max()
-        assert err < 1e-4, (step, err)
-        tokens = jnp.argmax(want, axis=-1).astype(jnp.int32)
+    decode_matches_reference(presets.tiny().replace(index_n_heads=16), 512, 300, [300, 257])
     assert calls and set(calls) == {512 // 4}
 
 

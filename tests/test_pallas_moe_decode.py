@@ -12,6 +12,7 @@ import pytest
 
 from dsv4_jax.pallas_kernels import mhc
 from dsv4_jax.pallas_kernels import moe_decode as kernel
+from kernel_decode_checks import decode_matches_reference
 
 LIMIT = 10.0
 
@@ -143,26 +144,14 @@ def test_model_decode_takes_the_moe_kernels_and_equals_the_jnp_path(monkeypatch)
     """The tiny preset (8 experts, 2 per token, one hash-routed layer), float32: decode steps on a kernel plan
     ("interpret") run every layer's MoE on these kernels (both routings) and give the jnp path's logits (1e-4: the
     interpret plan's matmuls meet float32 as bf16 hi + lo parts, test_kernel_dispatch.py)."""
-    import dsv4_jax
     from dsv4_jax import presets
     from dsv4_jax.layers import moe
 
     cfg = presets.tiny()
-    kw = dict(dtype="float32", max_seq_len=256, max_batch=2, simulate_quant=False)
-    reference = dsv4_jax.init_random(cfg, seed=3, kernels="reference", **kw)
-    with_kernels = dsv4_jax.init_random(cfg, seed=3, kernels="interpret", **kw)
-    prompt = np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 40)).astype(np.int32)
-    _, state = reference.prefill(prompt, lengths=np.array([40, 33], np.int32))
     routings = []
     real = kernel.route_rows
     monkeypatch.setattr(kernel, "route_rows", lambda *a, **k: routings.append("bias" in k) or real(*a, **k))
-    tokens = jnp.asarray([5, 9], jnp.int32)
-    for step in range(2):
-        got, _ = with_kernels.decode(tokens, jax.tree.map(jnp.copy, state))      # decode donates its state
-        want, state = reference.decode(tokens, state)
-        err = np.abs(np.asarray(got) - np.asarray(want)).max() / np.abs(np.asarray(want)).max()
-        assert err < 1e-4, (step, err)
-        tokens = jnp.argmax(want, axis=-1).astype(jnp.int32)
+    decode_matches_reference(cfg, 256, 40, [40, 33])
     hash_layers = sum(cfg.is_hash_layer(i) for i in range(cfg.n_layers))
     assert hash_layers and sorted(set(routings)) == [False, True] and moe.MAX_KERNEL_TOKENS >= 2
 
