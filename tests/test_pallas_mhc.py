@@ -139,10 +139,10 @@ def test_model_site_dispatch_interpret_equals_reference():
 def test_injected_bugs_fail(bug, monkeypatch):
     """The float32 check above catches each of these mistakes in the kernels."""
     if bug == "comb not transposed":
-        def post_mix(x, y_ref, post_ref, comb_ref, dtype):
+        def post_mix(x, y_refs, post_ref, comb_ref, dtype):
             comb = comb_ref[0, :, :]
             mixed = jnp.sum(comb[:, :, None] * x[None, :, :], axis=1)         # sum_k C[j, k] X_k
-            return post_ref[0, :][:, None] * y_ref[0, :].astype(jnp.float32)[None, :] + mixed
+            return post_ref[0, :][:, None] * y_refs[0][0, :].astype(jnp.float32)[None, :] + mixed
         monkeypatch.setattr(mhc, "_post_mix", post_mix)
     elif bug == "streams' RMS over D instead of n * D":
         inner = mhc._collapse_norm_kernel
