@@ -370,7 +370,8 @@ def run_prefill(args, key, ms, t_start, emit):
                 xq, [w8_plain, w8_plain])
             try:
                 ref = jax.jit(lambda x, w: linear(x, w, jnp.float32, ctx=REFERENCE_FP8))(x, w)
-                err = rel_err(jax.jit(lambda x: prefill.fp8_block_matmul(xq, sx, wq, sw, jnp.float32))(x), ref)
+                err = rel_err(jax.jit(lambda x, wq=wq: prefill.fp8_block_matmul(xq, sx, wq, sw, jnp.float32))(x),
+                              ref)      # wq bound now: the loop body ends with `del wq`
             except Exception as e:  # noqa: BLE001
                 err, msg = float("inf"), f"{type(e).__name__}: {e}"[:400]
             else:
@@ -385,7 +386,7 @@ def run_prefill(args, key, ms, t_start, emit):
             for cfg in configs:
                 label = "pallas_prefill_fp8" + ("" if not cfg else "[" + ",".join(f"{v}" for v in cfg.values()) + "]")
                 cfg_err = err if not cfg else rel_err(jax.jit(
-                    lambda x, cfg=cfg: prefill.fp8_block_matmul(xq, sx, wq, sw, jnp.float32, **cfg))(x), ref)
+                    lambda x, cfg=cfg, wq=wq: prefill.fp8_block_matmul(xq, sx, wq, sw, jnp.float32, **cfg))(x), ref)
                 if cfg_err > 1e-3:
                     emit(dict(name=name, shape=[m, n, k], fmt=fmt, impl=label, rel_err=cfg_err, config=cfg))
                     continue
