@@ -39,6 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 from ..quant.fake_quant import hadamard_matrix
 from .norm_rope import rotate_pairs
 from .rounding import fp8_fake_quant, hadamard_fp4
+from .tiles import is_pow2, scalar
 
 _F32 = jnp.float32
 MAX_TILE = 8192               # float32 values of one window's column chunk ([c, rope_dim]) a program holds at once
@@ -49,20 +50,14 @@ def supported(ratio: int, head_dim: int, rope_dim: int, quant: str | None = None
     multiple of rope_dim, one window's chunk small enough for a program's registers; with the fake quant `quant`
     ("fp8" / "fp4"), chunks of 64 (the FP8 block; FP4's 32 divide it) and, for "fp4", a power-of-two head_dim (the
     Hadamard transform)."""
-    pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
-    fits = pow2(ratio) and pow2(rope_dim) and head_dim % rope_dim == 0 and ratio * rope_dim <= MAX_TILE
-    return fits and (quant is None or (rope_dim == 64 and (quant == "fp8" or pow2(head_dim))))
-
-
-def _scalar(ref):
-    """The one value of a (1,)-block (Triton loads tiles, not scalars)."""
-    return jnp.sum(ref[pl.ds(0, 1)])
+    fits = is_pow2(ratio) and is_pow2(rope_dim) and head_dim % rope_dim == 0 and ratio * rope_dim <= MAX_TILE
+    return fits and (quant is None or (rope_dim == 64 and (quant == "fp8" or is_pow2(head_dim))))
 
 
 def _positions(start_ref, n_valid_ref, ratio: int):
     """(start, end = start + n_valid, the entry index floor(start / c), whether that entry completes)."""
-    start = _scalar(start_ref)
-    end = start + _scalar(n_valid_ref)
+    start = scalar(start_ref)
+    end = start + scalar(n_valid_ref)
     entry_idx = start // ratio
     return start, end, entry_idx, (entry_idx + 1) * ratio <= end
 

@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .rounding import fp8_fake_quant
+from .tiles import is_pow2, scalar
 
 _F32 = jnp.float32
 _EMPTY = -1e30       # the running maximum of a split that has seen no key yet (finite: exp(_EMPTY - m) is 0)
@@ -64,15 +65,11 @@ MAX_ROWS = 16        # tokens per sequence the model sends here (decode, specula
                      # the jnp path, whose matmuls share each key across the chunk's tokens
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def supported(n_heads: int, head_dim: int, window: int, rope_dim: int | None = None) -> bool:
     """Whether the kernel takes this geometry (`rope_dim`: when the rope dims are a block of their own, in the
     compact layout or with RoPE done here)."""
-    compact_ok = rope_dim is None or (_pow2(rope_dim) and (head_dim - rope_dim) % COLUMNS == 0)
-    return (n_heads % BLOCK_HEADS == 0 and _pow2(head_dim) and head_dim >= COLUMNS and window % BLOCK_KEYS == 0
+    compact_ok = rope_dim is None or (is_pow2(rope_dim) and (head_dim - rope_dim) % COLUMNS == 0)
+    return (n_heads % BLOCK_HEADS == 0 and is_pow2(head_dim) and head_dim >= COLUMNS and window % BLOCK_KEYS == 0
             and compact_ok)
 
 
@@ -148,7 +145,7 @@ def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: i
     row = pl.program_id(0)
     split = pl.program_id(2)
     s = row % seq
-    start = jnp.sum(start_ref[pl.ds(row // seq, 1)])
+    start = scalar(start_ref, row // seq)
     t = start + s                                                # this token's position
     q = [q_ref[:, pl.ds(first, width)].astype(dtype) for first, width in blocks]   # [Hb, width] each
     if fused_rope:              # layers/norm.rms_norm (no weight) per head, then apply_rope on the last block
@@ -266,7 +263,7 @@ def _merge_kernel(*refs, seq: int, blocks, dtype, fused_rope: bool):
     freq_ref, refs = (refs[0], refs[1:]) if fused_rope else (None, refs)
     m_ref, l_ref, acc_ref, out_ref = refs
     row = pl.program_id(0)
-    t = jnp.sum(start_ref[pl.ds(row // seq, 1)]) + row % seq
+    t = scalar(start_ref, row // seq) + row % seq
     # one split at a time ([Hb] and [Hb, width] tiles; as a [splits, Hb, width] tensor it timed the same on the
     # H200, 2026-12-04, and holds more registers)
     splits = range(m_ref.shape[0])

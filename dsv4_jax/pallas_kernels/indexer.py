@@ -25,13 +25,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from .tiles import is_pow2, scalar
+
 _F32 = jnp.float32
 BLOCK_ENTRIES = 64       # entries per program
 
 
 def supported(n_heads: int, head_dim: int, n_entries: int) -> bool:
-    return (n_heads % 16 == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
-            and n_entries > 0 and n_entries % BLOCK_ENTRIES == 0)
+    return (n_heads % 16 == 0 and head_dim >= 16 and is_pow2(head_dim) and n_entries > 0
+            and n_entries % BLOCK_ENTRIES == 0)
 
 
 def _kernel(q_ref, w_ref, keys_ref, pos_ref, out_ref, *, ratio: int, weight_scale: float, precision):
@@ -41,7 +43,7 @@ def _kernel(q_ref, w_ref, keys_ref, pos_ref, out_ref, *, ratio: int, weight_scal
     weights = w_ref[...] * weight_scale                                   # as the jnp path scales them
     scores = jnp.sum(jnp.maximum(dots, 0.0) * weights[:, None], axis=0)
     entry = block * BLOCK_ENTRIES + jax.lax.iota(jnp.int32, BLOCK_ENTRIES)
-    t = jnp.sum(pos_ref[pl.ds(row, 1)])
+    t = scalar(pos_ref, row)
     out_ref[...] = jnp.where(entry < (t + 1) // ratio, scores, -jnp.inf)
 
 

@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from .tiles import pow2_divisor, scalar
+
 _F32 = jnp.float32
 MIX_CHUNK = 128              # stream columns per block of the mixing reduction
 MAX_ROWS = 128               # rows (tokens) up to which the model takes these kernels: each row's blocks read all
@@ -49,13 +51,6 @@ def supported(n: int, dim: int, fn_rows: int) -> bool:
 def takes(rows: int, n: int, dim: int, fn_rows: int) -> bool:
     """Whether the model runs a site of `rows` tokens on these kernels (supported geometry, at most MAX_ROWS)."""
     return rows <= MAX_ROWS and supported(n, dim, fn_rows)
-
-
-def _chunk(dim: int, cap: int = 1024) -> int:
-    c = cap
-    while dim % c:
-        c //= 2
-    return c
 
 
 def _post_mix(x, y_refs, post_ref, comb_ref, dtype):
@@ -130,9 +125,7 @@ def _collapse_norm_kernel(part_ref, base_ref, scale_ref, x_ref, *refs, n_parts: 
 
     sum_sq = jnp.max(total(24, 8))
     rho = jax.lax.rsqrt(sum_sq / n_dim + norm_eps)
-    s_pre = jnp.sum(scale_ref[pl.ds(0, 1)])
-    s_post = jnp.sum(scale_ref[pl.ds(1, 1)])
-    s_comb = jnp.sum(scale_ref[pl.ds(2, 1)])
+    s_pre, s_post, s_comb = (scalar(scale_ref, i) for i in range(3))
     pre = jax.nn.sigmoid(rho * total(0, 4) * s_pre + base_ref[pl.ds(0, 4)]) + hc_eps           # [n]
     post = 2.0 * jax.nn.sigmoid(rho * total(4, 4) * s_post + base_ref[pl.ds(4, 4)])
     comb_logits = (rho * total(8, 16) * s_comb + base_ref[pl.ds(8, 16)]).reshape(4, 4)
@@ -205,7 +198,7 @@ def mhc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
                               interpret, "mhc_post_mix")
 
     has_weight = norm_weight is not None
-    kernel = functools.partial(_collapse_norm_kernel, n_parts=n_mix, n_dim=n * dim, chunk=_chunk(dim),
+    kernel = functools.partial(_collapse_norm_kernel, n_parts=n_mix, n_dim=n * dim, chunk=pow2_divisor(dim, 1024),
                                norm_eps=norm_eps, hc_eps=hc_eps, iters=sinkhorn_iters)
     x, post, comb = _call(
         kernel, (rows,),

@@ -29,21 +29,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from .tiles import is_pow2, pow2_divisor, scalar
+
 _F32 = jnp.float32
 CHUNK = 1024         # columns per load (x in route_rows, F in swiglu_pairs)
 
 
-def _chunk(n: int) -> int:
-    """The largest power of two <= CHUNK dividing n."""
-    c = CHUNK
-    while n % c:
-        c //= 2
-    return c
-
-
 def supported(n_experts: int, k: int, dim: int, inter_dim: int) -> bool:
     """Whether the kernels take this geometry: E a power of two >= k, D and F multiples of 16."""
-    return n_experts & (n_experts - 1) == 0 and 1 <= k <= n_experts and dim % 16 == 0 and inter_dim % 16 == 0
+    return is_pow2(n_experts) and 1 <= k <= n_experts and dim % 16 == 0 and inter_dim % 16 == 0
 
 
 def _route_kernel(*refs, k: int, route_scale: float, hash_routed: bool, chunk: int):
@@ -54,7 +48,7 @@ def _route_kernel(*refs, k: int, route_scale: float, hash_routed: bool, chunk: i
     lane = jax.lax.iota(jnp.int32, n_experts)
     picks = []
     if hash_routed:                                                    # pick_ref: this token's K experts
-        picks = [jnp.sum(pick_ref[0, pl.ds(j, 1)]) for j in range(k)]
+        picks = [scalar(pick_ref, 0, j) for j in range(k)]
     else:                                                              # pick_ref: the selection bias [E]
         biased = scores + pick_ref[...]
         for _ in range(k):
@@ -93,7 +87,7 @@ def route_rows(logits: jax.Array, x: jax.Array, *, k: int, route_scale: float, b
     else:
         pick_arg, pick_spec = bias.astype(_F32), pl.BlockSpec((n_experts,), lambda t: (0,))
     kernel = functools.partial(_route_kernel, k=k, route_scale=float(route_scale), hash_routed=hash_routed,
-                               chunk=_chunk(dim))
+                               chunk=pow2_divisor(dim, CHUNK))
     return pl.pallas_call(
         kernel, grid=(n_tokens,),
         in_specs=[pl.BlockSpec((1, n_experts), lambda t: (t, 0)), pick_spec, pl.BlockSpec((1, dim), lambda t: (t, 0))],
@@ -118,7 +112,7 @@ def _swiglu_kernel(gate_ref, up_ref, weight_ref, shared_gate_ref, shared_up_ref,
 
     @pl.when(row < n_routed)
     def _():
-        weight = jnp.sum(weight_ref[pl.ds(0, 1)])
+        weight = scalar(weight_ref)
         h_ref[0, :] = (_swiglu(gate_ref[0, :], up_ref[0, :], limit) * weight).astype(h_ref.dtype)
 
     @pl.when(row >= n_routed)
@@ -138,7 +132,7 @@ def swiglu_pairs(gate_up: jax.Array, row_weights: jax.Array, shared_gate_up: jax
         raise ValueError(f"swiglu_pairs: needs [R, 2F] and [T, 2F] with F a multiple of 16 (one hidden width for the "
                          f"routed and the shared expert) and [R] weights; got {gate_up.shape}, "
                          f"{shared_gate_up.shape}, {row_weights.shape}")
-    chunk = _chunk(f)
+    chunk = pow2_divisor(f, CHUNK)
     routed_row = lambda r: jnp.minimum(r, n_routed - 1)            # noqa: E731  (clamped for the other kind's
     shared_row = lambda r: jnp.maximum(r - n_routed, 0)            # noqa: E731   programs, which never touch them)
     gate_spec = lambda row: pl.BlockSpec((1, chunk), lambda r, c: (row(r), c))               # noqa: E731

@@ -30,29 +30,22 @@ from jax.experimental.pallas import triton as pltriton
 
 from ..quant.fake_quant import hadamard_matrix
 from .rounding import fp8_fake_quant, hadamard_fp4
+from .tiles import is_pow2, pow2_divisor, scalar
 
 _F32 = jnp.float32
 FP8_BLOCK = 64               # the fake quant's block (quant/fake_quant.fp8_fake_quant)
 MAX_CHUNK = 1024
 
 
-def _chunk(dim: int) -> int:
-    c = MAX_CHUNK
-    while c > 1 and dim % c:
-        c //= 2
-    return c
-
-
 def supported(dim: int, rope_dim: int | None = None, fp8_nope: bool = False, hadamard_fp4: bool = False) -> bool:
     """Whether the kernel takes rows of `dim`: chunks of at least 64 columns; with rope, power-of-two rope dims
     that divide dim (the FP8 block with fp8_nope); a power-of-two dim with hadamard_fp4 (at most 1,024: the
     transform's matrix is read in chunk x chunk tiles per row)."""
-    pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
-    if hadamard_fp4 and not (pow2(dim) and dim <= MAX_CHUNK):
+    if hadamard_fp4 and not (is_pow2(dim) and dim <= MAX_CHUNK):
         return False
     if rope_dim is None:
-        return not fp8_nope and _chunk(dim) >= 64
-    return pow2(rope_dim) and dim % rope_dim == 0 and (not fp8_nope or rope_dim == FP8_BLOCK)
+        return not fp8_nope and pow2_divisor(dim, MAX_CHUNK) >= 64
+    return is_pow2(rope_dim) and dim % rope_dim == 0 and (not fp8_nope or rope_dim == FP8_BLOCK)
 
 
 def rotate_pairs(y, angle):
@@ -102,7 +95,7 @@ def _kernel(*refs, first: int, dim: int, chunk: int, eps: float | None, in_dtype
                 y = y * w_ref[pl.ds(j * chunk, chunk)].astype(_F32)
             y = y.astype(dtype).astype(_F32)
         if rope and j == n_chunks - 1:          # layers/rope.apply_rope: (y_2i, y_2i+1) turned by position * f_i
-            angle = jnp.sum(pos_ref[pl.ds(0, 1)]).astype(_F32) * freq_ref[...]
+            angle = scalar(pos_ref).astype(_F32) * freq_ref[...]
             y = rotate_pairs(y, angle).astype(dtype).astype(_F32)
         elif fp8_nope:
             y = fp8_fake_quant(y[None, :])[0].astype(dtype).astype(_F32)
@@ -112,9 +105,9 @@ def _kernel(*refs, first: int, dim: int, chunk: int, eps: float | None, in_dtype
     for j, y in enumerate(out):
         out_ref[0, pl.ds(j * chunk, chunk)] = y.astype(dtype)
     if ring_window is not None:
-        slot = jnp.sum(pos_ref[pl.ds(0, 1)]) % ring_window
+        slot = scalar(pos_ref) % ring_window
 
-        @pl.when(jnp.sum(n_valid_ref[pl.ds(pl.program_id(0), 1)]) > 0)     # a row without a token writes nothing
+        @pl.when(scalar(n_valid_ref, pl.program_id(0)) > 0)     # a row without a token writes nothing
         def _():
             for j, y in enumerate(out):
                 ring_ref[pl.ds(slot, 1), pl.ds(j * chunk, chunk)] = y.astype(dtype)[None, :]
@@ -144,7 +137,7 @@ def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float | None, 
                          f"{hadamard_fp4} is not supported (chunks of >= 64 columns; rope_dim a power of two dividing "
                          f"D, 64 with fp8_nope; a power-of-two D with hadamard_fp4)")
     rows = int(np.prod(lead)) if lead else 1
-    chunk = _chunk(dim) if rope is None else rope_dim
+    chunk = pow2_divisor(dim, MAX_CHUNK) if rope is None else rope_dim
     args = [x.reshape(rows, width)]
     specs = [pl.BlockSpec((1, width), lambda r: (r, 0))]
     if weight is not None:

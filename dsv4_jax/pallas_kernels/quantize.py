@@ -75,6 +75,8 @@ from jax.experimental.pallas import triton as pltriton
 from dsv4_jax.quant import activations as _act
 from dsv4_jax.quant.nvfp4 import pack_fp4_codes
 
+from .tiles import pow2_divisor
+
 NVFP4_BLOCK = 16
 FP8_BLOCK = _act.FP8_ACT_BLOCK          # 128
 _F32 = jnp.float32
@@ -254,11 +256,6 @@ def _pow2_pieces(n: int, cap: int):
     return out
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
-    """Largest power of two dividing n, at most cap."""
-    return min(n & -n, cap)
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # NVFP4
 # ------------------------------------------------------------------------------------------------------------------
@@ -341,7 +338,7 @@ def _nvfp4_2d(x2, *, interpret, split, block_rows, chunk_blocks, num_warps, nati
                  jax.ShapeDtypeStruct((m,), _F32))
     if split is None:   # measured on the H200 (docs/kernels_quantize.md): fused is faster at every shape tried
         split = False
-    bm = _pow2_divisor(m, block_rows or 1)
+    bm = pow2_divisor(m, block_rows or 1)
     if not split:
         pieces = _pow2_pieces(nb, chunk_blocks or 256)
         specs_in = [pl.BlockSpec((bm, nb, 8), lambda i: (i, 0, 0))] * n_in
@@ -352,7 +349,7 @@ def _nvfp4_2d(x2, *, interpret, split, block_rows, chunk_blocks, num_warps, nati
         packed, scale, gsa = _call(kernel, (m // bm,), specs_in, specs_out, out_shape, inputs, poison, interpret,
                                    num_warps or (8 if m < 256 else 4), "nvfp4_quantize_fused")
     else:
-        ck = _pow2_divisor(nb, chunk_blocks or 64)
+        ck = pow2_divisor(nb, chunk_blocks or 64)
         n_chunks = nb // ck
         grid = (m // bm, n_chunks)
         specs_in = [pl.BlockSpec((bm, ck, 8), lambda i, j: (i, j, 0))] * n_in
@@ -437,8 +434,8 @@ def quantize_fp8_kernel(x: jax.Array, interpret: bool = False, *, block_rows: in
     nb = x2.shape[1] // FP8_BLOCK
     native = convert == "native"
     large = m >= 256          # defaults measured on the H200 (docs/kernels_quantize.md)
-    cb = _pow2_divisor(nb, chunk_blocks or (16 if large else 8))
-    bm = _pow2_divisor(m, block_rows or (4 if large else max(1, 64 // cb)))
+    cb = pow2_divisor(nb, chunk_blocks or (16 if large else 8))
+    bm = pow2_divisor(m, block_rows or (4 if large else max(1, 64 // cb)))
     num_warps = num_warps or (8 if large else 4)
     qdt = jnp.float8_e4m3fn if native else jnp.uint8
     spec = pl.BlockSpec((bm, cb, FP8_BLOCK), lambda i, j: (i, j, 0))
