@@ -101,7 +101,7 @@ def _indexer_query(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.A
         # RoPE and the rounding in one launch on wq_b's float32 output (pallas_kernels/norm_rope.py, no norm)
         q = linear(q_latent, params["wq_b"]["weight"], jnp.float32, ctx=ctx).reshape(batch, seq, n_heads, head_dim)
         q = norm_rope.rms_norm_rows(q, None, eps=None, in_dtype=q_latent.dtype, rope=(positions, inv_freq),
-                                    hadamard_fp4=ctx.simulate_quant, interpret=ctx.kernels.backend == "interpret")
+                                    hadamard_fp4=ctx.simulate_quant, interpret=ctx.kernels.interpret)
     else:
         q = linear(q_latent, params["wq_b"]["weight"], ctx=ctx).reshape(batch, seq, n_heads, head_dim)
         q = apply_rope(q, positions[:, :, None], inv_freq)
@@ -222,7 +222,7 @@ def _takes_decode_kernel(ctx, cfg: ModelConfig, seq: int) -> bool:
     """Whether this call's attention runs on pallas_kernels/decode_attention.py: the "interpret" plan, or a GPU plan
     with the kernel switched on (decode_attention.enabled_on_gpu: opt-in until timed faster); inference, a decode
     or verify chunk, a supported geometry (caches in the activation dtype or compact)."""
-    plan = ctx.kernels.backend == "interpret" or (ctx.kernels.on_gpu and decode_attention.enabled_on_gpu())
+    plan = ctx.kernels.interpret or (ctx.kernels.on_gpu and decode_attention.enabled_on_gpu())
     return (plan and ctx.training is None
             and decode_attention.takes(seq, cfg.n_heads, cfg.head_dim, cfg.window_size, cfg.rope_head_dim))
 
@@ -382,7 +382,7 @@ def _queries(params: dict, cfg: ModelConfig, q_latent: jax.Array, positions: jax
         q = linear(q_latent, params["wq_b"]["weight"], jnp.float32, ctx=ctx)
         return norm_rope.rms_norm_rows(q.reshape(batch, seq, cfg.n_heads, cfg.head_dim), None, eps=cfg.norm_eps,
                                        in_dtype=q_latent.dtype, rope=(positions, inv_freq),
-                                       interpret=ctx.kernels.backend == "interpret")
+                                       interpret=ctx.kernels.interpret)
     q = linear(q_latent, params["wq_b"]["weight"], ctx=ctx).reshape(batch, seq, cfg.n_heads, cfg.head_dim)
     q = rms_norm(q, None, cfg.norm_eps)
     return apply_rope(q, positions[:, :, None], inv_freq)
@@ -452,7 +452,7 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         # one launch per norm (pallas_kernels/norm_rope.py), each reading its columns of the pair's float32 output
         # in place and rounding them to dtype; the keys are also rotated and fake-quantized there
         q_a_kv_a = linear_joined(x, params["wq_a"]["weight"], params["wkv"]["weight"], jnp.float32, ctx=ctx)
-        rank, interpret = cfg.q_lora_rank, ctx.kernels.backend == "interpret"
+        rank, interpret = cfg.q_lora_rank, ctx.kernels.interpret
         q_latent = norm_rope.rms_norm_rows(q_a_kv_a, params["q_norm"]["weight"], eps=cfg.norm_eps, in_dtype=dtype,
                                            columns=(0, rank), interpret=interpret)
         key_norm = functools.partial(norm_rope.rms_norm_rows, q_a_kv_a, params["kv_norm"]["weight"],
@@ -509,7 +509,7 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
                                                      scale_weights=False)
                 scores = indexer_kernel.indexer_scores(q_idx, head_weights, index_keys, positions, n_entries=live,
                                                        weight_scale=_indexer_weight_scale(cfg),
-                                                       interpret=ctx.kernels.backend == "interpret")
+                                                       interpret=ctx.kernels.interpret)
                 top_scores, idx = jax.lax.top_k(scores, min(cfg.index_topk, live))
             picks = (idx, top_scores > -jnp.inf)
         elif ratio == 4:
@@ -539,7 +539,7 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
             q, ring, kv if norm_kernel else kv_a, start, sink, scale=scale, compressed=compressed,
             picks=None if picks is None else picks[0],      # the kernel skips picks the token cannot see
             ratio=ratio if compressed is not None else 0, rope=(inv_freq, cfg.norm_eps), kv_prologue=prologue,
-            interpret=ctx.kernels.backend == "interpret")
+            interpret=ctx.kernels.interpret)
         if prologue is not None:
             out, kv = out
     else:

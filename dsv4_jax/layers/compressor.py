@@ -176,7 +176,7 @@ def _decode_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax.Ar
     score = linear(x32, params["wgate"]["weight"], ctx=ctx)[:, 0]
     pool = functools.partial(decode_kernel.decode_pool, state["kv"], state["score"], kv, score, params["ape"], start,
                              n_valid, params["norm"]["weight"], inv_freq, ratio=ratio, norm_eps=norm_eps,
-                             out_dtype=x.dtype, interpret=ctx.kernels.backend == "interpret")
+                             out_dtype=x.dtype, interpret=ctx.kernels.interpret)
     quant = None if not ctx.simulate_quant else "fp4" if rotate else "fp8"
     in_kernel = quant is None or decode_kernel.supported(ratio, head_dim, 2 * inv_freq.shape[0], quant)
     if in_kernel and not isinstance(cache, dict) and kv_cache.n_entries(cache):

@@ -102,7 +102,7 @@ def hc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, 
         with jax.named_scope("mhc"):
             return mhc.mhc_pre_norm(X, fn, base, scale, norm_weight, norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
                                     sinkhorn_iters=cfg.hc_sinkhorn_iters, post_mix=post_mix,
-                                    interpret=ctx.kernels.backend == "interpret")
+                                    interpret=ctx.kernels.interpret)
     if post_mix is not None:
         X = hc_post(post_mix[0], X, post_mix[1], post_mix[2])
     u, post, comb = hc_pre(X, fn, base, scale, cfg, unroll_sinkhorn=ctx.kernels.on_gpu)

@@ -182,7 +182,7 @@ def _ffn_on_kernels(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax
     top-k, weights and each pick's row of x (one launch), the routed and the shared gate + up GEMVs, both SwiGLUs
     in one launch, and the two down GEMVs. The sum of the parts is left to the consumer (MoeParts). Every expert
     id comes from the router, so the grouped matmuls skip their range clip (groups_in_range)."""
-    interpret = ctx.kernels.backend == "interpret"
+    interpret = ctx.kernels.interpret
     gate = params["gate"]
     k = cfg.n_activated_experts
     with jax.named_scope("router"):

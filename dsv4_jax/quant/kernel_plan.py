@@ -44,6 +44,11 @@ class KernelPlan:
         """Whether the programs run on a GPU (a GPU kernel backend; "interpret" emulates the kernels on a CPU)."""
         return self.backend in ("cuda", "pallas")
 
+    @property
+    def interpret(self) -> bool:
+        """Whether the Pallas kernels run in interpret mode (the "interpret" plan: the kernels on a CPU)."""
+        return self.backend == "interpret"
+
 
 REFERENCE = KernelPlan("reference", None)
 
