@@ -174,6 +174,19 @@ def indexer_select(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.A
     return idx, top_scores > -jnp.inf
 
 
+@jax.named_scope("indexer")
+def _indexer_select_on_kernel(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array,
+                              positions: jax.Array, keys_buffer: jax.Array, live: int, inv_freq: np.ndarray, ctx):
+    """indexer_select for decode rows with the scores from pallas_kernels/indexer.py (_takes_indexer_kernel): the
+    first `live` entries of the whole key buffer (a slice would be a copy), the visibility mask and the score scale
+    applied in the kernel, one top-k over all of them. Returns (idx, valid) as indexer_select does."""
+    q, head_weights = _indexer_query(params, cfg, x, q_latent, positions, inv_freq, ctx, scale_weights=False)
+    scores = indexer_kernel.indexer_scores(q, head_weights, keys_buffer, positions, n_entries=live,
+                                           weight_scale=_indexer_weight_scale(cfg), interpret=ctx.kernels.interpret)
+    top_scores, idx = jax.lax.top_k(scores, min(cfg.index_topk, live))
+    return idx, top_scores > -jnp.inf
+
+
 def _indexer_compressor_dims(cfg: ModelConfig) -> dict:
     return dict(ratio=4, head_dim=cfg.index_head_dim, nope_dim=cfg.index_head_dim - cfg.rope_head_dim, rotate=True)
 
@@ -504,14 +517,8 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         if live == 0:              # buffers shorter than c never complete an entry
             compressed = None
         elif ratio == 4 and _takes_indexer_kernel(ctx, cfg, seq, index_keys, live, dtype):
-            with jax.named_scope("indexer"):
-                q_idx, head_weights = _indexer_query(params["indexer"], cfg, x, q_latent, positions, inv_freq, ctx,
-                                                     scale_weights=False)
-                scores = indexer_kernel.indexer_scores(q_idx, head_weights, index_keys, positions, n_entries=live,
-                                                       weight_scale=_indexer_weight_scale(cfg),
-                                                       interpret=ctx.kernels.interpret)
-                top_scores, idx = jax.lax.top_k(scores, min(cfg.index_topk, live))
-            picks = (idx, top_scores > -jnp.inf)
+            picks = _indexer_select_on_kernel(params["indexer"], cfg, x, q_latent, positions, index_keys, live,
+                                              inv_freq, ctx)
         elif ratio == 4:
             index_keys = kv_cache.decode(kv_cache.leading(index_keys, live), dtype)
             scores = None
