@@ -60,10 +60,6 @@ class Census:
     by_family: dict[str, int]          # launches per call, by op family
     by_layer_kind: dict[str, int]      # launches per call, by the kind of layer that launched them
     unknown_trip_counts: int = 0
-    # XLA's command buffers (CommandBufferScheduling outlines runs of kernels into "command_buffer" computations,
-    # each replayed as one graph launch); only a compile for an attached GPU has them, a compile-only one shows 0
-    command_buffers: int = 0
-    launches_in_command_buffers: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -172,14 +168,7 @@ def census(hlo_text: str) -> Census:
                 walk(ins.callees["body"][0], multiplier * trips, True)
                 walk(ins.callees["condition"][0], multiplier * (trips + 1), True)
             elif ins.opcode == "call":
-                callee = ins.callees["to_apply"][0]
-                if callee.startswith("command_buffer"):
-                    totals["command_buffers"] += multiplier
-                    before = totals["launches"]
-                    walk(callee, multiplier, in_loop)
-                    totals["in_command_buffers"] += totals["launches"] - before
-                else:
-                    walk(callee, multiplier, in_loop)
+                walk(ins.callees["to_apply"][0], multiplier, in_loop)
             elif ins.opcode == "conditional":
                 for branch in ins.callees["branches"]:      # an upper bound: every branch counted
                     walk(branch, multiplier, in_loop)
@@ -195,8 +184,7 @@ def census(hlo_text: str) -> Census:
                   custom_calls=totals["custom_calls"], while_loops=totals["while_loops"],
                   collectives=by_family["collectives"], by_family={f: by_family[f] for f in FAMILIES if by_family[f]},
                   by_layer_kind={k: by_layer[k] for k in LAYER_KINDS if by_layer[k]},
-                  unknown_trip_counts=totals["unknown_trip_counts"], command_buffers=totals["command_buffers"],
-                  launches_in_command_buffers=totals["in_command_buffers"])
+                  unknown_trip_counts=totals["unknown_trip_counts"])
 
 
 def op_families(hlo_text: str) -> dict[str, str]:

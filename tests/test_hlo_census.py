@@ -59,13 +59,6 @@ def test_counts_of_a_known_module():
     assert c.by_layer_kind == {"csa": 2 + 22, "outside layers": 3}
 
 
-def test_command_buffers_are_counted_with_their_launches():
-    """A call into a computation XLA named command_buffer* is one command buffer holding its kernels."""
-    c = hlo_census.census(HLO.replace("%outlined", "%command_buffer.3"))
-    assert (c.command_buffers, c.launches_in_command_buffers, c.launches_per_call) == (1, 1, 5 + 22)
-    assert hlo_census.census(HLO).command_buffers == 0
-
-
 def test_a_loop_without_a_known_trip_count_is_counted_once_and_flagged():
     c = hlo_census.census(HLO.replace(', backend_config={"known_trip_count":{"n":"7"}}', ""))
     assert c.launches_per_call == 5 + 2 + 2 and c.unknown_trip_counts == 1
