@@ -4,7 +4,7 @@ one token, and sweep the kernel's schedule (heads per program, keys per step, sp
 
     python scripts/bench_decode_attention.py --out decode_attention.json
 
-Each case runs 200 times inside one jitted fori_loop (each iteration's query depends on the previous output, so
+Each case runs 50 times chained in one jitted program (each call's query depends on the previous output, so
 the calls cannot overlap), on the attached GPU; the table gives microseconds per call. XLA's path is what the
 model runs without the kernel: the query's per-head norm and RoPE (norm_rope kernel), window + compressed keys in
 one array, one softmax (attention._attend_one_token) and the inverse RoPE.
@@ -21,10 +21,11 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-ITERS = 200
+ITERS = 50
 
 
-def _inputs(ratio: int, batch: int = 1):
+def inputs(ratio: int, batch: int = 1):
+    """One layer's decode inputs at Flash geometry (random; position 4,000)."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -38,16 +39,48 @@ def _inputs(ratio: int, batch: int = 1):
                 compressed=bf(batch, n_entries, 512), picks=picks if ratio == 4 else None)
 
 
+def _inv_freq():
+    import numpy as np
+    return (10000.0 ** (-np.arange(0, 64, 2) / 64)).astype(np.float32)
+
+
+def xla_path(q, ring, kv, start, sink, compressed, picks, *, ratio):
+    """What the model runs without the kernel: norm_rope's query kernel, then XLA's attention and inverse RoPE."""
+    import jax.numpy as jnp
+
+    from dsv4_jax.layers import attention
+    from dsv4_jax.layers.rope import apply_rope
+    from dsv4_jax.pallas_kernels import norm_rope
+
+    inv_freq = _inv_freq()
+    positions = start[:, None]
+    qn = norm_rope.rms_norm_rows(q, None, eps=1e-6, in_dtype=jnp.bfloat16, rope=(positions, inv_freq))
+    keys = jnp.concatenate([ring, kv], axis=1)
+    key_pos = jnp.concatenate([attention.ring_positions(start, 128), start[:, None]], axis=1)
+    sel = None if picks is None else (picks, picks < (start[:, None, None] + 1) // 4)
+    out = attention._attend_one_token(qn, keys, key_pos, positions, sink, 512 ** -0.5, 128, ratio, compressed, sel)
+    return apply_rope(out, positions[:, :, None], inv_freq, inverse=True)
+
+
+def kernel_path(q, ring, kv, start, sink, compressed, picks, *, ratio):
+    """The decode attention kernel with its schedule as the module's constants set it."""
+    from dsv4_jax.pallas_kernels import decode_attention as da
+    return da.decode_attention(q, ring, kv, start, sink, scale=512 ** -0.5, compressed=compressed, picks=picks,
+                               ratio=ratio, rope=(_inv_freq(), 1e-6))
+
+
 def _timed(fn, args) -> float:
+    """Microseconds per call of fn, from ITERS calls chained in one program (unrolled: a loop on the GPU would add
+    its per-iteration condition check to every call), best of three runs."""
     import jax
     import jax.numpy as jnp
 
-    def loop(q, *rest):
-        def body(_, q):
-            return q + fn(q, *rest).astype(jnp.float32) * 1e-30
-        return jax.lax.fori_loop(0, ITERS, body, q)
+    def chain(q, *rest):
+        for _ in range(ITERS):
+            q = q + fn(q, *rest).astype(jnp.float32) * 1e-30
+        return q
 
-    run = jax.jit(loop)
+    run = jax.jit(chain)
     jax.block_until_ready(run(*args))
     best = float("inf")
     for _ in range(3):
@@ -61,42 +94,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", metavar="FILE")
     args = p.parse_args(argv)
-    import jax.numpy as jnp
-    import numpy as np
+    import functools
 
-    from dsv4_jax.layers import attention
-    from dsv4_jax.layers.rope import apply_rope
     from dsv4_jax.pallas_kernels import decode_attention as da
-    from dsv4_jax.pallas_kernels import norm_rope
 
-    inv_freq = (10000.0 ** (-np.arange(0, 64, 2) / 64)).astype(np.float32)
     rows = []
     for ratio in (4, 128):
-        x = _inputs(ratio)
-        positions = x["start"][:, None]
-
-        def xla_path(q, ring, kv, start, sink, compressed, picks, ratio=ratio):
-            qn = norm_rope.rms_norm_rows(q, None, eps=1e-6, in_dtype=jnp.bfloat16, rope=(positions, inv_freq))
-            keys = jnp.concatenate([ring, kv], axis=1)
-            key_pos = jnp.concatenate([attention.ring_positions(start, 128), start[:, None]], axis=1)
-            sel = None if picks is None else (picks, picks < (start[:, None, None] + 1) // 4)
-            out = attention._attend_one_token(qn, keys, key_pos, positions, sink, 512 ** -0.5, 128, ratio,
-                                              compressed, sel)
-            return apply_rope(out, positions[:, :, None], inv_freq, inverse=True)
-
+        x = inputs(ratio)
         args_ = (x["q"], x["ring"], x["kv"], x["start"], x["sink"], x["compressed"], x["picks"])
-        rows.append({"ratio": ratio, "path": "xla", "us": _timed(xla_path, args_)})
+        rows.append({"ratio": ratio, "path": "xla", "us": _timed(functools.partial(xla_path, ratio=ratio), args_)})
         print(rows[-1], flush=True)
         defaults = (da.BLOCK_HEADS, da.BLOCK_KEYS, da.MAX_SPLITS, da.NUM_WARPS, da.NUM_STAGES)
         for heads, keys, splits, warps, stages in itertools.product((16,), (32, 64), (1, 4, 8, 16), (4, 8), (2,)):
             da.BLOCK_HEADS, da.BLOCK_KEYS, da.MAX_SPLITS, da.NUM_WARPS, da.NUM_STAGES = (heads, keys, splits, warps,
                                                                                       stages)
-
-            def kernel_path(q, ring, kv, start, sink, compressed, picks, ratio=ratio):
-                return da.decode_attention(q, ring, kv, start, sink, scale=512 ** -0.5, compressed=compressed,
-                                           picks=picks, ratio=ratio, rope=(inv_freq, 1e-6))
             try:
-                us = _timed(kernel_path, args_)
+                us = _timed(functools.partial(kernel_path, ratio=ratio), args_)
             except Exception as err:       # a schedule Triton cannot compile (registers, shared memory)
                 us = None
                 print(f"  {heads} {keys} {splits} {warps} {stages}: {str(err).splitlines()[0][:120]}", flush=True)

@@ -25,6 +25,8 @@ Cases (--cases, comma-separated; default all):
   prefill_fp8      linear, act_quant="fp8", on FP8-block 2048 x 4096, M = 4096: quantize, operand, FP8 wgmma kernel
   prefill_mxfp4    the same on MXFP4 2048 x 4096 (operand: e4m3 + per-row scales): 52% of XLA's FP8 rate
   moe_prefill      grouped_linear of 24576 routed rows (4096 tokens x 6) on 256 MXFP4 experts 2048 x 4096
+  decode_attention the decode attention kernel of one CSA and one HCA layer at Flash geometry, batch 1, with 1, 4
+                   and 16 splits (scripts/bench_decode_attention.py's inputs and XLA's path beside it)
 Each case prints its name first (stdout, before ncu's report of its kernels).
 """
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import sys
 
@@ -47,7 +50,7 @@ from scripts.bench_kernels import AUTO, make_weight  # noqa: E402
 from scripts.probe_gemv import probe_call  # noqa: E402
 
 CASES = ("nvfp4_quantize", "fp8_quantize", "xla_bf16_gemv", "mxfp4_gemv", "mxfp4_gemv_layout", "probe_loads",
-         "probe_decode", "fp8_gemv", "prefill_fp8", "prefill_mxfp4", "moe_prefill")
+         "probe_decode", "fp8_gemv", "prefill_fp8", "prefill_mxfp4", "moe_prefill", "decode_attention")
 LM_HEAD = (129280, 4096)
 
 
@@ -118,6 +121,26 @@ def main():
         xs = jax.random.normal(jax.random.fold_in(key, 8), (rows, 4096), jnp.float32).astype(jnp.bfloat16)
         profile("moe_prefill 24576 rows", lambda x, w, s: grouped_linear(x, w, s, jnp.float32, ctx=AUTO), xs,
                 make_weight(jax.random.fold_in(key, 9), "mxfp4", (n_exp, 2048, 4096)), sizes)
+
+    if "decode_attention" in cases:
+        _decode_attention()
+
+
+def _decode_attention():
+    """The decode attention kernel at 1, 4 and 16 splits and XLA's path, for one CSA and one HCA layer."""
+    from dsv4_jax.pallas_kernels import decode_attention as da
+    from scripts.bench_decode_attention import inputs, kernel_path, xla_path
+
+    default_splits = da.MAX_SPLITS
+    for ratio in (4, 128):
+        x = inputs(ratio)
+        args = (x["q"], x["ring"], x["kv"], x["start"], x["sink"], x["compressed"], x["picks"])
+        profile(f"decode_attention ratio {ratio} xla", functools.partial(xla_path, ratio=ratio), *args)
+        for splits in (1, 4, 16):
+            da.MAX_SPLITS = splits
+            profile(f"decode_attention ratio {ratio} splits {splits}",
+                    functools.partial(kernel_path, ratio=ratio), *args)
+        da.MAX_SPLITS = default_splits
 
 
 if __name__ == "__main__":
