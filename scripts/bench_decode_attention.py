@@ -93,7 +93,12 @@ def _timed(fn, args) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", metavar="FILE")
+    p.add_argument("--keys", default="32,64", help="keys per step to sweep (comma-separated)")
+    p.add_argument("--splits", default="1,4,8,16", help="MAX_SPLITS values to sweep")
+    p.add_argument("--warps", default="4,8", help="warps per program to sweep")
+    p.add_argument("--stages", default="2", help="Triton pipeline stages to sweep")
     args = p.parse_args(argv)
+    ints = lambda text: [int(v) for v in text.split(",")]   # noqa: E731
     import functools
 
     from dsv4_jax.pallas_kernels import decode_attention as da
@@ -105,7 +110,8 @@ def main(argv=None) -> int:
         rows.append({"ratio": ratio, "path": "xla", "us": _timed(functools.partial(xla_path, ratio=ratio), args_)})
         print(rows[-1], flush=True)
         defaults = (da.BLOCK_HEADS, da.BLOCK_KEYS, da.MAX_SPLITS, da.NUM_WARPS, da.NUM_STAGES)
-        for heads, keys, splits, warps, stages in itertools.product((16,), (32, 64), (1, 4, 8, 16), (4, 8), (2,)):
+        for heads, keys, splits, warps, stages in itertools.product((16,), ints(args.keys), ints(args.splits),
+                                                                    ints(args.warps), ints(args.stages)):
             da.BLOCK_HEADS, da.BLOCK_KEYS, da.MAX_SPLITS, da.NUM_WARPS, da.NUM_STAGES = (heads, keys, splits, warps,
                                                                                       stages)
             try:

@@ -144,12 +144,14 @@ def _numpy_rope(x, position: int, inv_freq, inverse: bool = False):
     return out
 
 
-@pytest.mark.parametrize("layout", ["plain", "compact"])
+@pytest.mark.parametrize("layout,rope_dim", [("plain", 64), ("compact", 64), ("plain", 128)])
 @pytest.mark.parametrize("ratio", [4, 128])
 @pytest.mark.parametrize("seq", [1, 3])
-def test_fused_query_norm_and_rope_match_float64(ratio, seq, layout):
+def test_fused_query_norm_and_rope_match_float64(ratio, seq, layout, rope_dim):
     """rope=(inv_freq, eps): the kernel takes wq_b's output, normalises each head (RMS, no weight), rotates its
-    rope dims at the token's position, and turns the output's rope dims back: float32 against float64."""
+    rope dims at the token's position, and turns the output's rope dims back: float32 against float64. Batch 2 of
+    one token: split over 2 programs, and the merge turns the output back block by block (rope dims 128: two
+    blocks of 64 columns, each with its own frequencies)."""
     rng = np.random.default_rng(20 + ratio + seq)
     starts = [3, 700] if ratio == 4 else [200, 9000]
     args = _inputs(rng, 2, seq, 16, 128, 80, ratio, starts)
@@ -157,7 +159,7 @@ def test_fused_query_norm_and_rope_match_float64(ratio, seq, layout):
     stored = {}
     if layout == "compact":
         args, stored = _compact(args, jnp.float32, 64)
-    inv_freq = (1.0 / 10000 ** (np.arange(0, 64, 2) / 64)).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, rope_dim, 2) / rope_dim)).astype(np.float32)
     eps = 1e-6
     q, ring, chunk, start, sink, compressed, picks = args
     got = kernel.decode_attention(jnp.asarray(q), stored.get(1, jnp.asarray(ring)), jnp.asarray(chunk),

@@ -256,16 +256,16 @@ def _finish(out_ref, out, blocks, dtype, position, freq_ref):
         out_ref[:, pl.ds(first, width)] = o
 
 
-def _merge_kernel(*refs, seq: int, blocks, dtype, fused_rope: bool):
-    """Combine the splits' running states of one (token, head block): out = sum_j w_j acc_j / sum_j w_j l_j with
-    w_j = exp(m_j - max_j m_j)."""
+def _merge_kernel(*refs, seq: int, width: int, nope: int, dtype, fused_rope: bool):
+    """Combine the splits' running states of one (token, head block, block of `width` columns):
+    out = sum_j w_j acc_j / sum_j w_j l_j with w_j = exp(m_j - max_j m_j); with `fused_rope` the columns past
+    `nope` (whole blocks: width divides nope and the rope dims) are turned back (inverse RoPE)."""
     start_ref, refs = refs[0], refs[1:]
     freq_ref, refs = (refs[0], refs[1:]) if fused_rope else (None, refs)
     m_ref, l_ref, acc_ref, out_ref = refs
     row = pl.program_id(0)
     t = scalar(start_ref, row // seq) + row % seq
-    # one split at a time ([Hb] and [Hb, width] tiles; as a [splits, Hb, width] tensor it timed the same on the
-    # H200, 2026-12-04, and holds more registers)
+    # one split at a time ([Hb] and [Hb, width] tiles)
     splits = range(m_ref.shape[0])
     m = [m_ref[j, :] for j in splits]                                 # [Hb] each
     peak = m[0]
@@ -273,15 +273,18 @@ def _merge_kernel(*refs, seq: int, blocks, dtype, fused_rope: bool):
         peak = jnp.maximum(peak, m_j)
     w = [jnp.exp(m_j - peak) for m_j in m]
     denom = w[0] * l_ref[0, :]
+    acc = w[0][:, None] * acc_ref[0, :, :]
     for j in splits[1:]:
         denom = denom + w[j] * l_ref[j, :]
-    out = []
-    for first, width in blocks:
-        acc = w[0][:, None] * acc_ref[0, :, pl.ds(first, width)]
-        for j in splits[1:]:
-            acc = acc + w[j][:, None] * acc_ref[j, :, pl.ds(first, width)]
-        out.append(acc / denom[:, None])
-    _finish(out_ref, out, blocks, dtype, t, freq_ref)
+        acc = acc + w[j][:, None] * acc_ref[j, :, :]
+    out = (acc / denom[:, None]).astype(dtype)
+    if fused_rope:          # computed for every block, kept where the block holds rope dims
+        first = pl.program_id(2) * width
+        freq = freq_ref[pl.ds(jnp.maximum(first - nope, 0), width)]
+        turned = _rotate(out.astype(_F32), t, freq, inverse=True).astype(dtype)
+        in_rope = jax.lax.iota(jnp.int32, width) * 0 + first >= nope        # a vector predicate (Triton)
+        out = jnp.where(in_rope[None, :], turned, out)
+    out_ref[...] = out
 
 
 def _parts(cache) -> list:
@@ -386,18 +389,20 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
         kernel, grid=(rows, n_heads // BLOCK_HEADS, n_splits), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, name="decode_attention", compiler_params=params)(*args)
     kv = outs[-1] if kv_prologue is not None else None
-    if n_splits > 1:
-        merge = functools.partial(_merge_kernel, seq=seq, blocks=blocks, dtype=dtype, fused_rope=rope is not None)
-        part_spec = pl.BlockSpec((None, n_splits, BLOCK_HEADS), lambda r, h: (r, 0, h))
-        merge_specs = ([pl.BlockSpec((batch,), lambda r, h: (0,))]
-                       + ([pl.BlockSpec((rope_dim,), lambda r, h: (0,))] if rope is not None else [])
+    if n_splits > 1:     # programs per (token, head block, block of columns): the splits' states are read once
+        width = COLUMNS if rope is None else min(COLUMNS, rope_dim)
+        merge = functools.partial(_merge_kernel, seq=seq, width=width, nope=head_dim - (rope_dim or 0), dtype=dtype,
+                                  fused_rope=rope is not None)
+        part_spec = pl.BlockSpec((None, n_splits, BLOCK_HEADS), lambda r, h, c: (r, 0, h))
+        merge_specs = ([pl.BlockSpec((batch,), lambda r, h, c: (0,))]
+                       + ([pl.BlockSpec((rope_dim,), lambda r, h, c: (0,))] if rope is not None else [])
                        + [part_spec, part_spec,
-                          pl.BlockSpec((None, n_splits, BLOCK_HEADS, head_dim), lambda r, h: (r, 0, h, 0))])
+                          pl.BlockSpec((None, n_splits, BLOCK_HEADS, width), lambda r, h, c: (r, 0, h, c))])
         out = pl.pallas_call(
-            merge, grid=(rows, n_heads // BLOCK_HEADS), in_specs=merge_specs,
-            out_specs=pl.BlockSpec((None, BLOCK_HEADS, head_dim), lambda r, h: (r, h, 0)),
+            merge, grid=(rows, n_heads // BLOCK_HEADS, head_dim // width), in_specs=merge_specs,
+            out_specs=pl.BlockSpec((None, BLOCK_HEADS, width), lambda r, h, c: (r, h, c)),
             out_shape=jax.ShapeDtypeStruct((rows, n_heads, head_dim), dtype), interpret=interpret,
-            name="decode_attention_merge", compiler_params=params)(
+            name="decode_attention_merge", compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
                 start.astype(jnp.int32), *([freq] if rope is not None else []), *outs[:3])
     else:
         out = outs[0]
