@@ -69,6 +69,16 @@ def kernel_path(q, ring, kv, start, sink, compressed, picks, *, ratio):
                                ratio=ratio, rope=(_inv_freq(), 1e-6))
 
 
+def kernel_without_rope(q, ring, kv, start, sink, compressed, picks, *, ratio):
+    """The kernel on a query already normalised and rotated (rope=None: no query prologue, no inverse RoPE), to
+    time what the prologue and the output's rotation cost."""
+    import jax.numpy as jnp
+
+    from dsv4_jax.pallas_kernels import decode_attention as da
+    return da.decode_attention(q.astype(jnp.bfloat16), ring, kv, start, sink, scale=512 ** -0.5,
+                               compressed=compressed, picks=picks, ratio=ratio)
+
+
 def _timed(fn, args) -> float:
     """Microseconds per call of fn, from ITERS calls chained in one program (unrolled: a loop on the GPU would add
     its per-iteration condition check to every call), best of three runs."""
@@ -123,6 +133,9 @@ def main(argv=None) -> int:
                          "max_splits": splits, "num_warps": warps, "num_stages": stages, "us": us})
             print(rows[-1], flush=True)
         da.BLOCK_HEADS, da.BLOCK_KEYS, da.MAX_SPLITS, da.NUM_WARPS, da.NUM_STAGES = defaults
+        rows.append({"ratio": ratio, "path": "kernel without rope", "max_splits": da.MAX_SPLITS,
+                     "us": _timed(functools.partial(kernel_without_rope, ratio=ratio), args_)})
+        print(rows[-1], flush=True)
     print(f"\n{'ratio':>5} {'path':>6} {'heads':>5} {'keys':>4} {'splits':>6} {'warps':>5} {'stages':>6} {'us':>8}")
     for r in sorted(rows, key=lambda r: (r["ratio"], r["us"] is None, r["us"] or 0)):
         print(f"{r['ratio']:>5} {r['path']:>6} {r.get('block_heads', ''):>5} {r.get('block_keys', ''):>4} "
