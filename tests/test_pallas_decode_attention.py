@@ -304,9 +304,9 @@ def _flash_shapes(batch: int, seq: int, ratio: int, dtype=jnp.bfloat16):
 @pytest.mark.parametrize("fused_rope", [False, True])
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 def test_cuda_lowering_at_flash_geometry(ratio, fused_rope, batch, seq):
-    """The kernel lowers to Triton calls for an H200 (no GPU needed: Pallas's Triton lowering runs on the CPU): one
-    (MAX_SPLITS 1, the default; the splits and their merge are two for one row with MAX_SPLITS 8); with the fused
-    norm and RoPE, from wq_b's float32 output as the model calls it."""
+    """The kernel lowers to Triton calls for an H200 (no GPU needed: Pallas's Triton lowering runs on the CPU): two
+    where a token's keys are split (MAX_SPLITS // rows > 1 programs per head block, then the merge), else one; with
+    the fused norm and RoPE, from wq_b's float32 output as the model calls it."""
     args, extra = _flash_shapes(batch, seq, ratio)
     rope = None
     if fused_rope:

@@ -51,15 +51,16 @@ from .tiles import is_pow2, scalar
 _F32 = jnp.float32
 _EMPTY = -1e30       # the running maximum of a split that has seen no key yet (finite: exp(_EMPTY - m) is 0)
 BLOCK_HEADS = 16     # query heads per program: a tensor-core dot needs at least 16 rows
-# The schedule: the fastest for a CSA layer in scripts/bench_decode_attention.py's sweep on an H200 (2026-12-04,
-# batch 1, Flash geometry; docs/kernels.md): 16 heads and 64 keys per step on 8 warps, a token's keys split over 4
-# programs per head block (24 us for a CSA layer, 22 us for an HCA layer, against XLA's 18.5 and 15.3 us; the
-# earlier 32 keys, 8 splits, 4 warps took 91 / 88 us). More splits made every case slower, in proportion to the
-# splits (8: 2.2x, 16: 3.4x of 4), for a reason not found yet (not the merge: summing it split by split changed
-# nothing); a second launch merges the splits' running states.
+# The schedule: the fastest for both layer kinds in scripts/bench_decode_attention.py's sweeps on an H200 (2026-12-04,
+# batch 1, Flash geometry; docs/kernels.md): 16 heads and 64 keys per step on 8 warps, a token's keys split over 16
+# programs per head block: 22.9 us for a CSA layer and 21.7 us for an HCA layer (4 splits: 37.0 / 27.5; XLA's path
+# 20.1 / 19.1). More splits used to be slower because the merge ran one program per (token, head block) over every
+# split's [16, 512] state (ncu: 91 us at 16 splits); it now runs per 64 columns too. Without its query prologue and
+# inverse RoPE (a bf16 query already normalised and rotated) the kernel took 18.8 / 14.1 us at 4 splits: that work,
+# repeated by every program, is most of what it loses to XLA.
 BLOCK_KEYS = 64      # keys per step of the online softmax
 COLUMNS = 64         # key columns per dot: the compact layout's scale block (kv_cache.KV_BLOCK)
-MAX_SPLITS = 4       # programs a token's keys may be spread over per head block (fewer as rows grow)
+MAX_SPLITS = 16      # programs a token's keys may be spread over per head block (fewer as rows grow)
 NUM_WARPS, NUM_STAGES = 8, 2   # Triton's schedule of both launches
 MAX_ROWS = 16        # tokens per sequence the model sends here (decode, speculative verify); prefill chunks keep
                      # the jnp path, whose matmuls share each key across the chunk's tokens
@@ -79,8 +80,9 @@ ON_GPU_FLAG = "DSV4_JAX_DECODE_ATTENTION"
 def enabled_on_gpu() -> bool:
     """Whether GPU kernel plans take this kernel: only with DSV4_JAX_DECODE_ATTENTION=1 in the environment (read when
     a step is traced). It stays opt-in while XLA's path is faster: one layer's attention at Flash geometry, batch 1,
-    on an H200 (scripts/bench_decode_attention.py, 2026-12-04) took 24 us (CSA) and 22 us (HCA) on this kernel
-    against 18.5 and 15.3 us on XLA's kernels. The "interpret" plan always takes it (tests)."""
+    on an H200 (scripts/bench_decode_attention.py, 2026-12-04) took 22.9 us (CSA) and 21.7 us (HCA) on this kernel
+    against 20.1 and 19.1 us on XLA's kernels, and the 4-layer Flash step 1.178 ms against 1.123 ms at batch 1 (4
+    splits, same call). The "interpret" plan always takes it (tests)."""
     return os.environ.get(ON_GPU_FLAG, "") == "1"
 
 
