@@ -172,8 +172,8 @@ def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: i
                     for a, kb in zip(acc, keys))
         return m_new, l, acc
 
-    # The keys come in blocks of BLOCK_KEYS: the ring's, then the chunk's, then the compressed entries'; block b belongs to
-    # split b mod n_splits. Split 0 starts from the sink (exp(sink - max) in the denominator, nothing in the
+    # The keys come in blocks of BLOCK_KEYS: the ring's, then the chunk's, then the compressed entries'; block b
+    # belongs to split b mod n_splits. Split 0 starts from the sink (exp(sink - max) in the denominator, nothing in the
     # output), the others from nothing (a finite floor, so that a split without keys stays NaN-free).
     sink = sink_ref[...]
     first_split = split == 0
