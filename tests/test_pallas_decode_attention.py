@@ -144,14 +144,16 @@ def _numpy_rope(x, position: int, inv_freq, inverse: bool = False):
     return out
 
 
+@pytest.mark.parametrize("query_ready", [False, True])
 @pytest.mark.parametrize("layout,rope_dim", [("plain", 64), ("compact", 64), ("plain", 128)])
 @pytest.mark.parametrize("ratio", [4, 128])
 @pytest.mark.parametrize("seq", [1, 3])
-def test_fused_query_norm_and_rope_match_float64(ratio, seq, layout, rope_dim):
+def test_fused_query_norm_and_rope_match_float64(ratio, seq, layout, rope_dim, query_ready):
     """rope=(inv_freq, eps): the kernel takes wq_b's output, normalises each head (RMS, no weight), rotates its
     rope dims at the token's position, and turns the output's rope dims back: float32 against float64. Batch 2 of
     one token: split over 2 programs, and the merge turns the output back block by block (rope dims 128: two
-    blocks of 64 columns, each with its own frequencies)."""
+    blocks of 64 columns, each with its own frequencies). With `query_ready` it takes the query normalised and
+    rotated (here by the float64 reference, scaled, rounded to float32) and only turns the output back."""
     rng = np.random.default_rng(20 + ratio + seq)
     starts = [3, 700] if ratio == 4 else [200, 9000]
     args = _inputs(rng, 2, seq, 16, 128, 80, ratio, starts)
@@ -162,16 +164,19 @@ def test_fused_query_norm_and_rope_match_float64(ratio, seq, layout, rope_dim):
     inv_freq = (1.0 / 10000 ** (np.arange(0, rope_dim, 2) / rope_dim)).astype(np.float32)
     eps = 1e-6
     q, ring, chunk, start, sink, compressed, picks = args
-    got = kernel.decode_attention(jnp.asarray(q), stored.get(1, jnp.asarray(ring)), jnp.asarray(chunk),
-                                  jnp.asarray(start), jnp.asarray(sink), scale=128 ** -0.5,
-                                  compressed=stored.get(5, jnp.asarray(compressed)),
-                                  picks=None if picks is None else jnp.asarray(picks), ratio=ratio,
-                                  rope=(inv_freq, eps), interpret=True)
     q64 = np.asarray(q, np.float64)
     q64 = q64 / np.sqrt(np.mean(q64 * q64, axis=-1, keepdims=True) + eps)
     for b in range(2):
         for i in range(seq):
             q64[b, i] = _numpy_rope(q64[b, i], starts[b] + i, inv_freq)
+    if query_ready:          # off unit RMS: a kernel that normalised a ready query again would fail
+        q = (3.0 * q64).astype(np.float32)
+        q64 = q.astype(np.float64)
+    got = kernel.decode_attention(jnp.asarray(q), stored.get(1, jnp.asarray(ring)), jnp.asarray(chunk),
+                                  jnp.asarray(start), jnp.asarray(sink), scale=128 ** -0.5,
+                                  compressed=stored.get(5, jnp.asarray(compressed)),
+                                  picks=None if picks is None else jnp.asarray(picks), ratio=ratio,
+                                  rope=(inv_freq, eps), query_ready=query_ready, interpret=True)
     want = _numpy_attention(q64, ring, chunk, start, sink, 128 ** -0.5, compressed, picks, ratio=ratio)
     for b in range(2):
         for i in range(seq):
@@ -301,20 +306,20 @@ def _flash_shapes(batch: int, seq: int, ratio: int, dtype=jnp.bfloat16):
 
 
 @pytest.mark.parametrize("batch, seq", [(1, 1), (2, 3)])
-@pytest.mark.parametrize("fused_rope", [False, True])
+@pytest.mark.parametrize("query", ["rotated", "raw", "ready"])
 @pytest.mark.parametrize("ratio", [0, 4, 128])
-def test_cuda_lowering_at_flash_geometry(ratio, fused_rope, batch, seq):
+def test_cuda_lowering_at_flash_geometry(ratio, query, batch, seq):
     """The kernel lowers to Triton calls for an H200 (no GPU needed: Pallas's Triton lowering runs on the CPU): two
     where a token's keys are split (MAX_SPLITS // rows > 1 programs per head block, then the merge), else one; with
-    the fused norm and RoPE, from wq_b's float32 output as the model calls it."""
+    the fused norm and RoPE, from wq_b's float32 output ("raw"), or with the inverse RoPE only ("ready") as the
+    model calls it."""
     args, extra = _flash_shapes(batch, seq, ratio)
-    rope = None
-    if fused_rope:
+    rope = None if query == "rotated" else (np.ones(32, np.float32), 1e-6)
+    if query == "raw":
         args[0] = jax.ShapeDtypeStruct(args[0].shape, jnp.float32)
-        rope = (np.ones(32, np.float32), 1e-6)
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     fn = lambda q, r, c, s, k, **e: kernel.decode_attention(q, r, c, s, k, scale=512 ** -0.5, ratio=ratio,  # noqa: E731
-                                                            rope=rope, **e)
+                                                            rope=rope, query_ready=query == "ready", **e)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
         text = jax.jit(fn).trace(*args, **extra).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == (2 if batch * seq * 2 <= kernel.MAX_SPLITS else 1)

@@ -480,9 +480,9 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     else:
         q_a, kv_a = linear_pair(x, params["wq_a"]["weight"], params["wkv"]["weight"], ctx=ctx)
         q_latent = rms_norm(q_a, params["q_norm"]["weight"], cfg.norm_eps)
-    if on_kernel:
-        # the kernel rounds q to dtype and does its per-head norm and RoPE (and, without the norm kernels, makes the
-        # chunk's keys from kv_a: norm, RoPE, fake quant): no launches of their own
+    if on_kernel and not norm_kernel:
+        # the kernel rounds q to dtype and does its per-head norm and RoPE, and makes the chunk's keys from kv_a
+        # (norm, RoPE, fake quant): no launches of their own
         q = linear(q_latent, params["wq_b"]["weight"], jnp.float32, ctx=ctx).reshape(batch, seq, n_heads, head_dim)
     else:
         # with the heads split over a mesh each device makes its own (_split_heads_output)
@@ -538,15 +538,17 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     window = cfg.window_size
     sink = params["attn_sink"]
     if on_kernel:
-        # one launch for the query's norm and RoPE, the chunk's keys (norm, RoPE, fake quant), the window, the
-        # compressed entries, the softmax and the inverse RoPE, reading only the entries attended (the whole
-        # compressed buffer is passed: a slice would be a copy; the kernel stops at the visible entries)
+        # the window, the compressed entries, the softmax and the inverse RoPE in one launch (two with the splits'
+        # merge), reading only the entries attended (the whole compressed buffer is passed: a slice would be a
+        # copy; the kernel stops at the visible entries). With the norm kernels the query comes ready from
+        # norm_rope's kernel (made once per token, not once per program); without, the kernel also makes the query
+        # (norm, RoPE) and the chunk's keys (norm, RoPE, fake quant).
         prologue = None if norm_kernel else (params["kv_norm"]["weight"], ctx.simulate_quant)
         out = decode_attention.decode_attention(
             q, ring, kv if norm_kernel else kv_a, start, sink, scale=scale, compressed=compressed,
             picks=None if picks is None else picks[0],      # the kernel skips picks the token cannot see
             ratio=ratio if compressed is not None else 0, rope=(inv_freq, cfg.norm_eps), kv_prologue=prologue,
-            interpret=ctx.kernels.interpret)
+            query_ready=norm_kernel, interpret=ctx.kernels.interpret)
         if prologue is not None:
             out, kv = out
     else:

@@ -133,7 +133,7 @@ def _rotate(x, positions, inv_freq_cols, inverse: bool):
 
 def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: int, scale: float, precision,
             blocks, ring_parts: int, comp_parts: int, dtype, norm_eps: float | None, kv_fake_quant: bool | None,
-            n_splits: int):
+            n_splits: int, query_ready: bool):
     fused_rope = norm_eps is not None
     kv_prologue = kv_fake_quant is not None
     start_ref, sink_ref = refs[:2]
@@ -150,7 +150,7 @@ def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: i
     start = scalar(start_ref, row // seq)
     t = start + s                                                # this token's position
     q = [q_ref[:, pl.ds(first, width)].astype(dtype) for first, width in blocks]   # [Hb, width] each
-    if fused_rope:              # layers/norm.rms_norm (no weight) per head, then apply_rope on the last block
+    if fused_rope and not query_ready:   # layers/norm.rms_norm (no weight) per head, then apply_rope on the last block
         q32 = [b.astype(_F32) for b in q]
         mean_sq = sum(jnp.sum(b * b, axis=1) for b in q32) / sum(width for _, width in blocks)
         r = jax.lax.rsqrt(mean_sq + norm_eps)[:, None]
@@ -296,10 +296,13 @@ def _parts(cache) -> list:
 
 def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, sink: jax.Array, *,
                      scale: float, compressed=None, picks: jax.Array | None = None, ratio: int = 0, rope=None,
-                     kv_prologue=None, interpret: bool = False):
+                     kv_prologue=None, query_ready: bool = False, interpret: bool = False):
     """Attention output [B, S, H, D] in the activation dtype (chunk_kv's) for queries q [B, S, H, D] at positions
     start[b] + i: without `rope`, q normalised and rotated and the output before the inverse RoPE; with
-    rope=(inv_freq [rope_dim / 2], eps), q as wq_b leaves it (any dtype) and the output after the inverse RoPE.
+    rope=(inv_freq [rope_dim / 2], eps), q as wq_b leaves it (any dtype) and the output after the inverse RoPE;
+    with rope and `query_ready`, q normalised and rotated in the keys' dtype (norm_rope's query kernel) and the
+    output after the inverse RoPE. A query made here is redone by every program of its token (one per split and
+    head block) and held in registers across the key loop; a ready one is loaded as the keys are.
 
     ring [B, window, D]: the window ring before this chunk; chunk_kv [B, S, D]: the chunk's keys; sink [H];
     compressed [B, N, D]: the compressed entries (ratio > 0); picks [B, S, k] int32: the indexer's picks of a CSA
@@ -316,6 +319,8 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
     rope_dim = ring["rope"].shape[-1] if compact else None
     if kv_prologue is not None and rope is None:
         raise ValueError("decode_attention: kv_prologue needs rope")
+    if query_ready and rope is None:
+        raise ValueError("decode_attention: query_ready needs rope (the output's inverse RoPE)")
     if rope is not None:
         inv_freq, norm_eps = rope
         if compact and 2 * len(inv_freq) != rope_dim:
@@ -332,7 +337,7 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
     plain = [a for a in (ring, compressed) if a is not None and not isinstance(a, dict)]
     if compact:
         plain.append(ring["rope"])
-    if rope is None:
+    if rope is None or query_ready:
         plain.append(q)
     if any(a.dtype != dtype for a in plain):
         raise ValueError(f"decode_attention takes caches (and a query without `rope`) in the keys' dtype {dtype}, "
@@ -385,7 +390,7 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
                                scale=scale, precision=precision, blocks=blocks, ring_parts=len(ring_parts),
                                comp_parts=len(comp_parts), dtype=dtype, norm_eps=None if rope is None else norm_eps,
                                kv_fake_quant=None if kv_prologue is None else bool(kv_fake_quant),
-                               n_splits=n_splits)
+                               n_splits=n_splits, query_ready=query_ready)
     params = pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     outs = pl.pallas_call(
         kernel, grid=(rows, n_heads // BLOCK_HEADS, n_splits), in_specs=in_specs, out_specs=out_specs,
