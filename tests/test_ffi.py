@@ -99,6 +99,27 @@ def test_gemv_concat_checks_and_lowering(monkeypatch):
     assert "tensor<1x2x1536xf32>" in text
 
 
+def test_bf16_output_handler_by_format_dtype_and_schedule(monkeypatch):
+    """One FP8 weight times bf16 rows into a bf16 output takes the handler that stores bf16 (no cast kernel after
+    it) at the schedules it is compiled for; a float32 output, float32 rows, another schedule or an FP4 weight keep
+    the float32 handler."""
+    monkeypatch.setattr(ffi, "register", lambda *args: None)               # lowering needs no library
+    rng = np.random.default_rng()
+    fp8, fp4 = _weight(rng, "fp8", 1024, 4096), _weight(rng, "mxfp4", 1024, 4096)
+
+    def lowered(w, dtype, out_dtype, schedule=0):
+        x = jnp.ones((2, 4096), dtype)
+        return jax.jit(lambda x, w: ffi.gemv(x, w, out_dtype, schedule=schedule)).trace(x, w).lower(
+            lowering_platforms=("cuda",)).as_text()
+    for schedule in (0, *ffi.BF16_OUTPUT_SCHEDULES):
+        text = lowered(fp8, jnp.bfloat16, jnp.bfloat16, schedule)
+        assert text.count("custom_call @dsv4_fp8_gemv_bf16") == 1 and "tensor<1x2x1024xbf16>" in text
+    for w, dtype, out_dtype, schedule in ((fp8, jnp.bfloat16, jnp.float32, 0), (fp8, jnp.float32, jnp.bfloat16, 0),
+                                          (fp8, jnp.bfloat16, jnp.bfloat16, 814), (fp4, jnp.bfloat16, jnp.bfloat16, 0)):
+        text = lowered(w, dtype, out_dtype, schedule)
+        assert "_bf16" not in text and "xf32>" in text, (type(w).__name__, dtype, out_dtype, schedule)
+
+
 def test_bad_weight_pairs_are_rejected_before_any_build():
     rng = np.random.default_rng()
     x = jnp.ones((2, 256), jnp.bfloat16)
@@ -294,6 +315,27 @@ def test_moe_gemv_pair_gpu(fmt, rows, dtype, schedule, layout):
     pair = (ffi.to_gemv_layout(w_a), ffi.to_gemv_layout(w_b)) if layout else (w_a, w_b)
     y = jax.jit(lambda x, p, i: ffi.moe_gemv(x, p, i, jnp.float32, schedule=schedule))(x, pair, ids)
     _check_pair(y, x, w_a, w_b, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("slots,n,k,m,schedule", [(1, 2048, 4096, 1, 0), (1, 1024, 7168, 8, 811),
+                                                  (8, 1024, 4096, 1, 0), (8, 1024, 4096, 5, 411), (1, 512, 4096, 3, 11)])
+def test_fp8_bf16_output_gpu(slots, n, k, m, schedule):
+    """The bf16-output handler stores each float32 sum rounded to nearest even: bit for bit the float32 handler's
+    output cast to bf16 (the same sums, one rounding), and within bf16 rounding of float64 math. Grouped as the
+    attention's wo_a calls it (slot g times weight g, 8 groups)."""
+    rng = np.random.default_rng()
+    w = _weight(rng, "fp8", n, k, experts=slots)
+    x = jnp.asarray(rng.standard_normal((slots, m, k)), jnp.bfloat16)
+    groups = np.arange(slots, dtype=np.int32)
+    run = jax.jit(lambda x, w, dtype: ffi.grouped_gemv(x, w, groups, dtype, schedule=schedule), static_argnums=2)
+    y16, y32 = run(x, w, jnp.bfloat16), run(x, w, jnp.float32)
+    assert y16.dtype == jnp.bfloat16 and y16.shape == (slots, m, n)
+    bits = lambda y: np.asarray(y.astype(jnp.bfloat16).view(jnp.uint16))   # noqa: E731
+    np.testing.assert_array_equal(bits(y16), bits(y32))
+    ref = np.einsum("smk,snk->smn", _f64(x), _dequant64(w))
+    assert np.max(np.abs(_f64(y16) - ref)) < 2 ** -8 * np.max(np.abs(ref))
 
 
 @pytest.mark.gpu

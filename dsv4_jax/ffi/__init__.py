@@ -51,12 +51,17 @@ FEW_TILES_MIN_K = 4096
 
 def _handlers(weight_type) -> tuple[str, dict[str, str]]:
     """(source, {FFI target: handler symbol}) of a weight format: its one-weight and its pair handler (FP8: and its
-    concatenation handler)."""
+    concatenation handler, and its one-weight handler with a bf16 output)."""
     source, target, symbol = _TARGETS[weight_type]
     handlers = {target: symbol, target + "_pair": symbol + "Pair"}
     if weight_type is Fp8BlockWeight:
         handlers[target + "_concat"] = symbol + "Concat"
+        handlers[target + "_bf16"] = symbol + "Bf16"
     return source, handlers
+
+
+# Schedules compiled for a bf16 output (gemv_kernel.cuh, compiled_for): the defaults of dense and grouped calls.
+BF16_OUTPUT_SCHEDULES = (811, 411, FEW_TILES_SCHEDULE)
 
 
 def register_all(arch: str | None = None) -> None:
@@ -103,14 +108,22 @@ def _weights(w) -> tuple:
 def _launch(x3: jax.Array, w, experts: jax.Array, cols: int, schedule: int, out_dtype, handler: str = "") -> jax.Array:
     """One launch of a handler ("": one weight, "_pair", "_concat") of w's format: x3 [S, M, K] (float32 rows split
     into bf16 hi + lo rows, their products summed) times the stacked weight(s) w -> [S, M, cols] out_dtype (default
-    x3.dtype). Shapes are checked by the callers."""
+    x3.dtype). Shapes are checked by the callers. One FP8 weight with bf16 rows and a bf16 out_dtype takes the
+    handler that rounds its float32 sums to bf16 as it stores them (the same values as a cast of the float32
+    output, without a cast kernel after the call)."""
     weights = _weights(w)
     stored = [_stored(v) for v in weights]
     source, handlers = _handlers(type(stored[0]))
     register(source, handlers)
     xs = _split_rows(x3)
+    out_dtype = jnp.dtype(out_dtype or x3.dtype)
+    if (handler == "" and isinstance(stored[0], Fp8BlockWeight) and x3.dtype == jnp.bfloat16
+            and out_dtype == jnp.bfloat16 and schedule in BF16_OUTPUT_SCHEDULES):
+        handler, y_dtype = "_bf16", jnp.bfloat16
+    else:
+        y_dtype = jnp.float32
     call = jax.ffi.ffi_call(_TARGETS[type(stored[0])][1] + handler,
-                            jax.ShapeDtypeStruct((*xs.shape[:2], cols), jnp.float32))
+                            jax.ShapeDtypeStruct((*xs.shape[:2], cols), y_dtype))
     attrs = {"schedule": np.int32(schedule)}
     if source == "fp4_gemv.cu":                       # 0: checkpoint nibble order, 1: the GEMV layout
         attrs["layout"] = np.int32(isinstance(weights[0], GemvLayoutFp4))
@@ -119,7 +132,7 @@ def _launch(x3: jax.Array, w, experts: jax.Array, cols: int, schedule: int, out_
     if x3.dtype == jnp.float32:
         m = x3.shape[1]
         y = y[:, :m] + y[:, m:]
-    return y.astype(out_dtype or x3.dtype)
+    return y.astype(out_dtype)
 
 
 def default_schedule(slots: int, n: int, k: int) -> int:

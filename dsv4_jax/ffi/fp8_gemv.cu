@@ -87,8 +87,9 @@ struct Fp8Block {
 };
 
 // Shapes of x, one weight, the expert ids and y (y has `y_cols` columns); returns an error message or "".
+template <ffi::DataType kOut>
 std::string check_fp8(const std::string& name, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi::U8>& weight,
-                      ffi::Buffer<ffi::U8>& scale, ffi::Buffer<ffi::S32>& experts, ffi::ResultBuffer<ffi::F32>& y,
+                      ffi::Buffer<ffi::U8>& scale, ffi::Buffer<ffi::S32>& experts, ffi::ResultBuffer<kOut>& y,
                       int64_t y_cols, const char* y_shape) {
   const auto xd = x.dimensions(), wd = weight.dimensions(), sd = scale.dimensions();
   const auto ed = experts.dimensions(), yd = y->dimensions();
@@ -106,27 +107,32 @@ std::string check_fp8(const std::string& name, ffi::Buffer<ffi::BF16>& x, ffi::B
   return "";
 }
 
-template <int kSets, bool kConcat = false>
+// y float32, or bf16 (stored as uint16_t by XLA FFI: the kernel writes __nv_bfloat16).
+template <int kSets, bool kConcat = false, ffi::DataType kOut = ffi::F32>
 ffi::Error launch_fp8(cudaStream_t stream, int32_t schedule, ffi::Buffer<ffi::BF16>& x,
                       const WeightSets<Fp8Block::Weights, kSets>& w, ffi::Buffer<ffi::U8>& weight,
-                      ffi::Buffer<ffi::S32>& experts, ffi::ResultBuffer<ffi::F32>& y, const std::string& name,
+                      ffi::Buffer<ffi::S32>& experts, ffi::ResultBuffer<kOut>& y, const std::string& name,
                       int n2 = 0) {
+  using OutT = std::conditional_t<kOut == ffi::F32, float, __nv_bfloat16>;
   const auto xd = x.dimensions();
   return launch_gemv<Fp8Block, kSets, kConcat>(stream, schedule, reinterpret_cast<const uint16_t*>(x.typed_data()), w,
-                                               experts.typed_data(), static_cast<int>(xd[0]), y->typed_data(),
+                                               experts.typed_data(), static_cast<int>(xd[0]),
+                                               reinterpret_cast<OutT*>(y->typed_data()),
                                                static_cast<int>(xd[1]), static_cast<int>(weight.dimensions()[1]),
                                                static_cast<int>(xd[2]), name.c_str(), n2);
 }
 
+// One weight, y float32 or (kOut BF16: for a bf16 consumer, no cast kernel after the call) bf16.
+template <ffi::DataType kOut>
 ffi::Error Fp8GemvImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> weight,
-                       ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y,
+                       ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<kOut> y,
                        int32_t schedule) {
-  const std::string name = "dsv4_fp8_gemv";
+  const std::string name = kOut == ffi::F32 ? "dsv4_fp8_gemv" : "dsv4_fp8_gemv_bf16";
   if (auto msg = check_fp8(name, x, weight, scale, experts, y, weight.dimensions()[1], "[S, M, N]"); !msg.empty()) {
     return ffi::Error::InvalidArgument(msg);
   }
   const WeightSets<Fp8Block::Weights, 1> w{{{weight.typed_data(), scale.typed_data()}}};
-  return launch_fp8(stream, schedule, x, w, weight, experts, y, name);
+  return launch_fp8<1, false, kOut>(stream, schedule, x, w, weight, experts, y, name);
 }
 
 ffi::Error Fp8GemvPairImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> weight,
@@ -163,6 +169,7 @@ ffi::Error Fp8GemvConcatImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> x, ffi:
 }  // namespace
 }  // namespace dsv4
 
-DSV4_GEMV_HANDLER(DSV4Fp8Gemv, dsv4::Fp8GemvImpl, DSV4_U8_WEIGHT_ARGS, );
+DSV4_GEMV_HANDLER(DSV4Fp8Gemv, dsv4::Fp8GemvImpl<xla::ffi::F32>, DSV4_U8_WEIGHT_ARGS, );
+DSV4_GEMV_HANDLER_OUT(DSV4Fp8GemvBf16, dsv4::Fp8GemvImpl<xla::ffi::BF16>, DSV4_U8_WEIGHT_ARGS, , BF16);
 DSV4_GEMV_HANDLER(DSV4Fp8GemvPair, dsv4::Fp8GemvPairImpl, DSV4_U8_WEIGHT_ARGS DSV4_U8_WEIGHT_ARGS, );
 DSV4_GEMV_HANDLER(DSV4Fp8GemvConcat, dsv4::Fp8GemvConcatImpl, DSV4_U8_WEIGHT_ARGS DSV4_U8_WEIGHT_ARGS, );

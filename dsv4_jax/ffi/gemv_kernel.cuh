@@ -48,6 +48,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "xla/ffi/api/ffi.h"
@@ -73,6 +74,11 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 }
 
 __device__ __forceinline__ uint4 load16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// An output element: float32 as accumulated, or rounded to bf16 (to nearest even, as XLA's convert of the float32
+// output would round it) so that a bf16 consumer needs no cast kernel of its own.
+__device__ __forceinline__ void store_output(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_output(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
 // A weight load of the streamed schedules: read once, so not kept in L1 (where the activations are re-read by the
 // other tiles' CTAs), and the whole 256-byte L2 sector group around it fetched from DRAM at once: a warp that walks
@@ -149,11 +155,11 @@ inline std::string check_pair_shapes(const std::string& name, xla::ffi::Buffer<x
 // of each set's columns of y_slot [m_rows, row_stride] (row_stride 0: kSets n; set s at column s n), times the
 // set's epilogue factor. Ends with a barrier (over the CTA, or over threads 0 .. kBarrierThreads - 1 when a
 // producer warp does not take part): `partial` is free again. Tile t of c is tile t % kTiles of set t / kTiles.
-template <class Format, int kWarps, int kTiles, int kSets, int kBarrierThreads = 0>
+template <class Format, int kWarps, int kTiles, int kSets, int kBarrierThreads = 0, class OutT = float>
 __device__ __forceinline__ void store_tiles(float (&partial)[kWarps][16 * kTiles * kSets][kMaxRows],
                                             const float (&c)[kTiles * kSets][4],
                                             const WeightSets<typename Format::Weights, kSets>& w, int expert,
-                                            float* y_slot, int m_rows, int n, int row_base, int row_stride = 0) {
+                                            OutT* y_slot, int m_rows, int n, int row_base, int row_stride = 0) {
   constexpr int kRows = 16 * kTiles, kAllRows = kRows * kSets;
   if (row_stride == 0) row_stride = kSets * n;
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
@@ -176,7 +182,8 @@ __device__ __forceinline__ void store_tiles(float (&partial)[kWarps][16 * kTiles
 #pragma unroll
       for (int v = 0; v < kWarps; ++v) sum += partial[v][r][mcol];
       const int set = r / kRows;
-      y_slot[static_cast<size_t>(mcol) * row_stride + set * n + row_base + r % kRows] = sum * factor[set];
+      store_output(y_slot + static_cast<size_t>(mcol) * row_stride + set * n + row_base + r % kRows,
+                   sum * factor[set]);
     }
   }
   sync_threads<kBarrierThreads>();
@@ -212,10 +219,11 @@ enum Mode : int {
 // persistent schedule). kPersistent: each warp bulk-prefetches its share of the next item's weight bytes into L2
 // before computing the current one, so DRAM keeps a deep queue without registers held for loads in flight.
 // kMinBlocks > 1 caps the registers so that many CTAs fit on an SM (more loads in flight; may spill).
-template <class Format, int kWarps, int kTiles, int kUnroll, int kMode, int kMinBlocks, int kSets, bool kConcat>
+template <class Format, int kWarps, int kTiles, int kUnroll, int kMode, int kMinBlocks, int kSets, bool kConcat,
+          class OutT>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 gemv_kernel(const uint16_t* __restrict__ x, WeightSets<typename Format::Weights, kSets> w,
-            const int32_t* __restrict__ slot_expert, float* __restrict__ y, int m_rows, int n, int k, int items,
+            const int32_t* __restrict__ slot_expert, OutT* __restrict__ y, int m_rows, int n, int k, int items,
             int n2) {
   static_assert(!kConcat || (kSets == 2 && kMode == kDirect), "concatenated weights: two sets, direct loads");
   constexpr int kItemSets = kConcat ? 1 : kSets;                // weight sets one item computes
@@ -312,11 +320,11 @@ gemv_kernel(const uint16_t* __restrict__ x, WeightSets<typename Format::Weights,
       }
     }
     if constexpr (kConcat) {
-      float* y_slot = y + static_cast<size_t>(slot) * m_rows * (n + n2) + second * n;
+      OutT* y_slot = y + static_cast<size_t>(slot) * m_rows * (n + n2) + second * n;
       store_tiles<Format, kWarps, kTiles, 1>(partial, c, WeightSets<typename Format::Weights, 1>{{pick_set(w, second)}},
                                              expert, y_slot, m_rows, n, row_base, n + n2);
     } else {
-      float* y_slot = y + static_cast<size_t>(slot) * m_rows * kSets * n;
+      OutT* y_slot = y + static_cast<size_t>(slot) * m_rows * kSets * n;
       store_tiles<Format, kWarps, kTiles, kSets>(partial, c, w, expert, y_slot, m_rows, n, row_base);
     }
   }
@@ -341,10 +349,10 @@ namespace dsv4 {
 // wave of tiles to 11 (16 warps: ffi.default_schedule).
 constexpr int kDefaultSchedule = 811;
 
-template <class Format, int W, int T, int U, int P, int B, int kSets, bool kConcat>
+template <class Format, int W, int T, int U, int P, int B, int kSets, bool kConcat, class OutT>
 xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const WeightSets<typename Format::Weights, kSets>& w,
-                           const int32_t* slot_expert, int slots, float* y, int m_rows, int n, int k, int n2) {
-  auto kernel = gemv_kernel<Format, W, T, U, P, B, kSets, kConcat>;
+                           const int32_t* slot_expert, int slots, OutT* y, int m_rows, int n, int k, int n2) {
+  auto kernel = gemv_kernel<Format, W, T, U, P, B, kSets, kConcat, OutT>;
   const int items = slots * ((kConcat ? n + n2 : n) / (16 * T));
   int grid = items;
   if (P == kPersistent) {                                  // as many CTAs as fit at once
@@ -368,9 +376,13 @@ constexpr int schedule_code(int b, int p, int w, int t, int u) {
 }
 
 // Schedules compiled for a Format: all of them, or (Format::kAllSchedules false: a variant being measured) the
-// default and the few that won somewhere in the sweeps; for two weight sets the defaults only (ffi/__init__.py).
-template <class Format, int kSets, bool kConcat = false>
+// default and the few that won somewhere in the sweeps; for two weight sets the defaults only; for a bf16 output
+// (one weight) the defaults of dense and grouped calls (ffi/__init__.py).
+template <class Format, int kSets, bool kConcat = false, class OutT = float>
 constexpr bool compiled_for(int schedule) {
+  if (!std::is_same_v<OutT, float>) {
+    return kSets == 1 && (schedule == kDefaultSchedule || schedule == 411 || schedule == 11);
+  }
   if (kConcat) return schedule == kDefaultSchedule || schedule == 11;
   if (kSets > 1) return schedule == kDefaultSchedule || schedule == 411 || schedule == 11;
   if (schedule / 1000 % 10 == kStaged) return Format::kStageable;
@@ -378,11 +390,11 @@ constexpr bool compiled_for(int schedule) {
          schedule == 814 || schedule == 43811 || schedule == 83411;   // 411, 11: ffi's other defaults
 }
 
-// kConcat: the two sets are concatenated weights of N and n2 rows (else n2 is unused).
-template <class Format, int kSets, bool kConcat = false>
+// kConcat: the two sets are concatenated weights of N and n2 rows (else n2 is unused). OutT: float or __nv_bfloat16.
+template <class Format, int kSets, bool kConcat = false, class OutT = float>
 xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x,
                             const WeightSets<typename Format::Weights, kSets>& w, const int32_t* slot_expert, int slots,
-                            float* y, int m_rows, int n, int k, const char* name, int n2 = 0) {
+                            OutT* y, int m_rows, int n, int k, const char* name, int n2 = 0) {
   using xla::ffi::Error;
   if (schedule == 0) schedule = kDefaultSchedule;
   const int tiles = schedule / 10 % 10;
@@ -393,13 +405,13 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
   switch (schedule) {
 #define DSV4_SCHEDULE(B, P, W, T, U)                                                                      \
   case schedule_code(B, P, W, T, U):                                                                      \
-    if constexpr (compiled_for<Format, kSets, kConcat>(schedule_code(B, P, W, T, U))) {                   \
+    if constexpr (compiled_for<Format, kSets, kConcat, OutT>(schedule_code(B, P, W, T, U))) {             \
       if constexpr (P == kStaged) {                                                                       \
         launched = launch_staged<Format, W, (B > 0 ? B : 1)>(stream, x, w.set[0], slot_expert, slots, y,  \
                                                               m_rows, n, k, name);                        \
       } else {                                                                                            \
-        launched = launch_one<Format, W, T, U, P, B, kSets, kConcat>(stream, x, w, slot_expert, slots, y, \
-                                                                     m_rows, n, k, n2);                   \
+        launched = launch_one<Format, W, T, U, P, B, kSets, kConcat, OutT>(stream, x, w, slot_expert,     \
+                                                                           slots, y, m_rows, n, k, n2);   \
       }                                                                                                   \
     }                                                                                                     \
     break;
@@ -437,14 +449,18 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
 
 // The XLA FFI binding every GEMV handler shares (ffi/__init__.py passes the operands in this order): the stream,
 // x bf16, the weight buffers (WEIGHT_ARGS: one weight's, or a pair's twice), the int32 expert ids, the
-// float32 output and the "schedule" attribute, then EXTRA_ATTRS. Command-buffer compatible: no host work, no sync.
+// output (float32; DSV4_GEMV_HANDLER_OUT: another type) and the "schedule" attribute, then EXTRA_ATTRS.
+// Command-buffer compatible: no host work, no sync.
 #define DSV4_GEMV_HANDLER(SYMBOL, IMPL, WEIGHT_ARGS, EXTRA_ATTRS)                                         \
+  DSV4_GEMV_HANDLER_OUT(SYMBOL, IMPL, WEIGHT_ARGS, EXTRA_ATTRS, F32)
+// The same with the output in OUT_TYPE (F32 or BF16).
+#define DSV4_GEMV_HANDLER_OUT(SYMBOL, IMPL, WEIGHT_ARGS, EXTRA_ATTRS, OUT_TYPE)                           \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(SYMBOL, IMPL,                                                             \
                                 xla::ffi::Ffi::Bind()                                                     \
                                     .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                        \
                                     .Arg<xla::ffi::Buffer<xla::ffi::BF16>>() WEIGHT_ARGS                  \
                                     .Arg<xla::ffi::Buffer<xla::ffi::S32>>()                               \
-                                    .Ret<xla::ffi::Buffer<xla::ffi::F32>>()                               \
+                                    .Ret<xla::ffi::Buffer<xla::ffi::OUT_TYPE>>()                          \
                                     .Attr<int32_t>("schedule") EXTRA_ATTRS,                               \
                                 {xla::ffi::Traits::kCmdBufferCompatible})
 // One weight's buffers: packed bytes (or e4m3 values) u8 and block scales u8, plus NVFP4's f32 global scale.

@@ -255,8 +255,10 @@ def _split_groups(w, groups: int):
     return None
 
 
-def group_matmul(x3: jax.Array, weight, plan: KernelPlan):
-    """Block-diagonal x3 [M, G, K] @ W [G * out, K]^T per group -> float32 [M, G, out], or None (reference)."""
+def group_matmul(x3: jax.Array, weight, plan: KernelPlan, out_dtype=jnp.float32):
+    """Block-diagonal x3 [M, G, K] @ W [G * out, K]^T per group -> [M, G, out], or None (reference): in out_dtype
+    where the FFI kernel can write it (an FP8 weight's products rounded to bf16 as they are stored, so a bf16
+    consumer needs no cast kernel), else float32."""
     backend = plan.backend
     if not _is_quantized_matrix(weight, 2):
         return None
@@ -266,7 +268,7 @@ def group_matmul(x3: jax.Array, weight, plan: KernelPlan):
         from dsv4_jax import ffi
         _record("group_linear", weight, backend, "ffi_grouped_gemv")
         groups = np.arange(x3.shape[1], dtype=np.int32)      # slot g = group g's rows (a constant: no iota kernel)
-        y = ffi.grouped_gemv(jnp.swapaxes(x3, 0, 1), stacked, groups, jnp.float32)
+        y = ffi.grouped_gemv(jnp.swapaxes(x3, 0, 1), stacked, groups, out_dtype)
         return jnp.swapaxes(y, 0, 1)                                      # [M, G, out]
     kernel = _dense_kernel(weight, *stacked.shape[-2:]) if stacked is not None else None
     _record("group_linear", weight, backend if kernel else "reference", "gemv")

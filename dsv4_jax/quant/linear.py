@@ -261,7 +261,9 @@ def group_linear(x: jax.Array, weight, out_dtype=None, *, ctx) -> jax.Array:
     if rows % groups:
         raise ValueError(f"group_linear: {rows} weight rows do not split into {groups} groups")
     xq, row_scale = _quantize_input(x, weight, ctx)
-    y = kernel_dispatch.group_matmul(xq.reshape(-1, groups, cols), weight, ctx.kernels)
+    # without an activation scale to apply, the kernel may write out_dtype itself
+    y = kernel_dispatch.group_matmul(xq.reshape(-1, groups, cols), weight, ctx.kernels,
+                                     jnp.float32 if row_scale is not None else out_dtype or x.dtype)
     if y is not None:
         y = y.reshape(*x.shape[:-1], rows // groups)
         return _rescale(y, row_scale, None).astype(out_dtype or x.dtype)
