@@ -319,8 +319,8 @@ def test_moe_gemv_pair_gpu(fmt, rows, dtype, schedule, layout):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
-@pytest.mark.parametrize("slots,n,k,m,schedule", [(1, 2048, 4096, 1, 0), (1, 1024, 7168, 8, 811),
-                                                  (8, 1024, 4096, 1, 0), (8, 1024, 4096, 5, 411), (1, 512, 4096, 3, 11)])
+@pytest.mark.parametrize("slots,n,k,m,schedule", [(1, 2048, 4096, 1, 0), (1, 1024, 7168, 8, 811), (8, 1024, 4096, 1, 0),
+                                                  (8, 1024, 4096, 5, 411), (1, 512, 4096, 3, 11)])
 def test_fp8_bf16_output_gpu(slots, n, k, m, schedule):
     """The bf16-output handler stores each float32 sum rounded to nearest even: bit for bit the float32 handler's
     output cast to bf16 (the same sums, one rounding), and within bf16 rounding of float64 math. Grouped as the

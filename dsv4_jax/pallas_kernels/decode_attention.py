@@ -25,9 +25,11 @@ rounding, not bit for bit (float32: to float32 rounding).
 With `rope=(inv_freq, eps)` the kernel also takes the query as wq_b leaves it (any dtype): rounded to the activation
 dtype, per-head RMS norm, RoPE at the token's position, and the output's inverse RoPE. With `kv_prologue` it also
 makes the chunk's keys from wkv's output (RMS norm with the weight, RoPE per row, the FP8 fake quant) and returns
-them for the window ring. Rotations pair each rope column with its partner through a dot with the swap permutation
-(Triton has no pair shuffle). The ring and the compressed entries are read as kv_cache.py stores them: in the
-activation dtype, or compact (e4m3 nope dims decoded with their E8M0 block scale as they load).
+them for the window ring. With `rope` and `query_ready` it takes the query normalised and rotated (norm_rope's
+query kernel, as the model passes it) and does only the inverse RoPE. Rotations pair each rope column with its
+partner through a dot with the swap permutation (Triton has no pair shuffle). The ring and the compressed entries
+are read as kv_cache.py stores them: in the activation dtype, or compact (e4m3 nope dims decoded with their E8M0
+block scale as they load).
 
 Triton needs power-of-two tensor shapes: heads a multiple of 16, head_dim a power of two, the window a multiple of
 BLOCK_KEYS, the rope dims a power-of-two block after nope dims in blocks of 64 (`supported`); the picks are padded to
@@ -301,8 +303,8 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
     start[b] + i: without `rope`, q normalised and rotated and the output before the inverse RoPE; with
     rope=(inv_freq [rope_dim / 2], eps), q as wq_b leaves it (any dtype) and the output after the inverse RoPE;
     with rope and `query_ready`, q normalised and rotated in the keys' dtype (norm_rope's query kernel) and the
-    output after the inverse RoPE. A query made here is redone by every program of its token (one per split and
-    head block) and held in registers across the key loop; a ready one is loaded as the keys are.
+    output after the inverse RoPE. A query made here is made again by every program of its token (one per split
+    and head block); a ready one is made once per token (the model passes it so).
 
     ring [B, window, D]: the window ring before this chunk; chunk_kv [B, S, D]: the chunk's keys; sink [H];
     compressed [B, N, D]: the compressed entries (ratio > 0); picks [B, S, k] int32: the indexer's picks of a CSA
@@ -340,7 +342,8 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
     if rope is None or query_ready:
         plain.append(q)
     if any(a.dtype != dtype for a in plain):
-        raise ValueError(f"decode_attention takes caches (and a query without `rope`) in the keys' dtype {dtype}, "
+        raise ValueError(f"decode_attention takes caches (and a query without `rope` or with `query_ready`) in the "
+                         f"keys' dtype {dtype}, "
                          f"got {[str(a.dtype) for a in plain]}")
     rows = batch * seq
     n_entries = jax.tree.leaves(compressed)[0].shape[1] if ratio > 0 else 0
