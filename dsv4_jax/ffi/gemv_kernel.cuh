@@ -376,15 +376,14 @@ constexpr int schedule_code(int b, int p, int w, int t, int u) {
 }
 
 // Schedules compiled for a Format: all of them, or (Format::kAllSchedules false: a variant being measured) the
-// default and the few that won somewhere in the sweeps; for two weight sets the defaults only; for a bf16 output
-// (one weight) the defaults of dense and grouped calls (ffi/__init__.py).
+// default and the few that won somewhere in the sweeps; for two weight sets or a bf16 output (one FP8 weight's
+// handler) the defaults only (ffi/__init__.py: PAIR_SCHEDULES, BF16_OUTPUT_SCHEDULES).
 template <class Format, int kSets, bool kConcat = false, class OutT = float>
 constexpr bool compiled_for(int schedule) {
-  if (!std::is_same_v<OutT, float>) {
-    return kSets == 1 && (schedule == kDefaultSchedule || schedule == 411 || schedule == 11);
-  }
   if (kConcat) return schedule == kDefaultSchedule || schedule == 11;
-  if (kSets > 1) return schedule == kDefaultSchedule || schedule == 411 || schedule == 11;
+  if (kSets > 1 || !std::is_same_v<OutT, float>) {
+    return schedule == kDefaultSchedule || schedule == 411 || schedule == 11;
+  }
   if (schedule / 1000 % 10 == kStaged) return Format::kStageable;
   return Format::kAllSchedules || schedule == kDefaultSchedule || schedule == 411 || schedule == 11 ||
          schedule == 814 || schedule == 43811 || schedule == 83411;   // 411, 11: ffi's other defaults

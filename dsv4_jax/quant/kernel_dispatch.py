@@ -257,8 +257,8 @@ def _split_groups(w, groups: int):
 
 def group_matmul(x3: jax.Array, weight, plan: KernelPlan, out_dtype=jnp.float32):
     """Block-diagonal x3 [M, G, K] @ W [G * out, K]^T per group -> [M, G, out], or None (reference): in out_dtype
-    where the FFI kernel can write it (an FP8 weight's products rounded to bf16 as they are stored, so a bf16
-    consumer needs no cast kernel), else float32."""
+    on the FFI path (an FP8 weight's products rounded to bf16 as they are stored, so a bf16 consumer needs no cast
+    kernel), float32 on the Pallas path."""
     backend = plan.backend
     if not _is_quantized_matrix(weight, 2):
         return None
