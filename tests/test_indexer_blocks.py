@@ -74,6 +74,11 @@ def test_indexer_select_takes_the_blocks_beyond_one_block(monkeypatch):
         return jax.jit(lambda *a: attention.indexer_select(params, cfg, *a, inv_freq, ctx))(x, q_latent, positions,
                                                                                           keys)
     one_idx, one_valid = select()
+    # the valid picks come first, as many as the visible entries (at most k): a decode step's attention masks the
+    # picks by their place alone (attention._attend_one_token)
+    visible = (np.asarray(positions) + 1) // 4
+    np.testing.assert_array_equal(np.asarray(one_valid),
+                                  np.arange(one_valid.shape[-1])[None, None, :] < visible[:, :, None])
     monkeypatch.setattr(attention, "INDEXER_BLOCK", 16)
     monkeypatch.setattr(attention, "INDEXER_SCORE_BYTES", 0)           # blocks of exactly 16
     idx, valid = select()

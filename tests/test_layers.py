@@ -590,6 +590,53 @@ def test_window_blocks_equal_the_softmax_over_each_querys_window(seq):
                                      f"(atol 1e-5)")
 
 
+@pytest.mark.parametrize("ratio", [0, 4, 8], ids=["window", "csa", "hca"])
+def test_one_token_attention_equals_the_softmax_over_the_keys_it_may_see(ratio):
+    """A decode step's attention core (_attend_one_token: the mask from the column index, the sink in a padding
+    column, probabilities normalised before the values) against float64: the softmax over exactly the ring keys at
+    positions p - window + 1 .. p - 1, the token's own key, and the picked valid (CSA) or visible (HCA) compressed
+    entries, the sink in the denominator. Row 0 is early (ring partly unwritten, fewer visible entries than picks),
+    row 1 late; unwritten ring slots, invalid picks and invisible entries hold poison. With compressed entries the
+    keys leave exactly one padding column, the sink's."""
+    window, n_heads, head_dim, n_entries, k = 16, 3, 8, 46, 46     # (CSA, HCA) 17 + 46 keys: one padding column
+    start = np.array([9 if ratio != 8 else 30, 300], np.int32)
+    rng = np.random.default_rng()
+    q, kv = rng.standard_normal((2, 1, n_heads, head_dim)), rng.standard_normal((2, 1, head_dim))
+    ring, sink = rng.standard_normal((2, window, head_dim)), rng.standard_normal(n_heads)
+    compressed = rng.standard_normal((2, n_entries, head_dim))
+    ring_pos = np.asarray(attention_module.ring_positions(jnp.asarray(start), window))
+    ring[ring_pos < 0] = 1e4
+    picks, seen_entries = None, [np.zeros(0, int)] * 2
+    if ratio:
+        visible = np.minimum((start + 1) // ratio, n_entries)
+        for b in range(2):
+            compressed[b, visible[b]:] = 1e4
+        seen_entries = [np.arange(v) for v in visible]
+    if ratio == 4:
+        idx = np.zeros((2, 1, k), np.int32)
+        for b in range(2):
+            n_valid = min(k, visible[b])
+            idx[b, 0, :n_valid] = rng.permutation(visible[b])[:n_valid]
+            idx[b, 0, n_valid:] = rng.integers(visible[b], n_entries, k - n_valid)       # invisible: poison
+            seen_entries[b] = idx[b, 0, :n_valid]
+        valid = np.arange(k)[None, None, :] < np.minimum(k, visible)[:, None, None]
+        assert not valid[0].all() and valid[1].all()
+        picks = (jnp.asarray(idx), jnp.asarray(valid))
+    got = attention_module._attend(*(jnp.asarray(a, jnp.float32) for a in (q, ring, kv)), jnp.asarray(start),
+                                   jnp.asarray(start[:, None]), jnp.asarray(sink, jnp.float32), 0.3, window, ratio,
+                                   jnp.asarray(compressed, jnp.float32) if ratio else None, picks)
+    want = np.full_like(q, np.nan)
+    for b in range(2):
+        in_window = (ring_pos[b] >= 0) & (ring_pos[b] > start[b] - window)
+        keys = np.concatenate([ring[b][in_window], kv[b], compressed[b][seen_entries[b]]])
+        assert len(keys) == min(window, start[b] + 1) + len(seen_entries[b])
+        logits = 0.3 * q[b, 0] @ keys.T                                                     # [H, seen]
+        peak = np.maximum(logits.max(axis=-1), sink)
+        e = np.exp(logits - peak[:, None])
+        want[b, 0] = (e @ keys) / (e.sum(axis=-1) + np.exp(sink - peak))[:, None]
+    assert_close(got, want, 1e-5, 0, f"one token's attention (ratio {ratio}) vs float64 (atol 1e-5)")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # MoE
 # ---------------------------------------------------------------------------------------------------------------

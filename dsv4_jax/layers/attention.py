@@ -310,9 +310,9 @@ def _attend(q, ring, kv, start, positions, sink, scale: float, window: int, rati
     dtype = q.dtype
     batch, seq, n_heads, head_dim = q.shape
     keys = jnp.concatenate([kv_cache.decode(ring, dtype), kv], axis=1)                   # [B, W+S, hd]
-    key_pos = jnp.concatenate([ring_positions(start, window), positions], axis=1)
     if seq == 1:
-        return _attend_one_token(q, keys, key_pos, positions, sink, scale, window, ratio, compressed, picks)
+        return _attend_one_token(q, keys, start, sink, scale, window, ratio, compressed, picks)
+    key_pos = jnp.concatenate([ring_positions(start, window), positions], axis=1)
     if seq > window:
         window_logits, window_mask, window_values = _window_blocks(q, keys, key_pos, positions, window)
         logits = [window_logits * scale]
@@ -356,34 +356,40 @@ def _attend(q, ring, kv, start, positions, sink, scale: float, window: int, rati
 KEY_ALIGN = 64         # _attend_one_token's keys come in multiples of this (else XLA pads them for its matmuls: a copy)
 
 
-def _attend_one_token(q, keys, key_pos, positions, sink, scale: float, window: int, ratio: int, compressed, picks):
-    """_attend for one token per sequence: every key it may see (the window's, then the picked or visible
-    compressed entries) in one array, so that the logits, the softmax and the values are one matmul, two
-    reductions and one matmul (on a GPU about half the launches of scoring the two kinds of keys apart)."""
+def _attend_one_token(q, keys, start, sink, scale: float, window: int, ratio: int, compressed, picks):
+    """_attend for one token per sequence (at position `start`): every key it may see (the window's, then the picked
+    or visible compressed entries) in one array, so that the logits, the softmax and the values are one matmul, one
+    softmax and one matmul. The softmax is a plain one over the last axis, which XLA's GPU backend fuses into one
+    kernel (a max, then a sum with the sink added after it, are two or three): the sink's logit takes the first
+    padding column (its key is zeros, so it adds nothing to the values), the probabilities are normalised before
+    the values' matmul, and the mask is arithmetic on the column index (a concatenated mask would be a kernel of
+    its own). CSA's picks need no mask of their own: indexer_select returns its valid picks first, min(k, visible)
+    of them, so pick j is valid iff entry j would be visible, as for HCA."""
     dtype = q.dtype
-    delta = positions[:, :, None] - key_pos[:, None, :]
-    masks = [(key_pos[:, None, :] >= 0) & (delta >= 0) & (delta < window)]                # [B, 1, W+1]
-    parts = [keys]
+    parts = [keys]                                                                       # ring, then the token
     if compressed is not None and ratio == 4:
-        idx, valid = picks
-        parts.append(kv_cache.decode(kv_cache.gather_rows(compressed, idx), dtype)[:, 0])  # [B, k, hd]
-        masks.append(valid)
+        parts.append(kv_cache.decode(kv_cache.gather_rows(compressed, picks[0]), dtype)[:, 0])   # [B, k, hd]
     elif compressed is not None:
         parts.append(kv_cache.decode(compressed, dtype))
-        masks.append(compressed_visible(positions, parts[-1].shape[1], ratio))
-    pad = -sum(p.shape[1] for p in parts) % KEY_ALIGN      # masked zero keys: the matmuls take the array as made
-    if pad:
-        parts.append(jnp.zeros((keys.shape[0], pad, keys.shape[2]), dtype))
-        masks.append(jnp.zeros((keys.shape[0], 1, pad), bool))
-    keys, mask = jnp.concatenate(parts, axis=1), jnp.concatenate(masks, axis=2)
+    sink_column = sum(p.shape[1] for p in parts)
+    pad = -(sink_column + 1) % KEY_ALIGN + 1      # masked zero keys (the matmuls take the array as made); 1 or more
+    parts.append(jnp.zeros((keys.shape[0], pad, keys.shape[2]), dtype))
+    keys = jnp.concatenate(parts, axis=1)
+    column = jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :]
+    position = start[:, None]
+    held = (position - 1) - jnp.mod(position - 1 - column, window)                     # ring_positions, per column
+    in_window = ((column < window) & (held >= 0) & (position - held < window)) | (column == window)
+    entry = column - (window + 1)
+    in_compressed = (entry >= 0) & (entry < sink_column - (window + 1)) & ((entry + 1) * ratio <= position + 1)
+    mask = (in_window | in_compressed)[:, None, None, :]                                 # [B, 1, 1, K]
     logits = jnp.einsum("bshd,bkd->bshk", q, keys, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(mask[:, :, None, :], logits, -jnp.inf)
-    sink = sink.astype(jnp.float32)[None, None, :]
-    peak = jnp.maximum(jnp.max(logits, axis=-1), sink)
-    probs = jnp.exp(logits - peak[..., None])
-    denom = jnp.sum(probs, axis=-1) + jnp.exp(sink - peak)
+    logits = jnp.where(mask, logits, -jnp.inf)
+    logits = jnp.where(column[:, None, None, :] == sink_column, sink.astype(jnp.float32)[None, None, :, None], logits)
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    probs = jnp.exp(logits - peak)
+    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
     out = jnp.einsum("bshk,bkd->bshd", probs.astype(dtype), keys, preferred_element_type=jnp.float32)
-    return (out / denom[..., None]).astype(dtype)
+    return out.astype(dtype)
 
 
 def _queries(params: dict, cfg: ModelConfig, q_latent: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
