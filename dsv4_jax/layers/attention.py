@@ -36,10 +36,11 @@ def _kv_fake_quant(kv: jax.Array, nope_dim: int, ctx) -> jax.Array:
     return jnp.concatenate([trained_rounding(fp8_fake_quant, kv[..., :nope_dim], ctx), kv[..., nope_dim:]], axis=-1)
 
 
-def ring_positions(start: jax.Array, window: int) -> jax.Array:
+def ring_positions(start: jax.Array, window: int, slots: jax.Array | None = None) -> jax.Array:
     """Position held by each ring slot s before a chunk starting at `start`: the latest p < start with
-    p = s (mod window); negative where nothing was written yet. [B, window]"""
-    slots = jnp.arange(window, dtype=jnp.int32)[None, :]
+    p = s (mod window); negative where nothing was written yet. [B, window] (`slots` [1, N]: those slots' instead)"""
+    if slots is None:
+        slots = jnp.arange(window, dtype=jnp.int32)[None, :]
     last = start[:, None] - 1
     return last - jnp.mod(last - slots, window)
 
@@ -377,9 +378,11 @@ def _attend_one_token(q, keys, start, sink, scale: float, window: int, ratio: in
     keys = jnp.concatenate(parts, axis=1)
     column = jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :]
     position = start[:, None]
-    held = (position - 1) - jnp.mod(position - 1 - column, window)                     # ring_positions, per column
+    held = ring_positions(start, window, column)              # for the ring's columns (elementwise: no concatenation)
     in_window = ((column < window) & (held >= 0) & (position - held < window)) | (column == window)
     entry = column - (window + 1)
+    # compressed_visible's rule, entry < (position + 1) // ratio, without the division (XLA hoists a division of
+    # the position into a kernel of its own)
     in_compressed = (entry >= 0) & (entry < sink_column - (window + 1)) & ((entry + 1) * ratio <= position + 1)
     mask = (in_window | in_compressed)[:, None, None, :]                                 # [B, 1, 1, K]
     logits = jnp.einsum("bshd,bkd->bshk", q, keys, preferred_element_type=jnp.float32) * scale
