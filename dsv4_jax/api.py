@@ -19,7 +19,7 @@ import numpy as np
 
 from . import engine, speculative
 from .config import ModelConfig
-from .kv_cache import check_kv_cache_dtype
+from .numerics.kv_cache import check_kv_cache_dtype
 from .layer_scan import is_scanned, scan_plan, stack_layers, unstack_layers
 from .run_context import RunContext
 from .sharding import check_mesh, param_shardings, state_shardings
@@ -82,7 +82,7 @@ class Model:
         init_random pass it: nothing else holds them); params already stacked (another scanned Model's) are taken
         as they are. `model.module` of a scanned model is built on first use, from copies. `kv_cache_dtype`:
         None (decode states hold attention entries in `dtype`) or "fp8" (e4m3 KV nope dims and e2m1 indexer keys
-        with their block scales, kv_cache.py: half the bytes per token, the same logits under simulate_quant)."""
+        with their block scales, numerics/kv_cache.py: half the bytes per token, the same logits under simulate_quant)."""
         check_kv_cache_dtype(kv_cache_dtype)
         self.kv_cache_dtype = kv_cache_dtype
         self.config = cfg

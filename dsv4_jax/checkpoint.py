@@ -31,8 +31,8 @@ from .config import ModelConfig, load_hf_config
 from .params import (WeightSpec, disk_tensor_specs, expert_disk_names, init_params, is_expert_stack, tree_get,
                      tree_set, weight_specs)
 from .sharding import expert_slice
-from .quant.formats import NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
-from .quant.kernel_dispatch import nvfp4_weights_kernels_approximate
+from .numerics.formats import NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from .ops.matmul_kernels import nvfp4_weights_kernels_approximate
 
 # safetensors dtype -> numpy dtype of the raw storage
 STORAGE_DTYPES = {
@@ -323,7 +323,7 @@ def _read_experts(spec: WeightSpec, read, shardings=None):
 def quantize_head_to_nvfp4(params: dict) -> dict:
     """Replace the bf16 lm_head by NVFP4 (standard recipe, on device) and free the bf16 copy. The router gate
     and every other weight are left alone. Returns the same tree."""
-    from .quant.nvfp4 import quantize_nvfp4
+    from .numerics.nvfp4 import quantize_nvfp4
     head = params["head"]["weight"]
     if not isinstance(head, jax.Array | np.ndarray):
         raise ValueError(f"quantize_head: the head is already {type(head).__name__}, expected a bf16 array")

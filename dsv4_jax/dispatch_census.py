@@ -5,7 +5,7 @@ plan names (a compile-only H200 on a CPU machine included).
     step_dispatch(cfg, ctx, batch=32)                    # the decode step of 32 sequences
     step_dispatch(cfg, ctx, batch=64, tokens_per_row=4)  # a verify step: 64 sequences x (1 + 3 drafts)
 
-Returns {"path:kernel" or "reference": count} from kernel_dispatch.record_dispatch().
+Returns {"path:kernel" or "reference": count} from matmul_kernels.record_dispatch().
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from . import engine
 from .config import ModelConfig
 from .params import init_params
-from .quant import kernel_dispatch
+from .ops import matmul_kernels
 from .run_context import RunContext
 from .state import init_state
 
@@ -37,7 +37,7 @@ def step_dispatch(cfg: ModelConfig, ctx: RunContext, batch: int, tokens_per_row:
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
     state = jax.eval_shape(lambda: init_state(cfg, batch, max_seq_len, jnp.bfloat16))
     jax.clear_caches()          # a program traced before would come from the cache and record nothing
-    with kernel_dispatch.record_dispatch() as records:
+    with matmul_kernels.record_dispatch() as records:
         if tokens_per_row == 1:
             engine.decode_step.trace(params, state, jax.ShapeDtypeStruct((batch,), jnp.int32), cfg=cfg, ctx=ctx,
                                      max_seq_len=max_seq_len)

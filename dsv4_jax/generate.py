@@ -348,7 +348,7 @@ def checked_config(args, directory: str):
 
 def planned_kernels(args):
     """The kernel plan of --kernels, made before the load (e.g. 'pallas' needs a GPU)."""
-    from .quant.kernel_plan import plan_kernels
+    from .ops.plan import plan_kernels
     try:
         return plan_kernels(args.kernels)
     except ValueError as err:
@@ -560,7 +560,7 @@ def _recording(verbose: bool):
     """kernel_dispatch.record_dispatch() when --verbose (the matmuls' kernels, recorded as programs are traced)."""
     import contextlib
 
-    from .quant.kernel_dispatch import record_dispatch
+    from .ops.matmul_kernels import record_dispatch
     return record_dispatch() if verbose else contextlib.nullcontext([])
 
 

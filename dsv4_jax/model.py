@@ -19,7 +19,7 @@ from .layers.hyper import hc_head, hc_post, hc_pre_norm, site_on_kernels
 from .layers.moe import moe
 from .layers.norm import rms_norm
 from .layers.rope import rope_inv_freq
-from .quant import linear
+from .ops import linear
 from .run_context import RunContext
 
 def layer_kind(cfg: ModelConfig, layer: int) -> str:

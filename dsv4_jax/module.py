@@ -27,7 +27,7 @@ from . import engine
 from .config import ModelConfig
 from .run_context import RunContext
 from .params import FP4_FORMATS, WeightSpec, init_params, is_expert_stack, tree_get, tree_set, weight_specs
-from .quant.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from .numerics.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
 
 class Weights(nnx.Module):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .quant.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from .numerics.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
 
 # Logical axes a weight dimension may carry: what a mesh may split it by (sharding rules map them to mesh axes).

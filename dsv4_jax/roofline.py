@@ -24,10 +24,10 @@ import jax
 import numpy as np
 
 from .config import ModelConfig
-from .kv_cache import entry_bytes
+from .numerics.kv_cache import entry_bytes
 from .layers.compressor import init_compressor_state
 from .params import WeightSpec, weight_specs
-from .quant.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK
+from .numerics.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK
 
 # Parts of the model a decode step reads, in table order.
 WEIGHT_PARTS = ("attention", "compressor", "indexer", "mhc", "norms", "router", "shared_experts", "routed_experts",

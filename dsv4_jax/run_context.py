@@ -3,8 +3,8 @@
     ctx = RunContext.create(dtype="float32", act_quant="fp8", kernels="auto")   # resolves the kernel plan now
     logits = engine.forward(params, tokens, cfg=cfg, ctx=ctx)
 
-It holds the numerics (activation dtype, the trained fake-quant roundings, the `act_quant` mode of quant/linear.py;
-docs/architecture.md "Run context and kernel plan"), the kernel plan resolved for a device (quant/kernel_plan.py),
+It holds the numerics (activation dtype, the trained fake-quant roundings, the `act_quant` mode of ops/matmul.py;
+docs/architecture.md "Run context and kernel plan"), the kernel plan resolved for a device (ops/plan.py),
 the device mesh the program runs on (sharding.py; None: one device) and, for training, `Training`. Every layer and
 every matmul takes it as a required argument, so no call can fall back to a default mode, and a new option is a new
 field here, not a new parameter of every function. It is frozen and hashable: a static argument of jit, one
@@ -18,8 +18,8 @@ import dataclasses
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from .quant.kernel_plan import KernelPlan, plan_kernels
-from .quant.linear import ACT_QUANT_MODES
+from .ops.plan import KernelPlan, plan_kernels
+from .ops.matmul import ACT_QUANT_MODES
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -50,7 +50,7 @@ class Training:
 @dataclasses.dataclass(frozen=True)
 class RunContext:
     """dtype: activations ("bfloat16" | "float32"); simulate_quant: the model's trained fake-quant roundings;
-    act_quant: activation quantization into quantized weights ("none" | "fp8" | "nvfp4", quant/linear.py);
+    act_quant: activation quantization into quantized weights ("none" | "fp8" | "nvfp4", ops/matmul.py);
     kernels: the resolved KernelPlan; training: None for inference; mesh: a (data, expert) jax.sharding.Mesh
     (sharding.make_mesh) whose "expert" axis splits the routed experts, or None for one device;
     context_limit: a bound the host knows on the positions of a call (every token at a position below it), so

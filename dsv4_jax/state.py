@@ -16,7 +16,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from . import kv_cache
+from .numerics import kv_cache
 from .config import ModelConfig
 from .layer_scan import StackedLayers, scan_plan
 from .layers.compressor import init_compressor_state
@@ -36,7 +36,7 @@ class DecodeState:
 
 def init_layer_cache(cfg: ModelConfig, ratio: int, batch: int, max_seq_len: int, dtype,
                      kv_cache_dtype=None) -> dict:
-    """`kv_cache_dtype`: None (entries in `dtype`) or "fp8" (compact entries, kv_cache.py)."""
+    """`kv_cache_dtype`: None (entries in `dtype`) or "fp8" (compact entries, numerics/kv_cache.py)."""
     def entries(n: int, head_dim: int, kind: str):
         return kv_cache.empty((batch, n), head_dim, cfg.rope_head_dim, dtype, kind, kv_cache_dtype)
     cache = {"window_kv": entries(cfg.window_size, cfg.head_dim, "kv")}
@@ -53,7 +53,7 @@ def init_state(cfg: ModelConfig, batch: int, max_seq_len: int, dtype=jnp.bfloat1
                scan_layers: bool = False, kv_cache_dtype=None) -> DecodeState:
     """A fresh state (every sequence at position 0, compressor logits -inf). With `scan_layers`, the caches of
     the repeated layer pattern are stacked (layer_scan.StackedLayers), as a scanned model's steps take them.
-    `kv_cache_dtype` "fp8": window, compressed and indexer entries stored compact (kv_cache.py)."""
+    `kv_cache_dtype` "fp8": window, compressed and indexer entries stored compact (numerics/kv_cache.py)."""
     if batch < 1 or max_seq_len < 1:
         raise ValueError(f"max_batch and max_seq_len must be >= 1, got {batch} and {max_seq_len}")
     kv_cache.check_kv_cache_dtype(kv_cache_dtype)

@@ -4,7 +4,7 @@
 
 Compiles the batch-1 decode step of a 2-layer Flash-geometry model (one CSA layer, ratio 4 with the indexer, and
 one HCA layer, ratio 128) for a compile-only H200 (scripts/count_kernels.py's device) at --max-seq-len, with the
-whole buffers live (no context bucket), for the caches in the activation dtype and in "fp8" (kv_cache.py). Every
+whole buffers live (no context bucket), for the caches in the activation dtype and in "fp8" (numerics/kv_cache.py). Every
 top-level instruction of the entry computation (and of the decode loop's body, if any) whose operands include one
 of the attention caches (window ring, compressed entries, indexer keys; recognised by their shapes) is listed with
 what it is (a gather, a dot, an elementwise fusion, ...), the cache bytes it takes and the bytes it writes. A gather

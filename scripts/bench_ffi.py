@@ -32,8 +32,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from dsv4_jax import ffi  # noqa: E402
 from dsv4_jax.layers.moe import clamped_swiglu  # noqa: E402
-from dsv4_jax.quant.formats import weight_bytes  # noqa: E402
-from dsv4_jax.quant.linear import linear  # noqa: E402
+from dsv4_jax.numerics.formats import weight_bytes  # noqa: E402
+from dsv4_jax.ops.matmul import linear  # noqa: E402
 from dsv4_jax.pallas_kernels import gemv, moe  # noqa: E402
 from scripts.bench_kernels import (MAX_COPIES, REFERENCE, ROTATE_BYTES, make_weight, nbytes,  # noqa: E402
                                    profiled_kernel_us, recorder, rel_err, routed_expert_ids, time_calls)

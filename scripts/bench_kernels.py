@@ -3,7 +3,7 @@ dequantize+dot and jax.lax.ragged_dot, on DeepSeek-V4-Flash decode (M = 1..64) a
 
     python3 scripts/bench_kernels.py --out $OUT/bench_kernels.json [--quick] [--budget-s 300] [--prefill-only]
 
-Method: every case is checked against dsv4_jax.quant's reference on fresh random inputs
+Method: every case is checked against dsv4_jax.numerics's reference on fresh random inputs
 before it is timed; time = one jitted program that calls the op on C different weight copies (C * bytes >= 256 MB,
 at most 48 copies; the 50 MB L2 cannot hold them) R times in a fori_loop, divided by C * R: in-program time per call, host
 dispatch excluded, launch gaps and the small epilogue fusion included. Median / min / max over 5 such programs.
@@ -36,9 +36,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dsv4_jax.quant.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, weight_bytes  # noqa: E402
-from dsv4_jax.quant.linear import grouped_linear, linear  # noqa: E402
-from dsv4_jax.quant.activations import quantize_fp8  # noqa: E402
+from dsv4_jax.numerics.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, weight_bytes  # noqa: E402
+from dsv4_jax.ops.matmul import grouped_linear, linear  # noqa: E402
+from dsv4_jax.numerics.activations import quantize_fp8  # noqa: E402
 from dsv4_jax.run_context import RunContext  # noqa: E402
 from dsv4_jax.pallas_kernels import gemv, moe, prefill  # noqa: E402
 

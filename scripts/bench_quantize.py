@@ -171,7 +171,7 @@ def main():
             del x
 
     # where XLA:GPU's run of the NVFP4 reference departs from XLA:CPU's: compare its stages
-    from dsv4_jax.quant import activations as act, nvfp4
+    from dsv4_jax.numerics import activations as act, nvfp4
     x = _input(rng, 64, 7168)
     stages = {"gsa": lambda x: act.nvfp4_global_scale(x),
               "scale,y": lambda x: nvfp4.scale_blocks(x, act.nvfp4_global_scale(x))}

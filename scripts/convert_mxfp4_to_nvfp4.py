@@ -48,8 +48,8 @@ class ConversionError(ValueError):
 def _scale_caster():
     import jax
 
-    from dsv4_jax.quant.nvfp4 import mxfp4_to_nvfp4_is_exact, nvfp4_scales_from_e8m0
-    from dsv4_jax.quant.formats import Mxfp4Weight
+    from dsv4_jax.numerics.nvfp4 import mxfp4_to_nvfp4_is_exact, nvfp4_scales_from_e8m0
+    from dsv4_jax.numerics.formats import Mxfp4Weight
     cpu = jax.devices("cpu")[0]
     cast = jax.jit(nvfp4_scales_from_e8m0)
     exact = jax.jit(lambda packed, scale: mxfp4_to_nvfp4_is_exact(Mxfp4Weight(packed, scale)))

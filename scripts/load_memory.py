@@ -38,7 +38,7 @@ def main(argv=None):
     from jax.sharding import NamedSharding
 
     from dsv4_jax.params import weight_specs
-    from dsv4_jax.quant.formats import Mxfp4Weight
+    from dsv4_jax.numerics.formats import Mxfp4Weight
     from dsv4_jax.sharding import partition_spec
 
     mesh = dsv4_jax.make_mesh(args.devices)

@@ -44,7 +44,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from dsv4_jax import ffi  # noqa: E402
-from dsv4_jax.quant import grouped_linear, linear  # noqa: E402
+from dsv4_jax.ops import grouped_linear, linear  # noqa: E402
 from dsv4_jax.pallas_kernels.quantize import quantize_fp8_kernel, quantize_nvfp4_kernel  # noqa: E402
 from scripts.bench_kernels import AUTO, make_weight  # noqa: E402
 from scripts.probe_gemv import probe_call  # noqa: E402

@@ -29,8 +29,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dsv4_jax import ffi  # noqa: E402
-from dsv4_jax.quant.formats import Mxfp4Weight, weight_bytes  # noqa: E402
-from dsv4_jax.quant.linear import linear  # noqa: E402
+from dsv4_jax.numerics.formats import Mxfp4Weight, weight_bytes  # noqa: E402
+from dsv4_jax.ops.matmul import linear  # noqa: E402
 from scripts.bench_kernels import (MAX_COPIES, REFERENCE, ROTATE_BYTES, make_weight, profiled_kernel_us,  # noqa: E402
                                    recorder, rel_err, time_calls)
 

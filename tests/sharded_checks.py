@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dsv4_jax  # noqa: E402
 from dsv4_jax import engine, presets  # noqa: E402
 from dsv4_jax.params import init_params  # noqa: E402
-from dsv4_jax.quant.kernel_plan import KernelPlan  # noqa: E402
+from dsv4_jax.ops.plan import KernelPlan  # noqa: E402
 from dsv4_jax.run_context import RunContext  # noqa: E402
 from dsv4_jax.sharding import EXPERT, param_shardings, splits_heads, splits_shared_expert, state_shardings  # noqa: E402
 from dsv4_jax.state import init_state  # noqa: E402

@@ -37,8 +37,8 @@ import numpy as np
 import pytest
 
 import reference_np as R
-from dsv4_jax.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
-from dsv4_jax.quant.linear import activation_quantizer
+from dsv4_jax.numerics import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from dsv4_jax.ops.matmul import activation_quantizer
 
 # (module, function) of the model -> site of the reference (after the layer prefix). Each is called at most once
 # per layer: attention's FP8 rounding is the window KV, its FP4 rounding the indexer query; the compressor's FP8
@@ -129,7 +129,7 @@ class DecisionRecorder:
             for (module, name), suffix in SITE_FUNCTIONS.items():
                 module = importlib.import_module(module)
                 patch.setattr(module, name, recording(getattr(module, name), suffix))
-            linear_module = importlib.import_module("dsv4_jax.quant.linear")
+            linear_module = importlib.import_module("dsv4_jax.ops.matmul")
             patch.setattr(linear_module, "_quantize_input", recording_activation(linear_module._quantize_input))
             self.compiled = jax.jit(program).lower(*args).compile()
         self.suffixes = [suffix for suffix, _, _ in calls]

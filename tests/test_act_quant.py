@@ -4,7 +4,7 @@ same activation quantization, and what the checkpoint's static `input_scale` wou
 
 The whole-model references are tests/reference_np.py (float64) with its `linear` wrapped so that every input of
 an FP8 / FP4 weight is quantized by the numpy quantizers of test_quant_formats.py (bf16 weights, the router, the
-compressors, the head and wo_a -- an einsum there -- stay unquantized, as in quant/linear.py).
+compressors, the head and wo_a -- an einsum there -- stay unquantized, as in ops/matmul.py).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import dsv4_jax
 import dsv4_jax.checkpoint
 from dsv4_jax import engine, presets
 from dsv4_jax.run_context import RunContext
-from dsv4_jax.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
-from dsv4_jax.quant.activations import nvfp4_global_scale, quantize_fp8, quantize_nvfp4
+from dsv4_jax.numerics import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from dsv4_jax.numerics.activations import nvfp4_global_scale, quantize_fp8, quantize_nvfp4
 from shared_decisions import DecisionRecorder, ModelDecisions, model_layers
 from test_quant_formats import F32, act_np, make_weight, nvfp4_blocks_np
 
-linear_module = importlib.import_module("dsv4_jax.quant.linear")
+linear_module = importlib.import_module("dsv4_jax.ops.matmul")
 moe_module = importlib.import_module("dsv4_jax.layers.moe")
 
 BATCH, SEQ = 2, 48

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from dsv4_jax import ffi
 from dsv4_jax.ffi import build
-from dsv4_jax.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from dsv4_jax.numerics import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 
@@ -354,7 +354,7 @@ def test_gemv_gpu_no_host_sync_and_no_retrace():
 
 def test_dispatch_falls_back_to_pallas_without_nvcc(monkeypatch):
     """No nvcc on a CUDA machine: one warning, and the kernel plan keeps the Pallas kernels (ffi=False)."""
-    from dsv4_jax.quant import kernel_plan
+    from dsv4_jax.ops import plan as kernel_plan
     def no_nvcc():
         raise build.FfiBuildError("nvcc not found")
     monkeypatch.setattr(build, "_nvcc", no_nvcc)

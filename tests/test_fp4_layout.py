@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from dsv4_jax import ffi
 from dsv4_jax.ffi.fp4_layout import GemvLayoutFp4, to_gemv_layout
-from dsv4_jax.quant import Mxfp4Weight, Nvfp4Weight
+from dsv4_jax.numerics import Mxfp4Weight, Nvfp4Weight
 
 from tests.test_ffi import HAS_GPU, _dequant64, _f64, _weight
 

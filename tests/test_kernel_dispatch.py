@@ -1,4 +1,4 @@
-"""The dispatch between the GPU kernels and the pure-jnp reference (dsv4_jax/quant/kernel_dispatch.py).
+"""The dispatch between the GPU kernels and the pure-jnp reference (dsv4_jax/ops/matmul_kernels.py).
 
 CPU: every dispatched call (linear, group_linear, grouped_linear) in Pallas interpret mode against float64 math,
 the fallbacks, the whole tiny model's decode step and generation loop with the kernels against the reference
@@ -17,11 +17,11 @@ import jax.numpy as jnp
 
 import dsv4_jax
 from dsv4_jax import engine
-from dsv4_jax.quant import (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, group_linear, grouped_linear,
-                            grouped_linear_pair, linear, linear_pair)
-from dsv4_jax.quant import kernel_dispatch
-from dsv4_jax.quant.activations import fp8_activation
-from dsv4_jax.quant.kernel_plan import KernelPlan, plan_kernels
+from dsv4_jax.numerics import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from dsv4_jax.ops import group_linear, grouped_linear, grouped_linear_pair, linear, linear_pair
+from dsv4_jax.ops import matmul_kernels
+from dsv4_jax.numerics.activations import fp8_activation
+from dsv4_jax.ops.plan import KernelPlan, plan_kernels
 from dsv4_jax.run_context import RunContext
 from dsv4_jax.state import init_state
 from logit_checks import top_tokens_agree
@@ -74,7 +74,7 @@ def test_linear_takes_the_kernel(fmt, dtype):
     rng = np.random.default_rng()
     w = _weight(rng, fmt, (128, 256))
     x = jnp.asarray(rng.standard_normal((2, 3, 256)), dtype)             # 6 rows: batch 2 x 3 tokens
-    with kernel_dispatch.record_dispatch() as rec:
+    with matmul_kernels.record_dispatch() as rec:
         y = linear(x, w, jnp.float32, ctx=INTERPRET)
     assert rec == [("linear", type(w).__name__, (128, 256), "interpret", "gemv")]
     assert y.shape == (2, 3, 128)
@@ -101,11 +101,11 @@ def test_prefill_linear_takes_the_fp8_tensor_core_kernel(fmt):
     if fmt == "mxfp4":                                                   # exponents within 14 binades: exact
         w = Mxfp4Weight(w.packed, jnp.clip(w.scale, 118, 131))
     x = jnp.asarray(rng.standard_normal((2, 21, 384)) * np.exp(rng.uniform(-4, 4, (2, 21, 1))), jnp.bfloat16)
-    with kernel_dispatch.record_dispatch() as rec:
+    with matmul_kernels.record_dispatch() as rec:
         y = linear(x, w, jnp.float32, ctx=_ctx("interpret", "fp8"))
     assert [r[3:] for r in rec] == [("interpret", "prefill_fp8")]
     assert _rel(y, linear(x, w, jnp.float32, ctx=_ctx("reference", "fp8"))) < 1e-6
-    with kernel_dispatch.record_dispatch() as rec:                        # bf16 activations: the decode kernel
+    with matmul_kernels.record_dispatch() as rec:                        # bf16 activations: the decode kernel
         linear(x, w, jnp.float32, ctx=_ctx("interpret", "none"))
     assert [r[3:] for r in rec] == [("interpret", "gemv")]
 
@@ -141,7 +141,7 @@ def test_group_linear_takes_the_kernel(fmt, out):
     groups, k = 4, 256
     w = _weight(rng, fmt, (groups * out, k))
     x = jnp.asarray(rng.standard_normal((3, 1, groups, k)), jnp.bfloat16)
-    with kernel_dispatch.record_dispatch() as rec:
+    with matmul_kernels.record_dispatch() as rec:
         y = group_linear(x, w, jnp.float32, ctx=INTERPRET)
     assert _paths(rec) == {"interpret": 1}
     dense = _dense64(w).reshape(groups, out, k)
@@ -157,7 +157,7 @@ def test_grouped_linear_takes_the_moe_kernel(fmt):
     sizes = np.array([3, 0, 1, 4, 2])                                     # an empty expert; 2 padding rows
     m = sizes.sum() + 2
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    with kernel_dispatch.record_dispatch() as rec:
+    with matmul_kernels.record_dispatch() as rec:
         y = grouped_linear(x, w, jnp.asarray(sizes, jnp.int32), jnp.float32, ctx=INTERPRET)
     assert _paths(rec) == {"interpret": 1}
     experts = np.repeat(np.arange(n_exp), sizes)
@@ -179,7 +179,7 @@ def test_grouped_linear_rows_in_any_order(fmt, kernels):
     groups = np.array([3, 0, 5, 3, 1, 4, 0, 2, 5, 3])                    # 5: not one of these experts
     x = jnp.asarray(rng.standard_normal((len(groups), k)), jnp.bfloat16)
     ctx = _ctx(kernels)
-    with kernel_dispatch.record_dispatch() as rec:
+    with matmul_kernels.record_dispatch() as rec:
         y = grouped_linear(x, w_a, None, jnp.float32, ctx=ctx, row_groups=jnp.asarray(groups, jnp.int32))
     assert _paths(rec) == {kernels if kernels == "interpret" else "reference": 1}
     xs = np.asarray(x.astype(jnp.float32), np.float64)
@@ -205,8 +205,8 @@ def test_grouped_linear_prefill_rows_take_wide_slots(fmt, dtype, n):
     w = _weight(rng, fmt, (n_exp, n, k))
     sizes = np.array([70, 0, 41, 29])                                     # 140 rows > MAX_MOE_ROWS
     x = jnp.asarray(rng.standard_normal((sizes.sum(), k)), dtype)
-    unroll = kernel_dispatch._fp4_unroll(w, k)
-    tiling = kernel_dispatch._moe_schedule(x, w, unroll)
+    unroll = matmul_kernels._fp4_unroll(w, k)
+    tiling = matmul_kernels._moe_schedule(x, w, unroll)
     assert tiling["slot_cols"] == (64 if dtype == jnp.bfloat16 else 128)
     assert tiling["block_n"] == (128 if n == 128 else 64)
     assert tiling["unroll"] * (32 if fmt == "mxfp4" else 16) == (128 if dtype == jnp.float32 else 256)
@@ -224,7 +224,7 @@ def test_nvfp4_weights_the_kernels_would_approximate_are_listed():
     bad = Nvfp4Weight(good.packed, jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.float8_e4m3fn),
                       good.global_scale)
     tree = {"a": {"weight": good}, "b": [{"weight": bad}], "c": jnp.ones(3)}
-    assert kernel_dispatch.nvfp4_weights_kernels_approximate(tree) == ["['b'][0]['weight']"]
+    assert matmul_kernels.nvfp4_weights_kernels_approximate(tree) == ["['b'][0]['weight']"]
 
 
 def test_fallbacks_and_modes():
@@ -232,7 +232,7 @@ def test_fallbacks_and_modes():
     w = _weight(rng, "fp8", (128, 256))
     odd = _weight(rng, "mxfp4", (96, 256))                                # N % 64 != 0: no kernel
     x = jnp.asarray(rng.standard_normal((1, 256)), jnp.bfloat16)
-    with kernel_dispatch.record_dispatch() as rec:
+    with matmul_kernels.record_dispatch() as rec:
         linear(x, w, ctx=REFERENCE)
         linear(x, w, ctx=RunContext.create(kernels="auto"))                                      # CPU: the reference
         linear(jnp.tile(x, (17, 1)), w, ctx=INTERPRET)              # 17-256 rows: the decode kernel, wider
@@ -290,7 +290,7 @@ def test_model_decode_and_generation_loop_run_the_kernels(tiny_checkpoint):
     prompt = np.random.default_rng().integers(0, 512, (2, 6)).astype(np.int32)
     kw = dict(dtype="float32", max_seq_len=32, max_batch=2, simulate_quant=False)
     ref = _prefill_decode_generate(dsv4_jax.load(tiny_checkpoint[0], kernels="reference", **kw), prompt, 4, False)
-    with kernel_dispatch.record_dispatch() as rec:
+    with matmul_kernels.record_dispatch() as rec:
         got = _prefill_decode_generate(dsv4_jax.load(tiny_checkpoint[0], kernels="interpret", **kw), prompt, 4,
                                        False)
     assert _paths(rec)["interpret"] >= 2 * 10                              # prefill, generation loop
@@ -309,7 +309,7 @@ def test_linear_pair_takes_the_concat_kernel_for_two_fp8_widths(monkeypatch):
 
     def lowered(x, a, b):
         fn = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32, ctx=ctx))
-        with kernel_dispatch.record_dispatch() as rec:
+        with matmul_kernels.record_dispatch() as rec:
             with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
                 text = fn.trace(x, a, b).lower(lowering_platforms=("cuda",)).as_text()
         return [r[4] for r in rec], text
@@ -330,7 +330,7 @@ def _decode_step_lowered_for_h200(kernels):
     model = dsv4_jax.load(DEFAULT_MODEL, kernels=kernels, max_seq_len=256, max_batch=2, target=H200)
     state = jax.eval_shape(lambda: init_state(model.config, 2, 256, jnp.bfloat16))
     tokens = jax.ShapeDtypeStruct((2,), jnp.int32)
-    with kernel_dispatch.record_dispatch() as rec:
+    with matmul_kernels.record_dispatch() as rec:
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
             text = engine.decode_step.trace(model.params, state, tokens, cfg=model.config, ctx=model.context,
                                             max_seq_len=256).lower(lowering_platforms=("cuda",)).as_text()
@@ -411,7 +411,7 @@ def test_prefill_kernel_gpu(fmt):
     if fmt == "mxfp4":
         w = Mxfp4Weight(w.packed, jnp.clip(w.scale, 118, 131))
     x = jnp.asarray(rng.standard_normal((300, 1024)) * np.exp(rng.uniform(-4, 4, (300, 1))), jnp.bfloat16)
-    with kernel_dispatch.record_dispatch() as rec:
+    with matmul_kernels.record_dispatch() as rec:
         y = jax.jit(lambda x, w: linear(x, w, jnp.float32, ctx=_ctx("pallas", "fp8")))(x, w)
     assert [r[3:] for r in rec] == [("pallas", "prefill_fp8")]
     # the oracle: float64 products of the very e4m3 x 2^k activations the reference quantizer makes
@@ -434,9 +434,9 @@ def test_grouped_linear_prefill_wide_slots_gpu(fmt, n):
     sizes[3] = 0                                                          # an expert no row chose
     m = int(sizes.sum()) + 5
     x = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.uniform(-3, 3, (m, 1))), jnp.bfloat16)
-    tiling = kernel_dispatch._moe_schedule(x, w, kernel_dispatch._fp4_unroll(w, k))
+    tiling = matmul_kernels._moe_schedule(x, w, matmul_kernels._fp4_unroll(w, k))
     assert tiling["block_n"] == (128 if n % 128 == 0 and fmt == "mxfp4" else 64)
-    with kernel_dispatch.record_dispatch() as rec:
+    with matmul_kernels.record_dispatch() as rec:
         y = jax.jit(lambda x, w, s: grouped_linear(x, w, s, jnp.float32, ctx=_ctx("pallas")))(
             x, w, jnp.asarray(sizes, jnp.int32))
     assert [r[3:] for r in rec] == [("pallas", "moe")]
@@ -465,7 +465,7 @@ def test_gate_up_pairs_match_two_reference_calls_gpu(fmt, act_quant):
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((5, 512)) * np.exp(rng.uniform(-3, 3, (5, 1))), jnp.bfloat16)
     w1, w3 = _weight(rng, fmt, (256, 512)), _weight(rng, fmt, (256, 512))
-    with kernel_dispatch.record_dispatch() as rec:
+    with matmul_kernels.record_dispatch() as rec:
         got = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32, ctx=_ctx("auto", act_quant)))(x, w1, w3)
     assert [r[4] for r in rec] == ["ffi_gemv_pair"]
     for y, w in zip(got, (w1, w3)):
@@ -476,7 +476,7 @@ def test_gate_up_pairs_match_two_reference_calls_gpu(fmt, act_quant):
     w1, w3 = _weight(rng, fmt, (6, 256, 512)), _weight(rng, fmt, (6, 256, 512))
     sizes = jnp.asarray([3, 0, 1, 4, 2, 0], jnp.int32)                   # an empty expert; 2 padding rows
     xs = jnp.asarray(rng.standard_normal((12, 512)) * np.exp(rng.uniform(-3, 3, (12, 1))), jnp.bfloat16)
-    with kernel_dispatch.record_dispatch() as rec:
+    with matmul_kernels.record_dispatch() as rec:
         got = jax.jit(lambda x, a, b, s: grouped_linear_pair(x, a, b, s, jnp.float32, ctx=_ctx("auto", act_quant)))(
             xs, w1, w3, sizes)
     assert [r[4] for r in rec] == ["ffi_moe_gemv_pair"]
@@ -496,7 +496,7 @@ def test_wq_a_wkv_concat_matches_two_reference_calls_gpu(act_quant):
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((2, 3, 512)) * np.exp(rng.uniform(-3, 3, (2, 3, 1))), jnp.bfloat16)
     w_q, w_kv = _weight(rng, "fp8", (384, 512)), _weight(rng, "fp8", (128, 512))
-    with kernel_dispatch.record_dispatch() as rec:
+    with matmul_kernels.record_dispatch() as rec:
         got = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32, ctx=_ctx("auto", act_quant)))(x, w_q, w_kv)
     assert [r[4] for r in rec] == ["ffi_gemv_concat"]
     for y, w in zip(got, (w_q, w_kv)):
@@ -514,7 +514,7 @@ def test_default_model_with_kernels_matches_reference_gpu(dtype, act_quant):
     auto = dsv4_jax.load(DEFAULT_MODEL, **kw)
     assert auto.context.kernels.mode == "auto" and auto.context.kernels.backend == "cuda" and auto.context.kernels.ffi
     ref = _prefill_decode_generate(dsv4_jax.load(DEFAULT_MODEL, kernels="reference", **kw), prompt, 8)
-    with kernel_dispatch.record_dispatch() as rec:
+    with matmul_kernels.record_dispatch() as rec:
         got = _prefill_decode_generate(auto, prompt, 8)
     assert _paths(rec)["cuda"] >= 6 * 7
     used = {r[4] for r in rec}                                           # the CUDA GEMVs of dsv4_jax/ffi/ took decode
@@ -552,16 +552,16 @@ def test_activation_quantization_takes_the_quantize_kernels():
     """act_quant fp8 / nvfp4 on a kernel backend: the Pallas quantize kernels (interpret mode here), whose
     dequantized operand is bit-identical to the reference quantizer's, so the linear output matches the reference
     path up to the GEMM's summation order."""
-    from dsv4_jax.quant import activations
+    from dsv4_jax.numerics import activations
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((3, 320)) * np.exp(rng.uniform(-6, 6, (3, 1))), jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(kernel_dispatch.fp8_activation(x, plan_kernels("interpret")), np.float32),
+    np.testing.assert_array_equal(np.asarray(matmul_kernels.fp8_activation(x, plan_kernels("interpret")), np.float32),
                                   np.asarray(activations.fp8_activation(x), np.float32))
-    values, gsa = kernel_dispatch.nvfp4_activation(x, plan_kernels("interpret"))
+    values, gsa = matmul_kernels.nvfp4_activation(x, plan_kernels("interpret"))
     ref_values, ref_gsa = activations.nvfp4_activation(x)
     np.testing.assert_array_equal(np.asarray(values, np.float32), np.asarray(ref_values, np.float32))
     np.testing.assert_array_equal(np.asarray(gsa), np.asarray(ref_gsa))
-    assert kernel_dispatch.nvfp4_activation(x, plan_kernels("reference")) is None
+    assert matmul_kernels.nvfp4_activation(x, plan_kernels("reference")) is None
     w = _weight(rng, "nvfp4", (128, 320))
     for mode in ("fp8", "nvfp4"):
         got = linear(x, w, jnp.float32, ctx=_ctx("interpret", mode))

@@ -1,4 +1,4 @@
-"""Compact decode-state entries (kv_cache_dtype="fp8", dsv4_jax/kv_cache.py): exact for values on the training
+"""Compact decode-state entries (kv_cache_dtype="fp8", dsv4_jax/numerics/kv_cache.py): exact for values on the training
 roundings' grids, the same logits as the activation-dtype caches under simulate_quant, half the bytes per token."""
 
 import numpy as np
@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 
 import dsv4_jax
-from dsv4_jax import kv_cache, presets
-from dsv4_jax.quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard
+from dsv4_jax import presets
+from dsv4_jax.numerics import kv_cache
+from dsv4_jax.numerics.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard
 from dsv4_jax.state import state_bytes
 
 

@@ -27,7 +27,7 @@ from dsv4_jax.layers.compressor import compressor_update, init_compressor_state
 from dsv4_jax.layers.hyper import hc_head, hc_post, hc_pre
 from dsv4_jax.layers.moe import clamped_swiglu, moe, route
 from dsv4_jax.layers.rope import apply_rope, rope_inv_freq
-from dsv4_jax.quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, round_to_e2m1
+from dsv4_jax.numerics.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, round_to_e2m1
 from dsv4_jax.run_context import RunContext
 from dsv4_jax.state import init_layer_cache
 from shared_decisions import DecisionRecorder, ModelDecisions

@@ -26,7 +26,8 @@ import dsv4_jax
 from dsv4_jax import presets
 from dsv4_jax.checkpoint import (CheckpointError, abstract_params, load_params, quantize_head_to_nvfp4,
                                  write_safetensors)
-from dsv4_jax.quant import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, linear
+from dsv4_jax.numerics import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from dsv4_jax.ops import linear
 from dsv4_jax.run_context import RunContext
 from test_quant_formats import nvfp4_weight_np
 

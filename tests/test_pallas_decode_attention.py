@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4_jax import kv_cache
+from dsv4_jax.numerics import kv_cache
 from dsv4_jax.pallas_kernels import decode_attention as kernel
 from kernel_decode_checks import decode_matches_reference
 
@@ -69,7 +69,7 @@ def _inputs(rng, batch, seq, n_heads, head_dim, n_entries, ratio, starts, n_pick
 
 
 def _compact(args, dtype, rope_dim):
-    """The inputs with the ring and the compressed entries stored compact (kv_cache.py: e4m3 nope dims with E8M0
+    """The inputs with the ring and the compressed entries stored compact (numerics/kv_cache.py: e4m3 nope dims with E8M0
     block scales, rope dims as they are), and the float32 values that storage holds, for the reference."""
     args = list(args)
     stored = {}

@@ -13,7 +13,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.quant.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from dsv4_jax.numerics.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from dsv4_jax.pallas_kernels import gemv, moe, prefill
 
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())

@@ -1,6 +1,6 @@
 """The decode rows' RMSNorm kernel (dsv4_jax/pallas_kernels/norm_rope.py), with RoPE and the FP8 fake quant, in Pallas
 interpret mode: against float64 numpy (tests/reference_np.py) and against the jnp path it replaces (layers/norm.py
-`rms_norm`, layers/rope.py `apply_rope`, quant/fake_quant.py `fp8_fake_quant`), and the attention layer on a kernel
+`rms_norm`, layers/rope.py `apply_rope`, numerics/fake_quant.py `fp8_fake_quant`), and the attention layer on a kernel
 plan against the reference plan."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dsv4_jax import presets
 from dsv4_jax.layers.norm import rms_norm
 from dsv4_jax.layers.rope import apply_rope, rope_inv_freq
 from dsv4_jax.pallas_kernels import norm_rope
-from dsv4_jax.quant.fake_quant import fp8_fake_quant
+from dsv4_jax.numerics.fake_quant import fp8_fake_quant
 
 import reference_np as R
 
@@ -184,7 +184,7 @@ def test_indexer_queries_equal_the_jnp_path(dtype):
     """The indexer's queries (no norm): RoPE, then the normalised Hadamard transform and FP4 of each head's 128
     values, against the jnp path (apply_rope, fake_quant.hadamard, fp4_fake_quant) on the same rounded input: equal
     but for rare elements a last-bit difference of the transform's sums moved by one FP4 step."""
-    from dsv4_jax.quant.fake_quant import fp4_fake_quant, hadamard
+    from dsv4_jax.numerics.fake_quant import fp4_fake_quant, hadamard
 
     rng = np.random.default_rng(10)
     q = jnp.asarray(rng.standard_normal((2, 1, 64, 128)), jnp.float32)
@@ -229,7 +229,7 @@ def test_gpu_rows_match_float64(dim, rope_dim):
 def test_gpu_keys_and_indexer_queries_equal_the_jnp_path():
     """The compiled kernel's keys (norm, RoPE, FP8) and indexer queries (RoPE, Hadamard, FP4) in bf16 against the
     jnp path on the GPU: equal but for rare elements moved by one FP8 / FP4 step."""
-    from dsv4_jax.quant.fake_quant import fp4_fake_quant, hadamard
+    from dsv4_jax.numerics.fake_quant import fp4_fake_quant, hadamard
 
     rng = np.random.default_rng()
     inv_freq = rope_inv_freq(presets.named("flash"), 4)

@@ -1,5 +1,5 @@
 """Pallas activation-quantization kernels (dsv4_jax/pallas_kernels/quantize.py) against the pure-jnp references of
-dsv4_jax/quant/activations.py, bit for bit.
+dsv4_jax/numerics/activations.py, bit for bit.
 
 CPU (CI): the kernels in interpret mode on fresh random inputs (the seed is in each failure message), every output
 preloaded with poison through input/output aliasing (twice, two poisons, so an unwritten element cannot match by

@@ -1,5 +1,5 @@
 """The kernels' fake-quant roundings (dsv4_jax/pallas_kernels/rounding.py: floor-based, Triton has no `round`) equal
-quant/fake_quant.py's bit for bit (a zero's sign aside), ties included: plain jnp functions, checked outside Pallas."""
+numerics/fake_quant.py's bit for bit (a zero's sign aside), ties included: plain jnp functions, checked outside Pallas."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax.pallas_kernels import rounding
-from dsv4_jax.quant import fake_quant
+from dsv4_jax.numerics import fake_quant
 
 
 def _with_ties(rng, shape, grid_steps):
@@ -33,10 +33,10 @@ def test_fp8_and_fp4_roundings_equal_fake_quant():
 
 
 def test_in_kernel_e4m3_rounding_equals_the_models():
-    """The kernels' e4m3 rounding (floor-based: Triton has no `round`) against quant/fake_quant.round_to_e4m3 on every
+    """The kernels' e4m3 rounding (floor-based: Triton has no `round`) against numerics/fake_quant.round_to_e4m3 on every
     e4m3 value, every midpoint between neighbours (the ties, which go to the even one), points just off them, values
     past saturation and below the smallest subnormal."""
-    from dsv4_jax.quant.fake_quant import round_to_e4m3
+    from dsv4_jax.numerics.fake_quant import round_to_e4m3
     grid = np.unique(np.asarray(jnp.arange(256, dtype=jnp.uint8).view(jnp.float8_e4m3fn).astype(jnp.float32)))
     grid = grid[np.isfinite(grid)]
     mids = (grid[1:] + grid[:-1]) / 2

@@ -21,11 +21,12 @@ import pytest
 import ckpt_writer as cw
 from dsv4_jax import presets
 from dsv4_jax.params import disk_tensor_specs, init_params, nvidia_formats
-from dsv4_jax.quant import (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, dequantize, group_linear, grouped_linear,
-                            linear, mxfp4_to_nvfp4, mxfp4_to_nvfp4_is_exact, quantize_nvfp4)
-from dsv4_jax.quant.fake_quant import correctly_rounded_divide, round_to_e2m1, round_to_e4m3
-from dsv4_jax.quant.formats import e8m0_to_float, unpack_fp4_codes
-from dsv4_jax.quant.nvfp4 import pack_fp4_codes, quantize_blocks
+from dsv4_jax.numerics import (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, dequantize, mxfp4_to_nvfp4,
+                               mxfp4_to_nvfp4_is_exact, quantize_nvfp4)
+from dsv4_jax.ops import group_linear, grouped_linear, linear
+from dsv4_jax.numerics.fake_quant import correctly_rounded_divide, round_to_e2m1, round_to_e4m3
+from dsv4_jax.numerics.formats import e8m0_to_float, unpack_fp4_codes
+from dsv4_jax.numerics.nvfp4 import pack_fp4_codes, quantize_blocks
 from dsv4_jax.run_context import RunContext
 
 REFERENCE = RunContext.create(kernels="reference")
@@ -132,7 +133,7 @@ def nvfp4_act_np(x: np.ndarray):
 
 
 def act_np(x: np.ndarray, fmt: str, mode: str) -> tuple[np.ndarray, np.ndarray]:
-    """The activation a `fmt` weight meets under `mode` (quant/linear.py's table): (values, row factor)."""
+    """The activation a `fmt` weight meets under `mode` (ops/matmul.py's table): (values, row factor)."""
     one = np.ones(x.shape[:-1] + (1,))
     if mode == "none" or fmt == "bf16":
         return x.astype(np.float64), one

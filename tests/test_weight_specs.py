@@ -8,7 +8,7 @@ import pytest
 
 from dsv4_jax import presets
 from dsv4_jax.params import LOGICAL_AXES, WeightSpec, weight_specs
-from dsv4_jax.quant.formats import FP8_BLOCK
+from dsv4_jax.numerics.formats import FP8_BLOCK
 
 
 def _by_name(cfg):

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import engine, kv_cache
+from .. import engine
+from ..numerics import kv_cache
 from ..api import Model
 from ..config import ModelConfig
 from ..layer_scan import is_scanned, map_layer_trees
@@ -35,7 +36,7 @@ CACHE_BUFFERS = ("window_kv", "compressed_kv", "index_keys")
 def synthetic_state(cfg: ModelConfig, batch: int, max_seq_len: int, position: int, dtype, mesh=None,
                     seed: int = 0, scan_layers: bool = False, kv_cache_dtype=None) -> DecodeState:
     """A decode state of `batch` sequences each `position` tokens in, its caches random (made on the device);
-    with `scan_layers`, laid out for a scanned model; entries stored as `kv_cache_dtype` says (kv_cache.py)."""
+    with `scan_layers`, laid out for a scanned model; entries stored as `kv_cache_dtype` says (numerics/kv_cache.py)."""
     def make(key):
         state = init_state(cfg, batch, max_seq_len, dtype, scan_layers, kv_cache_dtype)
         keys = iter(jax.random.split(key, 4 * (cfg.n_layers + cfg.n_mtp_layers) + 1))

@@ -9,7 +9,7 @@ w: Fp8BlockWeight / Mxfp4Weight / Nvfp4Weight, or an FP4 weight in the GEMV layo
 fewer decode instructions, same bytes); or a pair (w_a, w_b) of two weights of one format and shape, e.g. a gate and
 an up projection: both products in one launch, side by side along N ([..., 2N]; each activation load serves both).
 M <= 8 bf16 rows (<= 4 float32 rows, split into bf16 hi + lo), float32 accumulation, one launch each. Kernels:
-ffi/gemv_kernel.cuh (schedule), fp4_gemv.cu, fp8_gemv.cu. Oracle: dsv4_jax.quant.linear / grouped_linear. Status
+ffi/gemv_kernel.cuh (schedule), fp4_gemv.cu, fp8_gemv.cu. Oracle: dsv4_jax.ops.matmul / grouped_linear. Status
 and measurements: dsv4_jax/ffi/README.md.
 """
 
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax.quant.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from dsv4_jax.numerics.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, split_f32
 
 from .build import FfiBuildError, register  # noqa: F401
 from .fp4_layout import GemvLayoutFp4, to_gemv_layout  # noqa: F401
@@ -80,7 +80,6 @@ def _split_rows(x: jax.Array) -> jax.Array:
     """[..., M, K] -> bf16 [..., M, K] (bf16 input) or [..., 2M, K] float32 hi rows then lo rows."""
     if x.dtype != jnp.float32:
         return x.astype(jnp.bfloat16)
-    from dsv4_jax.pallas_kernels.gemv import split_f32     # the same hi/lo split the Pallas kernels use
     hi, lo = split_f32(x)
     return jnp.concatenate([hi, lo], axis=-2)
 

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .. import kv_cache
+from ..numerics import kv_cache
 from ..config import ModelConfig
 from ..pallas_kernels import decode_attention, norm_rope
 from ..pallas_kernels import indexer as indexer_kernel
-from ..quant import group_linear, linear, linear_joined, linear_pair
-from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
+from ..ops import group_linear, linear, linear_joined, linear_pair
+from ..numerics.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
 from ..sharding import EXPERT, expert_devices, split_along, splits_heads
 from .compressor import compressor_commit, compressor_read, compressor_update
 from .indexer_loss import indexer_kl
@@ -47,7 +47,7 @@ def ring_positions(start: jax.Array, window: int, slots: jax.Array | None = None
 
 def write_ring(ring, kv: jax.Array, start: jax.Array, n_valid: jax.Array):
     """Write the last min(window, n_valid) chunk tokens into their slots (position mod window); `ring` is stored
-    as kv_cache.py lays it out."""
+    as numerics/kv_cache.py lays it out."""
     batch, seq, _ = kv.shape
     window = kv_cache.n_entries(ring)
     if seq == 1 and batch == 1:
@@ -511,7 +511,7 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         compressed = update("compressor", params["compressor"], x, start, n_valid, cache, "compressed_kv",
                             ratio=ratio, head_dim=head_dim, nope_dim=nope, inv_freq=inv_freq, rotate=False, ctx=ctx,
                             norm_eps=cfg.norm_eps)
-        new_cache["compressed_kv"] = compressed            # stored (kv_cache.py): decoded where it is read
+        new_cache["compressed_kv"] = compressed            # stored (numerics/kv_cache.py): decoded where it is read
         # The indexer only picks entries (top-k has no gradient); under training its inputs are detached so that
         # its own loss (indexer_kl) trains the indexer and nothing else.
         x_idx, q_latent_idx = (x, q_latent) if ctx.training is None else jax.lax.stop_gradient((x, q_latent))

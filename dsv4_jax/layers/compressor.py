@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import kv_cache
+from ..numerics import kv_cache
 from ..pallas_kernels import compressor as decode_kernel
-from ..quant import linear
-from ..quant.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
+from ..ops import linear
+from ..numerics.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
 from .norm import rms_norm
 from .rope import apply_rope
 
@@ -54,7 +54,7 @@ def compressor_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax
     """Feed a chunk x [B, S, D] (tokens at positions start[b] + i, the first n_valid[b] real) to a compressor.
 
     Returns (cache [B, N, head_dim] with every entry completed in this chunk written, new state); `cache` is
-    stored as kv_cache.py lays it out (the activation dtype or compact).
+    stored as numerics/kv_cache.py lays it out (the activation dtype or compact).
     `rotate` selects the indexer flavour of the fake quant (Hadamard + FP4) instead of FP8 on the nope dims, which
     runs when the run context `ctx` simulates the model's quantization.
     """

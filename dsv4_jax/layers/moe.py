@@ -16,8 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 from ..config import ModelConfig
 from ..pallas_kernels import moe_decode
-from ..quant import (dequantize, grouped_linear, grouped_linear_joined, grouped_linear_pair, kernel_dispatch,
-                     linear, linear_joined, linear_pair)
+from ..numerics import dequantize
+from ..ops import grouped_linear, grouped_linear_joined, grouped_linear_pair, linear, linear_joined, linear_pair
+from ..ops import matmul_kernels
 from ..sharding import DATA, EXPERT, expert_devices, split_along, splits_shared_expert
 
 
@@ -79,7 +80,7 @@ def _grouped_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: j
     n_tokens, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
     w1, w3, w2 = (params[p]["weight"] for p in ("w1", "w3", "w2"))
-    if all(kernel_dispatch.expert_kernel(n_tokens * k, x.dtype, w, ctx.kernels) for w in (w1, w2)):
+    if all(matmul_kernels.expert_kernel(n_tokens * k, x.dtype, w, ctx.kernels) for w in (w1, w2)):
         # Kernels that take each row's own expert: the rows stay in token order (no sort, no scatter; at decode
         # that is five launches fewer per layer) and each token's K outputs are summed in place.
         xs = jnp.broadcast_to(x[:, None, :], (n_tokens, k, x.shape[-1])).reshape(n_tokens * k, -1)
@@ -172,7 +173,7 @@ def _takes_ffn_kernels(params: dict, cfg: ModelConfig, x: jax.Array, ctx) -> boo
             and (ctx.mesh is None or ctx.mesh.shape[EXPERT] == 1)
             and moe_decode.supported(cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim)
             and cfg.n_shared_experts == 1
-            and all(kernel_dispatch.expert_kernel(rows, x.dtype, experts[w]["weight"], ctx.kernels)
+            and all(matmul_kernels.expert_kernel(rows, x.dtype, experts[w]["weight"], ctx.kernels)
                     for w in ("w1", "w2")))
 
 

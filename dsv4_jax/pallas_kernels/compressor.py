@@ -36,7 +36,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..quant.fake_quant import hadamard_matrix
+from ..numerics.fake_quant import hadamard_matrix
 from .norm_rope import rotate_pairs
 from .rounding import fp8_fake_quant, hadamard_fp4
 from .tiles import is_pow2, scalar
@@ -164,7 +164,7 @@ def decode_pool(state_kv: jax.Array, state_score: jax.Array, kv: jax.Array, scor
 
     Returns (entry, new state_kv, new state_score), the state buffers updated in place. Without `cache`: entry
     [B, hd] in out_dtype, the entry floor(start/c) normalised and rotated, meaningful only where it completed. With
-    `cache` ([B, N, hd], a plain buffer: kv_cache.py's uncompact layout): that buffer with each completed entry
+    `cache` ([B, N, hd], a plain buffer: numerics/kv_cache.py's uncompact layout): that buffer with each completed entry
     written at its index (none past N), after the model's fake quant `quant` -- "fp8" (the nope dims, main
     compressor) or "fp4" (normalised Hadamard transform, then FP4: the indexer's) -- in place (aliased)."""
     batch, slots, width = state_kv.shape

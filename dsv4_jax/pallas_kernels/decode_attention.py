@@ -28,7 +28,7 @@ makes the chunk's keys from wkv's output (RMS norm with the weight, RoPE per row
 them for the window ring. With `rope` and `query_ready` it takes the query normalised and rotated (norm_rope's
 query kernel, as the model passes it) and does only the inverse RoPE. Rotations pair each rope column with its
 partner through a dot with the swap permutation (Triton has no pair shuffle). The ring and the compressed entries
-are read as kv_cache.py stores them: in the activation dtype, or compact (e4m3 nope dims decoded with their E8M0
+are read as numerics/kv_cache.py stores them: in the activation dtype, or compact (e4m3 nope dims decoded with their E8M0
 block scale as they load).
 
 Triton needs power-of-two tensor shapes: heads a multiple of 16, head_dim a power of two, the window a multiple of
@@ -293,7 +293,7 @@ def _merge_kernel(*refs, seq: int, width: int, nope: int, dtype, fused_rope: boo
 
 
 def _parts(cache) -> list:
-    """A cache's arrays in the kernel's order: [plain] or [nope, scale, rope] (kv_cache.py's compact layout)."""
+    """A cache's arrays in the kernel's order: [plain] or [nope, scale, rope] (numerics/kv_cache.py's compact layout)."""
     return [cache["nope"], cache["scale"], cache["rope"]] if isinstance(cache, dict) else [cache]
 
 
@@ -310,7 +310,7 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
     ring [B, window, D]: the window ring before this chunk; chunk_kv [B, S, D]: the chunk's keys; sink [H];
     compressed [B, N, D]: the compressed entries (ratio > 0); picks [B, S, k] int32: the indexer's picks of a CSA
     layer (ratio 4); a pick the token cannot see (j >= (t + 1) // 4: top-k's fill where fewer entries are
-    visible than k) or -1 is skipped. The ring and the compressed entries as kv_cache.py
+    visible than k) or -1 is skipped. The ring and the compressed entries as numerics/kv_cache.py
     stores them: in the activation dtype, or both compact ({nope e4m3, scale, rope}).
 
     kv_prologue=(kv_norm weight [D], fake_quant): chunk_kv is wkv's output and the kernel makes the chunk's keys as

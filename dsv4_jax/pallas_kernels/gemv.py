@@ -5,7 +5,7 @@
     nvfp4_matmul(x, w: Nvfp4Weight)    y = x @ dequant(W)^T     W e2m1 pairs, e4m3 per 16 inputs, fp32 global
 
 x is [M, K] bf16 or float32 (M <= 256 for bf16, <= 128 for float32), accumulation is float32, the result is
-[M, N] in `out_dtype` (default x.dtype). The oracle is dsv4_jax.quant.linear(x, w) (act_quant="none").
+[M, N] in `out_dtype` (default x.dtype). The oracle is dsv4_jax.ops.matmul(x, w) (act_quant="none").
 
 Backend: Pallas **Triton** (`pl.pallas_call` + `triton.CompilerParams`), not Mosaic GPU. Why: a decode GEMV has
 few rows (16 or fewer up to batch 16), and its hot loop is the FP4 nibble decode feeding the tensor cores from
@@ -57,7 +57,7 @@ from jax._src.interpreters import mlir
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv4_jax.quant.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from dsv4_jax.numerics.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, split_f32
 
 MP = 16                 # activation rows per tensor-core dot at least (Triton's minimum dot width)
 MAX_COLS = 128          # activation columns per program; more rows take several column tiles
@@ -271,15 +271,6 @@ def _split_cap(k_bytes_per_row: float, cols: int) -> int:
     """The largest split of K whose float32 partials (split x N x cols x 4 bytes) stay under the weight's bytes
     (N x k_bytes_per_row): beyond it the epilogue moves more bytes than the kernel saves."""
     return max(1, int(k_bytes_per_row // (4 * cols)))
-
-
-def split_f32(x: jax.Array):
-    """float32 x -> bf16 (hi, lo) with x = hi + lo + O(2^-16 |x|). hi truncates through the bits: XLA on GPU
-    (excess precision allowed) folds x - f32(bf16(x)) to 0, which silently dropped lo."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    hi = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
-    hi32 = jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)
-    return hi, (x - hi32).astype(jnp.bfloat16)
 
 
 def _pad_rows(a: jax.Array, rows: int) -> jax.Array:

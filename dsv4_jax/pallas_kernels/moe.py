@@ -12,7 +12,7 @@ ceil(R / capacity) + min(R, E)); the programs of unused slots exit at once.
 
 Kernel: the FP4 GEMV of gemv.py (Pallas Triton, same nibble decode and tensor-core dots, see its docstring) with
 a leading grid axis over slots; each program reads its slot's expert id and indexes the stacked weight
-[E, N, K/block, bytes] at it. Oracle: dsv4_jax.quant.grouped_linear on rows sorted by expert.
+[E, N, K/block, bytes] at it. Oracle: dsv4_jax.numerics.grouped_linear on rows sorted by expert.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsv4_jax.quant.formats import Mxfp4Weight, Nvfp4Weight
+from dsv4_jax.numerics.formats import Mxfp4Weight, Nvfp4Weight
 
 from .gemv import (MP, MX_SHIFT, NV_SHIFT, _check_fp4, _fp4_config, _fp4_tile_loop, _params, mx_factor_bits,
                    nv_factor_bits, split_f32)

@@ -1,6 +1,6 @@
 """RMSNorm of decode rows in one launch (Pallas, GPU), optionally followed by RoPE on the trailing dims and the FP8
 fake quant of the others -- what layers/norm.py `rms_norm` (+ layers/rope.py `apply_rope` + the FP8 rounding of
-quant/fake_quant.py) costs XLA two or three kernels for on the GPU: the row's sum of squares is a reduction, and
+numerics/fake_quant.py) costs XLA two or three kernels for on the GPU: the row's sum of squares is a reduction, and
 XLA does not fuse a reduction with the elementwise work that reads its result.
 
     q_latent = rms_norm_rows(q_a, weight, eps=1e-6, in_dtype=bf16)                       # the query latent
@@ -28,12 +28,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..quant.fake_quant import hadamard_matrix
+from ..numerics.fake_quant import hadamard_matrix
 from .rounding import fp8_fake_quant, hadamard_fp4
 from .tiles import is_pow2, pow2_divisor, scalar
 
 _F32 = jnp.float32
-FP8_BLOCK = 64               # the fake quant's block (quant/fake_quant.fp8_fake_quant)
+FP8_BLOCK = 64               # the fake quant's block (numerics/fake_quant.fp8_fake_quant)
 MAX_CHUNK = 1024
 
 

@@ -3,7 +3,7 @@
     fp8_block_matmul(xq, sx, wq, sw)    y[m, n] = sum_j (xq[m, J] . wq[n, J]) * sx[m, j] * sw[n, j]
 
 where J is the j-th block of 128 inputs: xq e4m3 [M, K] with float32 scales sx [M, K/128] (the `fp8` activation
-quantizer, dsv4_jax.quant.activations.quantize_fp8), wq e4m3 [N, K] with float32 per-row block scales
+quantizer, dsv4_jax.numerics.activations.quantize_fp8), wq e4m3 [N, K] with float32 per-row block scales
 sw [N, K/128] (or one per 128x128 block, [ceil(N/128), K/128]). Weight formats reach it through:
 
     fp8_weight_operand(Fp8BlockWeight)   the stored e4m3 bytes and 128x128 block scales [ceil(N/128), K/128]
@@ -20,7 +20,7 @@ Backend: Pallas Triton (as gemv.py, whose docstring says why): tt.dot on e4m3 op
 (cp.async, num_stages deep). Each 128-wide K step's float32 product is scaled by sx[:, j] x sw[:, j] and added
 to the float32 accumulator ("promotion" every block, as DeepGEMM does): one FMA per output element per 128 MACs
 with block scales (the tile's weight scale is a scalar), two multiplies and an add with per-row scales.
-The oracle is dsv4_jax.quant.linear(x, w, act_quant="fp8") on the dequantized parts.
+The oracle is dsv4_jax.ops.matmul(x, w, act_quant="fp8") on the dequantized parts.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from jax._src.interpreters import mlir
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv4_jax.quant.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, e8m0_to_float, unpack_fp4_codes
+from dsv4_jax.numerics.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, e8m0_to_float, unpack_fp4_codes
 
 BK = 128        # inputs per scale block and per K step
 

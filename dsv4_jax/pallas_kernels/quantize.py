@@ -1,6 +1,6 @@
 """Activation quantization kernels (Pallas, GPU): NVFP4 (amax -> global scale -> per-16 e4m3 scales + packed e2m1)
 and FP8 (per-128 e4m3 + power-of-two f32 scales), bit-exact against the pure-jnp references of
-dsv4_jax/quant/activations.py (`quantize_nvfp4`, `quantize_fp8`), which stay the definition of the numerics.
+dsv4_jax/numerics/activations.py (`quantize_nvfp4`, `quantize_fp8`), which stay the definition of the numerics.
 
 Backend: the Pallas **Triton** backend (`pl.pallas_call` with `jax.experimental.pallas.triton.CompilerParams`), not
 Mosaic GPU (`plgpu.kernel`), although Mosaic GPU is the Pallas GPU backend JAX maintains. Why:
@@ -72,8 +72,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv4_jax.quant import activations as _act
-from dsv4_jax.quant.nvfp4 import pack_fp4_codes
+from dsv4_jax.numerics import activations as _act
+from dsv4_jax.numerics.nvfp4 import pack_fp4_codes
 
 from .tiles import pow2_divisor
 

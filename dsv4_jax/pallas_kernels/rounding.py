@@ -1,4 +1,4 @@
-"""The model's fake-quant roundings (quant/fake_quant.py) inside Pallas kernels: Pallas's Triton lowering has no
+"""The model's fake-quant roundings (numerics/fake_quant.py) inside Pallas kernels: Pallas's Triton lowering has no
 `round`, so the integer rounding is written with floor (ties to even by hand). Values equal fake_quant.py's but
 for the sign of a zero result (+0 for -0); the Hadamard transform's float32 sums (hadamard_fp4) are in another
 order than XLA's dot."""
@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ..quant.fake_quant import FP4_MAX, FP8_MAX, pow2_ceil
+from ..numerics.fake_quant import FP4_MAX, FP8_MAX, pow2_ceil
 
 _F32 = jnp.float32
 
 
 def round_to_float_grid(y, mantissa_bits: int, min_exponent: int, limit: float):
-    """quant/fake_quant.round_to_float_grid of float32 y clipped to +-limit: round to nearest even onto the values of
+    """numerics/fake_quant.round_to_float_grid of float32 y clipped to +-limit: round to nearest even onto the values of
     a float format with `mantissa_bits` explicit mantissa bits and smallest normal exponent `min_exponent`."""
     y = jnp.clip(y, -limit, limit)
     exponent = ((jax.lax.bitcast_convert_type(y, jnp.uint32) >> 23) & 0xFF).astype(jnp.int32) - 127
@@ -30,19 +30,19 @@ def round_to_float_grid(y, mantissa_bits: int, min_exponent: int, limit: float):
 
 
 def round_to_e4m3(y):
-    """quant/fake_quant.round_to_e4m3: e4m3fn values, saturating at +-448."""
+    """numerics/fake_quant.round_to_e4m3: e4m3fn values, saturating at +-448."""
     return round_to_float_grid(y, 3, -6, FP8_MAX)
 
 
 def fp8_fake_quant(x):
-    """quant/fake_quant.fp8_fake_quant of float32 blocks x [rows, 64] (one scale block per row)."""
+    """numerics/fake_quant.fp8_fake_quant of float32 blocks x [rows, 64] (one scale block per row)."""
     amax = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True), 1e-4)
     scale = pow2_ceil(amax / FP8_MAX)
     return round_to_e4m3(x / scale) * scale
 
 
 def fp4_fake_quant(x, block: int = 32):
-    """quant/fake_quant.fp4_fake_quant of a float32 vector x [C] (C a multiple of `block`, each block its own
+    """numerics/fake_quant.fp4_fake_quant of a float32 vector x [C] (C a multiple of `block`, each block its own
     power-of-two scale): e2m1 values, saturating at +-6. The blocks' maxima are taken through lane masks (no
     reshape of a register tile)."""
     lane = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) // block

@@ -20,7 +20,7 @@ order.
 
 Every function takes the run context `ctx` (dsv4_jax/run_context.py), a required keyword: `ctx.act_quant` is the
 mode above and `ctx.kernels` the kernel plan, which picks between that reference and the GPU kernels of ffi/ and
-dsv4_jax/pallas_kernels/ (kernel_dispatch.py says which calls have a kernel). Activation quantization takes the
+dsv4_jax/pallas_kernels/ (matmul_kernels.py says which calls have a kernel). Activation quantization takes the
 Pallas quantize kernels on a kernel backend; they are bit-identical to the jnp definition, so both paths see the
 same exact operands.
 """
@@ -32,9 +32,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import kernel_dispatch
-from .activations import nvfp4_activation, nvfp4_global_scale
-from .formats import Fp8BlockWeight, check_weight, dequantize_blocks, is_quantized
+from ..numerics.activations import nvfp4_activation, nvfp4_global_scale
+from ..numerics.formats import Fp8BlockWeight, check_weight, dequantize_blocks, is_quantized
+from . import matmul_kernels
 
 ACT_QUANT_MODES = ("none", "fp8", "nvfp4")
 
@@ -76,8 +76,8 @@ def _quantize_input(x: jax.Array, weight, ctx, row_groups=None):
     if kind == "none":
         return x, None
     if kind == "fp8":
-        return kernel_dispatch.fp8_activation(x, ctx.kernels), None
-    quantized = kernel_dispatch.nvfp4_activation(x, ctx.kernels)
+        return matmul_kernels.fp8_activation(x, ctx.kernels), None
+    quantized = matmul_kernels.nvfp4_activation(x, ctx.kernels)
     if quantized is not None:
         return quantized
     return nvfp4_activation(x, _nvfp4_activation_global_scale(x, weight, row_groups))
@@ -106,12 +106,12 @@ def linear(x: jax.Array, weight, out_dtype=None, *, ctx) -> jax.Array:
     """y = x @ W^T for W [out, in] in any stored format; fp32 accumulation; returns out_dtype (default x.dtype)."""
     check_weight(weight, "linear weight")
     _check_in_features(x, weight.shape, "linear", 2)
-    y = kernel_dispatch.prefill_matmul(x.reshape(-1, x.shape[-1]), weight,
+    y = matmul_kernels.prefill_matmul(x.reshape(-1, x.shape[-1]), weight,
                                        activation_quantizer(weight, ctx.act_quant), ctx.kernels)
     if y is not None:
         return y.reshape(*x.shape[:-1], weight.shape[0]).astype(out_dtype or x.dtype)
     xq, row_scale = _quantize_input(x, weight, ctx)
-    y = kernel_dispatch.dense_matmul(xq.reshape(-1, x.shape[-1]), weight, ctx.kernels)
+    y = matmul_kernels.dense_matmul(xq.reshape(-1, x.shape[-1]), weight, ctx.kernels)
     if y is not None:
         y = y.reshape(*x.shape[:-1], weight.shape[0])
         return _rescale(y, row_scale, None).astype(out_dtype or x.dtype)
@@ -148,7 +148,7 @@ def _pair_kernel(x: jax.Array, w_a, w_b, out_dtype, ctx) -> jax.Array | None:
     for weight in (w_a, w_b):
         check_weight(weight, "linear_pair weight")
         _check_in_features(x, weight.shape, "linear_pair", 2)
-    kernel = kernel_dispatch.pair_matmul(x2, w_a, w_b, ctx.kernels, routed=False)
+    kernel = matmul_kernels.pair_matmul(x2, w_a, w_b, ctx.kernels, routed=False)
     if kernel is None:
         return None
     xq, row_scale = _quantize_input(x2, w_a, ctx)
@@ -205,10 +205,10 @@ def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array | None, out_dtyp
     (a group >= G gives zeros; no sort where a per-row kernel takes the call; `groups_in_range`: every group is
     one of W's, _row_groups). Returns [m, out]."""
     groups, real = _row_groups(x, weight, group_sizes, row_groups, "grouped_linear", groups_in_range)
-    if group_sizes is None and kernel_dispatch.expert_kernel(x.shape[0], x.dtype, weight, ctx.kernels) is None:
+    if group_sizes is None and matmul_kernels.expert_kernel(x.shape[0], x.dtype, weight, ctx.kernels) is None:
         return _sorted_reference(x, weight, row_groups, out_dtype, ctx)
     xq, row_scale = _quantize_input(x, weight, ctx, groups)
-    y = kernel_dispatch.expert_matmul(xq, weight, groups, ctx.kernels)
+    y = matmul_kernels.expert_matmul(xq, weight, groups, ctx.kernels)
     if y is not None:
         return _grouped_kernel_output(y, row_scale, real, out_dtype or x.dtype)
     w, weight_scale = dequantize_blocks(weight, x.dtype)
@@ -226,7 +226,7 @@ def grouped_linear_pair(x: jax.Array, w_a, w_b, group_sizes: jax.Array | None, o
     FP4 format and shape, decode rows on CUDA), the input quantized once; otherwise two `grouped_linear` calls."""
     groups, real = _row_groups(x, w_a, group_sizes, row_groups, "grouped_linear_pair")
     _check_grouped_weight(x, w_b, "grouped_linear_pair")
-    kernel = kernel_dispatch.pair_matmul(x, w_a, w_b, ctx.kernels, routed=True)
+    kernel = matmul_kernels.pair_matmul(x, w_a, w_b, ctx.kernels, routed=True)
     if kernel is None:
         return (grouped_linear(x, w_a, group_sizes, out_dtype, ctx=ctx, row_groups=row_groups),
                 grouped_linear(x, w_b, group_sizes, out_dtype, ctx=ctx, row_groups=row_groups))
@@ -243,7 +243,7 @@ def grouped_linear_joined(x: jax.Array, w_a, w_b, out_dtype=None, *, ctx, row_gr
     the weights' (groups_in_range)."""
     groups, _ = _row_groups(x, w_a, None, row_groups, "grouped_linear_joined", in_range=True)
     _check_grouped_weight(x, w_b, "grouped_linear_joined")
-    kernel = kernel_dispatch.pair_matmul(x, w_a, w_b, ctx.kernels, routed=True)
+    kernel = matmul_kernels.pair_matmul(x, w_a, w_b, ctx.kernels, routed=True)
     if kernel is None:
         return jnp.concatenate([grouped_linear(x, w, None, out_dtype, ctx=ctx, row_groups=row_groups,
                                                groups_in_range=True) for w in (w_a, w_b)], axis=-1)
@@ -262,7 +262,7 @@ def group_linear(x: jax.Array, weight, out_dtype=None, *, ctx) -> jax.Array:
         raise ValueError(f"group_linear: {rows} weight rows do not split into {groups} groups")
     xq, row_scale = _quantize_input(x, weight, ctx)
     # without an activation scale to apply, the kernel may write out_dtype itself
-    y = kernel_dispatch.group_matmul(xq.reshape(-1, groups, cols), weight, ctx.kernels,
+    y = matmul_kernels.group_matmul(xq.reshape(-1, groups, cols), weight, ctx.kernels,
                                      jnp.float32 if row_scale is not None else out_dtype or x.dtype)
     if y is not None:
         y = y.reshape(*x.shape[:-1], rows // groups)

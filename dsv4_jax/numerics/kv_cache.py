@@ -20,9 +20,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .quant.fake_quant import FP4_MAX, FP8_MAX, exact_divide, pow2_ceil, round_to_e4m3
-from .quant.formats import e8m0_to_float, fp4_codes_to_float, unpack_fp4_codes
-from .quant.nvfp4 import e2m1_codes, pack_fp4_codes
+from .fake_quant import FP4_MAX, FP8_MAX, exact_divide, pow2_ceil, round_to_e4m3
+from .formats import e8m0_to_float, fp4_codes_to_float, unpack_fp4_codes
+from .nvfp4 import e2m1_codes, pack_fp4_codes
 
 KV_CACHE_DTYPES = (None, "fp8")
 KV_BLOCK = 64          # e4m3 nope dims: one scale per 64 values (the training rounding's block)

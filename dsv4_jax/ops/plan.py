@@ -5,7 +5,7 @@
 
 A plan is a frozen, hashable value: it travels inside the run context (dsv4_jax/run_context.py) as a static
 argument of every jitted program, so tracing never probes the devices and never builds a library. Which call takes
-which kernel under a plan, from static shapes only: quant/kernel_dispatch.py.
+which kernel under a plan: ops/choice.py, and for the matmuls ops/matmul_kernels.py.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ import functools
 import warnings
 
 import jax
+
+from .. import ffi
+from ..ffi.build import device_arch
 
 KERNEL_MODES = ("auto", "reference", "pallas", "interpret")
 BACKENDS = (None, "cuda", "pallas", "interpret")
@@ -63,7 +66,6 @@ def ffi_available(arch: str | None = None) -> bool:
     """Whether the CUDA kernels of ffi/ are built and registered (building them now if needed) for `arch` (default:
     this process's GPU); warns once and returns False when nvcc is missing or the build or the library load fails
     (the Pallas kernels then take their calls)."""
-    from dsv4_jax import ffi
     try:
         ffi.register_all(arch)
     except (ffi.FfiBuildError, OSError) as err:
@@ -93,5 +95,4 @@ def plan_kernels(mode: str, device=None) -> KernelPlan:
     if not isinstance(device, jax.Device):              # an AbstractDevice: no architecture to build for
         return KernelPlan(mode, "cuda", ffi=False, target=target)
     # A real GPU, or a compile-only one of a jax.experimental.topologies topology: build for its architecture.
-    from dsv4_jax.ffi.build import device_arch
     return KernelPlan(mode, "cuda", ffi=ffi_available(device_arch(device)), target=target)

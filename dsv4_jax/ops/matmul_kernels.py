@@ -1,6 +1,6 @@
 """Which matmuls run on the GPU kernels (`ffi/` CUDA, `pallas_kernels/`) and which on the pure-jnp reference.
 
-The kernel plan (quant/kernel_plan.py, resolved once for a device and carried by the run context) names the
+The kernel plan (ops/plan.py, resolved once for a device and carried by the run context) names the
 backend: None (the reference everywhere), "cuda" (the CUDA decode GEMVs of dsv4_jax/ffi/ where they apply, if they were
 built; the Pallas kernels for the rest), "pallas" (the Pallas kernels only) or "interpret" (the Pallas kernels in
 interpret mode: runs anywhere, slowly; tests and debugging). `kernels="auto"` plans "cuda" on an NVIDIA GPU and the
@@ -55,8 +55,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
-from .kernel_plan import KernelPlan
+from .. import ffi
+from ..numerics import activations
+from ..numerics.formats import (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, e4m3_to_float, fp4_codes_to_float,
+                                unpack_fp4_codes)
+from ..pallas_kernels import gemv, moe, prefill
+from ..pallas_kernels.quantize import quantize_fp8_kernel, quantize_nvfp4_kernel
+from .plan import KernelPlan
 
 MAX_DECODE_ROWS = 16          # rows up to which FP8 activations take the decode kernels, not the tensor-core one
 MAX_MOE_ROWS = 128            # routed rows (tokens x top-k) up to which the MoE kernel keeps its decode schedule
@@ -84,8 +89,6 @@ def _record(call: str, weight, path: str, kernel: str | None = None) -> None:
 
 def _ffi_fits(rows: int, dtype, n: int, k: int) -> bool:
     """Shapes the dsv4_jax/ffi/ GEMV takes: <= 8 bf16 rows (4 float32) per slot, N % 16 == 0, K % 128 == 0."""
-    from dsv4_jax import ffi
-
     return dtype in (jnp.bfloat16, jnp.float32) and rows <= ffi.max_rows(dtype) and n % 16 == 0 and k % 128 == 0
 
 
@@ -107,20 +110,15 @@ def quantize_fp8(x: jax.Array, plan: KernelPlan) -> tuple[jax.Array, jax.Array]:
     """FP8 per-128 activation quantization (e4m3 [..., K], power-of-two float32 scales [..., K/128]): the Pallas
     quantize kernel on a kernel backend (bit-identical to the reference, dsv4_jax/pallas_kernels/quantize.py), else the
     reference (activations.quantize_fp8)."""
-    from . import activations
-
     backend = plan.backend
     if backend is None:
         return activations.quantize_fp8(x)
-    from dsv4_jax.pallas_kernels.quantize import quantize_fp8_kernel
     return quantize_fp8_kernel(x, interpret=backend == "interpret")
 
 
 def fp8_activation(x: jax.Array, plan: KernelPlan) -> jax.Array:
     """The FP8-quantized activation as exact x.dtype values (activations.fp8_activation), quantized by the kernel
     on a kernel backend."""
-    from . import activations
-
     if plan.backend is None:
         return activations.fp8_activation(x)
     q, scale = quantize_fp8(x, plan)
@@ -132,12 +130,9 @@ def nvfp4_activation(x: jax.Array, plan: KernelPlan) -> tuple[jax.Array, jax.Arr
     """(NVFP4-quantized activation as exact x.dtype values, runtime per-row global scale [..., 1]) from the Pallas
     quantize kernel on a kernel backend (the same amax / (6 * 448) rule, computed in the kernel); None on the
     reference path (the caller quantizes with activations.nvfp4_activation)."""
-    from .formats import e4m3_to_float, fp4_codes_to_float, unpack_fp4_codes
-
     backend = plan.backend
     if backend is None:
         return None
-    from dsv4_jax.pallas_kernels.quantize import quantize_nvfp4_kernel
     packed, scale, gsa = quantize_nvfp4_kernel(x, interpret=backend == "interpret")
     scale = jnp.repeat(e4m3_to_float(scale), 16, axis=-1)[..., :x.shape[-1]]
     return (fp4_codes_to_float(unpack_fp4_codes(packed)) * scale).astype(x.dtype), gsa
@@ -146,24 +141,20 @@ def nvfp4_activation(x: jax.Array, plan: KernelPlan) -> tuple[jax.Array, jax.Arr
 def nvfp4_weights_kernels_approximate(params) -> list[str]:
     """Paths of the NVFP4 weights in a parameter tree with a block scale the GPU kernels do not read exactly
     (subnormal, zero, negative or NaN e4m3). One device reduction per weight and one host read in all."""
-    from dsv4_jax.pallas_kernels.gemv import nvfp4_kernel_exact
-
     leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda a: isinstance(a, Nvfp4Weight))
     nvfp4 = [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves if isinstance(leaf, Nvfp4Weight)]
     if not nvfp4:
         return []
-    exact = jax.device_get([nvfp4_kernel_exact(w) for _, w in nvfp4])
+    exact = jax.device_get([gemv.nvfp4_kernel_exact(w) for _, w in nvfp4])
     return [name for (name, _), ok in zip(nvfp4, exact) if not ok]
 
 
 def _rows_fit(x: jax.Array, rows: int) -> bool:
     """Whether the Pallas decode kernels take `rows` rows of x's dtype in one call (gemv.MAX_ROWS bf16 rows;
     float32 half, as hi + lo parts)."""
-    from dsv4_jax.pallas_kernels.gemv import MAX_ROWS
-
     if x.dtype == jnp.float32:
-        return rows <= MAX_ROWS // 2
-    return x.dtype == jnp.bfloat16 and rows <= MAX_ROWS
+        return rows <= gemv.MAX_ROWS // 2
+    return x.dtype == jnp.bfloat16 and rows <= gemv.MAX_ROWS
 
 
 def _fp4_unroll(w, k: int) -> int | None:
@@ -181,8 +172,6 @@ def _fp4_unroll(w, k: int) -> int | None:
 def _dense_kernel(w, n: int, k: int):
     """A function (x [M, K], w, interpret) -> float32 [M, N] for 2-D weights of w's format and shape [n, k], or
     None if no kernel applies."""
-    from dsv4_jax.pallas_kernels import gemv
-
     if n % 64:
         return None
     if isinstance(w, Fp8BlockWeight):
@@ -208,7 +197,6 @@ def dense_matmul(x2: jax.Array, weight, plan: KernelPlan, call: str = "linear"):
     if not _is_quantized_matrix(weight, 2):
         return None
     if backend == "cuda" and _ffi_takes(x2, weight, False, plan):
-        from dsv4_jax import ffi
         _record(call, weight, backend, "ffi_gemv")
         return ffi.gemv(x2, weight, jnp.float32)
     kernel = _dense_kernel(weight, *weight.shape) if backend and _rows_fit(x2, x2.shape[0]) else None
@@ -219,8 +207,6 @@ def dense_matmul(x2: jax.Array, weight, plan: KernelPlan, call: str = "linear"):
 def prefill_matmul(x2: jax.Array, weight, activation_kind: str, plan: KernelPlan):
     """float32 x2 [M, K] (M > 16 rows) @ dequant(W)^T on FP8 tensor cores with x2 quantized by the fp8 activation
     quantizer (`activation_kind` == "fp8"), or None: another path applies."""
-    from dsv4_jax.pallas_kernels import prefill
-
     backend = plan.backend
     if (backend is None or activation_kind != "fp8" or x2.shape[0] <= MAX_DECODE_ROWS
             or not _is_quantized_matrix(weight, 2) or isinstance(weight, Nvfp4Weight)):
@@ -265,7 +251,6 @@ def group_matmul(x3: jax.Array, weight, plan: KernelPlan, out_dtype=jnp.float32)
     stacked = _split_groups(weight, x3.shape[1]) if backend and _rows_fit(x3, x3.shape[0]) else None
     if (backend == "cuda" and stacked is not None and _ffi_fits(x3.shape[0], x3.dtype, *stacked.shape[-2:])
             and plan.ffi):
-        from dsv4_jax import ffi
         _record("group_linear", weight, backend, "ffi_grouped_gemv")
         groups = np.arange(x3.shape[1], dtype=np.int32)      # slot g = group g's rows (a constant: no iota kernel)
         y = ffi.grouped_gemv(jnp.swapaxes(x3, 0, 1), stacked, groups, out_dtype)
@@ -299,11 +284,8 @@ def expert_kernel(rows: int, dtype, weight, plan: KernelPlan) -> str | None:
 
 def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, plan: KernelPlan):
     """Rows xs [R, K] each times its own expert of a stacked FP4 weight -> float32 [R, N], or None (reference)."""
-    from dsv4_jax.pallas_kernels import moe
-
     kernel = expert_kernel(xs.shape[0], xs.dtype, weight, plan)
     if kernel == "ffi":
-        from dsv4_jax import ffi
         _record("grouped_linear", weight, plan.backend, "ffi_moe_gemv")
         return ffi.moe_gemv(xs, weight, row_experts, jnp.float32)
     if _is_quantized_matrix(weight, 3):
@@ -329,7 +311,6 @@ def pair_matmul(x2: jax.Array, w_a, w_b, plan: KernelPlan, routed: bool):
             or plan.backend != "cuda" or not _ffi_takes(x2, w_a, routed, plan)
             or (concat and not _ffi_takes(x2, w_b, routed, plan))):
         return None
-    from dsv4_jax import ffi
     if concat:
         _record("linear pair", w_a, "cuda", "ffi_gemv_concat")
         return lambda xq, row_experts: ffi.gemv_concat(xq, (w_a, w_b), jnp.float32)

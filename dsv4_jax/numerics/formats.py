@@ -110,7 +110,7 @@ class Nvfp4Weight:
 
     `input_scale` is the checkpoint's static activation scale ([...] float32, or None when the checkpoint has
     none). It is kept only so device bytes equal checkpoint bytes and for diagnostics: it is a calibration
-    constant, never used as the NVFP4 activation global scale (quant/linear.py; tests/test_act_quant.py shows
+    constant, never used as the NVFP4 activation global scale (ops/matmul.py; tests/test_act_quant.py shows
     what it would do).
     """
     packed: jax.Array
@@ -173,3 +173,12 @@ def weight_shape(weight) -> tuple[int, ...]:
 def weight_bytes(weight) -> int:
     """Bytes the stored weight occupies (all its leaves)."""
     return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree_util.tree_leaves(weight))
+
+
+def split_f32(x: jax.Array):
+    """float32 x -> bf16 (hi, lo) with x = hi + lo + O(2^-16 |x|). hi truncates through the bits: XLA on GPU
+    (excess precision allowed) folds x - f32(bf16(x)) to 0, which silently dropped lo."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    hi = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+    hi32 = jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)
+    return hi, (x - hi32).astype(jnp.bfloat16)
