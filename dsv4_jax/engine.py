@@ -2,7 +2,10 @@
 
 Research code may call these directly; `dsv4_jax.Model` wraps them with validation and host-side chunking.
 Nothing here reads a device value on the host. Every program takes the model config `cfg` and the run context
-`ctx` (run_context.RunContext, kernel plan resolved) as static arguments: one compiled program per pair.
+`ctx` (run_context.RunContext, kernel plan resolved) as static arguments: one compiled program per pair. Each
+program declares the phase it runs (ctx.in_phase): "prefill" (forward, forward_mtp, prefill_chunk), "decode"
+(decode_step, generate_chunk, mtp_draft) or "verify" (read_chunk and commit_chunk, a speculative step's); the
+ops choose their kernels from it (ops/choice.py). A training context stays in "train".
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def _advance(params, cfg, ctx, state, layers, X, tokens, n_valid, track_mtp):
 def read_chunk(params, cfg: ModelConfig, ctx: RunContext, state: DecodeState, tokens, n_read):
     """Run tokens [B, S] (the first n_read[b] real) at each sequence's position WITHOUT committing them: returns
     (final streams X [B, S, n, D], the backbone caches as read, to hand to commit_chunk). A speculative verify."""
+    ctx = ctx.in_phase("verify")
     X, layers, _ = backbone(params, cfg, ctx, tokens, state.positions, n_read, state.layers, defer=True)
     return X, layers
 
@@ -58,6 +62,7 @@ def commit_chunk(params, cfg: ModelConfig, ctx: RunContext, state: DecodeState, 
                  n_commit, track_mtp: bool = False) -> DecodeState:
     """Commit the first n_commit[b] <= n_read[b] tokens of a chunk run by read_chunk on `state`: the result equals
     the state that feeding only those tokens (prefill_chunk / decode steps) produces."""
+    ctx = ctx.in_phase("verify")
     layers = commit_backbone(params, cfg, ctx, read_layers, state.positions, n_read, n_commit)
     return _advance(params, cfg, ctx, state, layers, X, tokens, n_commit, track_mtp)
 
@@ -82,6 +87,7 @@ def mtp_draft(params, state: DecodeState, next_tokens, *, cfg: ModelConfig, ctx:
     """Draft logits [B, V] for the token after `next_tokens` [B] (the tokens that follow each sequence's last
     consumed position p): the MTP block at p reads the main streams of p and next_tokens and predicts p+2.
     Needs a state built with track_mtp; the state itself is left unchanged."""
+    ctx = ctx.in_phase("decode")
     ones = jnp.ones_like(state.positions)
     X, _, _ = mtp_streams(params, cfg, ctx, state.mtp_hidden[:, None], next_tokens[:, None], state.positions - 1,
                        ones, state.mtp[0])
@@ -91,6 +97,7 @@ def mtp_draft(params, state: DecodeState, next_tokens, *, cfg: ModelConfig, ctx:
 @functools.partial(jax.jit, static_argnames=("cfg", "ctx"))
 def forward(params, tokens, *, cfg: ModelConfig, ctx: RunContext):
     """Teacher-forced logits float32 [B, S, V] of tokens [B, S] from position 0."""
+    ctx = ctx.in_phase("prefill")
     batch, seq = tokens.shape
     state = init_state(cfg, batch, seq, ctx.jnp_dtype, is_scanned(params))
     X, _ = _run_chunk(params, cfg, ctx, state, tokens, jnp.full((batch,), seq, jnp.int32))
@@ -101,6 +108,7 @@ def forward(params, tokens, *, cfg: ModelConfig, ctx: RunContext):
 def forward_mtp(params, tokens, next_tokens, *, cfg: ModelConfig, ctx: RunContext):
     """Teacher-forced MTP logits [B, S, V]: position i sees the main streams of i and next_tokens[:, i]
     (the token at i+1) and predicts the token at i+2."""
+    ctx = ctx.in_phase("prefill")
     batch, seq = tokens.shape
     state = init_state(cfg, batch, seq, ctx.jnp_dtype, is_scanned(params))
     n_valid = jnp.full((batch,), seq, jnp.int32)
@@ -114,6 +122,7 @@ def prefill_chunk(params, state: DecodeState, tokens, n_valid, last_logits, *, c
                   ctx: RunContext, track_mtp: bool = False):
     """Consume tokens [B, C] (the first n_valid[b] real) at each sequence's current position. Returns
     (logits of each row's last real token in this chunk, or `last_logits` where the row had none; state)."""
+    ctx = ctx.in_phase("prefill")
     X, state = _run_chunk(params, cfg, ctx, state, tokens, n_valid, track_mtp)
     last = jnp.maximum(n_valid - 1, 0)
     X_last = jnp.take_along_axis(X, last[:, None, None, None], axis=1)
@@ -122,6 +131,7 @@ def prefill_chunk(params, state: DecodeState, tokens, n_valid, last_logits, *, c
 
 
 def _decode(params, state, tokens, active, cfg, ctx, max_seq_len, track_mtp):
+    ctx = ctx.in_phase("decode")
     X, new_state = _run_chunk(params, cfg, ctx, state, tokens[:, None], active.astype(jnp.int32), track_mtp)
     logits = head_logits(params, params, cfg, X, ctx)[:, 0]
     # Past the buffers' capacity the caches would be wrong, and a token id outside the vocabulary has no embedding

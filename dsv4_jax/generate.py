@@ -557,10 +557,10 @@ def _statistics(batch: int, timing: dict, started: bool) -> str:
 
 
 def _recording(verbose: bool):
-    """kernel_dispatch.record_dispatch() when --verbose (the matmuls' kernels, recorded as programs are traced)."""
+    """ops.choice.record_dispatch() when --verbose (every op's choice, recorded as programs are traced)."""
     import contextlib
 
-    from .ops.matmul_kernels import record_dispatch
+    from .ops.choice import record_dispatch
     return record_dispatch() if verbose else contextlib.nullcontext([])
 
 
@@ -573,11 +573,12 @@ def _describe_run(model, mesh):
 
 
 def _describe_dispatch(records):
-    """One stderr line per (matmul kind, weight format, kernel) the traced programs used, with its count."""
+    """One stderr line per (op, phase, call, weight format, kernel) the traced programs chose, with its count."""
     import collections
-    counts = collections.Counter((call, fmt, used) for call, fmt, _shape, _path, used in records)
-    for (call, fmt, used), n in sorted(counts.items()):
-        print(f"matmul: {call} ({fmt}) -> {used or 'the reference (XLA)'} x {n}", file=sys.stderr)
+    counts = collections.Counter((c.op, c.phase, c.call, c.weight, c.kernel) for c in records)
+    for (op, phase, call, fmt, used), n in sorted(counts.items(), key=str):
+        what = f"{call} ({fmt})" if fmt else call
+        print(f"{op} [{phase}]: {what} -> {used or 'the reference (XLA)'} x {n}", file=sys.stderr)
 
 
 def main(argv=None) -> int:

@@ -15,12 +15,13 @@ from jax import lax
 from .config import ModelConfig
 from .layer_scan import StackedLayers
 from .layers.attention import attention, commit_attention
-from .layers.hyper import hc_head, hc_post, hc_pre_norm, site_on_kernels
-from .layers.moe import moe
-from .layers.norm import rms_norm
-from .layers.rope import rope_inv_freq
-from .ops import linear
+from .layers.hyper import hc_head
+from .ops import linear, mhc_site
+from .ops.mhc_site import hc_post
+from .ops.moe_ffn import moe
+from .ops.norm_rope import rms_norm, rope_inv_freq
 from .run_context import RunContext
+
 
 def layer_kind(cfg: ModelConfig, layer: int) -> str:
     """"window", "csa" (ratio 4), "hca" (other ratios) or "mtp": the named scope of a layer's ops is
@@ -45,7 +46,7 @@ def block_streams(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, s
     """`block` on streams whose last hc_post may still be due: `streams` = (X, post_mix), post_mix = (y, post,
     comb) of the previous sub-layer or None. Returns ((X, post_mix) of this block, cache, statistics). Consecutive
     blocks pass their final hc_post on, so that it runs inside the next block's first mHC site (one launch fewer
-    on the GPU kernel plan, hyper.hc_pre_norm); resolve_streams applies it."""
+    on its kernels, ops/mhc_site.py); resolve_streams applies it."""
     with jax.named_scope(f"{layer_kind(cfg, layer)}_layer"):
         return _block(params, cfg, ctx, layer, *streams, token_ids, start, n_valid, cache, defer)
 
@@ -69,15 +70,13 @@ def commit_block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, ca
 
 def _block(params, cfg, ctx, layer, X, post_mix, token_ids, start, n_valid, cache, defer):
     ratio = cfg.compress_ratios[layer]
-    x, post, comb, X = hc_pre_norm(X, params["hc_attn_fn"], params["hc_attn_base"], params["hc_attn_scale"],
-                                   params["attn_norm"]["weight"], cfg, ctx, post_mix=post_mix)
-    # where the next mHC site runs on its kernels, they round the attention's float32 output: no cast launch
-    y_dtype = jnp.float32 if site_on_kernels(X, params["hc_ffn_fn"], cfg, ctx) else None
+    x, post, comb, X = mhc_site.pre_norm(X, params["hc_attn_fn"], params["hc_attn_base"], params["hc_attn_scale"],
+                                         params["attn_norm"]["weight"], cfg, ctx, post_mix=post_mix)
     y, cache, attn_stats = attention(params["attn"], cfg, ratio, x, start, n_valid, cache,
-                                     rope_inv_freq(cfg, ratio), ctx, defer, out_dtype=y_dtype)
-    # the attention's hc_post runs inside the next site (one pass over the streams on the GPU kernel plan)
-    x, post, comb, X = hc_pre_norm(X, params["hc_ffn_fn"], params["hc_ffn_base"], params["hc_ffn_scale"],
-                                   params["ffn_norm"]["weight"], cfg, ctx, post_mix=(y, post, comb))
+                                     rope_inv_freq(cfg, ratio), ctx, defer)
+    # the attention's hc_post runs inside the next site, which rounds its float32 output to the streams' dtype
+    x, post, comb, X = mhc_site.pre_norm(X, params["hc_ffn_fn"], params["hc_ffn_base"], params["hc_ffn_scale"],
+                                         params["ffn_norm"]["weight"], cfg, ctx, post_mix=(y, post, comb))
     y, moe_stats = moe(params["ffn"], cfg, x, token_ids, cfg.is_hash_layer(layer), ctx)
     return (X, (y, post, comb)), cache, attn_stats | moe_stats
 

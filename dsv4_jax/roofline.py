@@ -25,7 +25,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .numerics.kv_cache import entry_bytes
-from .layers.compressor import init_compressor_state
+from .ops.compressor_step import init_compressor_state
 from .params import WeightSpec, weight_specs
 from .numerics.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK
 

@@ -18,8 +18,9 @@ import dataclasses
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from .ops.plan import KernelPlan, plan_kernels
+from .ops.choice import PHASES
 from .ops.matmul import ACT_QUANT_MODES
+from .ops.plan import KernelPlan, plan_kernels
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -55,7 +56,9 @@ class RunContext:
     (sharding.make_mesh) whose "expert" axis splits the routed experts, or None for one device;
     context_limit: a bound the host knows on the positions of a call (every token at a position below it), so
     attention reads only the compressed entries and indexer keys those positions can see instead of the whole
-    max_seq_len buffers (None: the whole buffers). Model picks it from length buckets (api.context_bucket)."""
+    max_seq_len buffers (None: the whole buffers). Model picks it from length buckets (api.context_bucket);
+    phase: what the program runs, "prefill", "decode", "verify" or "train" (ops/choice.py): declared by each engine
+    program (`in_phase`), never inferred from a shape; a context with `training` is in "train"."""
     dtype: str
     simulate_quant: bool
     act_quant: str
@@ -63,6 +66,7 @@ class RunContext:
     training: Training | None = None
     mesh: Mesh | None = None
     context_limit: int | None = None
+    phase: str = "prefill"
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -78,30 +82,40 @@ class RunContext:
             raise TypeError(f"RunContext.mesh must be a jax.sharding.Mesh or None, got {self.mesh!r}")
         if self.training is not None and not isinstance(self.training, Training):
             raise TypeError(f"RunContext.training must be a Training or None, got {self.training!r}")
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
+        if (self.phase == "train") != (self.training is not None):
+            raise ValueError(f"phase {self.phase!r} with training={self.training!r}: a context is in 'train' "
+                             f"exactly when it has a Training")
 
     @classmethod
     def create(cls, dtype: str = "bfloat16", simulate_quant: bool = True, act_quant: str = "none",
                kernels: str | KernelPlan = "auto", training: Training | None = None, device=None,
-               mesh: Mesh | None = None) -> RunContext:
+               mesh: Mesh | None = None, kernel_overrides=None) -> RunContext:
         """A context with its kernel plan resolved now for `device` (default: the mesh's first device, else JAX's
         default device; a jax.sharding.AbstractDevice to compile for one that is not attached), unless `kernels`
-        is a plan already."""
+        is a plan already; `kernel_overrides` (ops/plan.py parse_overrides: {"attention_core": "kernel"}, or
+        "op=choice" strings) replace the plan's. In "train" with `training`, else in "prefill" until an engine
+        program declares its phase."""
         if device is None and mesh is not None:
             device = mesh.devices.flat[0]
         plan = kernels if isinstance(kernels, KernelPlan) else plan_kernels(kernels, device)
-        return cls(dtype, simulate_quant, act_quant, plan, training, mesh)
+        if kernel_overrides is not None:
+            plan = plan.with_overrides(kernel_overrides)
+        return cls(dtype, simulate_quant, act_quant, plan, training, mesh,
+                   phase="train" if training is not None else "prefill")
 
     @property
     def jnp_dtype(self):
         return DTYPES[self.dtype]
 
-    @property
-    def inference_kernels(self) -> bool:
-        """Whether the model's fused Pallas kernels (mHC sites, compressors, per-row norms; no derivatives) may run:
-        a kernel plan (a GPU's, or "interpret") and no training."""
-        return self.kernels.backend is not None and self.training is None
+    def in_phase(self, phase: str) -> RunContext:
+        """This context for an engine program that runs `phase`; a training context stays in "train"."""
+        return self if self.training is not None or self.phase == phase else self.replace(phase=phase)
 
     def replace(self, **changes) -> RunContext:
+        if "training" in changes and "phase" not in changes:       # a Training puts the context in "train"
+            changes["phase"] = "train" if changes["training"] is not None else "prefill"
         return dataclasses.replace(self, **changes)
 
     def without_act_quant(self) -> RunContext:

@@ -7,7 +7,7 @@ Mesh axes:
     "data"    will split the batch (each group of devices along it serving its own rows); size 1 for now.
     "expert"  splits the routed experts: each device holds E / n experts of every stacked expert weight, computes
               the routed rows that chose them, and one psum over the axis sums the partial outputs per MoE layer
-              (layers/moe.py). At 4 devices and more it also splits the attention heads and the shared expert
+              (ops/moe_ffn.py). At 4 devices and more it also splits the attention heads and the shared expert
               (tensor parallel, below).
 
 The rules (`rules(cfg, n)`) map the logical axes of the weight description (params.LOGICAL_AXES) to mesh axes:

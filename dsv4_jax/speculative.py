@@ -134,7 +134,7 @@ def speculative_step(params, cfg: ModelConfig, ctx: RunContext, spec: Speculativ
     else:
         key = gen.key
         draft_key, verify_key = _split(jax.vmap(jax.random.fold_in)(row_keys, gen.generated), 2)
-    drafts, q = draft(params, cfg, ctx, state, gen.last_token, k, draft_key, sp)
+    drafts, q = draft(params, cfg, ctx.in_phase("decode"), state, gen.last_token, k, draft_key, sp)
 
     chunk = jnp.concatenate([gen.last_token[:, None], drafts], axis=1)                  # [B, k+1]
     n_read = jnp.where(active, k + 1, 0).astype(jnp.int32)

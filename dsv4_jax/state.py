@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from .numerics import kv_cache
 from .config import ModelConfig
 from .layer_scan import StackedLayers, scan_plan
-from .layers.compressor import init_compressor_state
+from .ops.compressor_step import init_compressor_state
 
 
 @flax.struct.dataclass

@@ -96,16 +96,15 @@ def attention_reads(hlo: str, caches: dict) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from count_kernels import (_pallas_target, abstract_inputs, add_decode_attention_option, h200_device,
-                               use_decode_attention)
+    from count_kernels import (_pallas_target, abstract_inputs, add_kernel_override_options, h200_device,
+                               kernel_overrides)
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--max-seq-len", type=int, default=65536)
-    add_decode_attention_option(p)
+    add_kernel_override_options(p)
     p.add_argument("--json")
     p.add_argument("--hlo-dir", help="also write each program's optimized HLO text here")
     args = p.parse_args(argv)
-    use_decode_attention(args)
 
     import jax.numpy as jnp
 
@@ -114,7 +113,7 @@ def main(argv=None) -> int:
 
     device = h200_device()
     cfg = presets.flash().replace(n_layers=2, compress_ratios=(4, 128, 0), n_hash_layers=1)
-    ctx = RunContext.create("bfloat16", True, "none", "auto", device=device)
+    ctx = RunContext.create("bfloat16", True, "none", "auto", device=device, kernel_overrides=kernel_overrides(args))
     result = {"max_seq_len": args.max_seq_len, "programs": {}}
     for kv in (None, "fp8"):
         params, state, _, _, vec = abstract_inputs(cfg, 1, args.max_seq_len, device)

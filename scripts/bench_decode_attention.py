@@ -51,8 +51,8 @@ def xla_path(q, ring, kv, start, sink, compressed, picks, *, ratio):
     """What the model runs without the kernel: norm_rope's query kernel, then XLA's attention and inverse RoPE."""
     import jax.numpy as jnp
 
-    from dsv4_jax.layers import attention
-    from dsv4_jax.layers.rope import apply_rope
+    from dsv4_jax.ops import attention_core as attention
+    from dsv4_jax.ops.norm_rope import apply_rope
     from dsv4_jax.pallas_kernels import norm_rope
 
     inv_freq = _inv_freq()

@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from dsv4_jax import ffi  # noqa: E402
-from dsv4_jax.layers.moe import clamped_swiglu  # noqa: E402
+from dsv4_jax.ops.moe_ffn import clamped_swiglu  # noqa: E402
 from dsv4_jax.numerics.formats import weight_bytes  # noqa: E402
 from dsv4_jax.ops.matmul import linear  # noqa: E402
 from dsv4_jax.pallas_kernels import gemv, moe  # noqa: E402

@@ -94,16 +94,17 @@ PROGRAMS = ("decode_step", "prefill_chunk", "generate_chunk")
 DISPATCH_STEPS = ((1, 1), (8, 1), (16, 1), (32, 1), (64, 1), (64, 4))     # (batch, tokens per sequence)
 
 
-def add_decode_attention_option(parser) -> None:
+def add_kernel_override_options(parser) -> None:
+    parser.add_argument("--kernel-override", action="append", default=[], metavar="OP=CHOICE",
+                        help="a per-op override of the kernel plan (ops/choice.py), e.g. attention_core=kernel; "
+                             "repeatable")
     parser.add_argument("--decode-attention", action="store_true",
-                        help="with the decode attention kernel (opt-in on GPUs: DSV4_JAX_DECODE_ATTENTION=1)")
+                        help="with the decode attention kernel (opt-in on GPUs): --kernel-override attention_core=kernel")
 
 
-def use_decode_attention(args) -> None:
-    """Switch the decode attention kernel on for the programs traced from now on, if --decode-attention asks."""
-    if args.decode_attention:
-        from dsv4_jax.pallas_kernels import decode_attention
-        os.environ[decode_attention.ON_GPU_FLAG] = "1"
+def kernel_overrides(args) -> list[str]:
+    """The kernel plan's overrides the options ask for (RunContext.create's kernel_overrides)."""
+    return args.kernel_override + (["attention_core=kernel"] if args.decode_attention else [])
 
 
 def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, gen_chunk: int, device,
@@ -170,10 +171,9 @@ def main(argv=None) -> int:
                    help="compile for an H200 with this much memory: all of Flash (156 GB of arguments) exceeds the "
                         "H200's 141 GiB, and XLA then rematerializes small kernels per layer to save memory, "
                         "launches a model that fits its devices (sharded) does not make; e.g. 256")
-    add_decode_attention_option(p)
+    add_kernel_override_options(p)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
-    use_decode_attention(args)
     names = [] if args.programs == "none" else [n for n in args.programs.split(",") if n]
     if (not names and args.programs != "none") or set(names) - set(PROGRAMS):
         p.error(f"--programs: expected names from {PROGRAMS}, got {args.programs!r}")
@@ -183,11 +183,12 @@ def main(argv=None) -> int:
 
     cfg = presets.named(args.preset, args.layers)
     device = h200_device(args.device_memory_gib)
-    ctx = RunContext.create(kernels=args.kernels, device=device)
+    ctx = RunContext.create(kernels=args.kernels, device=device, kernel_overrides=kernel_overrides(args))
     print(f"{args.preset} geometry, {cfg.n_layers} layers, batch {args.batch}, compiled for {device.device_kind} "
           f"(kernel backend {ctx.kernels.backend}, ffi {ctx.kernels.ffi})", flush=True)
     result = {"preset": args.preset, "layers": cfg.n_layers, "batch": args.batch, "max_seq_len": args.max_seq_len,
-              "decode_attention_kernel": args.decode_attention, "device": device.device_kind,
+              "decode_attention_kernel": ctx.kernels.override("attention_core") == "kernel",
+              "kernel_overrides": dict(ctx.kernels.overrides), "device": device.device_kind,
               "device_memory_gib": args.device_memory_gib,
               "kernels": args.kernels, "scan_layers": args.scan_layers, "kernel_backend": ctx.kernels.backend,
               "ffi": ctx.kernels.ffi,

@@ -3,8 +3,9 @@
 # (pytest arguments; default the mHC kernels' tests), then the 4-layer Flash-geometry model benchmark at BATCHES
 # (default 1, 8, 32) and 4K context (CONTEXTS) from this tree and, in the same call, from the tree at BASELINE_DIR
 # (a checkout of the commit before the change; skipped when unset), so both sides run on one machine in one
-# session. NEW_ENV (e.g. "DSV4_JAX_DECODE_ATTENTION=1") is set for this tree's side only, so an opt-in switch is
-# compared with BASELINE_DIR=. (this tree without it). Results: $OUT (or ./out)/pytest_ab.log,
+# session. NEW_ARGS (benchmark options, e.g. "--kernel-override attention_core=kernel") and NEW_ENV (environment
+# assignments) apply to this tree's side only, so an opt-in switch is compared with BASELINE_DIR=. (this tree
+# without it). Results: $OUT (or ./out)/pytest_ab.log,
 # flash4_new.{json,log}, flash4_baseline.{json,log}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,11 +17,11 @@ status=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv | tee "$OUT_DIR/gpu.txt"
 PYTHONPATH=. timeout "${TEST_S:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider \
     ${TESTS:-tests/test_pallas_mhc.py} 2>&1 | tee "$OUT_DIR/pytest_ab.log" || status=1
-bench() {   # tree, name, environment assignments
+bench() {   # tree, name, environment assignments, benchmark options
     (cd "$1" && env ${3:-} PYTHONPATH=. timeout "${BENCH_S:-200}" python3 -m dsv4_jax.bench --preset flash --layers 4 \
-        --reference none --batches "${BATCHES:-1,8,32}" --contexts "${CONTEXTS:-4096}" --prompts "${PROMPTS:-1024}" \
+        ${4:-} --reference none --batches "${BATCHES:-1,8,32}" --contexts "${CONTEXTS:-4096}" --prompts "${PROMPTS:-1024}" \
         --out "$OUT_DIR/$2.json") 2>&1 | grep -v "Warning\|warn(" | tee "$OUT_DIR/$2.log" || status=1
 }
-bench . flash4_new "${NEW_ENV:-}"
+bench . flash4_new "${NEW_ENV:-}" "${NEW_ARGS:-}"
 if [ -n "${BASELINE_DIR:-}" ]; then bench "$BASELINE_DIR" flash4_baseline; fi
 exit $status

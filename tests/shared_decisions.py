@@ -44,12 +44,12 @@ from dsv4_jax.ops.matmul import activation_quantizer
 # per layer: attention's FP8 rounding is the window KV, its FP4 rounding the indexer query; the compressor's FP8
 # rounding is the main compressor, its FP4 rounding the indexer's.
 SITE_FUNCTIONS = {
-    ("dsv4_jax.layers.attention", "fp8_fake_quant"): "attn.kv",
-    ("dsv4_jax.layers.attention", "fp4_fake_quant"): "attn.indexer.q",
-    ("dsv4_jax.layers.compressor", "fp8_fake_quant"): "attn.compressor",
-    ("dsv4_jax.layers.compressor", "fp4_fake_quant"): "attn.indexer.compressor",
-    ("dsv4_jax.layers.attention", "indexer_select"): "attn.indexer",
-    ("dsv4_jax.layers.moe", "route"): "ffn.gate",
+    ("dsv4_jax.ops.norm_rope", "fp8_fake_quant"): "attn.kv",
+    ("dsv4_jax.ops.norm_rope", "fp4_fake_quant"): "attn.indexer.q",
+    ("dsv4_jax.ops.compressor_step", "fp8_fake_quant"): "attn.compressor",
+    ("dsv4_jax.ops.compressor_step", "fp4_fake_quant"): "attn.indexer.compressor",
+    ("dsv4_jax.ops.indexer", "indexer_select"): "attn.indexer",
+    ("dsv4_jax.ops.moe_ffn", "route"): "ffn.gate",
 }
 
 # Float32 noise allowed between the model's and the reference's values at a site, relative to the size of the

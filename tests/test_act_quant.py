@@ -30,7 +30,7 @@ from shared_decisions import DecisionRecorder, ModelDecisions, model_layers
 from test_quant_formats import F32, act_np, make_weight, nvfp4_blocks_np
 
 linear_module = importlib.import_module("dsv4_jax.ops.matmul")
-moe_module = importlib.import_module("dsv4_jax.layers.moe")
+moe_module = importlib.import_module("dsv4_jax.ops.moe_ffn")
 
 BATCH, SEQ = 2, 48
 # XLA's GPU backend divides float32 with `div.full` (<= 2 ulp), so the per-token quantizers are bit-exact against

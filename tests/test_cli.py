@@ -236,7 +236,9 @@ def test_stop_strings_cut_the_text_and_verbose_names_the_kernels(runs):
     assert json.loads(stopped.stdout)["settings"]["kv_cache_dtype"] == "fp8"
     assert re.search(r"^backend: cpu \| devices: 1 x .* \| kernels: auto -> reference", stopped.stderr, re.M), \
         stopped.stderr
-    assert re.search(r"^matmul: linear \(Fp8BlockWeight\) -> the reference \(XLA\) x \d+$", stopped.stderr, re.M), \
+    assert re.search(r"^matmul \[decode\]: linear \(Fp8BlockWeight\) -> the reference \(XLA\) x \d+$", stopped.stderr,
+                     re.M), stopped.stderr
+    assert re.search(r"^mhc_site \[prefill\]: mhc_site -> the reference \(XLA\) x \d+$", stopped.stderr, re.M), \
         stopped.stderr
 
 

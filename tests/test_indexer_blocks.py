@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import dsv4_jax.layers.attention as attention
+from dsv4_jax.ops import indexer as attention
 from dsv4_jax import engine, presets
-from dsv4_jax.layers.rope import rope_inv_freq
+from dsv4_jax.ops.norm_rope import rope_inv_freq
 from dsv4_jax.params import init_params
 from dsv4_jax.run_context import RunContext
 from dsv4_jax.state import init_state

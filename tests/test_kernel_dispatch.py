@@ -19,7 +19,7 @@ import dsv4_jax
 from dsv4_jax import engine
 from dsv4_jax.numerics import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from dsv4_jax.ops import group_linear, grouped_linear, grouped_linear_pair, linear, linear_pair
-from dsv4_jax.ops import matmul_kernels
+from dsv4_jax.ops import choice, matmul_kernels
 from dsv4_jax.numerics.activations import fp8_activation
 from dsv4_jax.ops.plan import KernelPlan, plan_kernels
 from dsv4_jax.run_context import RunContext
@@ -74,9 +74,9 @@ def test_linear_takes_the_kernel(fmt, dtype):
     rng = np.random.default_rng()
     w = _weight(rng, fmt, (128, 256))
     x = jnp.asarray(rng.standard_normal((2, 3, 256)), dtype)             # 6 rows: batch 2 x 3 tokens
-    with matmul_kernels.record_dispatch() as rec:
+    with choice.record_dispatch("matmul") as rec:
         y = linear(x, w, jnp.float32, ctx=INTERPRET)
-    assert rec == [("linear", type(w).__name__, (128, 256), "interpret", "gemv")]
+    assert [r[:5] for r in rec] == [("linear", type(w).__name__, (128, 256), "interpret", "gemv")]
     assert y.shape == (2, 3, 128)
     ref = np.asarray(x.astype(jnp.float32), np.float64) @ _dense64(w).T
     assert _rel(y, ref) < (1e-5 if dtype == jnp.bfloat16 else 2e-5)
@@ -101,13 +101,13 @@ def test_prefill_linear_takes_the_fp8_tensor_core_kernel(fmt):
     if fmt == "mxfp4":                                                   # exponents within 14 binades: exact
         w = Mxfp4Weight(w.packed, jnp.clip(w.scale, 118, 131))
     x = jnp.asarray(rng.standard_normal((2, 21, 384)) * np.exp(rng.uniform(-4, 4, (2, 21, 1))), jnp.bfloat16)
-    with matmul_kernels.record_dispatch() as rec:
+    with choice.record_dispatch("matmul") as rec:
         y = linear(x, w, jnp.float32, ctx=_ctx("interpret", "fp8"))
-    assert [r[3:] for r in rec] == [("interpret", "prefill_fp8")]
+    assert [r[3:5] for r in rec] == [("interpret", "prefill_fp8")]
     assert _rel(y, linear(x, w, jnp.float32, ctx=_ctx("reference", "fp8"))) < 1e-6
-    with matmul_kernels.record_dispatch() as rec:                        # bf16 activations: the decode kernel
+    with choice.record_dispatch("matmul") as rec:                        # bf16 activations: the decode kernel
         linear(x, w, jnp.float32, ctx=_ctx("interpret", "none"))
-    assert [r[3:] for r in rec] == [("interpret", "gemv")]
+    assert [r[3:5] for r in rec] == [("interpret", "gemv")]
 
 
 def test_mxfp4_as_fp8_operand_exact_within_fourteen_binades():
@@ -141,7 +141,7 @@ def test_group_linear_takes_the_kernel(fmt, out):
     groups, k = 4, 256
     w = _weight(rng, fmt, (groups * out, k))
     x = jnp.asarray(rng.standard_normal((3, 1, groups, k)), jnp.bfloat16)
-    with matmul_kernels.record_dispatch() as rec:
+    with choice.record_dispatch("matmul") as rec:
         y = group_linear(x, w, jnp.float32, ctx=INTERPRET)
     assert _paths(rec) == {"interpret": 1}
     dense = _dense64(w).reshape(groups, out, k)
@@ -157,7 +157,7 @@ def test_grouped_linear_takes_the_moe_kernel(fmt):
     sizes = np.array([3, 0, 1, 4, 2])                                     # an empty expert; 2 padding rows
     m = sizes.sum() + 2
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    with matmul_kernels.record_dispatch() as rec:
+    with choice.record_dispatch("matmul") as rec:
         y = grouped_linear(x, w, jnp.asarray(sizes, jnp.int32), jnp.float32, ctx=INTERPRET)
     assert _paths(rec) == {"interpret": 1}
     experts = np.repeat(np.arange(n_exp), sizes)
@@ -179,7 +179,7 @@ def test_grouped_linear_rows_in_any_order(fmt, kernels):
     groups = np.array([3, 0, 5, 3, 1, 4, 0, 2, 5, 3])                    # 5: not one of these experts
     x = jnp.asarray(rng.standard_normal((len(groups), k)), jnp.bfloat16)
     ctx = _ctx(kernels)
-    with matmul_kernels.record_dispatch() as rec:
+    with choice.record_dispatch("matmul") as rec:
         y = grouped_linear(x, w_a, None, jnp.float32, ctx=ctx, row_groups=jnp.asarray(groups, jnp.int32))
     assert _paths(rec) == {kernels if kernels == "interpret" else "reference": 1}
     xs = np.asarray(x.astype(jnp.float32), np.float64)
@@ -232,7 +232,7 @@ def test_fallbacks_and_modes():
     w = _weight(rng, "fp8", (128, 256))
     odd = _weight(rng, "mxfp4", (96, 256))                                # N % 64 != 0: no kernel
     x = jnp.asarray(rng.standard_normal((1, 256)), jnp.bfloat16)
-    with matmul_kernels.record_dispatch() as rec:
+    with choice.record_dispatch("matmul") as rec:
         linear(x, w, ctx=REFERENCE)
         linear(x, w, ctx=RunContext.create(kernels="auto"))                                      # CPU: the reference
         linear(jnp.tile(x, (17, 1)), w, ctx=INTERPRET)              # 17-256 rows: the decode kernel, wider
@@ -290,7 +290,7 @@ def test_model_decode_and_generation_loop_run_the_kernels(tiny_checkpoint):
     prompt = np.random.default_rng().integers(0, 512, (2, 6)).astype(np.int32)
     kw = dict(dtype="float32", max_seq_len=32, max_batch=2, simulate_quant=False)
     ref = _prefill_decode_generate(dsv4_jax.load(tiny_checkpoint[0], kernels="reference", **kw), prompt, 4, False)
-    with matmul_kernels.record_dispatch() as rec:
+    with choice.record_dispatch("matmul") as rec:
         got = _prefill_decode_generate(dsv4_jax.load(tiny_checkpoint[0], kernels="interpret", **kw), prompt, 4,
                                        False)
     assert _paths(rec)["interpret"] >= 2 * 10                              # prefill, generation loop
@@ -309,7 +309,7 @@ def test_linear_pair_takes_the_concat_kernel_for_two_fp8_widths(monkeypatch):
 
     def lowered(x, a, b):
         fn = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32, ctx=ctx))
-        with matmul_kernels.record_dispatch() as rec:
+        with choice.record_dispatch("matmul") as rec:
             with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
                 text = fn.trace(x, a, b).lower(lowering_platforms=("cuda",)).as_text()
         return [r[4] for r in rec], text
@@ -330,7 +330,7 @@ def _decode_step_lowered_for_h200(kernels):
     model = dsv4_jax.load(DEFAULT_MODEL, kernels=kernels, max_seq_len=256, max_batch=2, target=H200)
     state = jax.eval_shape(lambda: init_state(model.config, 2, 256, jnp.bfloat16))
     tokens = jax.ShapeDtypeStruct((2,), jnp.int32)
-    with matmul_kernels.record_dispatch() as rec:
+    with choice.record_dispatch("matmul") as rec:
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
             text = engine.decode_step.trace(model.params, state, tokens, cfg=model.config, ctx=model.context,
                                             max_seq_len=256).lower(lowering_platforms=("cuda",)).as_text()
@@ -411,9 +411,9 @@ def test_prefill_kernel_gpu(fmt):
     if fmt == "mxfp4":
         w = Mxfp4Weight(w.packed, jnp.clip(w.scale, 118, 131))
     x = jnp.asarray(rng.standard_normal((300, 1024)) * np.exp(rng.uniform(-4, 4, (300, 1))), jnp.bfloat16)
-    with matmul_kernels.record_dispatch() as rec:
+    with choice.record_dispatch("matmul") as rec:
         y = jax.jit(lambda x, w: linear(x, w, jnp.float32, ctx=_ctx("pallas", "fp8")))(x, w)
-    assert [r[3:] for r in rec] == [("pallas", "prefill_fp8")]
+    assert [r[3:5] for r in rec] == [("pallas", "prefill_fp8")]
     # the oracle: float64 products of the very e4m3 x 2^k activations the reference quantizer makes
     xq = np.asarray(jax.jit(lambda x: fp8_activation(x).astype(jnp.float32))(x), np.float64)
     # Hopper's FP8 wgmma accumulates each 128-input block with ~14 significant bits (measured: 1.3e-4 relative)
@@ -436,10 +436,10 @@ def test_grouped_linear_prefill_wide_slots_gpu(fmt, n):
     x = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.uniform(-3, 3, (m, 1))), jnp.bfloat16)
     tiling = matmul_kernels._moe_schedule(x, w, matmul_kernels._fp4_unroll(w, k))
     assert tiling["block_n"] == (128 if n % 128 == 0 and fmt == "mxfp4" else 64)
-    with matmul_kernels.record_dispatch() as rec:
+    with choice.record_dispatch("matmul") as rec:
         y = jax.jit(lambda x, w, s: grouped_linear(x, w, s, jnp.float32, ctx=_ctx("pallas")))(
             x, w, jnp.asarray(sizes, jnp.int32))
-    assert [r[3:] for r in rec] == [("pallas", "moe")]
+    assert [r[3:5] for r in rec] == [("pallas", "moe")]
     rows = int(sizes.sum())
     ref = np.einsum("rk,rnk->rn", np.asarray(x[:rows].astype(jnp.float32), np.float64),
                     _dense64(w)[np.repeat(np.arange(n_exp), sizes)])
@@ -465,7 +465,7 @@ def test_gate_up_pairs_match_two_reference_calls_gpu(fmt, act_quant):
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((5, 512)) * np.exp(rng.uniform(-3, 3, (5, 1))), jnp.bfloat16)
     w1, w3 = _weight(rng, fmt, (256, 512)), _weight(rng, fmt, (256, 512))
-    with matmul_kernels.record_dispatch() as rec:
+    with choice.record_dispatch("matmul") as rec:
         got = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32, ctx=_ctx("auto", act_quant)))(x, w1, w3)
     assert [r[4] for r in rec] == ["ffi_gemv_pair"]
     for y, w in zip(got, (w1, w3)):
@@ -476,7 +476,7 @@ def test_gate_up_pairs_match_two_reference_calls_gpu(fmt, act_quant):
     w1, w3 = _weight(rng, fmt, (6, 256, 512)), _weight(rng, fmt, (6, 256, 512))
     sizes = jnp.asarray([3, 0, 1, 4, 2, 0], jnp.int32)                   # an empty expert; 2 padding rows
     xs = jnp.asarray(rng.standard_normal((12, 512)) * np.exp(rng.uniform(-3, 3, (12, 1))), jnp.bfloat16)
-    with matmul_kernels.record_dispatch() as rec:
+    with choice.record_dispatch("matmul") as rec:
         got = jax.jit(lambda x, a, b, s: grouped_linear_pair(x, a, b, s, jnp.float32, ctx=_ctx("auto", act_quant)))(
             xs, w1, w3, sizes)
     assert [r[4] for r in rec] == ["ffi_moe_gemv_pair"]
@@ -496,7 +496,7 @@ def test_wq_a_wkv_concat_matches_two_reference_calls_gpu(act_quant):
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((2, 3, 512)) * np.exp(rng.uniform(-3, 3, (2, 3, 1))), jnp.bfloat16)
     w_q, w_kv = _weight(rng, "fp8", (384, 512)), _weight(rng, "fp8", (128, 512))
-    with matmul_kernels.record_dispatch() as rec:
+    with choice.record_dispatch("matmul") as rec:
         got = jax.jit(lambda x, a, b: linear_pair(x, a, b, jnp.float32, ctx=_ctx("auto", act_quant)))(x, w_q, w_kv)
     assert [r[4] for r in rec] == ["ffi_gemv_concat"]
     for y, w in zip(got, (w_q, w_kv)):
@@ -514,7 +514,7 @@ def test_default_model_with_kernels_matches_reference_gpu(dtype, act_quant):
     auto = dsv4_jax.load(DEFAULT_MODEL, **kw)
     assert auto.context.kernels.mode == "auto" and auto.context.kernels.backend == "cuda" and auto.context.kernels.ffi
     ref = _prefill_decode_generate(dsv4_jax.load(DEFAULT_MODEL, kernels="reference", **kw), prompt, 8)
-    with matmul_kernels.record_dispatch() as rec:
+    with choice.record_dispatch("matmul") as rec:
         got = _prefill_decode_generate(auto, prompt, 8)
     assert _paths(rec)["cuda"] >= 6 * 7
     used = {r[4] for r in rec}                                           # the CUDA GEMVs of dsv4_jax/ffi/ took decode

@@ -21,12 +21,13 @@ import ckpt_writer as cw
 import reference_np as R
 import dsv4_jax
 from dsv4_jax import presets
-import dsv4_jax.layers.attention as attention_module
+from dsv4_jax.ops import attention_core, indexer
 from dsv4_jax.layers.attention import attention
-from dsv4_jax.layers.compressor import compressor_update, init_compressor_state
-from dsv4_jax.layers.hyper import hc_head, hc_post, hc_pre
-from dsv4_jax.layers.moe import clamped_swiglu, moe, route
-from dsv4_jax.layers.rope import apply_rope, rope_inv_freq
+from dsv4_jax.ops.compressor_step import compressor_update, init_compressor_state
+from dsv4_jax.layers.hyper import hc_head
+from dsv4_jax.ops.mhc_site import hc_post, hc_pre
+from dsv4_jax.ops.moe_ffn import clamped_swiglu, moe, route
+from dsv4_jax.ops.norm_rope import apply_rope, rope_inv_freq
 from dsv4_jax.numerics.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, round_to_e2m1
 from dsv4_jax.run_context import RunContext
 from dsv4_jax.state import init_layer_cache
@@ -481,7 +482,7 @@ def test_indexer_select(tiny, xseq, simulate_quant):
     def select(p, x, q, pos):
         keys, _ = comp(p["compressor"], x, jnp.zeros(B, jnp.int32), jnp.full(B, L, jnp.int32), fresh, poison)
         # looked up at call time: DecisionRecorder records the module's indexer_select
-        return attention_module.indexer_select(p, cfg, x, q, pos, keys, f32, _ctx(simulate_quant))
+        return indexer.indexer_select(p, cfg, x, q, pos, keys, f32, _ctx(simulate_quant))
 
     ref_decisions = R.SPEC_DECISIONS
     if simulate_quant:
@@ -573,11 +574,11 @@ def test_window_blocks_equal_the_softmax_over_each_querys_window(seq):
     q, kv = rng.standard_normal((2, seq, n_heads, head_dim)), rng.standard_normal((2, seq, head_dim))
     ring, sink = rng.standard_normal((2, window, head_dim)), rng.standard_normal(n_heads)
     positions = start[:, None] + np.arange(seq, dtype=np.int32)[None, :]
-    got = attention_module._attend(*(jnp.asarray(a, jnp.float32) for a in (q, ring, kv)), jnp.asarray(start),
+    got = attention_core._attend(*(jnp.asarray(a, jnp.float32) for a in (q, ring, kv)), jnp.asarray(start),
                                    jnp.asarray(positions), jnp.asarray(sink, jnp.float32), 0.3, window, 0, None, None)
     want = np.full_like(q, np.nan)
     for b in range(2):
-        ring_pos = np.asarray(attention_module.ring_positions(jnp.asarray(start[b:b + 1]), window))[0]
+        ring_pos = np.asarray(attention_core.ring_positions(jnp.asarray(start[b:b + 1]), window))[0]
         keys, key_pos = np.concatenate([ring[b], kv[b]]), np.concatenate([ring_pos, positions[b]])
         for t, p in enumerate(positions[b]):
             seen = (key_pos >= 0) & (key_pos <= p) & (key_pos > p - window)
@@ -625,7 +626,7 @@ def test_one_token_attention_equals_the_softmax_over_the_keys_it_may_see(ratio):
         valid = np.arange(k)[None, None, :] < np.minimum(k, visible)[:, None, None]
         assert not valid[0].all() and valid[1].all()
         picks = (jnp.asarray(idx), jnp.asarray(valid))
-    got = attention_module._attend(*(jnp.asarray(a, jnp.float32) for a in (q, ring, kv)), jnp.asarray(start),
+    got = attention_core._attend(*(jnp.asarray(a, jnp.float32) for a in (q, ring, kv)), jnp.asarray(start),
                                    jnp.asarray(start[:, None]), jnp.asarray(sink, jnp.float32), 0.3, window, ratio,
                                    jnp.asarray(compressed, jnp.float32) if ratio else None, picks)
     want = np.full_like(q, np.nan)

@@ -110,11 +110,11 @@ def _head_collapse_bias_off_by_a_hundredth(hc_head):
 # A bug in the model, where it is, and what the check against the reference says about it: each kind of check
 # (the model's own rounding, a top-k pick that is no tie, a value before a rounding, the final logits) must bite.
 MODEL_BUGS = {
-    "window KV rounded as if 3% larger": ("dsv4_jax.layers.attention", "fp8_fake_quant", _fp8_of_values_3_percent_high,
+    "window KV rounded as if 3% larger": ("dsv4_jax.ops.norm_rope", "fp8_fake_quant", _fp8_of_values_3_percent_high,
                                           "rounding of its own values differs from the spec"),
-    "router selects without its bias": ("dsv4_jax.layers.moe", "route", _router_without_bias,
+    "router selects without its bias": ("dsv4_jax.ops.moe_ffn", "route", _router_without_bias,
                                         "not tied with the k-th best"),
-    "compressed entries rotated one position late": ("dsv4_jax.layers.compressor", "apply_rope",
+    "compressed entries rotated one position late": ("dsv4_jax.ops.compressor_step", "apply_rope",
                                                      _rope_one_position_late, "value before rounding differs"),
     "hc head stream weights' bias off by 0.01": ("dsv4_jax.model", "hc_head", _head_collapse_bias_off_by_a_hundredth,
                                                  "Not equal to tolerance"),

@@ -1,5 +1,5 @@
 """The compressor's decode kernel (dsv4_jax/pallas_kernels/compressor.py), fed one token per step through
-layers/compressor.py `compressor_update` in Pallas interpret mode: against float64 numpy (tests/reference_np.py
+ops/compressor_step.py `compressor_update` in Pallas interpret mode: against float64 numpy (tests/reference_np.py
 `compressor_entries`, the whole sequence at once) and against the jnp path it replaces (same inputs, same state).
 
 The kernel sums the softmax and the RMS in another order than XLA, so float32 entries agree with the jnp path to
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from dsv4_jax import presets
-from dsv4_jax.layers import compressor as C
-from dsv4_jax.layers.rope import rope_inv_freq
+from dsv4_jax.ops import compressor_step as C
+from dsv4_jax.ops.norm_rope import rope_inv_freq
 from dsv4_jax.pallas_kernels import compressor as kernel
 from dsv4_jax.run_context import RunContext
 
@@ -35,7 +35,7 @@ def _params(rng, ratio: int, head_dim: int, dim: int) -> dict:
 def _decode(kernels: str, dtype: str, cfg, params, xs, live, ratio, head_dim, rotate, simulate_quant, n_entries):
     """Feed xs [B, T, D] one token per step (row b takes token t where live[b, t]; other steps pass it with
     n_valid 0 and a junk token). Returns (cache [B, n_entries, hd] float32, final state, tokens fed per row)."""
-    ctx = RunContext.create(kernels=kernels, dtype=dtype, simulate_quant=simulate_quant)
+    ctx = RunContext.create(kernels=kernels, dtype=dtype, simulate_quant=simulate_quant).in_phase("decode")
     batch, steps, _ = xs.shape
     inv_freq = rope_inv_freq(cfg, ratio)
     step = jax.jit(lambda p, x, s, n, st, ca: C.compressor_update(

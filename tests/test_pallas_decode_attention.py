@@ -133,7 +133,7 @@ def test_bfloat16_matches_float64_within_its_roundings(layout):
 
 
 def _numpy_rope(x, position: int, inv_freq, inverse: bool = False):
-    """layers/rope.apply_rope in float64 on x [..., D] at one position: pairs (2i, 2i + 1) of the last 2 * len(inv_freq)
+    """ops/norm_rope.apply_rope in float64 on x [..., D] at one position: pairs (2i, 2i + 1) of the last 2 * len(inv_freq)
     dims turned by the float32 angle position * f_i (the model forms the angle in float32)."""
     angle = (np.float32(position) * inv_freq.astype(np.float32)).astype(np.float64)
     sin = -np.sin(angle) if inverse else np.sin(angle)

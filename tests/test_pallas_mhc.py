@@ -1,5 +1,5 @@
 """The mHC site kernels (dsv4_jax/pallas_kernels/mhc.py) in Pallas interpret mode against float64 numpy
-(tests/reference_np.py) and against the pure-jnp path they replace (layers/hyper.py hc_post + hc_pre + rms_norm).
+(tests/reference_np.py) and against the pure-jnp path they replace (ops/mhc_site.py hc_post + hc_pre + rms_norm).
 
 The kernels sum the long reductions (24 mixing dot products over n * D values, the RMS of the streams and of u) in
 chunks, so they agree with the jnp path to float32 rounding, not bit for bit; the float32 checks have tolerances
@@ -18,7 +18,7 @@ import pytest
 
 from dsv4_jax import presets
 from dsv4_jax.config import ModelConfig
-from dsv4_jax.layers import hyper
+from dsv4_jax.ops import mhc_site
 from dsv4_jax.pallas_kernels import mhc
 from dsv4_jax.run_context import RunContext
 
@@ -121,14 +121,14 @@ def test_bfloat16_site_matches_float64_with_its_roundings():
 
 
 def test_model_site_dispatch_interpret_equals_reference():
-    """hyper.hc_pre_norm takes the kernels on a kernel plan ("interpret" here) and the jnp path on the reference
+    """mhc_site.pre_norm takes the kernels on a kernel plan ("interpret" here) and the jnp path on the reference
     plan; float32, the two agree to rounding."""
     rng = np.random.default_rng(11)
     cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, (2, 1), 128, jnp.float32)
     outs = []
     for kernels in ("interpret", "reference"):
-        ctx = RunContext.create(kernels=kernels, dtype="float32")
-        outs.append(jax.jit(lambda *a, ctx=ctx: hyper.hc_pre_norm(*a[:5], cfg, ctx, post_mix=a[5]))(
+        ctx = RunContext.create(kernels=kernels, dtype="float32").in_phase("decode")
+        outs.append(jax.jit(lambda *a, ctx=ctx: mhc_site.pre_norm(*a[:5], cfg, ctx, post_mix=a[5]))(
             X, fn, base, scale, weight, (y, post, comb)))
     for name, g, w in zip(("x", "post", "comb", "streams"), *outs):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6, err_msg=name)
@@ -201,8 +201,8 @@ def test_float32_y_is_rounded_to_the_streams_dtype():
     cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, (2, 1), 256, jnp.bfloat16)
     y32 = jnp.asarray(rng.standard_normal(y.shape), jnp.float32)            # not on the bf16 grid
     for kernels in ("interpret", "reference"):
-        ctx = RunContext.create(kernels=kernels, dtype="bfloat16")
-        run = jax.jit(lambda X, y, ctx=ctx: hyper.hc_pre_norm(X, fn, base, scale, weight, cfg, ctx,
+        ctx = RunContext.create(kernels=kernels, dtype="bfloat16").in_phase("decode")
+        run = jax.jit(lambda X, y, ctx=ctx: mhc_site.pre_norm(X, fn, base, scale, weight, cfg, ctx,
                                                               post_mix=(y, post, comb)))
         X16 = jnp.asarray(X, jnp.bfloat16)
         for g, w in zip(run(X16, y32), run(X16, y32.astype(jnp.bfloat16))):

@@ -121,7 +121,7 @@ def test_unsupported_inputs_are_refused():
 def test_mhc_kernel_sums_the_moe_parts_as_moe_parts_total():
     """The mHC post-mix kernel given the MoE's parts equals the same kernel given their total (MoeParts.total, the
     order both use): bit for bit on the CPU, and that total is the float64 sum to float32 rounding."""
-    from dsv4_jax.layers.moe import MoeParts
+    from dsv4_jax.ops.moe_ffn import MoeParts
 
     rng = np.random.default_rng(9)
     rows, n, dim, k = 2, 4, 256, 6
@@ -145,7 +145,7 @@ def test_model_decode_takes_the_moe_kernels_and_equals_the_jnp_path(monkeypatch)
     ("interpret") run every layer's MoE on these kernels (both routings) and give the jnp path's logits (1e-4: the
     interpret plan's matmuls meet float32 as bf16 hi + lo parts, test_kernel_dispatch.py)."""
     from dsv4_jax import presets
-    from dsv4_jax.layers import moe
+    from dsv4_jax.ops import moe_ffn as moe
 
     cfg = presets.tiny()
     routings = []

@@ -1,6 +1,6 @@
 """The decode rows' RMSNorm kernel (dsv4_jax/pallas_kernels/norm_rope.py), with RoPE and the FP8 fake quant, in Pallas
-interpret mode: against float64 numpy (tests/reference_np.py) and against the jnp path it replaces (layers/norm.py
-`rms_norm`, layers/rope.py `apply_rope`, numerics/fake_quant.py `fp8_fake_quant`), and the attention layer on a kernel
+interpret mode: against float64 numpy (tests/reference_np.py) and against the jnp path it replaces (ops/norm_rope.py
+`rms_norm`, ops/norm_rope.py `apply_rope`, numerics/fake_quant.py `fp8_fake_quant`), and the attention layer on a kernel
 plan against the reference plan."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from dsv4_jax import presets
-from dsv4_jax.layers.norm import rms_norm
-from dsv4_jax.layers.rope import apply_rope, rope_inv_freq
+from dsv4_jax.ops.norm_rope import rms_norm
+from dsv4_jax.ops.norm_rope import apply_rope, rope_inv_freq
 from dsv4_jax.pallas_kernels import norm_rope
 from dsv4_jax.numerics.fake_quant import fp8_fake_quant
 
@@ -136,7 +136,7 @@ def test_attention_on_a_kernel_plan_equals_the_reference_plan():
         cache = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), state.layers[layer])
         outs = []
         for kernels in ("interpret", "reference"):
-            ctx = RunContext.create(kernels=kernels, dtype="float32")
+            ctx = RunContext.create(kernels=kernels, dtype="float32").in_phase("decode")
             outs.append(jax.jit(lambda p, x, c, ctx=ctx: attention(p, cfg, ratio, x, start, jnp.ones(2, jnp.int32),
                                                                      c, rope_inv_freq(cfg, ratio), ctx)[:2])(
                 params["layers"][layer]["attn"], x, cache))

@@ -17,7 +17,7 @@ import pytest
 
 from dsv4_jax import presets
 from dsv4_jax.layers.indexer_loss import indexer_kl
-from dsv4_jax.layers.moe import capacity_routed_experts, routed_experts
+from dsv4_jax.ops.moe_ffn import capacity_routed_experts, routed_experts
 from dsv4_jax.numerics.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
 from dsv4_jax.run_context import RunContext, Training
 from scripts.train_tiny import build_tree, forward_losses, init_train_params, quant_names

@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reference", choices=("all", "decode", "none"), default="all",
                    help="which cases also run on kernels='reference' (default all)")
     p.add_argument("--kernels", default="auto", help="kernel mode of the main side (default auto)")
+    p.add_argument("--kernel-override", action="append", default=[], metavar="OP=CHOICE",
+                   help="a per-op override of the main side's kernel plan (ops/choice.py), e.g. "
+                        "attention_core=kernel (the opt-in decode attention kernel); repeatable")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--scan-layers", action="store_true", help="the repeated layer pattern under lax.scan")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
@@ -115,6 +118,7 @@ def run(args) -> dict:
 
     import dsv4_jax
     from ..roofline import prefill_flops, roofline, weight_bytes_by_part
+    from ..ops.plan import plan_kernels
     from ..run_context import RunContext
     from . import cases, op_profile, probes
 
@@ -128,14 +132,15 @@ def run(args) -> dict:
               "command": " ".join(["python -m dsv4_jax.bench"] + list(args.argv)), "machine": _machine()}
 
     t0 = time.perf_counter()
-    model = dsv4_jax.init_random(cfg, seed=0, mesh=mesh, dtype=args.dtype, kernels=args.kernels,
-                                 scan_layers=args.scan_layers)
+    plan = plan_kernels(args.kernels, mesh.devices.flat[0] if mesh is not None else None, args.kernel_override)
+    model = dsv4_jax.init_random(cfg, seed=0, mesh=mesh, dtype=args.dtype, kernels=plan, scan_layers=args.scan_layers)
     jax.block_until_ready(model.params)
     held = sum(weight_bytes_by_part(cfg).values())
     result["model"] = {"preset": args.preset, "layers": cfg.n_layers, "weights_bytes": held,
                        "init_s": time.perf_counter() - t0, "dtype": args.dtype, "kernels": args.kernels,
                        "scan_layers": model.scan_layers, "kv_cache_dtype": args.kv_cache_dtype,
-                       "kernel_backend": model.context.kernels.backend, "devices": args.devices}
+                       "kernel_backend": model.context.kernels.backend, "devices": args.devices,
+                       "kernel_overrides": dict(plan.overrides)}
     print(f"{args.preset} geometry, {cfg.n_layers} layers: {held / 1e9:.3f} GB of weights on "
           f"{result['machine']['device_kind']} ({model.context.kernels.backend or 'reference'} kernels)", flush=True)
 

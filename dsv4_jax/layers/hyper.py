@@ -1,109 +1,18 @@
-"""Manifold-constrained hyper-connections (mHC, docs/model.md 4.2 and 4.7).
-
-The residual stream is `hc_mult` parallel streams X [..., n, D]. Before a sub-layer they collapse with weights
-`pre`; after it, the output is added with weights `post` and the streams mix through a Sinkhorn-normalised
-(nearly doubly stochastic) matrix C, consumed transposed: X'_k = post_k y + sum_j C[j, k] X_j. All coefficient
-math is float32.
-
-On a GPU kernel plan `hc_pre_norm` runs a site of a decode or verify step (the previous sub-layer's hc_post, hc_pre
-and the RMSNorm after it) as the three Pallas kernels of pallas_kernels/mhc.py; these functions are their reference
-and the path everywhere else.
-"""
+"""Manifold-constrained hyper-connections (mHC, docs/model.md 4.2 and 4.7): the final collapse of the streams
+before the head. An mHC site between sub-layers (hc_post, hc_pre, the norm) is an op: ops/mhc_site.py."""
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-from .moe import MoeParts
-from .norm import rms_norm
-
-
-def _mix_logits(X: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
-    flat = X.reshape(*X.shape[:-2], -1).astype(jnp.float32)
-    rho = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + eps)
-    return rho * jnp.einsum("...i,mi->...m", flat, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-
-
-def sinkhorn(logits: jax.Array, iters: int, eps: float, unroll: bool = False) -> jax.Array:
-    """Row softmax + eps, column-normalise, then (iters - 1) x (row, column) normalisation. logits [..., n, n].
-
-    `unroll`: one straight-line chain instead of a loop. On a GPU XLA fuses the unrolled chain into one kernel,
-    where the loop costs ~4 launches per iteration plus the loop's own control (a 4-layer Flash-geometry decode
-    step: 667 of its 1,058 launches); on the CPU the loop compiles faster (unrolled, ~5 s per site on XLA:CPU)."""
-    c = jax.nn.softmax(logits, axis=-1) + eps
-    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-    def row_then_column(_, c):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-
-    return jax.lax.fori_loop(0, iters - 1, row_then_column, c, unroll=unroll)
-
-
-@jax.named_scope("mhc")
-def hc_pre(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: ModelConfig,
-           unroll_sinkhorn: bool = False):
-    """Collapse the streams X [..., n, D] for a sub-layer. Returns (u [..., D] in X.dtype, post [..., n], comb).
-    `unroll_sinkhorn`: see `sinkhorn` (the model unrolls on a GPU kernel plan)."""
-    n = cfg.hc_mult
-    m = _mix_logits(X, fn, cfg.norm_eps)
-    base = base.astype(jnp.float32)
-    scale = scale.astype(jnp.float32)
-    pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + cfg.hc_eps
-    post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
-    comb_logits = (m[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*m.shape[:-1], n, n)
-    comb = sinkhorn(comb_logits, cfg.hc_sinkhorn_iters, cfg.hc_eps, unroll_sinkhorn)
-    u = jnp.einsum("...n,...nd->...d", pre, X.astype(jnp.float32))
-    return u.astype(X.dtype), post, comb
-
-
-@jax.named_scope("mhc")
-def hc_post(y, X: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-    """X'_k = post_k * y + sum_j comb[j, k] * X_j (note the transpose), float32 math, stored in X.dtype. y is the
-    sub-layer's output in X.dtype, or in float32 to be rounded to X.dtype first (see hc_pre_norm), or the MoE's
-    unsummed moe.MoeParts (their float32 total, rounded likewise)."""
-    if isinstance(y, MoeParts):
-        y = y.total()
-    mixed = jnp.einsum("...jk,...jd->...kd", comb, X.astype(jnp.float32))
-    out = post[..., None] * y.astype(X.dtype).astype(jnp.float32)[..., None, :] + mixed
-    return out.astype(X.dtype)
+from ..ops.mhc_site import mix_logits
 
 
 @jax.named_scope("mhc")
 def hc_head(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final collapse of the streams before the last norm: sum_i (sigmoid(m_i s + b_i) + eps) X_i."""
-    m = _mix_logits(X, fn, cfg.norm_eps)
+    m = mix_logits(X, fn, cfg.norm_eps)
     pre = jax.nn.sigmoid(m * scale.astype(jnp.float32)[0] + base.astype(jnp.float32)) + cfg.hc_eps
     return jnp.einsum("...n,...nd->...d", pre, X.astype(jnp.float32)).astype(X.dtype)
-
-
-def site_on_kernels(X: jax.Array, fn: jax.Array, cfg: ModelConfig, ctx) -> bool:
-    """Whether hc_pre_norm runs this site on pallas_kernels/mhc.py (then a float32 y in its post_mix costs no cast of
-    its own: the kernel rounds it)."""
-    from ..pallas_kernels import mhc
-
-    return ctx.inference_kernels and mhc.takes(math.prod(X.shape[:-2]), cfg.hc_mult, cfg.dim, fn.shape[0])
-
-
-def hc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, norm_weight: jax.Array,
-                cfg: ModelConfig, ctx, post_mix=None):
-    """One mHC site before a sub-layer: the hc_post still due from the previous sub-layer (`post_mix` = (y, post,
-    comb), or None; y in X's dtype or float32, rounded to X's dtype), then hc_pre and the sub-layer's RMSNorm.
-    Returns (x [..., D] normalised, post, comb, X' the streams after that hc_post); y may also be moe.MoeParts. On
-    a GPU kernel plan (and in "interpret" mode) the two Pallas launches of pallas_kernels/mhc.py for up to
-    mhc.MAX_ROWS tokens (decode, verify; site_on_kernels); elsewhere, for prefill chunks and under training (no
-    derivatives there), hc_post + hc_pre + rms_norm."""
-    from ..pallas_kernels import mhc
-
-    if site_on_kernels(X, fn, cfg, ctx):
-        with jax.named_scope("mhc"):
-            return mhc.mhc_pre_norm(X, fn, base, scale, norm_weight, norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
-                                    sinkhorn_iters=cfg.hc_sinkhorn_iters, post_mix=post_mix,
-                                    interpret=ctx.kernels.interpret)
-    if post_mix is not None:
-        X = hc_post(post_mix[0], X, post_mix[1], post_mix[2])
-    u, post, comb = hc_pre(X, fn, base, scale, cfg, unroll_sinkhorn=ctx.kernels.on_gpu)
-    return rms_norm(u, norm_weight, cfg.norm_eps), post, comb, X

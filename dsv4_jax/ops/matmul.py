@@ -76,8 +76,8 @@ def _quantize_input(x: jax.Array, weight, ctx, row_groups=None):
     if kind == "none":
         return x, None
     if kind == "fp8":
-        return matmul_kernels.fp8_activation(x, ctx.kernels), None
-    quantized = matmul_kernels.nvfp4_activation(x, ctx.kernels)
+        return matmul_kernels.fp8_activation(x, ctx), None
+    quantized = matmul_kernels.nvfp4_activation(x, ctx)
     if quantized is not None:
         return quantized
     return nvfp4_activation(x, _nvfp4_activation_global_scale(x, weight, row_groups))
@@ -107,11 +107,11 @@ def linear(x: jax.Array, weight, out_dtype=None, *, ctx) -> jax.Array:
     check_weight(weight, "linear weight")
     _check_in_features(x, weight.shape, "linear", 2)
     y = matmul_kernels.prefill_matmul(x.reshape(-1, x.shape[-1]), weight,
-                                       activation_quantizer(weight, ctx.act_quant), ctx.kernels)
+                                       activation_quantizer(weight, ctx.act_quant), ctx)
     if y is not None:
         return y.reshape(*x.shape[:-1], weight.shape[0]).astype(out_dtype or x.dtype)
     xq, row_scale = _quantize_input(x, weight, ctx)
-    y = matmul_kernels.dense_matmul(xq.reshape(-1, x.shape[-1]), weight, ctx.kernels)
+    y = matmul_kernels.dense_matmul(xq.reshape(-1, x.shape[-1]), weight, ctx)
     if y is not None:
         y = y.reshape(*x.shape[:-1], weight.shape[0])
         return _rescale(y, row_scale, None).astype(out_dtype or x.dtype)
@@ -148,7 +148,7 @@ def _pair_kernel(x: jax.Array, w_a, w_b, out_dtype, ctx) -> jax.Array | None:
     for weight in (w_a, w_b):
         check_weight(weight, "linear_pair weight")
         _check_in_features(x, weight.shape, "linear_pair", 2)
-    kernel = matmul_kernels.pair_matmul(x2, w_a, w_b, ctx.kernels, routed=False)
+    kernel = matmul_kernels.pair_matmul(x2, w_a, w_b, ctx, routed=False)
     if kernel is None:
         return None
     xq, row_scale = _quantize_input(x2, w_a, ctx)
@@ -205,10 +205,10 @@ def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array | None, out_dtyp
     (a group >= G gives zeros; no sort where a per-row kernel takes the call; `groups_in_range`: every group is
     one of W's, _row_groups). Returns [m, out]."""
     groups, real = _row_groups(x, weight, group_sizes, row_groups, "grouped_linear", groups_in_range)
-    if group_sizes is None and matmul_kernels.expert_kernel(x.shape[0], x.dtype, weight, ctx.kernels) is None:
+    if group_sizes is None and matmul_kernels.expert_kernel(x.shape[0], x.dtype, weight, ctx) is None:
         return _sorted_reference(x, weight, row_groups, out_dtype, ctx)
     xq, row_scale = _quantize_input(x, weight, ctx, groups)
-    y = matmul_kernels.expert_matmul(xq, weight, groups, ctx.kernels)
+    y = matmul_kernels.expert_matmul(xq, weight, groups, ctx)
     if y is not None:
         return _grouped_kernel_output(y, row_scale, real, out_dtype or x.dtype)
     w, weight_scale = dequantize_blocks(weight, x.dtype)
@@ -226,7 +226,7 @@ def grouped_linear_pair(x: jax.Array, w_a, w_b, group_sizes: jax.Array | None, o
     FP4 format and shape, decode rows on CUDA), the input quantized once; otherwise two `grouped_linear` calls."""
     groups, real = _row_groups(x, w_a, group_sizes, row_groups, "grouped_linear_pair")
     _check_grouped_weight(x, w_b, "grouped_linear_pair")
-    kernel = matmul_kernels.pair_matmul(x, w_a, w_b, ctx.kernels, routed=True)
+    kernel = matmul_kernels.pair_matmul(x, w_a, w_b, ctx, routed=True)
     if kernel is None:
         return (grouped_linear(x, w_a, group_sizes, out_dtype, ctx=ctx, row_groups=row_groups),
                 grouped_linear(x, w_b, group_sizes, out_dtype, ctx=ctx, row_groups=row_groups))
@@ -243,7 +243,7 @@ def grouped_linear_joined(x: jax.Array, w_a, w_b, out_dtype=None, *, ctx, row_gr
     the weights' (groups_in_range)."""
     groups, _ = _row_groups(x, w_a, None, row_groups, "grouped_linear_joined", in_range=True)
     _check_grouped_weight(x, w_b, "grouped_linear_joined")
-    kernel = matmul_kernels.pair_matmul(x, w_a, w_b, ctx.kernels, routed=True)
+    kernel = matmul_kernels.pair_matmul(x, w_a, w_b, ctx, routed=True)
     if kernel is None:
         return jnp.concatenate([grouped_linear(x, w, None, out_dtype, ctx=ctx, row_groups=row_groups,
                                                groups_in_range=True) for w in (w_a, w_b)], axis=-1)
@@ -262,7 +262,7 @@ def group_linear(x: jax.Array, weight, out_dtype=None, *, ctx) -> jax.Array:
         raise ValueError(f"group_linear: {rows} weight rows do not split into {groups} groups")
     xq, row_scale = _quantize_input(x, weight, ctx)
     # without an activation scale to apply, the kernel may write out_dtype itself
-    y = matmul_kernels.group_matmul(xq.reshape(-1, groups, cols), weight, ctx.kernels,
+    y = matmul_kernels.group_matmul(xq.reshape(-1, groups, cols), weight, ctx,
                                      jnp.float32 if row_scale is not None else out_dtype or x.dtype)
     if y is not None:
         y = y.reshape(*x.shape[:-1], rows // groups)

@@ -49,8 +49,6 @@ is 2^15 below its matrix maximum; the dsv4_jax/ffi/ kernels read any finite scal
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,30 +59,19 @@ from ..numerics.formats import (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, e4m3_t
                                 unpack_fp4_codes)
 from ..pallas_kernels import gemv, moe, prefill
 from ..pallas_kernels.quantize import quantize_fp8_kernel, quantize_nvfp4_kernel
-from .plan import KernelPlan
+from . import choice
+from .plan import REFERENCE, KernelPlan
 
 MAX_DECODE_ROWS = 16          # rows up to which FP8 activations take the decode kernels, not the tensor-core one
 MAX_MOE_ROWS = 128            # routed rows (tokens x top-k) up to which the MoE kernel keeps its decode schedule
 
-_records: list | None = None
+def _plan(ctx) -> KernelPlan:
+    """The plan the matmuls follow: the context's, or the reference where its overrides say so for "matmul"."""
+    return REFERENCE if ctx.kernels.override("matmul") == "reference" else ctx.kernels
 
 
-@contextlib.contextmanager
-def record_dispatch():
-    """Collect (call, weight format, shape, path, kernel) for every dispatch made while tracing inside the block;
-    path is "reference" or a backend ("cuda", "pallas", "interpret"), kernel e.g. "ffi_gemv", "gemv", "moe"."""
-    global _records
-    previous, _records = _records, []
-    try:
-        yield _records
-    finally:
-        _records = previous
-
-
-def _record(call: str, weight, path: str, kernel: str | None = None) -> None:
-    if _records is not None:
-        used = kernel if path != "reference" else None
-        _records.append((call, type(weight).__name__, tuple(weight.shape), path, used))
+def _record(call: str, weight, path: str, kernel: str | None, ctx) -> None:
+    choice.record("matmul", ctx.phase, path, kernel, call=call, weight=weight)
 
 
 def _ffi_fits(rows: int, dtype, n: int, k: int) -> bool:
@@ -106,31 +93,40 @@ def _ffi_takes(x2: jax.Array, weight, routed: bool, plan: KernelPlan) -> bool:
     return fits
 
 
-def quantize_fp8(x: jax.Array, plan: KernelPlan) -> tuple[jax.Array, jax.Array]:
+# The activation quantize kernels serve every phase: bit-identical to the reference, so both paths see one operand.
+ACT_QUANTIZE = choice.Kernel("act_quantize", "quantize", phases=choice.ALL_PHASES)
+
+
+def _act_quantize_backend(ctx) -> str | None:
+    """The backend whose quantize kernel quantizes this activation, or None: the reference."""
+    return ctx.kernels.backend if choice.takes_kernel(ACT_QUANTIZE, ctx) else None
+
+
+def quantize_fp8(x: jax.Array, ctx) -> tuple[jax.Array, jax.Array]:
     """FP8 per-128 activation quantization (e4m3 [..., K], power-of-two float32 scales [..., K/128]): the Pallas
     quantize kernel on a kernel backend (bit-identical to the reference, dsv4_jax/pallas_kernels/quantize.py), else the
     reference (activations.quantize_fp8)."""
-    backend = plan.backend
+    backend = _act_quantize_backend(ctx)
     if backend is None:
         return activations.quantize_fp8(x)
     return quantize_fp8_kernel(x, interpret=backend == "interpret")
 
 
-def fp8_activation(x: jax.Array, plan: KernelPlan) -> jax.Array:
+def fp8_activation(x: jax.Array, ctx) -> jax.Array:
     """The FP8-quantized activation as exact x.dtype values (activations.fp8_activation), quantized by the kernel
     on a kernel backend."""
-    if plan.backend is None:
+    if _act_quantize_backend(ctx) is None:
         return activations.fp8_activation(x)
-    q, scale = quantize_fp8(x, plan)
+    q, scale = quantize_fp8(x, ctx)
     scale = jnp.repeat(scale, activations.FP8_ACT_BLOCK, axis=-1)[..., :x.shape[-1]]
     return (q.astype(jnp.float32) * scale).astype(x.dtype)
 
 
-def nvfp4_activation(x: jax.Array, plan: KernelPlan) -> tuple[jax.Array, jax.Array] | None:
+def nvfp4_activation(x: jax.Array, ctx) -> tuple[jax.Array, jax.Array] | None:
     """(NVFP4-quantized activation as exact x.dtype values, runtime per-row global scale [..., 1]) from the Pallas
     quantize kernel on a kernel backend (the same amax / (6 * 448) rule, computed in the kernel); None on the
     reference path (the caller quantizes with activations.nvfp4_activation)."""
-    backend = plan.backend
+    backend = _act_quantize_backend(ctx)
     if backend is None:
         return None
     packed, scale, gsa = quantize_nvfp4_kernel(x, interpret=backend == "interpret")
@@ -191,33 +187,34 @@ def _is_quantized_matrix(weight, ndim: int) -> bool:
     return isinstance(weight, (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight)) and len(weight.shape) == ndim
 
 
-def dense_matmul(x2: jax.Array, weight, plan: KernelPlan, call: str = "linear"):
+def dense_matmul(x2: jax.Array, weight, ctx, call: str = "linear"):
     """float32 x2 [M, K] @ dequant(W)^T (global scale included) through a kernel, or None: use the reference."""
+    plan = _plan(ctx)
     backend = plan.backend
     if not _is_quantized_matrix(weight, 2):
         return None
     if backend == "cuda" and _ffi_takes(x2, weight, False, plan):
-        _record(call, weight, backend, "ffi_gemv")
+        _record(call, weight, backend, "ffi_gemv", ctx)
         return ffi.gemv(x2, weight, jnp.float32)
     kernel = _dense_kernel(weight, *weight.shape) if backend and _rows_fit(x2, x2.shape[0]) else None
-    _record(call, weight, backend if kernel else "reference", "gemv")
+    _record(call, weight, backend if kernel else "reference", "gemv", ctx)
     return kernel(x2, weight, backend == "interpret") if kernel else None
 
 
-def prefill_matmul(x2: jax.Array, weight, activation_kind: str, plan: KernelPlan):
+def prefill_matmul(x2: jax.Array, weight, activation_kind: str, ctx):
     """float32 x2 [M, K] (M > 16 rows) @ dequant(W)^T on FP8 tensor cores with x2 quantized by the fp8 activation
     quantizer (`activation_kind` == "fp8"), or None: another path applies."""
-    backend = plan.backend
+    backend = _plan(ctx).backend
     if (backend is None or activation_kind != "fp8" or x2.shape[0] <= MAX_DECODE_ROWS
             or not _is_quantized_matrix(weight, 2) or isinstance(weight, Nvfp4Weight)):
         return None
     n, k = weight.shape
     if n % 64 or k % 128:
         return None
-    _record("linear", weight, backend, "prefill_fp8")
+    _record("linear", weight, backend, "prefill_fp8", ctx)
     operand = prefill.fp8_weight_operand if isinstance(weight, Fp8BlockWeight) else prefill.mxfp4_weight_operand
     wq, sw = operand(weight)
-    xq, sx = quantize_fp8(x2, plan)                                       # the FP8 quantize kernel
+    xq, sx = quantize_fp8(x2, ctx)                                       # the FP8 quantize kernel
     return prefill.fp8_block_matmul(xq, sx, wq, sw, jnp.float32, interpret=backend == "interpret")
 
 
@@ -241,22 +238,23 @@ def _split_groups(w, groups: int):
     return None
 
 
-def group_matmul(x3: jax.Array, weight, plan: KernelPlan, out_dtype=jnp.float32):
+def group_matmul(x3: jax.Array, weight, ctx, out_dtype=jnp.float32):
     """Block-diagonal x3 [M, G, K] @ W [G * out, K]^T per group -> [M, G, out], or None (reference): in out_dtype
     on the FFI path (an FP8 weight's products rounded to bf16 as they are stored, so a bf16 consumer needs no cast
     kernel), float32 on the Pallas path."""
+    plan = _plan(ctx)
     backend = plan.backend
     if not _is_quantized_matrix(weight, 2):
         return None
     stacked = _split_groups(weight, x3.shape[1]) if backend and _rows_fit(x3, x3.shape[0]) else None
     if (backend == "cuda" and stacked is not None and _ffi_fits(x3.shape[0], x3.dtype, *stacked.shape[-2:])
             and plan.ffi):
-        _record("group_linear", weight, backend, "ffi_grouped_gemv")
+        _record("group_linear", weight, backend, "ffi_grouped_gemv", ctx)
         groups = np.arange(x3.shape[1], dtype=np.int32)      # slot g = group g's rows (a constant: no iota kernel)
         y = ffi.grouped_gemv(jnp.swapaxes(x3, 0, 1), stacked, groups, out_dtype)
         return jnp.swapaxes(y, 0, 1)                                      # [M, G, out]
     kernel = _dense_kernel(weight, *stacked.shape[-2:]) if stacked is not None else None
-    _record("group_linear", weight, backend if kernel else "reference", "gemv")
+    _record("group_linear", weight, backend if kernel else "reference", "gemv", ctx)
     if not kernel:
         return None
     interpret = backend == "interpret"
@@ -266,12 +264,13 @@ def group_matmul(x3: jax.Array, weight, plan: KernelPlan, out_dtype=jnp.float32)
     return jnp.swapaxes(y, 0, 1)
 
 
-def expert_kernel(rows: int, dtype, weight, plan: KernelPlan) -> str | None:
+def expert_kernel(rows: int, dtype, weight, ctx) -> str | None:
     """Which per-row kernel takes `rows` rows of `dtype`, each times its own expert of a stacked weight [E, N, K]:
     "ffi" (dsv4_jax/ffi/ moe_gemv), "pallas" (pallas_kernels/moe.py, also in interpret mode) or None (the reference:
     dequantize, then ragged_dot over rows sorted by expert)."""
     if not _is_quantized_matrix(weight, 3):
         return None
+    plan = _plan(ctx)
     rows_shape = jax.ShapeDtypeStruct((rows, weight.shape[-1]), dtype)
     if plan.backend == "cuda" and _ffi_takes(rows_shape, weight, True, plan):
         return "ffi"
@@ -282,28 +281,30 @@ def expert_kernel(rows: int, dtype, weight, plan: KernelPlan) -> str | None:
     return None
 
 
-def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, plan: KernelPlan):
+def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, ctx):
     """Rows xs [R, K] each times its own expert of a stacked FP4 weight -> float32 [R, N], or None (reference)."""
-    kernel = expert_kernel(xs.shape[0], xs.dtype, weight, plan)
+    kernel = expert_kernel(xs.shape[0], xs.dtype, weight, ctx)
+    backend = _plan(ctx).backend
     if kernel == "ffi":
-        _record("grouped_linear", weight, plan.backend, "ffi_moe_gemv")
+        _record("grouped_linear", weight, backend, "ffi_moe_gemv", ctx)
         return ffi.moe_gemv(xs, weight, row_experts, jnp.float32)
     if _is_quantized_matrix(weight, 3):
-        _record("grouped_linear", weight, plan.backend if kernel else "reference", "moe")
+        _record("grouped_linear", weight, backend if kernel else "reference", "moe", ctx)
     if kernel is None:
         return None
     unroll = _fp4_unroll(weight, weight.shape[-1])
-    return moe.moe_matmul(xs, weight, row_experts, jnp.float32, interpret=plan.backend == "interpret",
+    return moe.moe_matmul(xs, weight, row_experts, jnp.float32, interpret=backend == "interpret",
                           **_moe_schedule(xs, weight, unroll))
 
 
-def pair_matmul(x2: jax.Array, w_a, w_b, plan: KernelPlan, routed: bool):
+def pair_matmul(x2: jax.Array, w_a, w_b, ctx, routed: bool):
     """Two weights of one format times the same rows in one launch: a function (xq [R, K], row_experts [R] or None)
     -> float32 [R, N + N2] (w_a's products in columns 0 .. N), or None where no such kernel applies (the caller then
     makes two calls). The ffi/ decode GEMVs only. One shape (a gate and an up projection): each activation load and
     B fragment serves both weights; routed: stacked FP4 experts [E, N, K], each row times its own expert (as
     expert_matmul). Two 2-D FP8-block weights of one K and different N (the attention's wq_a and wkv): the
     concatenation kernel, whose items are the tiles of both (ffi.gemv_concat)."""
+    plan = _plan(ctx)
     ndim = 3 if routed else 2
     same_shape = tuple(w_a.shape) == tuple(w_b.shape)
     concat = not routed and not same_shape and isinstance(w_a, Fp8BlockWeight) and w_a.shape[1:] == w_b.shape[1:]
@@ -312,12 +313,12 @@ def pair_matmul(x2: jax.Array, w_a, w_b, plan: KernelPlan, routed: bool):
             or (concat and not _ffi_takes(x2, w_b, routed, plan))):
         return None
     if concat:
-        _record("linear pair", w_a, "cuda", "ffi_gemv_concat")
+        _record("linear pair", w_a, "cuda", "ffi_gemv_concat", ctx)
         return lambda xq, row_experts: ffi.gemv_concat(xq, (w_a, w_b), jnp.float32)
     if routed:
-        _record("grouped_linear pair", w_a, "cuda", "ffi_moe_gemv_pair")
+        _record("grouped_linear pair", w_a, "cuda", "ffi_moe_gemv_pair", ctx)
         return lambda xq, row_experts: ffi.moe_gemv(xq, (w_a, w_b), row_experts, jnp.float32)
-    _record("linear pair", w_a, "cuda", "ffi_gemv_pair")
+    _record("linear pair", w_a, "cuda", "ffi_gemv_pair", ctx)
     return lambda xq, row_experts: ffi.gemv(xq, (w_a, w_b), jnp.float32)
 
 

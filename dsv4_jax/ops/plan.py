@@ -18,6 +18,7 @@ import jax
 
 from .. import ffi
 from ..ffi.build import device_arch
+from .choice import OPS, OVERRIDES
 
 KERNEL_MODES = ("auto", "reference", "pallas", "interpret")
 BACKENDS = (None, "cuda", "pallas", "interpret")
@@ -28,11 +29,15 @@ class KernelPlan:
     """mode: what was asked ("auto", "reference", "pallas", "interpret"); backend: what runs, None (the pure-jnp
     reference everywhere), "cuda" (the dsv4_jax/ffi/ CUDA GEMVs where they apply when `ffi`, the Pallas kernels for the
     rest), "pallas" (the Pallas kernels only) or "interpret" (the Pallas kernels in interpret mode); ffi: the ffi/
-    kernels are built and registered in this process; target: the device kind planned for."""
+    kernels are built and registered in this process; target: the device kind planned for; overrides: (op, "kernel"
+    or "reference") pairs, sorted, that change an op's choice (ops/choice.py): "kernel" switches an opt-in kernel
+    on (the decode attention kernel on GPUs: ("attention_core", "kernel")), "reference" keeps the op off its
+    kernels. Being part of the plan they are part of every program's jit cache key."""
     mode: str
     backend: str | None
     ffi: bool = False
     target: str = ""
+    overrides: tuple = ()
 
     def __post_init__(self):
         if self.mode not in KERNEL_MODES:
@@ -41,6 +46,17 @@ class KernelPlan:
             raise ValueError(f"kernel backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.ffi and self.backend != "cuda":
             raise ValueError(f"the dsv4_jax/ffi/ kernels run only on the 'cuda' backend, not {self.backend!r}")
+        if self.overrides != parse_overrides(self.overrides):
+            raise ValueError(f"KernelPlan.overrides must be sorted (op, choice) pairs (parse_overrides), got "
+                             f"{self.overrides!r}")
+
+    def override(self, op: str) -> str | None:
+        """What the plan's overrides say of `op`: "kernel", "reference" or None (the default choice)."""
+        return dict(self.overrides).get(op)
+
+    def with_overrides(self, overrides) -> KernelPlan:
+        """This plan with `overrides` (parse_overrides' forms) in place of its own."""
+        return dataclasses.replace(self, overrides=parse_overrides(overrides))
 
     @property
     def on_gpu(self) -> bool:
@@ -51,6 +67,22 @@ class KernelPlan:
     def interpret(self) -> bool:
         """Whether the Pallas kernels run in interpret mode (the "interpret" plan: the kernels on a CPU)."""
         return self.backend == "interpret"
+
+
+def parse_overrides(overrides) -> tuple:
+    """Per-op overrides as sorted (op, choice) pairs, from a dict, pairs, or "op=choice" strings (the command
+    lines' form); an unknown op or choice is an error."""
+    if overrides is None:
+        return ()
+    items = overrides.items() if isinstance(overrides, dict) else overrides
+    pairs = {}
+    for item in items:
+        op, sep, value = item.partition("=") if isinstance(item, str) else (item[0], "=", item[1])
+        if not sep or op not in OPS or value not in OVERRIDES:
+            raise ValueError(f"kernel override {item!r}: expected OP=CHOICE with OP one of {', '.join(OPS)} and "
+                             f"CHOICE one of {', '.join(OVERRIDES)}")
+        pairs[op] = value
+    return tuple(sorted(pairs.items()))
 
 
 REFERENCE = KernelPlan("reference", None)
@@ -74,10 +106,15 @@ def ffi_available(arch: str | None = None) -> bool:
     return True
 
 
-def plan_kernels(mode: str, device=None) -> KernelPlan:
+def plan_kernels(mode: str, device=None, overrides=None) -> KernelPlan:
     """The plan for a `kernels` mode on `device` (default: JAX's default device). "auto": the CUDA kernels on an
     NVIDIA GPU (ffi/ built now, once per process; on an AbstractDevice, which has no GPU to build for, the Pallas
-    kernels), the reference elsewhere. "pallas" needs an NVIDIA GPU as the device (or as the compile target)."""
+    kernels), the reference elsewhere. "pallas" needs an NVIDIA GPU as the device (or as the compile target).
+    `overrides`: per-op overrides (KernelPlan.overrides, parse_overrides)."""
+    return _plan_backend(mode, device).with_overrides(overrides)
+
+
+def _plan_backend(mode: str, device) -> KernelPlan:
     if mode not in KERNEL_MODES:
         raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {mode!r}")
     device = jax.devices()[0] if device is None else device

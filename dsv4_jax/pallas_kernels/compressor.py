@@ -1,6 +1,6 @@
 """One compressor's decode update in two launches (Pallas, GPU): a token joins the pending window, the window it
 completes is pooled, RMS-normalised, rotated and fake-quantized, written to the cache, and the pending state is
-updated in place -- what the jnp path (layers/compressor.py `compressor_pool` and its cache write for a one-token
+updated in place -- what the jnp path (ops/compressor_step.py `compressor_pool` and its cache write for a one-token
 chunk) does in about ten small XLA kernels plus two copies of the state.
 
     cache, state_kv, state_score = decode_pool(state_kv, state_score, kv, score, ape, start, n_valid, norm_weight,
@@ -158,7 +158,7 @@ def decode_pool(state_kv: jax.Array, state_score: jax.Array, kv: jax.Array, scor
                 interpret: bool = False):
     """One token per sequence into a compressor's pending state.
 
-    state_kv / state_score [B, coff*c, coff*hd] float32 (layers/compressor.py `init_compressor_state`), kv / score
+    state_kv / state_score [B, coff*c, coff*hd] float32 (ops/compressor_step.py `init_compressor_state`), kv / score
     [B, coff*hd] float32 the token's projections (score without ape), ape [c, coff*hd], start / n_valid [B] int32
     (n_valid 0 or 1), norm_weight [hd], inv_freq [rope_dim / 2].
 

@@ -33,13 +33,12 @@ block scale as they load).
 
 Triton needs power-of-two tensor shapes: heads a multiple of 16, head_dim a power of two, the window a multiple of
 BLOCK_KEYS, the rope dims a power-of-two block after nope dims in blocks of 64 (`supported`); the picks are padded to
-a multiple of BLOCK_KEYS with -1. GPU kernel plans take it only when switched on (`enabled_on_gpu`).
+a multiple of BLOCK_KEYS with -1. GPU kernel plans take it only when switched on (ops/attention_core.py: the override ("attention_core", "kernel")).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -76,19 +75,6 @@ def supported(n_heads: int, head_dim: int, window: int, rope_dim: int | None = N
             and compact_ok)
 
 
-ON_GPU_FLAG = "DSV4_JAX_DECODE_ATTENTION"
-
-
-def enabled_on_gpu() -> bool:
-    """Whether GPU kernel plans take this kernel: only with DSV4_JAX_DECODE_ATTENTION=1 in the environment (read when
-    a step is traced). It stays opt-in while XLA's path is faster: one layer's attention at Flash geometry, batch 1,
-    on an H200 (scripts/bench_decode_attention.py, 2026-12-04) took 22.9 us (CSA) and 21.7 us (HCA) on this kernel
-    against 20.1 and 19.1 us on XLA's kernels, and the 4-layer Flash step 1.178 ms against 1.123 ms at batch 1 (4
-    splits, same call); on a ready query (2026-12-05) 25.7 / 27.2 us against 20.1 / 16.0, the step 1.170 against
-    1.128 ms (docs/kernels.md). The "interpret" plan always takes it (tests)."""
-    return os.environ.get(ON_GPU_FLAG, "") == "1"
-
-
 def takes(seq: int, n_heads: int, head_dim: int, window: int, rope_dim: int | None = None) -> bool:
     """Whether the model runs a call of `seq` tokens per sequence on this kernel."""
     return seq <= MAX_ROWS and supported(n_heads, head_dim, window, rope_dim)
@@ -117,7 +103,7 @@ def _load_keys(refs, rows, blocks, dtype):
 
 
 def _rotate(x, positions, inv_freq_cols, inverse: bool):
-    """layers/rope.apply_rope on a float32 block x [rows, R] of rope dims at `positions` (a scalar or [rows]):
+    """ops/norm_rope.apply_rope on a float32 block x [rows, R] of rope dims at `positions` (a scalar or [rows]):
     pairs (2i, 2i + 1) turned by position * f_i; inv_freq_cols [R] holds f_i for both columns of pair i. Triton has
     no pair shuffle: each row's pair partners come from a dot with the swap permutation (exact in float32)."""
     width = x.shape[1]
@@ -153,7 +139,7 @@ def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: i
     start = scalar(start_ref, row // seq)
     t = start + s                                                # this token's position
     q = [q_ref[:, pl.ds(first, width)].astype(dtype) for first, width in blocks]   # [Hb, width] each
-    if fused_rope and not query_ready:   # layers/norm.rms_norm (no weight) per head, then apply_rope on the last block
+    if fused_rope and not query_ready:   # ops/norm_rope.rms_norm (no weight) per head, then apply_rope on the last block
         q32 = [b.astype(_F32) for b in q]
         mean_sq = sum(jnp.sum(b * b, axis=1) for b in q32) / sum(width for _, width in blocks)
         r = jax.lax.rsqrt(mean_sq + norm_eps)[:, None]

@@ -1,5 +1,5 @@
 """One mHC site in two launches (Pallas, GPU): hc_post of the previous sub-layer (optional), hc_pre and the RMSNorm
-that follows it -- what the pure-jnp path (layers/hyper.py `hc_post`, `hc_pre`, layers/norm.py `rms_norm`) does in
+that follows it -- what the pure-jnp path (ops/mhc_site.py `hc_post`, `hc_pre`, ops/norm_rope.py `rms_norm`) does in
 about ten small XLA kernels per site on the GPU.
 
     x, post, comb, X = mhc_pre_norm(X, fn, base, scale, norm_weight, ..., post_mix=(y, post_prev, comb_prev))
@@ -96,7 +96,7 @@ def _mix_kernel(*refs, y_parts: int):
 
 
 def _sinkhorn(logits, iters: int, eps: float):
-    """layers/hyper.py `sinkhorn`, unrolled, on a [4, 4] tile."""
+    """ops/mhc_site.py `sinkhorn`, unrolled, on a [4, 4] tile."""
     c = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
     c = c / jnp.sum(c, axis=1, keepdims=True) + eps
     c = c / (jnp.sum(c, axis=0, keepdims=True) + eps)

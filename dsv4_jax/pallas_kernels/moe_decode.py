@@ -15,7 +15,7 @@ expert, both rounded to the activation dtype for their down projections: one lau
 inputs are the pair GEMVs' outputs as written, gate products in columns 0 .. F, up products in F .. 2F (a slice
 handed to a custom call would be a copy).
 
-Numerics follow layers/moe.py (`route`, `clamped_swiglu`) operation for operation in float32; the weights' sum runs
+Numerics follow ops/moe_ffn.py (`route`, `clamped_swiglu`) operation for operation in float32; the weights' sum runs
 k = 0 .. K-1 in order there too. Triton needs power-of-two tensor shapes: E a power of two, D and F split into
 power-of-two chunks; the K picks are stored one lane at a time.
 """
@@ -100,7 +100,7 @@ def route_rows(logits: jax.Array, x: jax.Array, *, k: int, route_scale: float, b
 
 
 def _swiglu(gate, up, limit: float):
-    """layers/moe.py clamped_swiglu on float32 chunks."""
+    """ops/moe_ffn.py clamped_swiglu on float32 chunks."""
     gate = jnp.minimum(gate, limit)
     up = jnp.clip(up, -limit, limit)
     return jax.nn.silu(gate) * up

@@ -1,5 +1,5 @@
 """RMSNorm of decode rows in one launch (Pallas, GPU), optionally followed by RoPE on the trailing dims and the FP8
-fake quant of the others -- what layers/norm.py `rms_norm` (+ layers/rope.py `apply_rope` + the FP8 rounding of
+fake quant of the others -- what ops/norm_rope.py `rms_norm` (+ ops/norm_rope.py `apply_rope` + the FP8 rounding of
 numerics/fake_quant.py) costs XLA two or three kernels for on the GPU: the row's sum of squares is a reduction, and
 XLA does not fuse a reduction with the elementwise work that reads its result.
 
@@ -49,7 +49,7 @@ def supported(dim: int, rope_dim: int | None = None, fp8_nope: bool = False, had
 
 
 def rotate_pairs(y, angle):
-    """layers/rope.apply_rope inside a kernel, on float32 rope dims y [C] turned by angle [C] (position * f_i, both
+    """ops/norm_rope.apply_rope inside a kernel, on float32 rope dims y [C] turned by angle [C] (position * f_i, both
     columns of pair i): column 2i y_2i cos - y_2i+1 sin, column 2i+1 y_2i+1 cos + y_2i sin. Triton has no pair
     shuffle: each value's partner comes from a 0/1 permutation summed, exact in float32."""
     width = y.shape[0]
@@ -94,7 +94,7 @@ def _kernel(*refs, first: int, dim: int, chunk: int, eps: float | None, in_dtype
             if w_ref is not None:
                 y = y * w_ref[pl.ds(j * chunk, chunk)].astype(_F32)
             y = y.astype(dtype).astype(_F32)
-        if rope and j == n_chunks - 1:          # layers/rope.apply_rope: (y_2i, y_2i+1) turned by position * f_i
+        if rope and j == n_chunks - 1:          # ops/norm_rope.apply_rope: (y_2i, y_2i+1) turned by position * f_i
             angle = scalar(pos_ref).astype(_F32) * freq_ref[...]
             y = rotate_pairs(y, angle).astype(dtype).astype(_F32)
         elif fp8_nope:

@@ -54,7 +54,7 @@ def fp4_fake_quant(x, block: int = 32):
 
 
 def hadamard_fp4(chunks: list, hadamard_ref, dtype) -> list:
-    """The indexer's rounding (layers/attention.py, layers/compressor.py: fake_quant.hadamard, then fp4_fake_quant)
+    """The indexer's rounding (layers/attention.py, ops/compressor_step.py: fake_quant.hadamard, then fp4_fake_quant)
     of a vector held as float32 chunks [C] each: the normalised Hadamard transform (hadamard_ref: the [n, n] matrix,
     n = its length) summed chunk by chunk in float32, rounded to dtype as `hadamard` returns it, then FP4 per
     32-value block. Returns the chunks, float32 on dtype's grid."""

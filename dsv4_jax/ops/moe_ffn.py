@@ -15,11 +15,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..config import ModelConfig
-from ..pallas_kernels import moe_decode
 from ..numerics import dequantize
-from ..ops import grouped_linear, grouped_linear_joined, grouped_linear_pair, linear, linear_joined, linear_pair
-from ..ops import matmul_kernels
+from ..pallas_kernels import moe_decode
 from ..sharding import DATA, EXPERT, expert_devices, split_along, splits_shared_expert
+from . import choice, matmul_kernels
+from .matmul import grouped_linear, grouped_linear_joined, grouped_linear_pair, linear, linear_joined, linear_pair
 
 
 class MoeParts(NamedTuple):
@@ -80,7 +80,7 @@ def _grouped_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: j
     n_tokens, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
     w1, w3, w2 = (params[p]["weight"] for p in ("w1", "w3", "w2"))
-    if all(matmul_kernels.expert_kernel(n_tokens * k, x.dtype, w, ctx.kernels) for w in (w1, w2)):
+    if all(matmul_kernels.expert_kernel(n_tokens * k, x.dtype, w, ctx) for w in (w1, w2)):
         # Kernels that take each row's own expert: the rows stay in token order (no sort, no scatter; at decode
         # that is five launches fewer per layer) and each token's K outputs are summed in place.
         xs = jnp.broadcast_to(x[:, None, :], (n_tokens, k, x.shape[-1])).reshape(n_tokens * k, -1)
@@ -160,21 +160,23 @@ def capacity_routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert
     return jnp.zeros((n_tokens, x.shape[-1]), jnp.float32).at[token_of].add(y)
 
 
-MAX_KERNEL_TOKENS = 16     # tokens up to which a step takes _ffn_on_kernels (decode, speculative verify)
+MAX_KERNEL_TOKENS = 16     # tokens up to which a decode or verify step takes _ffn_on_kernels
+FFN_KERNELS = choice.Kernel("moe_ffn", "moe_decode")
 
 
 def _takes_ffn_kernels(params: dict, cfg: ModelConfig, x: jax.Array, ctx) -> bool:
-    """Whether a call on rows x [T, D] runs on _ffn_on_kernels: a kernel plan, inference, decode or verify rows, one
-    device's experts (or an expert axis of 1), a geometry pallas_kernels/moe_decode.py takes, and per-row expert
-    kernels for the routed rows (as _grouped_experts' unsorted path needs)."""
+    """Whether a call on rows x [T, D] runs on _ffn_on_kernels (ops/choice.py): a decode or verify step of at most
+    MAX_KERNEL_TOKENS tokens (beyond, the sorted rows share each expert's read), one device's experts (or an expert
+    axis of 1), a geometry pallas_kernels/moe_decode.py takes, and per-row expert kernels for the routed rows (as
+    _grouped_experts' unsorted path needs)."""
     rows = x.shape[0] * cfg.n_activated_experts
     experts = params["experts"]
-    return (ctx.inference_kernels and x.shape[0] <= MAX_KERNEL_TOKENS
+    fits = (x.shape[0] <= MAX_KERNEL_TOKENS
             and (ctx.mesh is None or ctx.mesh.shape[EXPERT] == 1)
             and moe_decode.supported(cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.moe_inter_dim)
             and cfg.n_shared_experts == 1
-            and all(matmul_kernels.expert_kernel(rows, x.dtype, experts[w]["weight"], ctx.kernels)
-                    for w in ("w1", "w2")))
+            and all(matmul_kernels.expert_kernel(rows, x.dtype, experts[w]["weight"], ctx) for w in ("w1", "w2")))
+    return choice.takes_kernel(FFN_KERNELS, ctx, fits)
 
 
 def _ffn_on_kernels(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool,
@@ -208,7 +210,7 @@ def moe(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash
     """x [..., D] (ffn_norm'd), token_ids [...] -> (the output, statistics: {} for inference; under training
     {"expert_load": assignments per expert [E]} in score-routed layers). The output is [..., D] in x.dtype, or, in a
     decode or verify step on a kernel plan (_ffn_on_kernels), its unsummed MoeParts ([..., K, D] and [..., D]),
-    which hyper.hc_post and the mHC kernels take as y."""
+    which the next mHC site (ops/mhc_site.py) takes as y."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if _takes_ffn_kernels(params, cfg, x2, ctx):

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..numerics import kv_cache
-from ..pallas_kernels import compressor as decode_kernel
-from ..ops import linear
 from ..numerics.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
-from .norm import rms_norm
-from .rope import apply_rope
+from ..pallas_kernels import compressor as decode_kernel
+from . import choice
+from .matmul import linear
+from .norm_rope import apply_rope, rms_norm
 
 
 def overlap_factor(ratio: int) -> int:
@@ -159,10 +159,14 @@ def _store_entries(entries: jax.Array, entry_idx: jax.Array, complete: jax.Array
     return kv_cache.scatter(cache, batch_idx, target, entries)
 
 
+DECODE_KERNEL = choice.Kernel("compressor_step", "compressor")
+
+
 def _takes_decode_kernel(ctx, seq: int, ratio: int, head_dim: int, inv_freq: np.ndarray) -> bool:
-    """Whether a chunk runs on pallas_kernels/compressor.py: one token per sequence (decode), inference, a kernel
-    plan (a GPU's, or "interpret"), a geometry the kernel takes."""
-    return seq == 1 and ctx.inference_kernels and decode_kernel.supported(ratio, head_dim, 2 * inv_freq.shape[0])
+    """Whether a chunk runs on pallas_kernels/compressor.py (ops/choice.py): a decode or verify step feeding one
+    token per sequence, a geometry the kernel takes."""
+    return choice.takes_kernel(DECODE_KERNEL, ctx,
+                               seq == 1 and decode_kernel.supported(ratio, head_dim, 2 * inv_freq.shape[0]))
 
 
 def _decode_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax.Array, state: dict, cache, *,
