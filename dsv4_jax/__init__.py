@@ -14,11 +14,16 @@ import jax
 
 from . import compile_cache, presets  # noqa: F401
 from .api import GenerationResult, Model  # noqa: F401
+from .checkpoint import CheckpointError, load_params
 from .config import ModelConfig, from_hf_config, load_hf_config  # noqa: F401
 from .engine import PREFILL_CHUNK
 from .module import DeepseekV4  # noqa: F401
 from .memory_plan import memory_plan  # noqa: F401
-from .sharding import make_mesh  # noqa: F401
+from .layer_scan import scan_plan
+from .orbax_checkpoint import is_orbax_checkpoint, restore
+from .orbax_checkpoint import save as save_module
+from .params import init_params
+from .sharding import check_mesh, make_mesh, param_shardings  # noqa: F401
 
 
 compile_cache.enable()        # on by default (DSV4_JAX_CACHE=off turns it off); a user's own JAX setting wins
@@ -29,9 +34,6 @@ DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "de
 def init_random(config: ModelConfig, seed: int = 0, quantize_head: bool = False, mesh=None, **options) -> Model:
     """A model with random weights in the stored formats (an NVFP4 head with `quantize_head`), generated on the
     device (on a `mesh`: each device generates its own shards, no host copy); options as for `load`."""
-    from .layer_scan import scan_plan
-    from .params import init_params
-    from .sharding import check_mesh, param_shardings
     stored = {"head.weight": "nvfp4"} if quantize_head else None
     key = jax.random.PRNGKey(seed)
     shardings = None
@@ -48,7 +50,6 @@ def init_random(config: ModelConfig, seed: int = 0, quantize_head: bool = False,
 def save(model, directory: str) -> None:
     """Save a Model's (or a DeepseekV4 module's) weights, every stored format bit for bit, as an Orbax checkpoint
     directory that `load` reads back."""
-    from .orbax_checkpoint import save as save_module
     save_module(getattr(model, "module", model), directory)
 
 
@@ -66,8 +67,6 @@ def load(path=None, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch:
     (sharding.rules: the routed experts split on the "expert" axis, from 4 devices the attention heads and the
     shared expert too, the rest replicated). `scan_layers`,
     `kv_cache_dtype` ("fp8": compact decode-state entries): as Model takes them."""
-    from .checkpoint import CheckpointError, load_params
-    from .orbax_checkpoint import is_orbax_checkpoint, restore
     path = DEFAULT_MODEL_DIR if path is None else os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a directory (expected an official DeepSeek-V4 checkpoint)")

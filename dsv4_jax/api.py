@@ -25,6 +25,8 @@ from .run_context import RunContext
 from .sharding import check_mesh, param_shardings, state_shardings
 from .module import DeepseekV4
 from .state import DecodeState, init_state, state_bytes
+from .text import complete
+from .tokenizer import load_tokenizer
 
 
 @functools.cache
@@ -128,7 +130,6 @@ class Model:
     def tokenizer(self):
         """The checkpoint's tokenizer (dsv4_jax.tokenizer.Tokenizer), or None when it came without one."""
         if isinstance(self._tokenizer, (str, os.PathLike)):
-            from .tokenizer import load_tokenizer
             self._tokenizer = load_tokenizer(self._tokenizer)
         return self._tokenizer
 
@@ -334,5 +335,4 @@ class Model:
         for a batch. Options: chat, system, thinking, reasoning_effort, stop (strings), stream(index, text),
         special_tokens, and the sampling options of `generate` with the command line's defaults
         (text.SAMPLING_DEFAULTS: temperature 0.6, top_p 0.95, max_new_tokens 100, top_k 0, seed 0)."""
-        from .text import complete
         return complete(self, prompts, **options)

@@ -30,8 +30,9 @@ import numpy as np
 from .config import ModelConfig, load_hf_config
 from .params import (WeightSpec, disk_tensor_specs, expert_disk_names, init_params, is_expert_stack, tree_get,
                      tree_set, weight_specs)
-from .sharding import expert_slice
 from .numerics.formats import NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
+from .numerics.nvfp4 import quantize_nvfp4
+from .sharding import expert_slice, param_shardings
 from .ops.matmul_kernels import nvfp4_weights_kernels_approximate
 
 # safetensors dtype -> numpy dtype of the raw storage
@@ -242,7 +243,6 @@ def stored_formats(cfg: ModelConfig, tensors, directory: str | None = None,
 def abstract_params(directory: str, quantize_head: bool = False):
     """(config, the parameter tree `load_params` would return, as jax.ShapeDtypeStruct leaves), from config.json
     and the safetensors headers only: nothing past the headers is read and nothing is allocated."""
-    from .params import init_params
     cfg = load_hf_config(directory)
     stored = stored_formats(cfg, open_checkpoint(directory), directory, quantize_head)
     return cfg, jax.eval_shape(lambda key: init_params(cfg, key, stored), jax.random.PRNGKey(0))
@@ -323,7 +323,6 @@ def _read_experts(spec: WeightSpec, read, shardings=None):
 def quantize_head_to_nvfp4(params: dict) -> dict:
     """Replace the bf16 lm_head by NVFP4 (standard recipe, on device) and free the bf16 copy. The router gate
     and every other weight are left alone. Returns the same tree."""
-    from .numerics.nvfp4 import quantize_nvfp4
     head = params["head"]["weight"]
     if not isinstance(head, jax.Array | np.ndarray):
         raise ValueError(f"quantize_head: the head is already {type(head).__name__}, expected a bf16 array")
@@ -339,7 +338,6 @@ def load_params(directory: str, progress: Callable[[int, int], None] | None = No
     stored formats). `quantize_head` turns the bf16 lm_head into NVFP4 once, on device. `mesh`: every tensor goes
     from its memory map straight to the devices holding its shards (sharding.param_shardings). `progress(bytes
     read, total bytes)` is called after each weight."""
-    from .sharding import param_shardings
     cfg = load_hf_config(directory)
     tensors = open_checkpoint(directory)
     stored = stored_formats(cfg, tensors, directory, quantize_head)

@@ -249,6 +249,7 @@ def read_prompts(args) -> list[str]:
 
 def encode_prompt(prompt: str, args) -> str:
     """The prompt string fed to the tokenizer: BOS + text, or the DeepSeek-V4 chat encoding."""
+    # lazy: the command line answers --help and bad arguments before jax and the model load
     from .chat import encode_messages
     from .tokenizer import BOS
     if not args.chat:
@@ -266,6 +267,7 @@ def encode_prompt(prompt: str, args) -> str:
 def _setup_compile_cache(args):
     """The library turned the cache on at import (dsv4_jax.compile_cache); --no-compile-cache turns it off, unless
     the user set JAX's own cache directory."""
+    # lazy: the command line answers --help and bad arguments before jax and the model load
     from . import compile_cache
     if args.no_compile_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         compile_cache.disable()
@@ -294,6 +296,7 @@ class _LoadProgress:
 
 def _mesh(args, directory: str):
     """The mesh of --devices (None for one device: the single-device programs), checked against the model."""
+    # lazy: the command line answers --help and bad arguments before jax and the model load
     import jax
 
     from .config import load_hf_config
@@ -318,6 +321,7 @@ def _mesh(args, directory: str):
 
 def _memory_plan(args, directory: str, mesh, batch: int) -> str:
     """The --plan report: the checkpoint's stored formats from its headers, programs compiled abstractly."""
+    # lazy: the command line answers --help and bad arguments before jax and the model load
     from .checkpoint import CheckpointError, open_checkpoint, stored_formats
     from .config import load_hf_config
     from .memory_plan import memory_plan
@@ -335,6 +339,7 @@ def _memory_plan(args, directory: str, mesh, batch: int) -> str:
 
 def checked_config(args, directory: str):
     """The checkpoint's config (its errors as one line), with --max-seq-len checked against it."""
+    # lazy: the command line answers --help and bad arguments before jax and the model load
     from .config import load_hf_config
     try:
         cfg = load_hf_config(directory)
@@ -348,6 +353,7 @@ def checked_config(args, directory: str):
 
 def planned_kernels(args):
     """The kernel plan of --kernels, made before the load (e.g. 'pallas' needs a GPU)."""
+    # lazy: the command line answers --help and bad arguments before jax and the model load
     from .ops.plan import plan_kernels
     try:
         return plan_kernels(args.kernels)
@@ -384,6 +390,7 @@ def _write(text: str):
 
 
 def run(args) -> int:
+    # lazy: the command line answers --help and bad arguments before jax and the model load
     from .text import TextBatch
     from .text import prompt_ids as text_prompt_ids
     from .tokenizer import Tokenizer
@@ -558,6 +565,7 @@ def _statistics(batch: int, timing: dict, started: bool) -> str:
 
 def _recording(verbose: bool):
     """ops.choice.record_dispatch() when --verbose (every op's choice, recorded as programs are traced)."""
+    # lazy: the command line answers --help and bad arguments before jax and the model load
     import contextlib
 
     from .ops.choice import record_dispatch

@@ -20,10 +20,11 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
+from . import engine
 from .engine import PREFILL_CHUNK
 from .params import init_params, tree_get, weight_specs
-from .run_context import DTYPES
-from .sharding import EXPERT, partition_spec, rules
+from .run_context import DTYPES, RunContext
+from .sharding import EXPERT, param_shardings, partition_spec, rules, state_shardings
 from .state import init_state, state_bytes
 
 GB = 1e9
@@ -102,9 +103,6 @@ def memory_plan(config: ModelConfig, mesh=None, n_devices: int | None = None, ma
 
 
 def _compiled_temporaries(cfg, mesh, max_seq_len, max_batch, prefill_chunk, dtype, stored, kv_cache_dtype=None):
-    from . import engine
-    from .run_context import RunContext
-    from .sharding import param_shardings, state_shardings
 
     ctx = RunContext.create(dtype=dtype, mesh=mesh)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), stored))

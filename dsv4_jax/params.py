@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
+from .layer_scan import StackedLayers
 from .numerics.formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 
 
@@ -298,7 +299,6 @@ def init_params(cfg: ModelConfig, key: jax.Array, stored: dict[str, str] | None 
         tree_set(tree, spec.name, generate(k))
     if scan_plan is None:
         return tree
-    from .layer_scan import StackedLayers
     phases: list[dict] = [{} for _ in range(scan_plan.period)]
     for (phase, inner), group in scanned.items():
         group.sort(key=lambda item: item[0])

@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_model(args):
     """Load the model of `args` (checked the way `python -m dsv4_jax.generate` checks them)."""
+    # lazy: the server's command line answers --help and bad arguments before jax, the model and the web stack load
     import dsv4_jax
     from .checkpoint import CheckpointError
     directory = _check_checkpoint_dir(args)
@@ -92,6 +93,7 @@ def build_model(args):
 
 def warm_up(scheduler) -> None:
     """Run one short request through the loop so the prefill, admit and decode programs are compiled."""
+    # lazy: the server's command line answers --help and bad arguments before jax, the model and the web stack load
     from .serving.scheduler import Failed, Finished, Request
     done = threading.Event()
     failure: list[str] = []
@@ -117,6 +119,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def serve(args) -> int:
+    # lazy: the server's command line answers --help and bad arguments before jax, the model and the web stack load
     import uvicorn
 
     from .serving.app import create_app

@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from .chat import encode_message_ids
+
 SAMPLING_DEFAULTS = {"max_new_tokens": 100, "temperature": 0.6, "top_p": 0.95, "top_k": 0, "seed": 0}
 
 
@@ -35,7 +37,6 @@ def prompt_ids(tokenizer, prompt, *, chat: bool = False, system: str | None = No
                reasoning_effort: str | None = None, special_tokens: bool = False) -> list[int]:
     """The token ids of one prompt: a string (BOS + text, or with `chat` a user turn) or a list of chat messages.
     `special_tokens`: special-token strings in a plain prompt become their ids (raw control tokens)."""
-    from .chat import encode_message_ids
     if isinstance(prompt, str) and not (chat or system is not None or thinking):
         return [tokenizer.bos_id] + tokenizer.encode(prompt, allow_special=special_tokens)
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)

@@ -93,6 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _model_config(args):
+    # lazy: the benchmark's command line answers --help and bad arguments before jax loads
     from .. import presets
     return presets.named(args.preset, args.layers)
 
@@ -113,6 +114,7 @@ def _save(result: dict, path: str | None) -> None:
 
 
 def run(args) -> dict:
+    # lazy: the benchmark's command line answers --help and bad arguments before jax loads
     import jax
     import jax.numpy as jnp
 

@@ -102,6 +102,7 @@ def time_speculative(params, cfg: ModelConfig, ctx: RunContext, batch: int, cont
                      calls: int, mesh=None, kv_cache_dtype=None) -> dict:
     """ms per speculative step (k MTP drafts, a (k+1)-token verify, the commit) at (batch, context), timed as
     time_decode times plain steps, and the tokens each step emitted (random weights accept few drafts)."""
+    # lazy: speculative decoding's cases only
     from .. import speculative
     start = context - steps * (k + 1) * (calls + 1) - k
     if start < 0:
