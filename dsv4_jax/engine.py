@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from .config import ModelConfig
 from .layer_scan import is_scanned
+from .layers.chunk import Chunk
 from .model import backbone, commit_backbone, head_logits, mtp_block, mtp_streams
 from .run_context import RunContext
 from .sampling import sample
@@ -34,8 +35,7 @@ def _run_chunk(params, cfg: ModelConfig, ctx: RunContext, state: DecodeState, to
                track_mtp: bool = False):
     """Consume tokens [B, S] (the first n_valid[b] real) at each sequence's position. Returns (final streams
     X [B, S, n, D], state). With `track_mtp` the MTP block's window is updated too (see `_mtp_window_update`)."""
-    start = state.positions
-    X, layers, _ = backbone(params, cfg, ctx, tokens, start, n_valid, state.layers)
+    X, layers, _, _ = backbone(params, cfg, ctx, Chunk(tokens, state.positions, n_valid), state.layers)
     return X, _advance(params, cfg, ctx, state, layers, X, tokens, n_valid, track_mtp)
 
 
@@ -52,18 +52,20 @@ def _advance(params, cfg, ctx, state, layers, X, tokens, n_valid, track_mtp):
 
 def read_chunk(params, cfg: ModelConfig, ctx: RunContext, state: DecodeState, tokens, n_read):
     """Run tokens [B, S] (the first n_read[b] real) at each sequence's position WITHOUT committing them: returns
-    (final streams X [B, S, n, D], the backbone caches as read, to hand to commit_chunk). A speculative verify."""
+    (final streams X [B, S, n, D], the backbone caches as read, and what the commit needs beside them: both for
+    commit_chunk). A speculative verify."""
     ctx = ctx.in_phase("verify")
-    X, layers, _ = backbone(params, cfg, ctx, tokens, state.positions, n_read, state.layers, defer=True)
-    return X, layers
+    X, layers, _, deferred = backbone(params, cfg, ctx, Chunk(tokens, state.positions, n_read), state.layers,
+                                      defer=True)
+    return X, layers, deferred
 
 
-def commit_chunk(params, cfg: ModelConfig, ctx: RunContext, state: DecodeState, read_layers, X, tokens, n_read,
-                 n_commit, track_mtp: bool = False) -> DecodeState:
+def commit_chunk(params, cfg: ModelConfig, ctx: RunContext, state: DecodeState, read_layers, deferred, X, tokens,
+                 n_read, n_commit, track_mtp: bool = False) -> DecodeState:
     """Commit the first n_commit[b] <= n_read[b] tokens of a chunk run by read_chunk on `state`: the result equals
     the state that feeding only those tokens (prefill_chunk / decode steps) produces."""
     ctx = ctx.in_phase("verify")
-    layers = commit_backbone(params, cfg, ctx, read_layers, state.positions, n_read, n_commit)
+    layers = commit_backbone(params, cfg, ctx, read_layers, deferred, state.positions, n_read, n_commit)
     return _advance(params, cfg, ctx, state, layers, X, tokens, n_commit, track_mtp)
 
 
@@ -77,8 +79,8 @@ def _mtp_window_update(params, cfg, ctx, state, X, tokens, n_valid):
     streams = jnp.concatenate([state.mtp_hidden[:, None].astype(X.dtype), X], axis=1)
     mtp_X = jnp.take_along_axis(streams, idx[:, :, None, None], axis=1)
     next_tokens = jnp.take_along_axis(tokens, jnp.minimum(idx, seq - 1), axis=1)
-    _, cache, _ = mtp_streams(params, cfg, ctx, mtp_X, next_tokens, state.positions - 1 + fresh,
-                           jnp.maximum(n_valid - fresh, 0), state.mtp[0])
+    chunk = Chunk(next_tokens, state.positions - 1 + fresh, jnp.maximum(n_valid - fresh, 0))
+    _, cache, _ = mtp_streams(params, cfg, ctx, mtp_X, chunk, state.mtp[0])
     return cache
 
 
@@ -88,9 +90,8 @@ def mtp_draft(params, state: DecodeState, next_tokens, *, cfg: ModelConfig, ctx:
     consumed position p): the MTP block at p reads the main streams of p and next_tokens and predicts p+2.
     Needs a state built with track_mtp; the state itself is left unchanged."""
     ctx = ctx.in_phase("decode")
-    ones = jnp.ones_like(state.positions)
-    X, _, _ = mtp_streams(params, cfg, ctx, state.mtp_hidden[:, None], next_tokens[:, None], state.positions - 1,
-                       ones, state.mtp[0])
+    chunk = Chunk(next_tokens[:, None], state.positions - 1, jnp.ones_like(state.positions))
+    X, _, _ = mtp_streams(params, cfg, ctx, state.mtp_hidden[:, None], chunk, state.mtp[0])
     return head_logits(params, params["mtp"][0], cfg, X, ctx)[:, 0]
 
 
@@ -113,7 +114,7 @@ def forward_mtp(params, tokens, next_tokens, *, cfg: ModelConfig, ctx: RunContex
     state = init_state(cfg, batch, seq, ctx.jnp_dtype, is_scanned(params))
     n_valid = jnp.full((batch,), seq, jnp.int32)
     X, _ = _run_chunk(params, cfg, ctx, state, tokens, n_valid)
-    logits, _, _ = mtp_block(params, cfg, ctx, X, next_tokens, state.positions, n_valid, state.mtp[0])
+    logits, _, _ = mtp_block(params, cfg, ctx, X, Chunk(next_tokens, state.positions, n_valid), state.mtp[0])
     return logits
 
 

@@ -2,11 +2,14 @@
 
 embed -> hc_mult residual streams -> blocks (mHC-wrapped attention, mHC-wrapped MoE) -> hc head -> norm ->
 float32 logits; plus the MTP block (docs/model.md 4.8). Every function works on a chunk of S tokens at
-per-sequence positions start[b] + i, of which the first n_valid[b] are real; the caches carry everything earlier.
+per-sequence positions start[b] + i, of which the first n_valid[b] are real (layers.chunk.Chunk); the caches carry
+everything earlier.
 Every function takes the run context `ctx` (run_context.py): numerics, kernel plan, training switches.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +17,8 @@ from jax import lax
 
 from .config import ModelConfig
 from .layer_scan import StackedLayers
-from .layers.attention import attention, commit_attention
+from .layers.attention import DeferredChunk, LayerCache, attention, commit_attention
+from .layers.chunk import Chunk
 from .layers.hyper import hc_head
 from .ops import linear, mhc_site
 from .ops.mhc_site import hc_post
@@ -32,23 +36,32 @@ def layer_kind(cfg: ModelConfig, layer: int) -> str:
     return "window" if ratio == 0 else "csa" if ratio == 4 else "hca"
 
 
-def block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, X: jax.Array, token_ids: jax.Array,
-          start: jax.Array, n_valid: jax.Array, cache: dict, defer: bool = False):
-    """One transformer block on streams X [B, S, n, D]. Returns (X, cache, statistics): the statistics are {} for
-    inference and, under training, the layer's `indexer_kl` and `expert_load` (run_context.Training). `defer`:
-    read the cache without committing the chunk (attention's `defer`; commit_block commits a prefix)."""
-    streams, cache, stats = block_streams(params, cfg, ctx, layer, (X, None), token_ids, start, n_valid, cache, defer)
-    return resolve_streams(cfg, layer, streams), cache, stats
+class BlockOut(NamedTuple):
+    """What a block (or the backbone) returns: the streams, the new cache(s), statistics ({} for inference; under
+    training the layer's `indexer_kl` and `expert_load`, run_context.Training) and, for a chunk read with `defer`,
+    what its commit needs beside the cache(s) (layers.attention.DeferredChunk; None otherwise)."""
+    streams: object
+    cache: object
+    stats: object
+    deferred: object
 
 
-def block_streams(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, streams, token_ids: jax.Array,
-                  start: jax.Array, n_valid: jax.Array, cache: dict, defer: bool = False):
+def block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, X: jax.Array, chunk: Chunk,
+          cache: LayerCache, defer: bool = False) -> BlockOut:
+    """One transformer block on streams X [B, S, n, D] (BlockOut.streams: the new X). `defer`: read the cache
+    without committing the chunk (attention's `defer`; commit_block commits a prefix)."""
+    out = block_streams(params, cfg, ctx, layer, (X, None), chunk, cache, defer)
+    return out._replace(streams=resolve_streams(cfg, layer, out.streams))
+
+
+def block_streams(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, streams, chunk: Chunk,
+                  cache: LayerCache, defer: bool = False) -> BlockOut:
     """`block` on streams whose last hc_post may still be due: `streams` = (X, post_mix), post_mix = (y, post,
-    comb) of the previous sub-layer or None. Returns ((X, post_mix) of this block, cache, statistics). Consecutive
-    blocks pass their final hc_post on, so that it runs inside the next block's first mHC site (one launch fewer
-    on its kernels, ops/mhc_site.py); resolve_streams applies it."""
+    comb) of the previous sub-layer or None; BlockOut.streams is this block's (X, post_mix). Consecutive blocks
+    pass their final hc_post on, so that it runs inside the next block's first mHC site (one launch fewer on its
+    kernels, ops/mhc_site.py); resolve_streams applies it."""
     with jax.named_scope(f"{layer_kind(cfg, layer)}_layer"):
-        return _block(params, cfg, ctx, layer, *streams, token_ids, start, n_valid, cache, defer)
+        return _block(params, cfg, ctx, layer, *streams, chunk, cache, defer)
 
 
 def resolve_streams(cfg: ModelConfig, layer: int, streams) -> jax.Array:
@@ -60,25 +73,26 @@ def resolve_streams(cfg: ModelConfig, layer: int, streams) -> jax.Array:
         return hc_post(post_mix[0], X, post_mix[1], post_mix[2])
 
 
-def commit_block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, cache: dict, start: jax.Array,
-                 n_read: jax.Array, n_commit: jax.Array) -> dict:
-    """The cache of a block that read a chunk with `defer`, committed for its first n_commit[b] tokens."""
+def commit_block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, cache: LayerCache,
+                 deferred: DeferredChunk, start: jax.Array, n_read: jax.Array, n_commit: jax.Array) -> LayerCache:
+    """The cache of a block that read a chunk with `defer` (and the DeferredChunk it left), committed for its first
+    n_commit[b] tokens."""
     ratio = cfg.compress_ratios[layer]
-    return commit_attention(params["attn"], cfg, ratio, cache, start, n_read, n_commit, rope_inv_freq(cfg, ratio),
-                            ctx)
+    return commit_attention(params["attn"], cfg, ratio, cache, deferred, start, n_read, n_commit,
+                            rope_inv_freq(cfg, ratio), ctx)
 
 
-def _block(params, cfg, ctx, layer, X, post_mix, token_ids, start, n_valid, cache, defer):
+def _block(params, cfg, ctx, layer, X, post_mix, chunk, cache, defer) -> BlockOut:
     ratio = cfg.compress_ratios[layer]
     x, post, comb, X = mhc_site.pre_norm(X, params["hc_attn_fn"], params["hc_attn_base"], params["hc_attn_scale"],
                                          params["attn_norm"]["weight"], cfg, ctx, post_mix=post_mix)
-    y, cache, attn_stats = attention(params["attn"], cfg, ratio, x, start, n_valid, cache,
-                                     rope_inv_freq(cfg, ratio), ctx, defer)
+    y, cache, attn_stats, deferred = attention(params["attn"], cfg, ratio, x, chunk, cache,
+                                               rope_inv_freq(cfg, ratio), ctx, defer)
     # the attention's hc_post runs inside the next site, which rounds its float32 output to the streams' dtype
     x, post, comb, X = mhc_site.pre_norm(X, params["hc_ffn_fn"], params["hc_ffn_base"], params["hc_ffn_scale"],
                                          params["ffn_norm"]["weight"], cfg, ctx, post_mix=(y, post, comb))
-    y, moe_stats = moe(params["ffn"], cfg, x, token_ids, cfg.is_hash_layer(layer), ctx)
-    return (X, (y, post, comb)), cache, attn_stats | moe_stats
+    y, moe_stats = moe(params["ffn"], cfg, x, chunk.tokens, cfg.is_hash_layer(layer), ctx)
+    return BlockOut((X, (y, post, comb)), cache, attn_stats | moe_stats, deferred)
 
 
 @jax.named_scope("embed")
@@ -88,100 +102,104 @@ def embed(params: dict, cfg: ModelConfig, tokens: jax.Array, dtype) -> jax.Array
     return jnp.broadcast_to(e[:, :, None, :], (*tokens.shape, cfg.hc_mult, cfg.dim))
 
 
-def backbone(params: dict, cfg: ModelConfig, ctx: RunContext, tokens: jax.Array, start: jax.Array,
-             n_valid: jax.Array, caches, defer: bool = False):
-    """All backbone layers. Returns (final streams X [B, S, n, D] before the hc head, new caches, statistics per
-    layer as `block` returns them). With params["layers"] a layer_scan.StackedLayers (and the caches stacked the
-    same way) the repeated pattern runs under lax.scan. `defer`: read without committing (commit_backbone)."""
-    X = embed(params, cfg, tokens, ctx.jnp_dtype)
+def backbone(params: dict, cfg: ModelConfig, ctx: RunContext, chunk: Chunk, caches, defer: bool = False) -> BlockOut:
+    """All backbone layers on the chunk. BlockOut: final streams X [B, S, n, D] before the hc head, new caches,
+    statistics per layer as `block` returns them, and with `defer` the per-layer DeferredChunks (laid out as the
+    caches) that commit_backbone takes. With params["layers"] a layer_scan.StackedLayers (and the caches stacked
+    the same way) the repeated pattern runs under lax.scan."""
+    X = embed(params, cfg, chunk.tokens, ctx.jnp_dtype)
     layers = params["layers"]
     run = lambda layer, streams, layer_params, cache: block_streams(  # noqa: E731
-        layer_params, cfg, ctx, layer, streams, tokens, start, n_valid, cache, defer)
+        layer_params, cfg, ctx, layer, streams, chunk, cache, defer)
     if not isinstance(layers, StackedLayers):
-        streams, caches, stats = _unrolled_layers(run, 0, layers, caches, (X, None))
-        return resolve_streams(cfg, len(layers) - 1, streams), caches, stats
-    return _scanned_backbone(run, cfg, layers, caches, X)
+        streams, caches, stats, deferred = _unrolled_layers(run, 0, layers, caches, (X, None))
+        return BlockOut(resolve_streams(cfg, len(layers) - 1, streams), caches, stats, deferred if defer else None)
+    return _scanned_backbone(run, cfg, layers, caches, X, defer)
 
 
-def commit_backbone(params: dict, cfg: ModelConfig, ctx: RunContext, caches, start: jax.Array,
+def commit_backbone(params: dict, cfg: ModelConfig, ctx: RunContext, caches, deferred, start: jax.Array,
                     n_read: jax.Array, n_commit: jax.Array):
-    """Caches of a backbone(..., defer=True) call, committed for the first n_commit[b] tokens of the chunk."""
+    """Caches of a backbone(..., defer=True) call (its caches and deferred), committed for the first n_commit[b]
+    tokens of the chunk."""
     layers = params["layers"]
-    commit = lambda layer, layer_params, cache: commit_block(layer_params, cfg, ctx, layer, cache,  # noqa: E731
-                                                             start, n_read, n_commit)
+    commit = lambda layer, layer_params, cache, d: commit_block(layer_params, cfg, ctx, layer, cache,  # noqa: E731
+                                                                d, start, n_read, n_commit)
     if not isinstance(layers, StackedLayers):
-        return [commit(layer, p, c) for layer, (p, c) in enumerate(zip(layers, caches, strict=True))]
+        return [commit(layer, p, c, d) for layer, (p, c, d) in enumerate(zip(layers, caches, deferred, strict=True))]
     plan = layers.plan
-    before = [commit(layer, p, c) for layer, (p, c) in enumerate(zip(layers.before, caches.before, strict=True))]
-    after = [commit(plan.stop + i, p, c) for i, (p, c) in enumerate(zip(layers.after, caches.after, strict=True))]
+    before = [commit(layer, p, c, d)
+              for layer, (p, c, d) in enumerate(zip(layers.before, caches.before, deferred.before, strict=True))]
+    after = [commit(plan.stop + i, p, c, d)
+             for i, (p, c, d) in enumerate(zip(layers.after, caches.after, deferred.after, strict=True))]
 
-    # As in _scanned_backbone: each iteration commits its layers' caches in place; the pending data rides along
-    # unchanged (a scan carry keeps its structure) and is dropped after the loop.
+    # As in _scanned_backbone: each iteration commits its layers' caches in place; the deferred data of the
+    # iteration's layers comes in as the scan's input
     def body(stacked, xs):
-        repeat, phase_params = xs
+        repeat, phase_params, phase_deferred = xs
         out = []
         for phase in range(plan.period):
             cache = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, repeat, keepdims=False), stacked[phase])
-            committed = commit(plan.layer(0, phase), phase_params[phase], cache)
-            rest = {k: v for k, v in stacked[phase].items() if k != "pending"}
-            out.append({**_write_back(rest, committed, repeat), "pending": stacked[phase]["pending"]})
+            committed = commit(plan.layer(0, phase), phase_params[phase], cache, phase_deferred[phase])
+            out.append(_write_back(stacked[phase], committed, repeat))
         return out, None
 
-    phases, _ = lax.scan(body, list(caches.phases), (jnp.arange(plan.repeats, dtype=jnp.int32), list(layers.phases)))
-    phases = [{k: v for k, v in phase.items() if k != "pending"} for phase in phases]
+    phases, _ = lax.scan(body, list(caches.phases), (jnp.arange(plan.repeats, dtype=jnp.int32), list(layers.phases),
+                                                     list(deferred.phases)))
     return caches.replace(before=before, phases=phases, after=after)
 
 
-def _write_back(stacked: dict, cache: dict, repeat):
+def _write_back(stacked, cache, repeat):
     """stacked[...][repeat] = cache, leaf by leaf, in place."""
     return jax.tree.map(lambda a, c: lax.dynamic_update_index_in_dim(a, c.astype(a.dtype), repeat, 0), stacked, cache)
 
 
 def _unrolled_layers(run, first: int, layers_params: list, caches: list, streams):
     """Layers first, first + 1, ... one after another, on block_streams' (X, post_mix). Returns ((X, post_mix), their
-    new caches, their statistics)."""
-    new_caches, stats = [], []
+    new caches, their statistics, their deferred chunks)."""
+    new_caches, stats, deferred = [], [], []
     for offset, (layer_params, cache) in enumerate(zip(layers_params, caches, strict=True)):
-        streams, cache, layer_stats = run(first + offset, streams, layer_params, cache)
+        streams, cache, layer_stats, layer_deferred = run(first + offset, streams, layer_params, cache)
         new_caches.append(cache)
         stats.append(layer_stats)
-    return streams, new_caches, stats
+        deferred.append(layer_deferred)
+    return streams, new_caches, stats, deferred
 
 
-def _scanned_backbone(run, cfg: ModelConfig, layers: StackedLayers, caches: StackedLayers, X):
+def _scanned_backbone(run, cfg: ModelConfig, layers: StackedLayers, caches: StackedLayers, X, defer: bool):
     plan = layers.plan
-    streams, before, before_stats = _unrolled_layers(run, 0, layers.before, caches.before, (X, None))
+    streams, before, before_stats, before_deferred = _unrolled_layers(run, 0, layers.before, caches.before, (X, None))
     X = resolve_streams(cfg, plan.start - 1, streams)
 
     # The stacked caches ride in the carry and each iteration writes its layers' caches back at its index, so a
     # donated state is updated in place (as scan outputs they would be a second copy of every scanned cache).
-    # A deferred (speculative verify) call's pending commit data leaves the loop as a stacked output instead.
+    # A deferred (speculative verify) call's commit data leaves the loop as a stacked output instead.
     def body(carry, xs):
         X, stacked_caches = carry
         repeat, phase_params = xs
-        new_stacked, stats, pending = [], [], []
+        new_stacked, stats, deferred = [], [], []
         streams = (X, None)
         for phase in range(plan.period):
             cache = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, repeat, keepdims=False),
                                  stacked_caches[phase])
-            streams, cache, layer_stats = run(plan.layer(0, phase), streams, phase_params[phase], cache)
-            cache = dict(cache)
-            pending.append(cache.pop("pending", None))
+            streams, cache, layer_stats, layer_deferred = run(plan.layer(0, phase), streams, phase_params[phase],
+                                                              cache)
             new_stacked.append(_write_back(stacked_caches[phase], cache, repeat))
             stats.append(layer_stats)
-        return (resolve_streams(cfg, plan.layer(0, plan.period - 1), streams), new_stacked), (stats, pending)
+            deferred.append(layer_deferred)
+        return (resolve_streams(cfg, plan.layer(0, plan.period - 1), streams), new_stacked), (stats, deferred)
 
-    (X, phases), (phase_stats, phase_pending) = lax.scan(
+    (X, phases), (phase_stats, phase_deferred) = lax.scan(
         body, (X, list(caches.phases)), (jnp.arange(plan.repeats, dtype=jnp.int32), list(layers.phases)))
-    phases = [phase if pending is None else {**phase, "pending": pending}
-              for phase, pending in zip(phases, phase_pending)]
     scanned_stats = [jax.tree.map(lambda a, j=j: a[j], phase_stats[p])
                      for j in range(plan.repeats) for p in range(plan.period)]
 
-    streams, after, after_stats = _unrolled_layers(run, plan.stop, layers.after, caches.after, (X, None))
+    streams, after, after_stats, after_deferred = _unrolled_layers(run, plan.stop, layers.after, caches.after,
+                                                                   (X, None))
     X = resolve_streams(cfg, cfg.n_layers - 1, streams)
     new_caches = caches.replace(before=before, phases=phases, after=after)
-    return X, new_caches, before_stats + scanned_stats + after_stats
+    deferred = (caches.replace(before=before_deferred, phases=list(phase_deferred), after=after_deferred)
+                if defer else None)
+    return BlockOut(X, new_caches, before_stats + scanned_stats + after_stats, deferred)
 
 
 def head_logits(params: dict, head_params: dict, cfg: ModelConfig, X: jax.Array, ctx: RunContext) -> jax.Array:
@@ -192,21 +210,23 @@ def head_logits(params: dict, head_params: dict, cfg: ModelConfig, X: jax.Array,
     return linear(h.astype(jnp.float32), params["head"]["weight"], jnp.float32, ctx=ctx.without_act_quant())
 
 
-def mtp_streams(params: dict, cfg: ModelConfig, ctx: RunContext, X_main: jax.Array, next_tokens: jax.Array,
-                start: jax.Array, n_valid: jax.Array, cache: dict, k: int = 0):
+def mtp_streams(params: dict, cfg: ModelConfig, ctx: RunContext, X_main: jax.Array, chunk: Chunk,
+                cache: LayerCache, k: int = 0):
     """MTP block k (docs/model.md 4.8) up to its residual streams: at position i it reads the main streams of i and
-    the embedding of token i+1 (`next_tokens`). Returns (streams [B, S, n, D], cache, statistics as `block`'s)."""
+    the embedding of token i+1 (the chunk's tokens). Returns (streams [B, S, n, D], cache, statistics as
+    `block`'s)."""
     p = params["mtp"][k]
     dtype = ctx.jnp_dtype
-    e = rms_norm(params["embed"]["weight"][next_tokens].astype(dtype), p["enorm"]["weight"], cfg.norm_eps)
+    e = rms_norm(params["embed"]["weight"][chunk.tokens].astype(dtype), p["enorm"]["weight"], cfg.norm_eps)
     h = rms_norm(X_main.astype(dtype), p["hnorm"]["weight"], cfg.norm_eps)
     X = linear(h, p["h_proj"]["weight"], ctx=ctx) + linear(e, p["e_proj"]["weight"], ctx=ctx)[:, :, None, :]
-    return block(p, cfg, ctx, cfg.n_layers + k, X, next_tokens, start, n_valid, cache)
+    X, cache, stats, _ = block(p, cfg, ctx, cfg.n_layers + k, X, chunk, cache)
+    return X, cache, stats
 
 
-def mtp_block(params: dict, cfg: ModelConfig, ctx: RunContext, X_main: jax.Array, next_tokens: jax.Array,
-              start: jax.Array, n_valid: jax.Array, cache: dict, k: int = 0):
+def mtp_block(params: dict, cfg: ModelConfig, ctx: RunContext, X_main: jax.Array, chunk: Chunk,
+              cache: LayerCache, k: int = 0):
     """MTP block k with its head: logits [B, S, V] float32 predicting token i+2 at position i, the cache and the
     block's statistics."""
-    X, cache, stats = mtp_streams(params, cfg, ctx, X_main, next_tokens, start, n_valid, cache, k)
+    X, cache, stats = mtp_streams(params, cfg, ctx, X_main, chunk, cache, k)
     return head_logits(params, params["mtp"][k], cfg, X, ctx), cache, stats

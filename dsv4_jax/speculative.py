@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from . import engine
 from .config import ModelConfig
+from .layers.chunk import Chunk
 from .model import head_logits, mtp_streams
 from .run_context import RunContext
 from .sampling import probabilities
@@ -82,7 +83,7 @@ def draft(params, cfg: ModelConfig, ctx: RunContext, state, last_token, k: int, 
     ones = jnp.ones_like(position)
     drafts, dists = [], []
     for j, draft_key in enumerate(_split(key, k)):
-        X, cache, _ = mtp_streams(params, cfg, ctx, X_main, token[:, None], position + j, ones, cache)
+        X, cache, _ = mtp_streams(params, cfg, ctx, X_main, Chunk(token[:, None], position + j, ones), cache)
         logits = head_logits(params, params["mtp"][0], cfg, X, ctx)[:, 0]
         q = _distribution(logits, sp)
         sampled = _categorical(draft_key, jnp.log(q)).astype(jnp.int32)
@@ -138,7 +139,7 @@ def speculative_step(params, cfg: ModelConfig, ctx: RunContext, spec: Speculativ
 
     chunk = jnp.concatenate([gen.last_token[:, None], drafts], axis=1)                  # [B, k+1]
     n_read = jnp.where(active, k + 1, 0).astype(jnp.int32)
-    X, read_layers = engine.read_chunk(params, cfg, ctx, state, chunk, n_read)
+    X, read_layers, deferred = engine.read_chunk(params, cfg, ctx, state, chunk, n_read)
     logits = head_logits(params, params, cfg, X, ctx)                                    # [B, k+1, V]
     n_accepted, token = accept(drafts, q, _distribution(logits, sp), verify_key)
     # Past the buffers' capacity the caches would be wrong: as the plain decode step, say so with NaN logits.
@@ -156,7 +157,8 @@ def speculative_step(params, cfg: ModelConfig, ctx: RunContext, spec: Speculativ
     emitted = jnp.where(position < n_emit[:, None], emitted, -1)
 
     n_commit = jnp.where(active, n_accepted + 1, 0).astype(jnp.int32)
-    decode = engine.commit_chunk(params, cfg, ctx, state, read_layers, X, chunk, n_read, n_commit, track_mtp=True)
+    decode = engine.commit_chunk(params, cfg, ctx, state, read_layers, deferred, X, chunk, n_read, n_commit,
+                                 track_mtp=True)
     generated = gen.generated + n_emit
     done = gen.done | overflow | (first_stop < n_emit) | (generated >= sp.max_new_tokens)
     new_gen = engine.GenerationState(decode, jnp.where(active, token, gen.last_token), generated, done, key)

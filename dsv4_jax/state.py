@@ -16,16 +16,17 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from .numerics import kv_cache
 from .config import ModelConfig
 from .layer_scan import StackedLayers, scan_plan
+from .layers.attention import LayerCache
+from .numerics import kv_cache
 from .ops.compressor_step import init_compressor_state
 
 
 @flax.struct.dataclass
 class DecodeState:
-    layers: list            # one cache dict per backbone layer (a layer_scan.StackedLayers for a scanned model)
-    mtp: list               # one cache dict per MTP layer (its window runs one position behind, see engine)
+    layers: list            # one LayerCache per backbone layer (a layer_scan.StackedLayers for a scanned model)
+    mtp: list               # one LayerCache per MTP layer (its window runs one position behind, see engine)
     mtp_hidden: jax.Array   # [B, hc_mult, D]: main streams of each sequence's last consumed position
     positions: jax.Array    # [B] int32: tokens consumed so far per sequence
 
@@ -35,17 +36,17 @@ class DecodeState:
 
 
 def init_layer_cache(cfg: ModelConfig, ratio: int, batch: int, max_seq_len: int, dtype,
-                     kv_cache_dtype=None) -> dict:
+                     kv_cache_dtype=None) -> LayerCache:
     """`kv_cache_dtype`: None (entries in `dtype`) or "fp8" (compact entries, numerics/kv_cache.py)."""
     def entries(n: int, head_dim: int, kind: str):
         return kv_cache.empty((batch, n), head_dim, cfg.rope_head_dim, dtype, kind, kv_cache_dtype)
-    cache = {"window_kv": entries(cfg.window_size, cfg.head_dim, "kv")}
+    cache = LayerCache(entries(cfg.window_size, cfg.head_dim, "kv"))
     if ratio > 0:
-        cache["compressed_kv"] = entries(max_seq_len // ratio, cfg.head_dim, "kv")
-        cache["compressor"] = init_compressor_state(batch, ratio, cfg.head_dim)
+        cache = cache.replace(compressed_kv=entries(max_seq_len // ratio, cfg.head_dim, "kv"),
+                              compressor=init_compressor_state(batch, ratio, cfg.head_dim))
     if ratio == 4:
-        cache["index_keys"] = entries(max_seq_len // ratio, cfg.index_head_dim, "index")
-        cache["indexer_compressor"] = init_compressor_state(batch, ratio, cfg.index_head_dim)
+        cache = cache.replace(index_keys=entries(max_seq_len // ratio, cfg.index_head_dim, "index"),
+                              indexer_compressor=init_compressor_state(batch, ratio, cfg.index_head_dim))
     return cache
 
 
@@ -58,7 +59,7 @@ def init_state(cfg: ModelConfig, batch: int, max_seq_len: int, dtype=jnp.bfloat1
         raise ValueError(f"max_batch and max_seq_len must be >= 1, got {batch} and {max_seq_len}")
     kv_cache.check_kv_cache_dtype(kv_cache_dtype)
 
-    def cache(layer: int) -> dict:
+    def cache(layer: int) -> LayerCache:
         return init_layer_cache(cfg, cfg.compress_ratios[layer], batch, max_seq_len, dtype, kv_cache_dtype)
     plan = scan_plan(cfg) if scan_layers else None
     if plan is None:

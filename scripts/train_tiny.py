@@ -212,6 +212,7 @@ def _cross_entropy(logits, targets, mask):
 def forward_losses(params, buffers, inputs, targets, mask, next_targets, next_mask, qat, *, cfg, ctx, qnames):
     """Sums and counts of the main and MTP cross-entropies, the mean indexer KL over the CSA layers, and the
     expert loads of the score-routed layers [layers, E] (the model's training statistics, ctx.training)."""
+    from dsv4_jax.layers.chunk import Chunk
     from dsv4_jax.model import backbone, head_logits, mtp_block
     from dsv4_jax.state import init_state
     batch, seq = inputs.shape
@@ -219,9 +220,9 @@ def forward_losses(params, buffers, inputs, targets, mask, next_targets, next_ma
     state = init_state(cfg, batch, seq, jnp.float32)
     start = jnp.zeros((batch,), jnp.int32)
     n_valid = jnp.full((batch,), seq, jnp.int32)
-    X, _, stats = backbone(tree, cfg, ctx, inputs, start, n_valid, state.layers)
+    X, _, stats, _ = backbone(tree, cfg, ctx, Chunk(inputs, start, n_valid), state.layers)
     main_sum, main_count = _cross_entropy(head_logits(tree, tree, cfg, X, ctx), targets, mask)
-    mtp_logits, _, mtp_stats = mtp_block(tree, cfg, ctx, X, targets, start, n_valid, state.mtp[0])
+    mtp_logits, _, mtp_stats = mtp_block(tree, cfg, ctx, X, Chunk(targets, start, n_valid), state.mtp[0])
     mtp_sum, mtp_count = _cross_entropy(mtp_logits, next_targets, next_mask)
     stats = stats + [mtp_stats]
     kls = [s["indexer_kl"] for s in stats if "indexer_kl" in s]

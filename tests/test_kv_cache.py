@@ -35,15 +35,15 @@ def test_on_grid_entries_are_stored_exactly(dtype):
     rounded = jnp.concatenate([fp8_fake_quant(jnp.asarray(kv[:, :nope])), jnp.asarray(kv[:, nope:])], -1)
     rounded = rounded.astype(dtype)
     like = kv_cache.empty((64,), nope + rope, rope, dtype, "kv", "fp8")
-    back = kv_cache.decode(kv_cache.encode(rounded, like), dtype)
+    back = like.encode(rounded).decode(dtype)
     assert back.dtype == dtype and np.array_equal(np.asarray(back), np.asarray(rounded))
 
     keys = _blocks_with_edge_maxima(rng, 4 * 64, 32, [3.0, 3.4, 6.0]).reshape(64, 128)
     rounded = fp4_fake_quant(hadamard(jnp.asarray(keys))).astype(dtype)
     like = kv_cache.empty((64,), 128, rope, dtype, "index", "fp8")
-    stored = kv_cache.encode(rounded, like)
-    assert stored["fp4"].shape == (64, 64) and stored["scale"].shape == (64, 4)
-    assert np.array_equal(np.asarray(kv_cache.decode(stored, dtype)), np.asarray(rounded))
+    stored = like.encode(rounded)
+    assert stored.fp4.shape == (64, 64) and stored.scale.shape == (64, 4)
+    assert np.array_equal(np.asarray(stored.decode(dtype)), np.asarray(rounded))
 
 
 def test_off_grid_entries_round_like_the_training_rounding():
@@ -51,7 +51,7 @@ def test_off_grid_entries_round_like_the_training_rounding():
     rng = np.random.default_rng(1)
     kv = jnp.asarray(rng.standard_normal((16, 512)) * 3, jnp.float32)
     like = kv_cache.empty((16,), 512, 64, jnp.float32, "kv", "fp8")
-    back = kv_cache.decode(kv_cache.encode(kv, like), jnp.float32)
+    back = like.encode(kv).decode(jnp.float32)
     assert np.array_equal(np.asarray(back[:, :448]), np.asarray(fp8_fake_quant(kv[:, :448])))
     assert np.array_equal(np.asarray(back[:, 448:]), np.asarray(kv[:, 448:]))
 
@@ -87,7 +87,7 @@ def test_fp8_caches_give_the_same_logits(dtype):
         outs.append(np.asarray(jnp.stack(steps)))
         if model is compact:
             assert compact.state_bytes() < plain.state_bytes()
-            assert state.layers[1]["window_kv"]["nope"].dtype == jnp.float8_e4m3fn
+            assert state.layers[1].window_kv.nope.dtype == jnp.float8_e4m3fn
     assert np.isfinite(outs[0]).all() and np.array_equal(outs[0], outs[1])
     ids = [int(t) for t in tokens[0, :40]]
     assert plain.generate([ids], max_new_tokens=12).tokens == compact.generate([ids], max_new_tokens=12).tokens

@@ -23,6 +23,8 @@ import dsv4_jax
 from dsv4_jax import presets
 from dsv4_jax.ops import attention_core, indexer
 from dsv4_jax.layers.attention import attention
+from dsv4_jax.layers.chunk import Chunk
+from dsv4_jax.numerics.kv_cache import PlainEntries
 from dsv4_jax.ops.compressor_step import compressor_update, init_compressor_state
 from dsv4_jax.layers.hyper import hc_head
 from dsv4_jax.ops.mhc_site import hc_post, hc_pre
@@ -120,8 +122,11 @@ def _ctx(simulate_quant: bool) -> RunContext:
 def _jit_compressor(ratio, head_dim, nope_dim, rotate, simulate_quant):
     cfg = presets.tiny()
     inv_freq = rope_inv_freq(cfg, ratio)
-    fn = functools.partial(compressor_update, ratio=ratio, head_dim=head_dim, nope_dim=nope_dim, inv_freq=inv_freq,
-                           rotate=rotate, ctx=_ctx(simulate_quant), norm_eps=cfg.norm_eps)
+    def fn(p, x, start, n_valid, state, cache):        # the cache as a plain array, stored as PlainEntries
+        entries, state = compressor_update(p, x, start, n_valid, state, PlainEntries(cache), ratio=ratio,
+                                           head_dim=head_dim, nope_dim=nope_dim, inv_freq=inv_freq, rotate=rotate,
+                                           ctx=_ctx(simulate_quant), norm_eps=cfg.norm_eps)
+        return entries.values, state
     return jax.jit(fn)
 
 
@@ -418,8 +423,8 @@ def test_compressor(tiny, xseq, kind, simulate_quant):
     spos = _state_positions(L, c, coff)
     real = (spos >= 0) & (spos < L)
     xs = xseq[:, spos[real]].astype(np.float64)
-    st_kv = np.asarray(whole_state["kv"])
-    st_score = np.asarray(whole_state["score"])
+    st_kv = np.asarray(whole_state.kv)
+    st_score = np.asarray(whole_state.score)
     assert_close(st_kv[:, real], xs @ w["wkv.weight"].T, 1e-5, 1e-5,
                  f"{kind} pending kv state = wkv x of the incomplete windows' tokens (atol 1e-5 rtol 1e-5)")
     assert_close(st_score[:, real], xs @ w["wgate.weight"].T + w["ape"][spos[real] % c], 1e-5, 1e-5,
@@ -437,7 +442,7 @@ def test_compressor(tiny, xseq, kind, simulate_quant):
                            1e-3, f"{kind} chunked vs one-chunk cache (atol 1e-5: same float32 math up to summation "
                                  "order)")
     for key in ("kv", "score"):   # including the slots of positions >= L: empty, not the padding's garbage
-        assert_close(np.asarray(chunked_state[key]), np.asarray(whole_state[key]), 1e-5, 1e-6,
+        assert_close(np.asarray(getattr(chunked_state, key)), np.asarray(getattr(whole_state, key)), 1e-5, 1e-6,
                      f"{kind} chunked final pending {key} vs one chunk (atol 1e-5 rtol 1e-6)")
 
     # 3. token by token: entries appear exactly at the step where (t+1) % c == 0
@@ -453,7 +458,7 @@ def test_compressor(tiny, xseq, kind, simulate_quant):
                            quantum if simulate_quant else 0.0, 1e-3,
                            f"{kind} token-by-token vs one-chunk cache (atol 1e-5)")
     for key in ("kv", "score"):
-        assert_close(np.asarray(state[key]), np.asarray(whole_state[key]), 1e-5, 1e-6,
+        assert_close(np.asarray(getattr(state, key)), np.asarray(getattr(whole_state, key)), 1e-5, 1e-6,
                      f"{kind} token-by-token final pending {key} vs one chunk (atol 1e-5 rtol 1e-6)")
 
 
@@ -480,7 +485,9 @@ def test_indexer_select(tiny, xseq, simulate_quant):
     fresh = init_compressor_state(B, 4, cfg.index_head_dim)
 
     def select(p, x, q, pos):
-        keys, _ = comp(p["compressor"], x, jnp.zeros(B, jnp.int32), jnp.full(B, L, jnp.int32), fresh, poison)
+        keys, _ = comp(p["compressor"], x, jnp.zeros(B, jnp.int32), jnp.full(B, L, jnp.int32), fresh,
+                       PlainEntries(poison))
+        keys = keys.values
         # looked up at call time: DecisionRecorder records the module's indexer_select
         return indexer.indexer_select(p, cfg, x, q, pos, keys, f32, _ctx(simulate_quant))
 
@@ -536,7 +543,8 @@ def test_attention(tiny, xseq, layer, simulate_quant):
             cache)
 
     def fn(p, x, s, n, c):
-        out, new_cache, stats = attention(p, cfg, ratio, x, s, n, c, f32, _ctx(simulate_quant))
+        out, new_cache, stats, _ = attention(p, cfg, ratio, x, Chunk(jnp.zeros_like(x[..., 0], jnp.int32), s, n), c,
+                                             f32, _ctx(simulate_quant))
         assert stats == {}, "inference returns no training statistics"
         return out, new_cache
 
@@ -556,7 +564,7 @@ def test_attention(tiny, xseq, layer, simulate_quant):
     if ratio:
         n = L // ratio
         assert n >= 2, "the sequence must complete compressed entries"
-        got_comp = np.asarray(new_cache["compressed_kv"])[:, :n]
+        got_comp = np.asarray(new_cache.compressed_kv.values)[:, :n]
         assert_close(got_comp, aux["compressed"], 1e-4, 0, f"layer {layer} compressed cache vs reference (atol 1e-4)")
     tol = 2e-5 * scale   # observed ~5e-7 x scale; float32 GEMMs, softmax and rope angles (p < 260)
     assert_close(out, want, tol, 0, f"attention layer {layer} (ratio {ratio}, simulate_quant={simulate_quant}) vs "

@@ -182,7 +182,7 @@ def test_compressed_entries_appear_exactly_at_ratio_boundaries(tiny_f32, tiny_to
     for length in (3, 4, 7, 8, 127, 128, 129):
         state = tiny_f32.init_state(1)
         state = jax.tree_util.tree_map_with_path(
-            lambda path, x: jnp.full_like(x, poison) if any(getattr(k, "key", None) in ("compressed_kv", "index_keys")
+            lambda path, x: jnp.full_like(x, poison) if any(getattr(k, "name", None) in ("compressed_kv", "index_keys")
                                                             for k in path) else x, state)
         _, state = tiny_f32.prefill(tiny_tokens[:, :130], lengths=[length], state=state)
         for layer, cache in enumerate(state.layers):
@@ -191,7 +191,7 @@ def test_compressed_entries_appear_exactly_at_ratio_boundaries(tiny_f32, tiny_to
                 continue
             keys = ["compressed_kv"] + (["index_keys"] if ratio == 4 else [])
             for key in keys:
-                written = np.asarray(cache[key][0, :, 0]) != poison
+                written = np.asarray(getattr(cache, key).values[0, :, 0]) != poison
                 expected = np.arange(written.shape[0]) < length // ratio
                 np.testing.assert_array_equal(written, expected, err_msg=f"layer {layer} {key} after {length}")
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from dsv4_jax import presets
+from dsv4_jax.numerics.kv_cache import PlainEntries
 from dsv4_jax.ops import compressor_step as C
 from dsv4_jax.ops.norm_rope import rope_inv_freq
 from dsv4_jax.pallas_kernels import compressor as kernel
@@ -41,11 +42,12 @@ def _decode(kernels: str, dtype: str, cfg, params, xs, live, ratio, head_dim, ro
     step = jax.jit(lambda p, x, s, n, st, ca: C.compressor_update(
         p, x, s, n, st, ca, ratio=ratio, head_dim=head_dim, nope_dim=head_dim - cfg.rope_head_dim,
         inv_freq=inv_freq, rotate=rotate, ctx=ctx, norm_eps=cfg.norm_eps))
+    # the cache stored plainly in the activation dtype (numerics/kv_cache.py PlainEntries)
     state = C.init_compressor_state(batch, ratio, head_dim)
     if ratio == 4:          # slots of positions -4..-1 (window -1): whatever they hold must never be pooled
-        garbage = np.random.default_rng(98).standard_normal(state["kv"][:, :ratio].shape).astype(np.float32)
-        state = {name: buf.at[:, :ratio].set(garbage) for name, buf in state.items()}
-    cache = jnp.full((batch, n_entries, head_dim), POISON, ctx.jnp_dtype)
+        garbage = np.random.default_rng(98).standard_normal(state.kv[:, :ratio].shape).astype(np.float32)
+        state = jax.tree.map(lambda buf: buf.at[:, :ratio].set(garbage), state)
+    cache = PlainEntries(jnp.full((batch, n_entries, head_dim), POISON, ctx.jnp_dtype))
     start = np.zeros(batch, np.int32)
     junk = np.random.default_rng(99).standard_normal(xs.shape).astype(np.float32)
     for t in range(steps):
@@ -54,7 +56,7 @@ def _decode(kernels: str, dtype: str, cfg, params, xs, live, ratio, head_dim, ro
         cache, state = step(params, jnp.asarray(x, ctx.jnp_dtype), jnp.asarray(start), jnp.asarray(n_valid), state,
                             cache)
         start = start + n_valid
-    return np.asarray(cache.astype(jnp.float32)), jax.tree.map(np.asarray, state), start
+    return np.asarray(cache.values.astype(jnp.float32)), jax.tree.map(np.asarray, state), start
 
 
 def _case(seed: int, ratio: int, head_dim: int, steps: int, preset: str = "tiny"):
@@ -120,7 +122,7 @@ def _check_equals_the_jnp_path(kernels, preset, ratio, head_dim, rotate, dtype):
     (cache, state, fed), (want_cache, want_state, want_fed) = outs
     np.testing.assert_array_equal(fed, want_fed)
     for name in ("kv", "score"):
-        np.testing.assert_array_equal(state[name], want_state[name], err_msg=name)
+        np.testing.assert_array_equal(getattr(state, name), getattr(want_state, name), err_msg=name)
     written = want_cache != POISON
     flipped = np.abs(cache - want_cache) > 1e-5 * np.max(np.abs(want_cache[written]))  # more than float32 rounding
     assert flipped.mean() < 0.01, f"{flipped.mean():.2%} of the cache differs by more than rounding"
@@ -136,7 +138,7 @@ def _check_equals_the_jnp_path(kernels, preset, ratio, head_dim, rotate, dtype):
 def test_unsupported_geometry_is_refused():
     state = C.init_compressor_state(1, 4, 80)
     with pytest.raises(ValueError, match="head_dim a multiple of rope_dim"):
-        kernel.decode_pool(state["kv"], state["score"], jnp.zeros((1, 160)), jnp.zeros((1, 160)), jnp.zeros((4, 160)),
+        kernel.decode_pool(state.kv, state.score, jnp.zeros((1, 160)), jnp.zeros((1, 160)), jnp.zeros((4, 160)),
                            jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), jnp.ones(80), np.ones(16, np.float32),
                            ratio=4, norm_eps=1e-6, out_dtype=jnp.float32)
     assert not kernel.supported(3, 96, 32) and not kernel.supported(256, 512, 64) and kernel.supported(128, 512, 64)
@@ -186,7 +188,7 @@ def test_gpu_decode_entries_match_float64(ratio, head_dim):
     _, want_state, _ = _decode("reference", "float32", cfg, params, xs, live, ratio, head_dim, False, False,
                                n_entries)
     for name in ("kv", "score"):
-        np.testing.assert_array_equal(state[name], want_state[name], err_msg=name)
+        np.testing.assert_array_equal(getattr(state, name), getattr(want_state, name), err_msg=name)
     _assert_entries_match_float64(cache, fed, cfg, params, xs, live, ratio, head_dim, False)
 
 

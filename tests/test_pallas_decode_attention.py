@@ -76,8 +76,9 @@ def _compact(args, dtype, rope_dim):
     for i in (1, 5):
         if args[i] is not None:
             like = kv_cache.empty(args[i].shape[:2], args[i].shape[2], rope_dim, dtype, "kv", "fp8")
-            stored[i] = kv_cache.encode(jnp.asarray(args[i], dtype), like)
-            args[i] = np.asarray(kv_cache.decode(stored[i], jnp.float32))
+            entries = like.encode(jnp.asarray(args[i], dtype))
+            stored[i] = entries.kernel_operand()
+            args[i] = np.asarray(entries.decode(jnp.float32))
     return args, stored
 
 

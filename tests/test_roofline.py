@@ -72,12 +72,12 @@ def test_state_read_at_full_context_is_the_buffers(kv_cache_dtype):
                               for x in jax.tree_util.tree_leaves(tree))
     r = R.roofline(cfg, batch, seq, kv_cache_dtype=kv_cache_dtype)
     layers = state.layers
-    want_window = sum(nbytes(c["window_kv"]) for c in layers)
-    want_index = sum(nbytes(c["index_keys"]) for c in layers if "index_keys" in c)
-    want_hca = sum(nbytes(c["compressed_kv"]) for i, c in enumerate(layers) if cfg.compress_ratios[i] > 4)
+    want_window = sum(nbytes(c.window_kv) for c in layers)
+    want_index = sum(nbytes(c.index_keys) for c in layers)          # None (no leaves) where a layer has none
+    want_hca = sum(nbytes(c.compressed_kv) for i, c in enumerate(layers) if cfg.compress_ratios[i] > 4)
     csa = [c for i, c in enumerate(layers) if cfg.compress_ratios[i] == 4]
-    want_selected = sum(nbytes(c["compressed_kv"]) // (seq // 4) * cfg.index_topk for c in csa)   # batch rows in
-    pending = sum(nbytes(c[name]) for c in layers for name in ("compressor", "indexer_compressor") if name in c)
+    want_selected = sum(nbytes(c.compressed_kv) // (seq // 4) * cfg.index_topk for c in csa)   # batch rows in
+    pending = sum(nbytes(c.compressor) + nbytes(c.indexer_compressor) for c in layers)
     assert r.state["window_kv"] == want_window
     assert r.state["index_keys"] == want_index
     assert r.state["compressed_kv"] == want_hca + want_selected

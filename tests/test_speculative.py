@@ -26,8 +26,9 @@ def tiny_exact():
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ctx"), donate_argnames=("state",))
 def _read_then_commit(params, state, tokens, n_read, n_commit, *, cfg, ctx):
-    X, read_layers = engine.read_chunk(params, cfg, ctx, state, tokens, n_read)
-    return engine.commit_chunk(params, cfg, ctx, state, read_layers, X, tokens, n_read, n_commit, track_mtp=True)
+    X, read_layers, deferred = engine.read_chunk(params, cfg, ctx, state, tokens, n_read)
+    return engine.commit_chunk(params, cfg, ctx, state, read_layers, deferred, X, tokens, n_read, n_commit,
+                               track_mtp=True)
 
 
 def _feed_one_at_a_time(model, state, tokens, n_commit):

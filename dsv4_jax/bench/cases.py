@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import engine
-from ..numerics import kv_cache
 from ..api import Model
 from ..config import ModelConfig
 from ..layer_scan import is_scanned, map_layer_trees
@@ -42,13 +41,13 @@ def synthetic_state(cfg: ModelConfig, batch: int, max_seq_len: int, position: in
         keys = iter(jax.random.split(key, 4 * (cfg.n_layers + cfg.n_mtp_layers) + 1))
 
         def fill(cache):
-            out = dict(cache)
+            filled = {}
             for name in CACHE_BUFFERS:
-                if name in cache:
-                    entries = jax.eval_shape(lambda stored: kv_cache.decode(stored, dtype), cache[name])
-                    values = jax.random.normal(next(keys), entries.shape, jnp.float32)
-                    out[name] = kv_cache.encode(values, cache[name])
-            return out
+                stored = getattr(cache, name)
+                if stored is not None:
+                    entries = jax.eval_shape(lambda stored: stored.decode(dtype), stored)
+                    filled[name] = stored.encode(jax.random.normal(next(keys), entries.shape, jnp.float32))
+            return cache.replace(**filled)
         return state.replace(layers=map_layer_trees(fill, state.layers), mtp=[fill(c) for c in state.mtp],
                              mtp_hidden=jax.random.normal(next(keys), state.mtp_hidden.shape).astype(dtype),
                              positions=jnp.full((batch,), position, jnp.int32))

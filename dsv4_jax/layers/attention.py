@@ -13,32 +13,55 @@ ops/norm_rope.py (query latent, keys, queries), ops/compressor_step.py, ops/inde
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ..config import ModelConfig
-from ..numerics import kv_cache
+from ..numerics.kv_cache import EntryStore
 from ..ops import attention_core, group_linear, indexer, linear, norm_rope
 from ..ops.attention_core import compressed_visible
+from ..ops.compressor_step import DeferredTokens, TokenRows, compressor_commit, compressor_read, compressor_update
 from ..ops.norm_rope import apply_rope
-from ..ops.compressor_step import compressor_commit, compressor_read, compressor_update
 from ..sharding import EXPERT, expert_devices, split_along, splits_heads
+from .chunk import Chunk
 from .indexer_loss import indexer_kl
 
 
-def write_ring(ring, kv: jax.Array, start: jax.Array, n_valid: jax.Array):
-    """Write the last min(window, n_valid) chunk tokens into their slots (position mod window); `ring` is stored
-    as numerics/kv_cache.py lays it out."""
+@flax.struct.dataclass
+class LayerCache:
+    """What one layer keeps of the past: the window ring (keys of the last `window` positions, slot = position mod
+    window); with compression (ratio c > 0) the compressed entries and the compressor's pending tokens; on CSA
+    layers (c = 4) also the indexer's keys and its compressor's pending tokens. Entries are stored as their kind
+    lays them out (numerics/kv_cache.py); parts a layer does not have are None."""
+    window_kv: EntryStore
+    compressed_kv: EntryStore | None = None
+    compressor: TokenRows | None = None
+    index_keys: EntryStore | None = None
+    indexer_compressor: TokenRows | None = None
+
+
+@flax.struct.dataclass
+class DeferredChunk:
+    """What a verify chunk read with `defer` leaves for commit_attention, beside the layer cache: the chunk's keys
+    and, per compressor, its projected tokens and the entries it overwrote (None in layers without one)."""
+    window_kv: jax.Array
+    compressor: DeferredTokens | None = None
+    indexer_compressor: DeferredTokens | None = None
+
+
+def write_ring(ring: EntryStore, kv: jax.Array, start: jax.Array, n_valid: jax.Array) -> EntryStore:
+    """Write the last min(window, n_valid) chunk tokens into their slots (position mod window)."""
     batch, seq, _ = kv.shape
-    window = kv_cache.n_entries(ring)
+    window = ring.n_entries
     if seq == 1 and batch == 1:
         # One token: its slot is always in range, so a dynamic_update_slice writes it in place (a scatter's bounds
         # check reads the old row first: one launch more per layer); without a token (n_valid 0) the slot keeps its
         # value, and where the token is always there (a decode step) the old value is never read
         slot = start[0] % window
-        values = jax.tree.map(lambda new, old: jnp.where(n_valid[0] > 0, new, old), kv_cache.encode(kv, ring),
+        values = jax.tree.map(lambda new, old: jnp.where(n_valid[0] > 0, new, old), ring.encode(kv),
                               jax.tree.map(lambda buf: jax.lax.dynamic_slice_in_dim(buf, slot, 1, axis=1), ring))
         return jax.tree.map(lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new, slot, axis=1), ring,
                             values)
@@ -46,51 +69,47 @@ def write_ring(ring, kv: jax.Array, start: jax.Array, n_valid: jax.Array):
     keep = (i < n_valid[:, None]) & (i >= n_valid[:, None] - window)
     slot = jnp.where(keep, (start[:, None] + i) % window, window)                # window -> dropped
     batch_idx = jnp.broadcast_to(jnp.arange(batch)[:, None], slot.shape)
-    return kv_cache.scatter(ring, batch_idx, slot, kv)
+    return ring.scatter(batch_idx, slot, kv)
+
+
+def _compressor_dims(cfg: ModelConfig, ratio: int) -> dict:
+    return dict(ratio=ratio, head_dim=cfg.head_dim, nope_dim=cfg.nope_head_dim, rotate=False, norm_eps=cfg.norm_eps)
 
 
 def _indexer_compressor_dims(cfg: ModelConfig) -> dict:
-    return dict(ratio=4, head_dim=cfg.index_head_dim, nope_dim=cfg.index_head_dim - cfg.rope_head_dim, rotate=True)
+    return dict(ratio=4, head_dim=cfg.index_head_dim, nope_dim=cfg.index_head_dim - cfg.rope_head_dim, rotate=True,
+                norm_eps=cfg.norm_eps)
 
 
-def _committed_update(new_cache: dict):
-    """Feed a compressor and commit: its pending state goes to new_cache[name]; returns the updated entries."""
-    def update(name, params, x, start, n_valid, cache, entries_name, **kw):
-        entries, new_cache[name] = compressor_update(params, x, start, n_valid, cache[name], cache[entries_name],
-                                                     **kw)
-        return entries
-    return update
-
-
-def _deferred_update(new_cache: dict):
-    """Feed a compressor for reading only: its pending state stays, the commit data goes to the pending entry."""
-    def update(name, params, x, start, n_valid, cache, entries_name, **kw):
-        entries, new_cache["pending"][name] = compressor_read(params, x, start, n_valid, cache[name],
-                                                              cache[entries_name], **kw)
-        new_cache[name] = cache[name]
-        return entries
-    return update
-
-
-def commit_attention(params: dict, cfg: ModelConfig, ratio: int, cache: dict, start: jax.Array, n_read: jax.Array,
-                     n_commit: jax.Array, inv_freq: np.ndarray, ctx) -> dict:
+def commit_attention(params: dict, cfg: ModelConfig, ratio: int, cache: LayerCache, pending: DeferredChunk,
+                     start: jax.Array, n_read: jax.Array, n_commit: jax.Array, inv_freq: np.ndarray,
+                     ctx) -> LayerCache:
     """Commit the first n_commit[b] <= n_read[b] tokens of a chunk that attention(..., defer=True) read with
-    n_read[b] real tokens: the layer cache exactly as attention would have left it fed only those tokens."""
-    cache = dict(cache)
-    pending = cache.pop("pending")
+    n_read[b] real tokens (`cache` and `pending` as it returned them): the layer cache exactly as attention would
+    have left it fed only those tokens."""
     dtype = ctx.jnp_dtype
-    cache["window_kv"] = write_ring(cache["window_kv"], pending["window_kv"], start, n_commit)
+    cache = cache.replace(window_kv=write_ring(cache.window_kv, pending.window_kv, start, n_commit))
     if ratio > 0:
-        cache["compressed_kv"], cache["compressor"] = compressor_commit(
-            params["compressor"], pending["compressor"], start, n_read, n_commit, cache["compressor"],
-            cache["compressed_kv"], out_dtype=dtype, ratio=ratio, head_dim=cfg.head_dim, nope_dim=cfg.nope_head_dim,
-            inv_freq=inv_freq, rotate=False, ctx=ctx, norm_eps=cfg.norm_eps)
+        compressed, state = compressor_commit(params["compressor"], pending.compressor, start, n_read, n_commit,
+                                              cache.compressor, cache.compressed_kv, out_dtype=dtype,
+                                              inv_freq=inv_freq, ctx=ctx, **_compressor_dims(cfg, ratio))
+        cache = cache.replace(compressed_kv=compressed, compressor=state)
     if ratio == 4:
-        cache["index_keys"], cache["indexer_compressor"] = compressor_commit(
-            params["indexer"]["compressor"], pending["indexer_compressor"], start, n_read, n_commit,
-            cache["indexer_compressor"], cache["index_keys"], out_dtype=dtype, **_indexer_compressor_dims(cfg),
-            inv_freq=inv_freq, ctx=ctx, norm_eps=cfg.norm_eps)
+        keys, state = compressor_commit(params["indexer"]["compressor"], pending.indexer_compressor, start, n_read,
+                                        n_commit, cache.indexer_compressor, cache.index_keys, out_dtype=dtype,
+                                        inv_freq=inv_freq, ctx=ctx, **_indexer_compressor_dims(cfg))
+        cache = cache.replace(index_keys=keys, indexer_compressor=state)
     return cache
+
+
+def _feed_compressor(params: dict, x, start, n_valid, state, entries, defer: bool, **kw):
+    """Feed a compressor the chunk: (entries with those the chunk completes written, its pending state after the
+    chunk (unchanged with `defer`), what a deferred commit needs (None without `defer`))."""
+    if defer:
+        entries, deferred = compressor_read(params, x, start, n_valid, state, entries, **kw)
+        return entries, state, deferred
+    entries, state = compressor_update(params, x, start, n_valid, state, entries, **kw)
+    return entries, state, None
 
 
 def _output(params: dict, cfg: ModelConfig, out: jax.Array, out_dtype, ctx) -> jax.Array:
@@ -129,20 +148,19 @@ def _split_heads_output(params: dict, cfg: ModelConfig, q_latent, kv, ring, comp
 
 
 @jax.named_scope("attention")
-def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: jax.Array, n_valid: jax.Array,
-              cache: dict, inv_freq: np.ndarray, ctx, defer: bool = False):
-    """x [B, S, D] (attn_norm'd) at positions start[b] + i. Returns (output float32 [B, S, D] (the next mHC site
+def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, chunk: Chunk, cache: LayerCache,
+              inv_freq: np.ndarray, ctx, defer: bool = False):
+    """x [B, S, D] (attn_norm'd) of the chunk's tokens (at positions chunk.start[b] + i). Returns (output float32 [B, S, D] (the next mHC site
     rounds it to the streams' dtype), updated layer cache, statistics: {} for inference; under training
-    {"indexer_kl": ...} in CSA layers, run_context.Training).
+    {"indexer_kl": ...} in CSA layers, run_context.Training; deferred: None, or with `defer` a DeferredChunk).
 
     `defer`: read without committing (a speculative verify chunk): the window ring and the compressors' pending
-    tokens are left as they were and the returned cache carries a "pending" entry, which commit_attention turns
-    into the state that feeding only a prefix of the chunk would have produced."""
-    seq = x.shape[1]
+    tokens are left as they were, and the DeferredChunk beside the cache lets commit_attention make the state that
+    feeding only a prefix of the chunk would have produced."""
     dtype = x.dtype
-    positions = start[:, None] + jnp.arange(seq, dtype=jnp.int32)[None, :]
+    start, n_valid, positions = chunk.start, chunk.n_valid, chunk.positions
 
-    ring = cache["window_kv"]                                # the window before this chunk
+    ring = cache.window_kv                                   # the window before this chunk
     split = splits_heads(cfg, expert_devices(ctx.mesh))     # the heads split over the mesh (sharding.rules)
     if split and ctx.training is not None:
         raise NotImplementedError("training with the attention heads split over a mesh (sharding.splits_heads)")
@@ -154,36 +172,38 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
     # with the heads split over a mesh each device makes its own queries (_split_heads_output)
     q = None if split else norm_rope.queries(params, cfg, q_latent, positions, inv_freq, ctx)
 
-    new_cache = {"pending": {}} if defer else {}
     stats = {}
-
+    deferred = DeferredChunk(kv) if defer else None
     compressed = picks = None      # the compressed entries this call reads, and (CSA) the indexer's picks
     live = 0
     if ratio > 0:
-        update = _deferred_update(new_cache) if defer else _committed_update(new_cache)
-        compressed = update("compressor", params["compressor"], x, start, n_valid, cache, "compressed_kv",
-                            ratio=ratio, head_dim=cfg.head_dim, nope_dim=cfg.nope_head_dim, inv_freq=inv_freq,
-                            rotate=False, ctx=ctx, norm_eps=cfg.norm_eps)
-        new_cache["compressed_kv"] = compressed            # stored (numerics/kv_cache.py): decoded where it is read
+        compressed, state, deferred_tokens = _feed_compressor(
+            params["compressor"], x, start, n_valid, cache.compressor, cache.compressed_kv, defer,
+            inv_freq=inv_freq, ctx=ctx, **_compressor_dims(cfg, ratio))
+        cache = cache.replace(compressed_kv=compressed, compressor=state)    # decoded where it is read
+        if defer:
+            deferred = deferred.replace(compressor=deferred_tokens)
         # The indexer only picks entries (top-k has no gradient); under training its inputs are detached so that
         # its own loss (indexer_kl) trains the indexer and nothing else.
         x_idx, q_latent_idx = (x, q_latent) if ctx.training is None else jax.lax.stop_gradient((x, q_latent))
         if ratio == 4:
-            index_keys = update("indexer_compressor", params["indexer"]["compressor"], x_idx, start, n_valid,
-                                cache, "index_keys", **_indexer_compressor_dims(cfg), inv_freq=inv_freq,
-                                ctx=ctx, norm_eps=cfg.norm_eps)
-            new_cache["index_keys"] = index_keys
+            index_keys, state, deferred_tokens = _feed_compressor(
+                params["indexer"]["compressor"], x_idx, start, n_valid, cache.indexer_compressor, cache.index_keys,
+                defer, inv_freq=inv_freq, ctx=ctx, **_indexer_compressor_dims(cfg))
+            cache = cache.replace(index_keys=index_keys, indexer_compressor=state)
+            if defer:
+                deferred = deferred.replace(indexer_compressor=deferred_tokens)
         # Only the entries this call's positions can see are read (ctx.context_limit; visible: j < (t+1)//c).
-        n_stored = kv_cache.n_entries(compressed)
+        n_stored = compressed.n_entries
         live = n_stored if ctx.context_limit is None else min(n_stored, ctx.context_limit // ratio)
         if live == 0:              # buffers shorter than c never complete an entry
             compressed = None
         elif ratio == 4 and ctx.training is not None:       # its loss needs the scores of every entry
-            keys = kv_cache.decode(kv_cache.leading(index_keys, live), dtype)
+            keys = index_keys.leading(live).decode(dtype)
             scores = indexer.indexer_scores(params["indexer"], cfg, x_idx, q_latent_idx, positions, keys, inv_freq,
                                             ctx)
-            stats["indexer_kl"] = indexer_kl(q, kv_cache.decode(kv_cache.leading(compressed, live), dtype),
-                                             scores, compressed_visible(positions, live, 4))
+            stats["indexer_kl"] = indexer_kl(q, compressed.leading(live).decode(dtype), scores,
+                                             compressed_visible(positions, live, 4))
             picks = indexer.indexer_select(params["indexer"], cfg, x_idx, q_latent_idx, positions, keys, inv_freq,
                                            ctx, scores)
         elif ratio == 4:
@@ -195,16 +215,16 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, start: j
         out = attention_core.attend(q, ring, kv, start, positions, params["attn_sink"], cfg, ratio, compressed,
                                     picks, live, inv_freq, ctx)
     if defer:
-        new_cache["window_kv"], new_cache["pending"]["window_kv"] = ring, kv
+        cache = cache.replace(window_kv=ring)                  # written by commit_attention
     elif ring_written is not None:
-        new_cache["window_kv"] = ring                          # written with the keys
+        cache = cache.replace(window_kv=ring)                  # written with the keys
     else:
-        new_cache["window_kv"] = write_ring(ring, kv, start, n_valid)
+        cache = cache.replace(window_kv=write_ring(ring, kv, start, n_valid))
     if split:
         if compressed is not None and ratio != 4:
-            compressed = kv_cache.leading(compressed, live)
+            compressed = compressed.leading(live)
         y = _split_heads_output(params, cfg, q_latent, kv, ring, compressed, picks, start, positions,
                                 ratio if compressed is not None else 0, inv_freq, ctx).astype(jnp.float32)
     else:
         y = _output(params, cfg, out, jnp.float32, ctx)
-    return y, new_cache, stats
+    return y, cache, stats, deferred

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..numerics import kv_cache
 from ..pallas_kernels import decode_attention
 from . import choice
 from . import norm_rope
@@ -90,7 +89,7 @@ def _attend(q, ring, kv, start, positions, sink, scale: float, window: int, rati
     denominator only. Returns [B, S, H, D] in q's dtype, before the inverse RoPE."""
     dtype = q.dtype
     batch, seq, n_heads, head_dim = q.shape
-    keys = jnp.concatenate([kv_cache.decode(ring, dtype), kv], axis=1)                   # [B, W+S, hd]
+    keys = jnp.concatenate([ring.decode(dtype), kv], axis=1)                             # [B, W+S, hd]
     if seq == 1:
         return _attend_one_token(q, keys, start, sink, scale, window, ratio, compressed, picks)
     key_pos = jnp.concatenate([ring_positions(start, window), positions], axis=1)
@@ -106,12 +105,12 @@ def _attend(q, ring, kv, start, positions, sink, scale: float, window: int, rati
     masks = [window_mask[:, :, None, :]]
     if compressed is not None and ratio == 4:
         idx, valid = picks
-        selected = kv_cache.decode(kv_cache.gather_rows(compressed, idx), dtype)     # [B, S, k, hd]
+        selected = compressed.gather_rows(idx).decode(dtype)                         # [B, S, k, hd]
         logits.append(jnp.einsum("bshd,bskd->bshk", q, selected, preferred_element_type=jnp.float32) * scale)
         masks.append(valid[:, :, None, :])
         values.append(("selected", selected))
     elif compressed is not None:
-        compressed = kv_cache.decode(compressed, dtype)
+        compressed = compressed.decode(dtype)
         visible = compressed_visible(positions, compressed.shape[1], ratio)
         logits.append(jnp.einsum("bshd,bnd->bshn", q, compressed, preferred_element_type=jnp.float32) * scale)
         masks.append(visible[:, :, None, :])
@@ -149,9 +148,9 @@ def _attend_one_token(q, keys, start, sink, scale: float, window: int, ratio: in
     dtype = q.dtype
     parts = [keys]                                                                       # ring, then the token
     if compressed is not None and ratio == 4:
-        parts.append(kv_cache.decode(kv_cache.gather_rows(compressed, picks[0]), dtype)[:, 0])   # [B, k, hd]
+        parts.append(compressed.gather_rows(picks[0]).decode(dtype)[:, 0])                  # [B, k, hd]
     elif compressed is not None:
-        parts.append(kv_cache.decode(compressed, dtype))
+        parts.append(compressed.decode(dtype))
     sink_column = sum(p.shape[1] for p in parts)
     pad = -(sink_column + 1) % KEY_ALIGN + 1      # masked zero keys (the matmuls take the array as made); 1 or more
     parts.append(jnp.zeros((keys.shape[0], pad, keys.shape[2]), dtype))
@@ -190,11 +189,12 @@ def attend(q: jax.Array, ring, kv: jax.Array, start: jax.Array, positions: jax.A
         # merge), reading only the entries attended (the whole compressed buffer is passed: a slice would be a
         # copy; the kernel stops at the visible entries)
         return decode_attention.decode_attention(
-            q, ring, kv, start, sink, scale=scale, compressed=compressed,
+            q, ring.kernel_operand(), kv, start, sink, scale=scale,
+            compressed=None if compressed is None else compressed.kernel_operand(),
             picks=None if picks is None else picks[0],      # the kernel skips picks the token cannot see
             ratio=ratio if compressed is not None else 0, rope=(inv_freq, cfg.norm_eps), query_ready=True,
             interpret=ctx.kernels.interpret)
     if compressed is not None and ratio != 4:
-        compressed = kv_cache.leading(compressed, live)
+        compressed = compressed.leading(live)
     out = _attend(q, ring, kv, start, positions, sink, scale, cfg.window_size, ratio, compressed, picks)
     return apply_rope(out, positions[:, :, None], inv_freq, inverse=True)

@@ -15,16 +15,25 @@ from __future__ import annotations
 
 import functools
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..numerics import kv_cache
 from ..numerics.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, trained_rounding
 from ..pallas_kernels import compressor as decode_kernel
 from . import choice
 from .matmul import linear
 from .norm_rope import apply_rope, rms_norm
+
+
+@flax.struct.dataclass
+class TokenRows:
+    """Projected tokens and their gate logits (+ ape), float32 [B, T, coff*head_dim] each: a chunk's (T its tokens,
+    compressor_project) or the pending state's (T = coff*c slots of the current and, for ratio 4, previous
+    window)."""
+    kv: jax.Array
+    score: jax.Array
 
 
 def overlap_factor(ratio: int) -> int:
@@ -35,7 +44,7 @@ def init_compressor_state(batch: int, ratio: int, head_dim: int):
     """Pending projected tokens (kv = 0) and their gate logits (-inf): [B, coff*c, coff*head_dim] float32 each."""
     coff = overlap_factor(ratio)
     shape = (batch, coff * ratio, coff * head_dim)
-    return {"kv": jnp.zeros(shape, jnp.float32), "score": jnp.full(shape, -jnp.inf, jnp.float32)}
+    return TokenRows(jnp.zeros(shape, jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32))
 
 
 def _place_rows(buffer: jax.Array, rows: jax.Array, offset: jax.Array) -> jax.Array:
@@ -48,7 +57,7 @@ def _take_rows(buffer: jax.Array, offset: jax.Array, size: int) -> jax.Array:
 
 
 @jax.named_scope("compressor")
-def compressor_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax.Array, state: dict,
+def compressor_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax.Array, state: TokenRows,
                       cache: jax.Array, *, ratio: int, head_dim: int, nope_dim: int, inv_freq: np.ndarray,
                       rotate: bool, ctx, norm_eps: float):
     """Feed a chunk x [B, S, D] (tokens at positions start[b] + i, the first n_valid[b] real) to a compressor.
@@ -67,7 +76,7 @@ def compressor_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax
                            out_dtype=x.dtype)
 
 
-def compressor_project(params: dict, x: jax.Array, start: jax.Array, *, ratio: int, ctx) -> dict:
+def compressor_project(params: dict, x: jax.Array, start: jax.Array, *, ratio: int, ctx) -> TokenRows:
     """The chunk's projected tokens and gate logits (+ ape): {"kv", "score"} float32 [B, S, coff*head_dim] each,
     what the pending state holds per token."""
     seq = x.shape[1]
@@ -76,7 +85,7 @@ def compressor_project(params: dict, x: jax.Array, start: jax.Array, *, ratio: i
     kv = linear(x32, params["wkv"]["weight"], ctx=ctx)                           # [B, S, coff*hd] fp32
     ape = params["ape"].astype(jnp.float32)                                      # [c, coff*hd]
     score = linear(x32, params["wgate"]["weight"], ctx=ctx) + ape[positions % ratio]
-    return {"kv": kv, "score": score}
+    return TokenRows(kv, score)
 
 
 def _entry_grid(start: jax.Array, seq: int, ratio: int):
@@ -96,20 +105,20 @@ def completed_entries(start: jax.Array, n_valid: jax.Array, seq: int, ratio: int
     return entry_idx, (entry_idx + 1) * ratio <= (start + n_valid)[:, None]
 
 
-def compressor_pool(params: dict, projected: dict, start: jax.Array, n_valid: jax.Array, state: dict,
+def compressor_pool(params: dict, projected: TokenRows, start: jax.Array, n_valid: jax.Array, state: TokenRows,
                     cache, *, ratio: int, head_dim: int, nope_dim: int, inv_freq: np.ndarray, rotate: bool, ctx,
                     norm_eps: float, out_dtype):
     """Pool the projected chunk (compressor_project) after the pending tokens of `state`: every window whose last
     real token arrived becomes an entry, scattered into `cache` at its index. Returns (cache, new state)."""
-    kv, score = projected["kv"], projected["score"]
+    kv, score = projected.kv, projected.score
     batch, seq, _ = kv.shape
     c, coff = ratio, overlap_factor(ratio)
     width = coff * head_dim
 
     # Lay pending tokens and the chunk out on one window-aligned grid starting at position `base`.
     base, n_slots, entry_idx = _entry_grid(start, seq, c)
-    grid_kv = jnp.zeros((batch, n_slots, width), jnp.float32).at[:, :coff * c].set(state["kv"])
-    grid_score = jnp.full((batch, n_slots, width), -jnp.inf, jnp.float32).at[:, :coff * c].set(state["score"])
+    grid_kv = jnp.zeros((batch, n_slots, width), jnp.float32).at[:, :coff * c].set(state.kv)
+    grid_score = jnp.full((batch, n_slots, width), -jnp.inf, jnp.float32).at[:, :coff * c].set(state.score)
     grid_kv = _place_rows(grid_kv, kv, start - base)
     grid_score = _place_rows(grid_score, score, start - base)
     slot_pos = base[:, None] + jnp.arange(n_slots, dtype=jnp.int32)[None, :]
@@ -139,8 +148,8 @@ def compressor_pool(params: dict, projected: dict, start: jax.Array, n_valid: ja
     grid_kv = jnp.where(consumed, grid_kv, 0.0)
     grid_score = jnp.where(consumed, grid_score, -jnp.inf)
     new_base = ((start + n_valid) // c) * c - (coff - 1) * c
-    new_state = {"kv": _take_rows(grid_kv, new_base - base, coff * c),
-                 "score": _take_rows(grid_score, new_base - base, coff * c)}
+    new_state = TokenRows(_take_rows(grid_kv, new_base - base, coff * c),
+                          _take_rows(grid_score, new_base - base, coff * c))
     return cache, new_state
 
 
@@ -154,9 +163,9 @@ def _store_entries(entries: jax.Array, entry_idx: jax.Array, complete: jax.Array
         else:
             nope = trained_rounding(fp8_fake_quant, entries[..., :nope_dim], ctx)
             entries = jnp.concatenate([nope, entries[..., nope_dim:]], -1)
-    target = jnp.where(complete, entry_idx, kv_cache.n_entries(cache))            # out of range -> dropped
+    target = jnp.where(complete, entry_idx, cache.n_entries)                      # out of range -> dropped
     batch_idx = jnp.broadcast_to(jnp.arange(entries.shape[0])[:, None], target.shape)
-    return kv_cache.scatter(cache, batch_idx, target, entries)
+    return cache.scatter(batch_idx, target, entries)
 
 
 DECODE_KERNEL = choice.Kernel("compressor_step", "compressor")
@@ -169,7 +178,7 @@ def _takes_decode_kernel(ctx, seq: int, ratio: int, head_dim: int, inv_freq: np.
                                seq == 1 and decode_kernel.supported(ratio, head_dim, 2 * inv_freq.shape[0]))
 
 
-def _decode_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax.Array, state: dict, cache, *,
+def _decode_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax.Array, state: TokenRows, cache, *,
                    ratio: int, head_dim: int, nope_dim: int, inv_freq: np.ndarray, rotate: bool, ctx,
                    norm_eps: float):
     """compressor_update for one token per sequence on the decode kernel: the projections, then the pooling, the
@@ -178,20 +187,21 @@ def _decode_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax.Ar
     x32 = x.astype(jnp.float32)
     kv = linear(x32, params["wkv"]["weight"], ctx=ctx)[:, 0]                     # [B, coff*hd] fp32
     score = linear(x32, params["wgate"]["weight"], ctx=ctx)[:, 0]
-    pool = functools.partial(decode_kernel.decode_pool, state["kv"], state["score"], kv, score, params["ape"], start,
+    pool = functools.partial(decode_kernel.decode_pool, state.kv, state.score, kv, score, params["ape"], start,
                              n_valid, params["norm"]["weight"], inv_freq, ratio=ratio, norm_eps=norm_eps,
                              out_dtype=x.dtype, interpret=ctx.kernels.interpret)
     quant = None if not ctx.simulate_quant else "fp4" if rotate else "fp8"
     in_kernel = quant is None or decode_kernel.supported(ratio, head_dim, 2 * inv_freq.shape[0], quant)
-    if in_kernel and not isinstance(cache, dict) and kv_cache.n_entries(cache):
+    buffer = cache.plain(x.dtype)
+    if in_kernel and buffer is not None and cache.n_entries:
         # the fake quant and the cache write in the same launch (the cache updated in place)
-        cache, state_kv, state_score = pool(cache=cache, quant=quant)
-        return cache, {"kv": state_kv, "score": state_score}
+        buffer, state_kv, state_score = pool(cache=buffer, quant=quant)
+        return cache.replace(values=buffer), TokenRows(state_kv, state_score)
     entry, state_kv, state_score = pool()
     entry_idx = (start // ratio)[:, None]
     complete = (entry_idx + 1) * ratio <= (start + n_valid)[:, None]
     cache = _store_entries(entry[:, None], entry_idx, complete, cache, nope_dim=nope_dim, rotate=rotate, ctx=ctx)
-    return cache, {"kv": state_kv, "score": state_score}
+    return cache, TokenRows(state_kv, state_score)
 
 
 # ---- deferred commit (speculative verification, docs/model.md 5) --------------------------------------------------
@@ -201,28 +211,36 @@ def _decode_update(params: dict, x: jax.Array, start: jax.Array, n_valid: jax.Ar
 # remembered values back wherever only rejected tokens had completed an entry, so the state is exactly the one
 # that feeding the accepted tokens alone produces.
 
-def compressor_read(params: dict, x: jax.Array, start: jax.Array, n_read: jax.Array, state: dict, cache, **kw):
+@flax.struct.dataclass
+class DeferredTokens:
+    """What compressor_read leaves for compressor_commit: the chunk's projected tokens and the stored entries its
+    completed windows overwrote (None where the buffer holds no entry)."""
+    projected: TokenRows
+    overwritten: object
+
+
+def compressor_read(params: dict, x: jax.Array, start: jax.Array, n_read: jax.Array, state: TokenRows, cache, **kw):
     """As compressor_update for reading only: returns (cache with the chunk's completed entries written, pending
-    commit data {"projected", "overwritten"}); the pending state is left to compressor_commit."""
+    commit data DeferredTokens); the pending state is left to compressor_commit."""
     projected = compressor_project(params, x, start, ratio=kw["ratio"], ctx=kw["ctx"])
     entry_idx, _ = completed_entries(start, n_read, x.shape[1], kw["ratio"])
-    n_entries = kv_cache.n_entries(cache)              # 0 when max_seq_len < ratio: nothing is ever written
-    overwritten = kv_cache.gather_rows(cache, jnp.minimum(entry_idx, n_entries - 1)) if n_entries else None
+    n_entries = cache.n_entries                        # 0 when max_seq_len < ratio: nothing is ever written
+    overwritten = cache.gather_rows(jnp.minimum(entry_idx, n_entries - 1)) if n_entries else None
     read_cache, _ = compressor_pool(params, projected, start, n_read, state, cache, out_dtype=x.dtype, **kw)
-    return read_cache, {"projected": projected, "overwritten": overwritten}
+    return read_cache, DeferredTokens(projected, overwritten)
 
 
-def compressor_commit(params: dict, pending: dict, start: jax.Array, n_read: jax.Array, n_commit: jax.Array,
-                      state: dict, read_cache, *, out_dtype, **kw):
+def compressor_commit(params: dict, pending: DeferredTokens, start: jax.Array, n_read: jax.Array,
+                      n_commit: jax.Array, state: TokenRows, read_cache, *, out_dtype, **kw):
     """Commit the first n_commit[b] <= n_read[b] tokens of a chunk read by compressor_read: (cache, new state)."""
-    projected = pending["projected"]
-    seq = projected["kv"].shape[1]
+    projected = pending.projected
+    seq = projected.kv.shape[1]
     cache, new_state = compressor_pool(params, projected, start, n_commit, state, read_cache, out_dtype=out_dtype,
                                        **kw)
-    if pending["overwritten"] is None:
+    if pending.overwritten is None:
         return cache, new_state
     entry_idx, read_done = completed_entries(start, n_read, seq, kw["ratio"])
     _, commit_done = completed_entries(start, n_commit, seq, kw["ratio"])
-    target = jnp.where(read_done & ~commit_done, entry_idx, kv_cache.n_entries(cache))     # -> dropped
+    target = jnp.where(read_done & ~commit_done, entry_idx, cache.n_entries)               # -> dropped
     batch_idx = jnp.broadcast_to(jnp.arange(target.shape[0])[:, None], target.shape)
-    return kv_cache.put_rows(cache, batch_idx, target, pending["overwritten"]), new_state
+    return cache.put_rows(batch_idx, target, pending.overwritten), new_state

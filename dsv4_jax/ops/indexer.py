@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..numerics import kv_cache
 from ..pallas_kernels import indexer as indexer_kernel
 from . import choice, norm_rope
 from .attention_core import compressed_visible
@@ -134,9 +133,9 @@ def select(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array, po
     dtype (not compact), in a geometry it takes (its scores need no [B, S, heads, N] intermediate, so even a
     1M-token context's entries are scored in one pass); else indexer_select on the decoded live keys."""
     dtype = x.dtype
-    fits = (not isinstance(index_keys, dict) and index_keys.dtype == dtype
-            and indexer_kernel.supported(cfg.index_n_heads, cfg.index_head_dim, live))
+    buffer = index_keys.plain(dtype)
+    fits = buffer is not None and indexer_kernel.supported(cfg.index_n_heads, cfg.index_head_dim, live)
     if choice.takes_kernel(SCORES_KERNEL, ctx, fits):
-        return _indexer_select_on_kernel(params, cfg, x, q_latent, positions, index_keys, live, inv_freq, ctx)
-    keys = kv_cache.decode(kv_cache.leading(index_keys, live), dtype)
+        return _indexer_select_on_kernel(params, cfg, x, q_latent, positions, buffer, live, inv_freq, ctx)
+    keys = index_keys.leading(live).decode(dtype)
     return indexer_select(params, cfg, x, q_latent, positions, keys, inv_freq, ctx)

@@ -91,7 +91,7 @@ def latents_and_keys(params: dict, cfg: ModelConfig, x: jax.Array, positions: ja
     """The query latent [B, S, q_lora_rank] (wq_a, q_norm) and the chunk's keys [B, S, head_dim] (wkv, kv_norm,
     RoPE, the FP8 rounding of the nope dims) of x, both in x's dtype; wq_a and wkv read x in one launch where a
     decode kernel takes the pair. Returns (q_latent, kv, ring_written): with `ring` (the window ring before the
-    chunk, for a committed chunk) and one token per sequence in a plain ring of x's dtype, the kernel also writes
+    chunk, for a committed chunk) and one token per sequence in a ring stored plainly in x's dtype, the kernel also writes
     the new key into its ring slot in place and returns that ring (the slot held position t - window, which no
     query of this chunk sees: attention may read the ring after the write); else ring_written is None."""
     dtype = x.dtype
@@ -111,9 +111,10 @@ def latents_and_keys(params: dict, cfg: ModelConfig, x: jax.Array, positions: ja
     key_norm = functools.partial(pallas_norm_rope.rms_norm_rows, q_a_kv_a, params["kv_norm"]["weight"],
                                  eps=cfg.norm_eps, in_dtype=dtype, rope=(positions, inv_freq),
                                  fp8_nope=ctx.simulate_quant, columns=(rank, cfg.head_dim), interpret=interpret)
-    if ring is not None and x.shape[1] == 1 and not isinstance(ring, dict) and ring.dtype == dtype:
-        kv, ring = key_norm(ring=(ring, n_valid))
-        return q_latent, kv, ring
+    buffer = None if ring is None else ring.plain(dtype)
+    if buffer is not None and x.shape[1] == 1:
+        kv, buffer = key_norm(ring=(buffer, n_valid))
+        return q_latent, kv, ring.replace(values=buffer)
     return q_latent, key_norm(), None
 
 
