@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import engine, speculative
+from . import engine, generation
 from .config import ModelConfig
 from .numerics.kv_cache import check_kv_cache_dtype
 from .layer_scan import is_scanned, scan_plan, stack_layers, unstack_layers
 from .run_context import RunContext
 from .sharding import check_mesh, param_shardings, state_shardings
 from .module import DeepseekV4
+from .sampling import Sampling
 from .state import DecodeState, init_state, state_bytes
 from .text import complete
 from .tokenizer import load_tokenizer
@@ -197,7 +198,7 @@ class Model:
             b = int(np.argmax(too_long))
             raise ValueError(f"sequence {b}: {int(consumed[b] + lengths[b])} tokens exceed max_seq_len="
                              f"{self.max_seq_len}")
-        ctx = self._context_for(int((consumed + lengths).max()))
+        ctx = self.context_for(int((consumed + lengths).max()))
         # Chunks are padded to a power of two so prompts of many lengths share a few compiled programs.
         chunk = min(self.prefill_chunk, 1 << max(seq - 1, 0).bit_length())
         n_chunks = max(1, -(-seq // chunk))
@@ -211,7 +212,7 @@ class Model:
                                                  track_mtp=self.track_mtp if track_mtp is None else track_mtp)
         return logits, state
 
-    def _context_for(self, positions: int):
+    def context_for(self, positions: int):
         """The run context of a call whose tokens all lie below `positions` (known on the host: no device read)."""
         return self.context.replace(context_limit=context_bucket(positions, self.max_seq_len))
 
@@ -284,14 +285,14 @@ class Model:
         logits, state = self.prefill(tokens, lengths, track_mtp=self.track_mtp or k > 0)
         budget = np.ones((rows,), np.int32)
         budget[:batch] = max_new_tokens
-        sp = engine.SamplingParams(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
-                                   jnp.asarray(budget), jnp.asarray(stops, jnp.int32))
-        gen = engine.first_generation_state(state, logits, jax.random.PRNGKey(seed), sp)
-        if k:
-            gen = speculative.start(gen, k)
+        # row b samples with the key of `seed` folded with b (sampling.Sampling), as the server's choice b would
+        sampling = Sampling.rows(rows, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=budget,
+                                 stop_tokens=stops, seed=seed)
+        gen, first = generation.start(state, logits, sampling)
         outputs: list[list[int]] = [[] for _ in prompts]
         finished = [False] * batch
         stopped_here: set[int] = set()                        # rows the caller stopped
+        steps, accepted = 0, np.zeros((k,), np.int64)
 
         def drain(chunk_tokens):
             new = [[int(t) for t in row if t >= 0] if not finished[b] else []
@@ -305,26 +306,28 @@ class Model:
                     stopped_here.add(b)
 
         # The host reads chunk k-1 while the device runs chunk k, so the device never waits for the host; the
-        # stopping decision uses only tokens already read (a finished batch costs one empty chunk at most).
-        pending = (gen.gen if k else gen).last_token[:, None]
+        # stopping decision uses only tokens already read (a finished batch costs one empty chunk at most). Rows
+        # the host finished (the caller's stops) are halted on the device at the next chunk.
+        pending = generation.ChunkOut(first[:, None], *(None,) * 5)
         fed = longest          # a bound on every sequence's position, known here without reading the device
         while pending is not None:
             out = None
             if not all(finished):
                 fed += chunk * (k + 1)
-                kw = dict(cfg=self.config, ctx=self._context_for(fed), max_seq_len=self.max_seq_len, chunk=chunk)
-                if k:
-                    out, gen = speculative.generate_chunk(self.params, gen, sp, k=k, **kw)
-                else:
-                    out, gen = engine.generate_chunk(self.params, gen, sp, track_mtp=self.track_mtp, **kw)
-            drain(pending)
+                halt = np.zeros((rows,), bool)
+                halt[sorted(stopped_here)] = True
+                gen, out = generation.generate_chunk(self.params, gen, jnp.asarray(halt), cfg=self.config,
+                                                     ctx=self.context_for(fed), max_seq_len=self.max_seq_len,
+                                                     chunk=chunk, track_mtp=self.track_mtp, speculative_tokens=k)
+            drain(pending.tokens)
+            if k and pending.steps is not None:
+                steps += int(np.asarray(pending.steps)[:batch].sum())
+                accepted += np.asarray(pending.accepted)[:batch].sum(axis=0)
             pending = out
         reasons = ["stop" if (b in stopped_here or (o and o[-1] in stops)) else "length"
                    for b, o in enumerate(outputs)]
         result = GenerationResult(tokens=outputs, finish_reasons=reasons)
         if k:
-            steps = int(np.asarray(gen.steps)[:batch].sum())
-            accepted = np.asarray(gen.accepted)[:batch].sum(axis=0)
             result.acceptance = 1.0 + float(accepted.sum()) / max(steps, 1)
             result.acceptance_rates = [float(a) / max(steps, 1) for a in accepted]
         return result

@@ -21,7 +21,7 @@ from .layer_scan import is_scanned
 from .layers.chunk import Chunk
 from .model import backbone, commit_backbone, head_logits, mtp_block, mtp_streams
 from .run_context import RunContext
-from .sampling import sample
+from .sampling import Sampling
 from .state import DecodeState, init_state
 
 # Prompt tokens per prefill program, the default of load / Model / the command lines. A chunk routes its tokens to
@@ -131,7 +131,10 @@ def prefill_chunk(params, state: DecodeState, tokens, n_valid, last_logits, *, c
     return jnp.where((n_valid > 0)[:, None], logits, last_logits), state
 
 
-def _decode(params, state, tokens, active, cfg, ctx, max_seq_len, track_mtp):
+def decode_rows(params, state, tokens, active, cfg: ModelConfig, ctx: RunContext, max_seq_len: int,
+                track_mtp: bool = False):
+    """One decode step of the rows where `active` [B] holds (the others consume nothing): tokens [B] ->
+    (logits [B, V] float32, state). Traced inside a program (decode_step, generation.generate_chunk)."""
     ctx = ctx.in_phase("decode")
     X, new_state = _run_chunk(params, cfg, ctx, state, tokens[:, None], active.astype(jnp.int32), track_mtp)
     logits = head_logits(params, params, cfg, X, ctx)[:, 0]
@@ -146,62 +149,16 @@ def _decode(params, state, tokens, active, cfg, ctx, max_seq_len, track_mtp):
 def decode_step(params, state: DecodeState, tokens, *, cfg: ModelConfig, ctx: RunContext, max_seq_len: int,
                 track_mtp: bool = False):
     """One token per sequence: tokens [B] -> (logits [B, V] float32, state)."""
-    return _decode(params, state, tokens, jnp.ones(tokens.shape, bool), cfg, ctx, max_seq_len, track_mtp)
+    return decode_rows(params, state, tokens, jnp.ones(tokens.shape, bool), cfg, ctx, max_seq_len, track_mtp)
 
 
 @flax.struct.dataclass
 class GenerationState:
+    """A batch of rows generating (Model.generate's prompts, the server's requests): their decode state, the token
+    each feeds next, how many tokens each has produced, whether each is done (finished, or a free row) and how each
+    samples. generation.py runs the steps."""
     decode: DecodeState
     last_token: jax.Array     # [B] int32: token to feed next
-    generated: jax.Array      # [B] int32: tokens produced so far per sequence
+    generated: jax.Array      # [B] int32: tokens produced so far per row
     done: jax.Array           # [B] bool
-    key: jax.Array
-
-
-@flax.struct.dataclass
-class SamplingParams:
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    max_new_tokens: jax.Array   # [B] int32
-    stop_tokens: jax.Array      # [n_stop] int32 (padded with -1)
-
-
-@functools.partial(jax.jit, donate_argnames=("state",))
-def first_generation_state(state: DecodeState, logits, key, sp: SamplingParams) -> GenerationState:
-    """Sample the first new token from the prefill logits."""
-    key, sub = jax.random.split(key)
-    token = sample(logits, sub, sp.temperature, sp.top_k, sp.top_p)
-    done = jnp.any(token[:, None] == sp.stop_tokens[None, :], axis=-1) | (sp.max_new_tokens <= 1)
-    return GenerationState(state, token, jnp.ones_like(token), done, key)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "ctx", "max_seq_len", "chunk", "track_mtp"),
-                   donate_argnames=("gen",))
-def generate_chunk(params, gen: GenerationState, sp: SamplingParams, *, cfg: ModelConfig, ctx: RunContext,
-                   max_seq_len: int, chunk: int, track_mtp: bool = False):
-    """Up to `chunk` decode steps in one `lax.while_loop`, stopping early once every sequence is done.
-    Returns (tokens [B, chunk] with -1 where nothing was produced, gen)."""
-    batch = gen.last_token.shape[0]
-    out = jnp.full((batch, chunk), -1, jnp.int32)
-
-    def cond(carry):
-        i, gen, _ = carry
-        return (i < chunk) & ~jnp.all(gen.done)
-
-    def body(carry):
-        i, gen, out = carry
-        active = ~gen.done
-        logits, decode = _decode(params, gen.decode, gen.last_token, active, cfg, ctx, max_seq_len, track_mtp)
-        key, sub = jax.random.split(gen.key)
-        token = sample(logits, sub, sp.temperature, sp.top_k, sp.top_p)
-        token = jnp.where(active, token, -1)
-        out = out.at[:, i].set(token)
-        generated = gen.generated + active
-        stop = jnp.any(token[:, None] == sp.stop_tokens[None, :], axis=-1)
-        done = gen.done | stop | (generated >= sp.max_new_tokens)
-        last = jnp.where(active, token, gen.last_token)
-        return i + 1, GenerationState(decode, last, generated, done, key), out
-
-    _, gen, out = jax.lax.while_loop(cond, body, (jnp.int32(0), gen, out))
-    return out, gen
+    sampling: Sampling

@@ -1,9 +1,12 @@
-"""On-device sampling: greedy, temperature, top-k, top-p, all from traced parameters (no recompiles)."""
+"""On-device sampling: greedy, temperature, top-k, top-p, all from traced parameters (no recompiles), each row with
+its own parameters and key (`Sampling`)."""
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _filtered_sorted(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array):
@@ -38,3 +41,68 @@ def probabilities(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     order, sorted_logits, keep = _filtered_sorted(logits, temperature, top_k, top_p)
     sorted_probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     return jnp.take_along_axis(sorted_probs, jnp.argsort(order, axis=-1), axis=-1)
+
+
+@flax.struct.dataclass
+class Sampling:
+    """How each row samples, [B] each: temperature (0: greedy), top_k (0: off), top_p (1: off), max_new_tokens,
+    stop_tokens [B, S] (padded with -1) and key [B, 2] uint32 (the row's threefry key data: its i-th generated
+    token is drawn with the key folded with i, so a row samples the same tokens in any batch). The one sampling
+    type of Model.generate, the server's rows and speculative decoding."""
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    max_new_tokens: jax.Array
+    stop_tokens: jax.Array
+    key: jax.Array
+
+    @classmethod
+    def rows(cls, batch: int, *, temperature=0.0, top_k=0, top_p=1.0, max_new_tokens=1, stop_tokens=(), seed=0,
+             first_choice: int = 0) -> Sampling:
+        """`batch` rows with the given values (scalars, or one per row; stop_tokens a list of ids, or one list
+        per row), row b keyed by `seed` and choice first_choice + b (row_key). Built on the host."""
+        per_row = lambda v, dtype: jnp.asarray(np.broadcast_to(np.asarray(v, dtype), (batch,)))  # noqa: E731
+        nested = len(stop_tokens) > 0 and np.ndim(stop_tokens[0]) > 0
+        stops = [list(s) for s in stop_tokens] if nested else [list(stop_tokens)] * batch
+        width = max(1, max(len(s) for s in stops))
+        stop_array = np.full((batch, width), -1, np.int32)
+        for b, s in enumerate(stops):
+            stop_array[b, :len(s)] = s
+        keys = jax.vmap(lambda c: row_key(seed_words(seed), c))(jnp.arange(batch, dtype=jnp.int32) + first_choice)
+        return cls(per_row(temperature, np.float32), per_row(top_k, np.int32), per_row(top_p, np.float32),
+                   per_row(max_new_tokens, np.int32), jnp.asarray(stop_array), keys)
+
+
+def seed_words(seed: int) -> jax.Array:
+    """A 64-bit seed as the uint32 [2] (high, low) key data of threefry."""
+    return jnp.asarray(np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32))
+
+
+def row_key(words: jax.Array, choice: jax.Array) -> jax.Array:
+    """A row's key data uint32 [2]: the seed's threefry key folded with the choice index (OpenAI `n`, or the row of
+    a Model.generate batch)."""
+    return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(words, impl="threefry2x32"), choice))
+
+
+def sample_rows(logits: jax.Array, step: jax.Array, sampling: Sampling) -> jax.Array:
+    """Token ids [B]: row b drawn from logits[b] with its own parameters and its key folded with step[b]."""
+    def one(row_logits, key_data, row_step, temperature, top_k, top_p):
+        key = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl="threefry2x32"), row_step)
+        return sample(row_logits[None], key, temperature, top_k, top_p)[0]
+    return jax.vmap(one)(logits, sampling.key, step, sampling.temperature, sampling.top_k, sampling.top_p)
+
+
+def is_stop(token: jax.Array, sampling: Sampling) -> jax.Array:
+    """[B] bool: the token is one of its row's stop tokens (-1, no token, never is)."""
+    return (token >= 0) & jnp.any(token[:, None] == sampling.stop_tokens, axis=-1)
+
+
+def token_logprobs(logits: jax.Array, token: jax.Array, n_top: int):
+    """(log-probability [B] of `token` under the model's distribution (the logits before temperature and
+    filters), top ids [B, n_top], their log-probabilities [B, n_top])."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, jnp.maximum(token, 0)[:, None], axis=-1)[:, 0]
+    if not n_top:
+        return chosen, jnp.zeros((logits.shape[0], 0), jnp.int32), logprobs[:, :0]
+    top_lp, top_ids = jax.lax.top_k(logprobs, n_top)
+    return chosen, top_ids.astype(jnp.int32), top_lp

@@ -24,25 +24,25 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dsv4_jax  # noqa: E402
-from dsv4_jax import api, engine  # noqa: E402
+from dsv4_jax import api, generation  # noqa: E402
+from dsv4_jax.sampling import Sampling  # noqa: E402
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(dsv4_jax.__file__), "default_model")
 
 
 def step_ms(model, prompt, bucketed: bool, steps: int, repeats: int) -> float:
     logits, state = model.prefill(prompt)
-    sp = engine.SamplingParams(jnp.float32(0), jnp.int32(0), jnp.float32(1), jnp.full((1,), 10 ** 6, jnp.int32),
-                               jnp.asarray([-1], jnp.int32))
-    gen = engine.first_generation_state(state, logits, jax.random.PRNGKey(0), sp)
-    ctx = model._context_for(prompt.shape[1] + steps * (repeats + 1)) if bucketed else model.context
+    gen, _ = generation.start(state, logits, Sampling.rows(1, max_new_tokens=10 ** 6))
+    halt = jnp.zeros((1,), bool)
+    ctx = model.context_for(prompt.shape[1] + steps * (repeats + 1)) if bucketed else model.context
     kw = dict(cfg=model.config, ctx=ctx, max_seq_len=model.max_seq_len, chunk=steps)
-    out, gen = engine.generate_chunk(model.params, gen, sp, **kw)        # compile
-    jax.block_until_ready(out)
+    gen, out = generation.generate_chunk(model.params, gen, halt, **kw)        # compile
+    jax.block_until_ready(out.tokens)
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        out, gen = engine.generate_chunk(model.params, gen, sp, **kw)
-        jax.block_until_ready(out)
+        gen, out = generation.generate_chunk(model.params, gen, halt, **kw)
+        jax.block_until_ready(out.tokens)
         best = min(best, time.perf_counter() - t)
     return best / steps * 1e3
 
@@ -68,10 +68,10 @@ def main(argv=None):
               "rows": rows}
     if args.long:
         model = dsv4_jax.load(DEFAULT_MODEL, max_seq_len=args.long + 128)
-        before = engine.generate_chunk._cache_size()
+        before = generation.generate_chunk._cache_size()
         t = time.perf_counter()
         model.generate([list(prompt[0])], max_new_tokens=args.long, chunk=256, stop_tokens=[-5])
-        programs = engine.generate_chunk._cache_size() - before
+        programs = generation.generate_chunk._cache_size() - before
         buckets = sorted({api.context_bucket(64 + k, model.max_seq_len) or model.max_seq_len
                           for k in range(0, args.long + 256, 256)})
         print(f"{args.long}-token generation: {programs} generation programs compiled (buckets {buckets}), "

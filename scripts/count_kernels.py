@@ -68,6 +68,7 @@ def abstract_inputs(cfg, batch: int, max_seq_len: int, device, scan_layers: bool
 
     from dsv4_jax import engine
     from dsv4_jax.params import init_params
+    from dsv4_jax.sampling import Sampling
     from dsv4_jax.state import init_state
 
     sharding = NamedSharding(jax.sharding.Mesh([device], ("x",)), PartitionSpec())
@@ -83,11 +84,10 @@ def abstract_inputs(cfg, batch: int, max_seq_len: int, device, scan_layers: bool
     params = place(jax.eval_shape(make_params))
     state = place(jax.eval_shape(lambda: init_state(cfg, batch, max_seq_len, jnp.bfloat16, plan is not None)))
     vec = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
-    gen = engine.GenerationState(state, vec(jnp.int32, batch), vec(jnp.int32, batch), vec(jnp.bool_, batch),
-                                 place(jax.eval_shape(lambda: jax.random.PRNGKey(0))))
-    sp = engine.SamplingParams(vec(jnp.float32), vec(jnp.int32), vec(jnp.float32), vec(jnp.int32, batch),
-                               vec(jnp.int32, 2))
-    return params, state, gen, sp, vec
+    sampling = Sampling(vec(jnp.float32, batch), vec(jnp.int32, batch), vec(jnp.float32, batch),
+                        vec(jnp.int32, batch), vec(jnp.int32, batch, 2), vec(jnp.uint32, batch, 2))
+    gen = engine.GenerationState(state, vec(jnp.int32, batch), vec(jnp.int32, batch), vec(jnp.bool_, batch), sampling)
+    return params, state, gen, vec(jnp.bool_, batch), vec
 
 
 PROGRAMS = ("decode_step", "prefill_chunk", "generate_chunk")
@@ -112,9 +112,10 @@ def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, g
     import jax.numpy as jnp
 
     from dsv4_jax import engine
+    from dsv4_jax.generation import generate_chunk
     from dsv4_jax.hlo_census import census
 
-    params, state, gen, sp, vec = abstract_inputs(cfg, batch, max_seq_len, device, scan_layers)
+    params, state, gen, halt, vec = abstract_inputs(cfg, batch, max_seq_len, device, scan_layers)
     programs = {
         "decode_step": lambda: engine.decode_step.trace(params, state, vec(jnp.int32, batch), cfg=cfg, ctx=ctx,
                                                         max_seq_len=max_seq_len),
@@ -122,8 +123,8 @@ def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, g
                                                             vec(jnp.int32, batch),
                                                             vec(jnp.float32, batch, cfg.vocab_size), cfg=cfg,
                                                             ctx=ctx),
-        "generate_chunk": lambda: engine.generate_chunk.trace(params, gen, sp, cfg=cfg, ctx=ctx,
-                                                              max_seq_len=max_seq_len, chunk=gen_chunk),
+        "generate_chunk": lambda: generate_chunk.trace(params, gen, halt, cfg=cfg, ctx=ctx, max_seq_len=max_seq_len,
+                                                       chunk=gen_chunk),
     }
     out = {}
     for name in names:

@@ -26,21 +26,20 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dsv4_jax  # noqa: E402
-from dsv4_jax import api, engine  # noqa: E402
+from dsv4_jax import api, generation  # noqa: E402
+from dsv4_jax.sampling import Sampling  # noqa: E402
 
 
 def decode_ms(model, state, logits, position: int, steps: int) -> float:
     """ms per decode step from `position` on, in the generation loop, on a copy of `state`."""
-    sp = engine.SamplingParams(jnp.float32(0), jnp.int32(0), jnp.float32(1), jnp.full((1,), 10 ** 7, jnp.int32),
-                               jnp.asarray([-1], jnp.int32))
-    gen = engine.first_generation_state(jax.tree.map(jnp.copy, state), logits, jax.random.PRNGKey(0), sp)
-    kw = dict(cfg=model.config, ctx=model._context_for(position + 3 * steps + 1), max_seq_len=model.max_seq_len,
+    gen, _ = generation.start(jax.tree.map(jnp.copy, state), logits, Sampling.rows(1, max_new_tokens=10 ** 7))
+    kw = dict(cfg=model.config, ctx=model.context_for(position + 3 * steps + 1), max_seq_len=model.max_seq_len,
               chunk=steps)
     best = float("inf")
     for call in range(3):                                  # the first call compiles
         t = time.perf_counter()
-        out, gen = engine.generate_chunk(model.params, gen, sp, **kw)
-        jax.block_until_ready(out)
+        gen, out = generation.generate_chunk(model.params, gen, jnp.zeros((1,), bool), **kw)
+        jax.block_until_ready(out.tokens)
         if call:
             best = min(best, time.perf_counter() - t)
     return best / steps * 1e3

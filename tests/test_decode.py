@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import dsv4_jax
-from dsv4_jax import engine, presets
+from dsv4_jax import engine, generation, presets
+from dsv4_jax.sampling import Sampling
 from dsv4_jax.state import state_bytes
 from reference_np import reference_forward
 from shared_decisions import DecisionRecorder, ModelDecisions, join_chunks, model_layers
@@ -185,17 +186,17 @@ def test_decode_and_generate_never_touch_the_host(tiny_f32, tiny_tokens):
     logits, state = tiny_f32.prefill(tiny_tokens[:, :9])
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     _, state = tiny_f32.decode(token, state)                     # compile outside the guard
-    sp = engine.SamplingParams(jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0), jnp.full((1,), 50, jnp.int32),
-                               jnp.asarray([1], jnp.int32))
+    sampling = Sampling.rows(1, max_new_tokens=50, stop_tokens=[1])
+    halt = jnp.zeros((1,), bool)
     kwargs = dict(cfg=tiny_f32.config, ctx=tiny_f32.context, max_seq_len=tiny_f32.max_seq_len, chunk=8)
-    gen = engine.first_generation_state(tiny_f32.prefill(tiny_tokens[:, :9])[1], logits, jax.random.PRNGKey(0), sp)
-    out, gen = engine.generate_chunk(tiny_f32.params, gen, sp, **kwargs)
+    gen = generation.start(tiny_f32.prefill(tiny_tokens[:, :9])[1], logits, sampling)[0]
+    gen, out = generation.generate_chunk(tiny_f32.params, gen, halt, **kwargs)
     with jax.transfer_guard("disallow"):
         for _ in range(3):
             _, state = tiny_f32.decode(token, state)
-        out, gen = engine.generate_chunk(tiny_f32.params, gen, sp, **kwargs)
-        out, gen = engine.generate_chunk(tiny_f32.params, gen, sp, **kwargs)
-    assert out.shape == (1, 8)
+        gen, out = generation.generate_chunk(tiny_f32.params, gen, halt, **kwargs)
+        gen, out = generation.generate_chunk(tiny_f32.params, gen, halt, **kwargs)
+    assert out.tokens.shape == (1, 8)
 
 
 def test_decode_compiles_once(tiny_f32, tiny_tokens):
@@ -258,8 +259,8 @@ def test_context_buckets_give_the_same_generation(tiny_f32, monkeypatch):
     monkeypatch.setattr(api, "MIN_CONTEXT_BUCKET", 64)
     assert [api.context_bucket(n, 320) for n in (40, 64, 65, 200, 256, 257)] == [64, 64, 128, 256, 256, None]
     got_logits, _ = model.prefill(prompt)
-    programs = engine.generate_chunk._cache_size()
+    programs = generation.generate_chunk._cache_size()
     got = model.generate([list(prompt[0])], max_new_tokens=24).tokens
-    assert engine.generate_chunk._cache_size() - programs == 2          # chunks of 16: bounds 56 and 72
+    assert generation.generate_chunk._cache_size() - programs == 2          # chunks of 16: bounds 56 and 72
     np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), rtol=1e-5, atol=1e-5)
     assert got == want

@@ -2,13 +2,16 @@
 logits for forward, prefill and decode, the same caches, the same weights back from the stacks; and a decode step
 compiles once."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import dsv4_jax
-from dsv4_jax import Model, engine, presets
+from dsv4_jax import Model, engine, generation, presets
+from dsv4_jax.sampling import Sampling
 from dsv4_jax.layer_scan import ScanPlan, StackedLayers, scan_plan, stack_layers, unstack_layers
 
 # Tiny widths, 8 layers: 0-1 hash-routed (window, CSA), then (HCA, CSA) twice under the scan, then HCA and a
@@ -94,8 +97,9 @@ def test_prefill_decode_and_caches_equal_the_unrolled_model(models, tokens):
     assert engine.decode_step._cache_size() == compiled, "the scanned decode step recompiled"
     caches = unstack_layers(state_s.layers)
     for layer, (got, want) in enumerate(zip(caches, state_u.layers, strict=True)):
-        for name in want:
-            for a, b in zip(jax.tree.leaves(got[name]), jax.tree.leaves(want[name]), strict=True):
+        for field in dataclasses.fields(want):
+            name = field.name
+            for a, b in zip(jax.tree.leaves(getattr(got, name)), jax.tree.leaves(getattr(want, name)), strict=True):
                 a, b = np.asarray(a), np.asarray(b)
                 finite = np.isfinite(b)
                 np.testing.assert_array_equal(np.isfinite(a), finite, err_msg=f"layer {layer} {name}")
@@ -108,16 +112,16 @@ def test_scanned_decode_and_generation_never_touch_the_host(models, tokens):
     logits, state = model.prefill(tokens[:1, :9])
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     _, state = model.decode(token, state)                     # compile outside the guard
-    sp = engine.SamplingParams(jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0), jnp.full((1,), 50, jnp.int32),
-                               jnp.asarray([1], jnp.int32))
+    sampling = Sampling.rows(1, max_new_tokens=50, stop_tokens=[1])
+    halt = jnp.zeros((1,), bool)
     kwargs = dict(cfg=model.config, ctx=model.context, max_seq_len=model.max_seq_len, chunk=8)
-    gen = engine.first_generation_state(model.prefill(tokens[:1, :9])[1], logits, jax.random.PRNGKey(0), sp)
-    out, gen = engine.generate_chunk(model.params, gen, sp, **kwargs)
+    gen = generation.start(model.prefill(tokens[:1, :9])[1], logits, sampling)[0]
+    gen, out = generation.generate_chunk(model.params, gen, halt, **kwargs)
     with jax.transfer_guard("disallow"):
         for _ in range(3):
             _, state = model.decode(token, state)
-        out, gen = engine.generate_chunk(model.params, gen, sp, **kwargs)
-    assert out.shape == (1, 8)
+        gen, out = generation.generate_chunk(model.params, gen, halt, **kwargs)
+    assert out.tokens.shape == (1, 8)
 
 
 def test_a_model_takes_already_stacked_params(models):

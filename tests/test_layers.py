@@ -582,8 +582,9 @@ def test_window_blocks_equal_the_softmax_over_each_querys_window(seq):
     q, kv = rng.standard_normal((2, seq, n_heads, head_dim)), rng.standard_normal((2, seq, head_dim))
     ring, sink = rng.standard_normal((2, window, head_dim)), rng.standard_normal(n_heads)
     positions = start[:, None] + np.arange(seq, dtype=np.int32)[None, :]
-    got = attention_core._attend(*(jnp.asarray(a, jnp.float32) for a in (q, ring, kv)), jnp.asarray(start),
-                                   jnp.asarray(positions), jnp.asarray(sink, jnp.float32), 0.3, window, 0, None, None)
+    got = attention_core._attend(jnp.asarray(q, jnp.float32), PlainEntries(jnp.asarray(ring, jnp.float32)),
+                                 jnp.asarray(kv, jnp.float32), jnp.asarray(start), jnp.asarray(positions),
+                                 jnp.asarray(sink, jnp.float32), 0.3, window, 0, None, None)
     want = np.full_like(q, np.nan)
     for b in range(2):
         ring_pos = np.asarray(attention_core.ring_positions(jnp.asarray(start[b:b + 1]), window))[0]
@@ -634,9 +635,10 @@ def test_one_token_attention_equals_the_softmax_over_the_keys_it_may_see(ratio):
         valid = np.arange(k)[None, None, :] < np.minimum(k, visible)[:, None, None]
         assert not valid[0].all() and valid[1].all()
         picks = (jnp.asarray(idx), jnp.asarray(valid))
-    got = attention_core._attend(*(jnp.asarray(a, jnp.float32) for a in (q, ring, kv)), jnp.asarray(start),
-                                   jnp.asarray(start[:, None]), jnp.asarray(sink, jnp.float32), 0.3, window, ratio,
-                                   jnp.asarray(compressed, jnp.float32) if ratio else None, picks)
+    got = attention_core._attend(jnp.asarray(q, jnp.float32), PlainEntries(jnp.asarray(ring, jnp.float32)),
+                                 jnp.asarray(kv, jnp.float32), jnp.asarray(start), jnp.asarray(start[:, None]),
+                                 jnp.asarray(sink, jnp.float32), 0.3, window, ratio,
+                                 PlainEntries(jnp.asarray(compressed, jnp.float32)) if ratio else None, picks)
     want = np.full_like(q, np.nan)
     for b in range(2):
         in_window = (ring_pos[b] >= 0) & (ring_pos[b] > start[b] - window)

@@ -122,6 +122,7 @@ def test_attention_on_a_kernel_plan_equals_the_reference_plan():
     from dsv4_jax.layers.attention import attention
     from dsv4_jax.params import init_params
     from dsv4_jax.run_context import RunContext
+    from dsv4_jax.layers.chunk import Chunk
     from dsv4_jax.state import init_state
 
     cfg = presets.named("tiny")
@@ -137,9 +138,10 @@ def test_attention_on_a_kernel_plan_equals_the_reference_plan():
         outs = []
         for kernels in ("interpret", "reference"):
             ctx = RunContext.create(kernels=kernels, dtype="float32").in_phase("decode")
-            outs.append(jax.jit(lambda p, x, c, ctx=ctx: attention(p, cfg, ratio, x, start, jnp.ones(2, jnp.int32),
-                                                                     c, rope_inv_freq(cfg, ratio), ctx)[:2])(
-                params["layers"][layer]["attn"], x, cache))
+            chunk = Chunk(jnp.zeros((2, 1), jnp.int32), start, jnp.ones(2, jnp.int32))
+            outs.append(jax.jit(lambda p, x, c, ctx=ctx, chunk=chunk: attention(
+                p, cfg, ratio, x, chunk, c, rope_inv_freq(cfg, ratio), ctx)[:2])(params["layers"][layer]["attn"], x,
+                                                                                 cache))
         (y, c1), (want_y, c2) = outs
         np.testing.assert_allclose(np.asarray(y), np.asarray(want_y), rtol=1e-4, atol=1e-5)
         for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c2)):

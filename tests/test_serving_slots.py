@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax
+from dsv4_jax import generation
 from dsv4_jax.config import load_hf_config
 from dsv4_jax.layer_scan import StackedLayers, unstack_layers
 from dsv4_jax.serving import slots as device
@@ -72,7 +73,7 @@ def test_greedy_rows_joining_and_leaving_match_generate(model):
     try:
         got = run_requests(scheduler, [Request(prompt_ids=p, max_tokens=b, on_event=None, stop_token_ids=[eos])
                                for p, b in zip(prompts, budgets)])
-        compiled = device.decode_chunk._cache_size()
+        compiled = generation.generate_chunk._cache_size()
         again = run_requests(scheduler, [Request(prompt_ids=prompts[0], max_tokens=budgets[0], on_event=None,
                                          stop_token_ids=[eos])])
     finally:
@@ -81,7 +82,7 @@ def test_greedy_rows_joining_and_leaving_match_generate(model):
         assert tokens == want
         assert reason == ("stop" if want[-1] == eos else "length")
     assert again[0][0] == expected[0]
-    assert device.decode_chunk._cache_size() == compiled        # joining and leaving never recompiles
+    assert generation.generate_chunk._cache_size() == compiled        # joining and leaving never recompiles
     assert scheduler.stats["admitted"] == len(prompts) + 1
 
 
@@ -124,14 +125,14 @@ def test_per_row_sampling_parameters(model):
     assert out[1][0] != model.generate([prompts[1]], max_new_tokens=20).tokens[0]
 
 
-def test_decode_chunk_makes_no_implicit_transfers(model):
+def test_the_shared_chunk_makes_no_implicit_transfers(model):
     slots = device.init_slots(model.init_state(), 4)
     halt = jnp.zeros((ROWS,), bool)
-    kw = dict(cfg=model.config, ctx=model.context, max_seq_len=model.max_seq_len, chunk=4, n_top=0)
-    slots, _ = device.decode_chunk(model.params, slots, halt, **kw)      # compile outside the guard
+    kw = dict(cfg=model.config, ctx=model.context, max_seq_len=model.max_seq_len, chunk=4, logprobs=True, n_top=2)
+    slots, _ = generation.generate_chunk(model.params, slots, halt, **kw)      # compile outside the guard
     with jax.transfer_guard("disallow"):
-        slots, out = device.decode_chunk(model.params, slots, halt, **kw)
-    assert np.all(np.asarray(out[0]) == -1)       # every row free: nothing produced
+        slots, out = generation.generate_chunk(model.params, slots, halt, **kw)
+    assert np.all(np.asarray(out.tokens) == -1)       # every row free: nothing produced
 
 
 def test_speculative_rows_greedy_equal_generate_and_seeded_rows_keep_their_tokens(model):

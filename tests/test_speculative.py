@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import dsv4_jax
-from dsv4_jax import engine, presets, speculative
+from dsv4_jax import engine, generation, presets, speculative
+from dsv4_jax.sampling import Sampling
 
 K_MAX = 3
 CORRECT_ACCEPT = speculative.accept
@@ -192,18 +193,18 @@ def test_speculative_loop_never_touches_the_host_and_compiles_once(default_f32):
     model = default_f32
     prompts = np.array([[1, 5, 9, 11], [2, 7, 0, 0]], np.int32)
     logits, state = model.prefill(prompts, [4, 2], track_mtp=True)
-    sp = engine.SamplingParams(jnp.float32(0.7), jnp.int32(0), jnp.float32(0.9), jnp.asarray([200, 200], jnp.int32),
-                               jnp.asarray([-1], jnp.int32))
-    gen = speculative.start(engine.first_generation_state(state, logits, jax.random.PRNGKey(0), sp), 2)
-    kw = dict(cfg=model.config, ctx=model.context, max_seq_len=model.max_seq_len, chunk=8, k=2)
-    out, gen = speculative.generate_chunk(model.params, gen, sp, **kw)              # compiles
-    compiled = speculative.generate_chunk._cache_size()
+    sampling = Sampling.rows(2, temperature=0.7, top_p=0.9, max_new_tokens=200)
+    gen, _ = generation.start(state, logits, sampling)
+    halt = jnp.zeros((2,), bool)
+    kw = dict(cfg=model.config, ctx=model.context, max_seq_len=model.max_seq_len, chunk=8, speculative_tokens=2)
+    gen, out = generation.generate_chunk(model.params, gen, halt, **kw)              # compiles
+    compiled = generation.generate_chunk._cache_size()
     with jax.transfer_guard("disallow"):
         for _ in range(6):
-            out, gen = speculative.generate_chunk(model.params, gen, sp, **kw)
-    assert speculative.generate_chunk._cache_size() == compiled
-    assert np.asarray(gen.gen.decode.positions).min() > 40
-    assert out.shape == (2, 8 * 3)
+            gen, out = generation.generate_chunk(model.params, gen, halt, **kw)
+    assert generation.generate_chunk._cache_size() == compiled
+    assert np.asarray(gen.decode.positions).min() > 40
+    assert out.tokens.shape == (2, 8 * 3)
 
 
 def test_generate_rejects_bad_speculative_requests(default_f32):
@@ -326,12 +327,12 @@ def _emitted_tokens(accept_rule, n_samples: int, seed: int):
     (first emitted token, second emitted token or -1 where only one came) [n_samples]."""
     p, q = _target_and_draft()
     p_j, q_j = jnp.asarray(p, jnp.float32), jnp.asarray(q, jnp.float32)
-    keys = jax.random.split(jax.random.PRNGKey(seed), n_samples)
+    keys = jax.random.split(jax.random.key(seed), n_samples)
 
     def one(key):
         draft_key, verify_key = jax.random.split(key)
         drafts = jax.random.categorical(draft_key, jnp.log(q_j), axis=-1).astype(jnp.int32)     # [2]
-        n_acc, token = accept_rule(drafts[None], q_j[None], p_j[None], verify_key)
+        n_acc, token = accept_rule(drafts[None], q_j[None], p_j[None], verify_key[None])      # one row, its key
         emitted = jnp.where(jnp.arange(3) < n_acc[0], jnp.append(drafts, 0), -1)
         emitted = jnp.where(jnp.arange(3) == n_acc[0], token[0], emitted)
         return emitted[0], emitted[1]
@@ -367,17 +368,18 @@ def test_rejection_sampling_emits_the_target_distribution():
     assert first < CHI2_LIMIT and second < CHI2_LIMIT, (first, second)
 
 
-def _accept_without_residual(drafts, q, p, key):
+def _accept_without_residual(drafts, q, p, keys):
     """A wrong rule: the correction drawn from p instead of norm(max(0, p - q))."""
-    n_acc, _ = CORRECT_ACCEPT(drafts, q, p, key)
+    n_acc, _ = CORRECT_ACCEPT(drafts, q, p, keys)
     p_next = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]
-    return n_acc, jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(p_next), axis=-1).astype(jnp.int32)
+    other = jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys)
+    return n_acc, jax.vmap(jax.random.categorical)(other, jnp.log(p_next)).astype(jnp.int32)
 
 
-def _accept_always(drafts, q, p, key):
+def _accept_always(drafts, q, p, keys):
     """A wrong rule: every draft accepted (the bonus from p_k)."""
     batch, k = drafts.shape
-    token = jax.random.categorical(key, jnp.log(p[:, k]), axis=-1).astype(jnp.int32)
+    token = jax.vmap(jax.random.categorical)(keys, jnp.log(p[:, k])).astype(jnp.int32)
     return jnp.full((batch,), k, jnp.int32), token
 
 
@@ -395,6 +397,6 @@ def test_greedy_acceptance_is_argmax_verification():
     drafts = np.array([[2, 4, 1], [2, 4, 1], [2, 4, 1]])
     p = jax.nn.one_hot(target, vocab)
     q = jax.nn.one_hot(drafts, vocab)
-    n_acc, token = speculative.accept(jnp.asarray(drafts, jnp.int32), q, p, jax.random.PRNGKey(0))
+    n_acc, token = speculative.accept(jnp.asarray(drafts, jnp.int32), q, p, jax.random.split(jax.random.key(0), 3))
     np.testing.assert_array_equal(np.asarray(n_acc), [3, 1, 0])
     np.testing.assert_array_equal(np.asarray(token), [3, 0, 0])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax
-from dsv4_jax import engine
+from dsv4_jax import generation
 from dsv4_jax.text import SAMPLING_DEFAULTS, TextStream, split_batch
 from dsv4_jax.tokenizer import Tokenizer
 
@@ -116,12 +116,12 @@ def test_batches_share_a_few_programs_and_padding_changes_no_row(model):
     tok = model.tokenizer
     own = dsv4_jax.load(dtype="float32", max_batch=4, max_seq_len=96, prefill_chunk=16)   # programs of its own
     ids = [[tok.bos_id] + tok.encode(p) for p in PROMPTS]
-    before = engine.generate_chunk._cache_size()
+    before = generation.generate_chunk._cache_size()
     alone = [own.generate([p], max_new_tokens=10).tokens[0] for p in ids]
     for n in (1, 2, 3, 4):
         result = own.generate(ids[:n], max_new_tokens=10)
         assert result.tokens == alone[:n], n
-    assert engine.generate_chunk._cache_size() - before == 3           # batches 1, 2 and 4 (3 runs on 4)
+    assert generation.generate_chunk._cache_size() - before == 3           # batches 1, 2 and 4 (3 runs on 4)
     sampled = own.generate(ids[:3], max_new_tokens=10, temperature=1.0, seed=5)
     padded_away = own.generate(ids[:3] + [[tok.bos_id]], max_new_tokens=10, temperature=1.0, seed=5)
     assert sampled.tokens == padded_away.tokens[:3]             # the padding row is a row like any other

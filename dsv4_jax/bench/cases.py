@@ -21,11 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import engine
+from .. import engine, generation
 from ..api import Model
 from ..config import ModelConfig
+from ..engine import GenerationState
+from ..generation import generate_chunk
 from ..layer_scan import is_scanned, map_layer_trees
 from ..run_context import RunContext
+from ..sampling import Sampling
 from ..sharding import state_shardings
 from ..state import DecodeState, init_state
 
@@ -57,10 +60,27 @@ def synthetic_state(cfg: ModelConfig, batch: int, max_seq_len: int, position: in
     return jax.jit(make, out_shardings=shardings)(jax.random.PRNGKey(seed))
 
 
-def _sampling(batch: int) -> engine.SamplingParams:
-    """Greedy, no length limit within the benchmark, and no stop token (-1 matches no token)."""
-    return engine.SamplingParams(jnp.float32(0.0), jnp.int32(0), jnp.float32(1.0),
-                                 jnp.full((batch,), 2 ** 30, jnp.int32), jnp.asarray([-1], jnp.int32))
+def _generation(state: DecodeState, cfg: ModelConfig, batch: int) -> GenerationState:
+    """Rows at random tokens, greedy, no length limit within the benchmark and no stop token."""
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab_size, jnp.int32)
+    sampling = Sampling.rows(batch, max_new_tokens=2 ** 30, seed=3)
+    return GenerationState(state, tokens, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool), sampling)
+
+
+def _timed_chunks(params, gen: GenerationState, calls: int, **static):
+    """(compile seconds, seconds per call, the tokens of each call) of `calls` + 1 calls of one compiled chunk."""
+    halt = jnp.zeros(gen.done.shape, bool)
+    t0 = time.perf_counter()
+    program = generate_chunk.lower(params, gen, halt, **static).compile()
+    compile_s = time.perf_counter() - t0
+    times, produced = [], []
+    for _ in range(calls + 1):
+        t0 = time.perf_counter()
+        gen, out = program(params, gen, halt)
+        out.tokens.block_until_ready()
+        times.append(time.perf_counter() - t0)
+        produced.append(out.tokens)
+    return compile_s, times, produced
 
 
 def time_decode(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: int, steps: int, calls: int,
@@ -73,21 +93,8 @@ def time_decode(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: 
                          f"(steps x (calls + 1))")
     state = synthetic_state(cfg, batch, context, start, ctx.jnp_dtype, mesh, scan_layers=is_scanned(params),
                             kv_cache_dtype=kv_cache_dtype)
-    tokens = jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab_size, jnp.int32)
-    gen = engine.GenerationState(state, tokens, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
-                                 jax.random.PRNGKey(3))
-    sp = _sampling(batch)
-    t0 = time.perf_counter()
-    program = engine.generate_chunk.lower(params, gen, sp, cfg=cfg, ctx=ctx, max_seq_len=context,
-                                          chunk=steps).compile()
-    compile_s = time.perf_counter() - t0
-    times, produced = [], []
-    for _ in range(calls + 1):
-        t0 = time.perf_counter()
-        out, gen = program(params, gen, sp)
-        out.block_until_ready()
-        times.append(time.perf_counter() - t0)
-        produced.append(out)
+    compile_s, times, produced = _timed_chunks(params, _generation(state, cfg, batch), calls, cfg=cfg, ctx=ctx,
+                                               max_seq_len=context, chunk=steps)
     produced = np.asarray(jax.device_get(jnp.stack(produced)))
     if (produced < 0).any():
         raise RuntimeError(f"batch {batch}, context {context}: a generation chunk stopped early; the steps were not "
@@ -101,30 +108,14 @@ def time_speculative(params, cfg: ModelConfig, ctx: RunContext, batch: int, cont
                      calls: int, mesh=None, kv_cache_dtype=None) -> dict:
     """ms per speculative step (k MTP drafts, a (k+1)-token verify, the commit) at (batch, context), timed as
     time_decode times plain steps, and the tokens each step emitted (random weights accept few drafts)."""
-    # lazy: speculative decoding's cases only
-    from .. import speculative
     start = context - steps * (k + 1) * (calls + 1) - k
     if start < 0:
         raise ValueError(f"context {context} is shorter than the {steps * (k + 1) * (calls + 1) + k} positions the "
                          f"speculative case may use")
     state = synthetic_state(cfg, batch, context, start, ctx.jnp_dtype, mesh, scan_layers=is_scanned(params),
                             kv_cache_dtype=kv_cache_dtype)
-    tokens = jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab_size, jnp.int32)
-    gen = engine.GenerationState(state, tokens, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
-                                 jax.random.PRNGKey(3))
-    spec = speculative.start(gen, k)
-    sp = _sampling(batch)
-    t0 = time.perf_counter()
-    program = speculative.generate_chunk.lower(params, spec, sp, cfg=cfg, ctx=ctx, max_seq_len=context, chunk=steps,
-                                               k=k).compile()
-    compile_s = time.perf_counter() - t0
-    times, produced = [], []
-    for _ in range(calls + 1):
-        t0 = time.perf_counter()
-        out, spec = program(params, spec, sp)
-        out.block_until_ready()
-        times.append(time.perf_counter() - t0)
-        produced.append(out)
+    compile_s, times, produced = _timed_chunks(params, _generation(state, cfg, batch), calls, cfg=cfg, ctx=ctx,
+                                               max_seq_len=context, chunk=steps, speculative_tokens=k)
     emitted = (np.asarray(jax.device_get(jnp.stack(produced))) >= 0).sum(axis=-1)        # [calls + 1, batch]
     if (emitted < steps).any():
         raise RuntimeError(f"batch {batch}, context {context}, k {k}: a speculative chunk stopped early")
@@ -168,14 +159,13 @@ def time_prefill(params, cfg: ModelConfig, kernels, prompt_tokens: int, chunk: i
     model = Model(cfg, params, dtype=dtype, max_seq_len=prompt_tokens + 1, max_batch=1, prefill_chunk=chunk,
                   kernels=kernels, mesh=mesh, kv_cache_dtype=kv_cache_dtype)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, prompt_tokens), dtype=np.int32)
-    sp = _sampling(1)
-    key = jax.random.PRNGKey(0)
+    sampling = Sampling.rows(1, max_new_tokens=2 ** 30)
     times = []
     for _ in range(calls + 1):
         t0 = time.perf_counter()
         logits, state = model.prefill(prompt)
-        gen = engine.first_generation_state(state, logits, key, sp)
-        gen.last_token.block_until_ready()
+        gen, first = generation.start(state, logits, sampling)
+        first.block_until_ready()
         times.append(time.perf_counter() - t0)
         del gen, state
     ttft = statistics.median(times[1:])

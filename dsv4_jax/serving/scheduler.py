@@ -3,7 +3,7 @@
 Each turn of the loop it
 1. frees the rows of requests that ended on the host (a stop string, a client that went away);
 2. admits waiting requests into free rows (each is prefilled alone, then written into its row: `slots.admit`);
-3. starts the next decode chunk of the whole batch (`slots.decode_chunk`, `chunk` steps);
+3. starts the next chunk of the whole batch (`generation.generate_chunk`, `chunk` steps, speculative or not);
 4. reads the tokens of the chunk before it, which ran while the host handled the previous turn, and hands each
    request its tokens and text through its `on_event` callback.
 So the device always has the next chunk queued while the host reads, and requests join and leave at chunk
@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..generation import ChunkOut, generate_chunk
+from ..sampling import Sampling
 from ..text import TextStream
 from . import slots as device
 
@@ -244,11 +246,10 @@ class Scheduler:
                                           track_mtp=model.track_mtp or bool(self.speculative_tokens))
         stops = np.full((1, MAX_STOP_TOKENS), -1, np.int32)
         stops[0, :len(req.stop_token_ids)] = req.stop_token_ids
-        row = device.RowSampling(temperature=jnp.full((1,), req.temperature, jnp.float32),
-                                 top_k=jnp.full((1,), req.top_k, jnp.int32),
-                                 top_p=jnp.full((1,), req.top_p, jnp.float32),
-                                 max_new_tokens=jnp.full((1,), req.max_tokens, jnp.int32),
-                                 stop_tokens=jnp.asarray(stops), key=jnp.zeros((1, 2), jnp.uint32))
+        row = Sampling(temperature=jnp.full((1,), req.temperature, jnp.float32),
+                       top_k=jnp.full((1,), req.top_k, jnp.int32), top_p=jnp.full((1,), req.top_p, jnp.float32),
+                       max_new_tokens=jnp.full((1,), req.max_tokens, jnp.int32), stop_tokens=jnp.asarray(stops),
+                       key=jnp.zeros((1, 2), jnp.uint32))
         seed = np.array([(req.seed >> 32) & 0xFFFFFFFF, req.seed & 0xFFFFFFFF], np.uint32)
         n_top = device.MAX_TOP_LOGPROBS if req.logprobs else 0
         self._slots, out = device.admit(self._slots, row_state, logits, jnp.int32(slot), jnp.asarray(seed),
@@ -257,7 +258,10 @@ class Scheduler:
         self._owners[slot] = live
         self._fed[slot] = len(req.prompt_ids) + 1
         self.stats["admitted"] += 1
-        return [(0, live)], tuple(o[:, None] for o in out)        # one row, one step
+        token, logprob, top_ids, top_logprobs = out                 # one row, one step
+        first = ChunkOut(token[:, None], logprob[:, None], top_ids[:, None], top_logprobs[:, None],
+                         jnp.zeros((1,), jnp.int32), jnp.zeros((1, 0), jnp.int32))
+        return [(0, live)], first
 
     def _dispatch(self, live: list[_Live]):
         halt = np.array([o is None or o.finished for o in self._owners])
@@ -266,16 +270,12 @@ class Scheduler:
             self._fed[o.slot] += self.chunk * (k + 1)
         bound = int(max(self._fed[o.slot] for o in live))
         model = self.model
-        kw = dict(cfg=model.config, ctx=model._context_for(min(bound, model.max_seq_len)),
-                  max_seq_len=model.max_seq_len, chunk=self.chunk)
-        if k:
-            self._slots, out = device.speculative_chunk(model.params, self._slots, jnp.asarray(halt), k=k, **kw)
-        else:
-            n_top = device.MAX_TOP_LOGPROBS if any(o.request.logprobs for o in live) else 0
-            self._slots, out = device.decode_chunk(model.params, self._slots, jnp.asarray(halt), n_top=n_top,
-                                                   track_mtp=model.track_mtp, **kw)
-            if not any(o.request.logprobs is not None for o in live):
-                out = out[:1]
+        logprobs = not k and any(o.request.logprobs is not None for o in live)
+        n_top = device.MAX_TOP_LOGPROBS if logprobs and any(o.request.logprobs for o in live) else 0
+        self._slots, out = generate_chunk(model.params, self._slots, jnp.asarray(halt), cfg=model.config,
+                                          ctx=model.context_for(min(bound, model.max_seq_len)),
+                                          max_seq_len=model.max_seq_len, chunk=self.chunk, logprobs=logprobs,
+                                          n_top=n_top, track_mtp=model.track_mtp, speculative_tokens=k)
         self.stats["chunks"] += 1
         rows = [(slot, o) for slot, o in enumerate(self._owners) if o is not None and not o.finished]
         return rows, out
@@ -283,11 +283,12 @@ class Scheduler:
     def _deliver(self, rows: list[tuple[int, _Live]], out):
         """Hand out a read: `rows` are (row of the arrays, the request that held it when they were computed);
         requests that finished since get nothing (their row may already serve another)."""
-        arrays = [np.asarray(a) for a in jax.device_get(out)]
+        out = jax.device_get(out)                                   # a generation.ChunkOut
+        arrays = [np.asarray(a) for a in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)]
+        if self.speculative_tokens:
+            self.stats["verify_steps"] += int(np.asarray(out.steps).sum())
+            self.stats["accepted_drafts"] += int(np.asarray(out.accepted).sum())
         tokens = arrays[0]
-        if self.speculative_tokens and len(arrays) == 3:        # a speculative chunk: (tokens, steps, accepted)
-            self.stats["verify_steps"] += int(arrays[1].sum())
-            self.stats["accepted_drafts"] += int(arrays[2].sum())
         for row, live in rows:
             if live.finished:
                 continue
