@@ -16,7 +16,7 @@ from . import compile_cache, presets  # noqa: F401
 from .api import GenerationResult, Model  # noqa: F401
 from .checkpoint import CheckpointError, load_params
 from .config import ModelConfig, from_hf_config, load_hf_config  # noqa: F401
-from .engine import PREFILL_CHUNK
+from .settings import Settings  # noqa: F401
 from .module import DeepseekV4  # noqa: F401
 from .memory_plan import memory_plan  # noqa: F401
 from .layer_scan import scan_plan
@@ -31,10 +31,12 @@ compile_cache.enable()        # on by default (DSV4_JAX_CACHE=off turns it off);
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
 
 
-def init_random(config: ModelConfig, seed: int = 0, quantize_head: bool = False, mesh=None, **options) -> Model:
-    """A model with random weights in the stored formats (an NVFP4 head with `quantize_head`), generated on the
-    device (on a `mesh`: each device generates its own shards, no host copy); options as for `load`."""
-    stored = {"head.weight": "nvfp4"} if quantize_head else None
+def init_random(config: ModelConfig, seed: int = 0, mesh=None, settings: Settings | None = None,
+                **options) -> Model:
+    """A model with random weights in the stored formats (an NVFP4 head with the option `quantize_head`), generated
+    on the device (on a `mesh`: each device generates its own shards, no host copy); options as for `load`."""
+    settings = Settings.of(settings, **options)
+    stored = {"head.weight": "nvfp4"} if settings.quantize_head else None
     key = jax.random.PRNGKey(seed)
     shardings = None
     if mesh is not None:
@@ -42,9 +44,9 @@ def init_random(config: ModelConfig, seed: int = 0, quantize_head: bool = False,
         shardings = param_shardings(config, mesh, jax.eval_shape(lambda: init_params(config, key, stored)))
     # A scanned model's layers are generated stacked (no per-layer copy to stack afterwards); on a mesh, Model
     # places the per-layer weights and stacks them.
-    plan = scan_plan(config) if options.get("scan_layers") and mesh is None else None
+    plan = scan_plan(config) if settings.scan_layers and mesh is None else None
     params = init_params(config, key, stored, shardings, scan_plan=plan)
-    return Model(config, params, mesh=mesh, consume_params=True, **options)
+    return Model(config, params, settings, mesh=mesh, consume_params=True)
 
 
 def save(model, directory: str) -> None:
@@ -53,20 +55,20 @@ def save(model, directory: str) -> None:
     save_module(getattr(model, "module", model), directory)
 
 
-def load(path=None, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int = 1, simulate_quant: bool = True,
-         act_quant: str = "none", mesh=None, progress=None, prefill_chunk: int = PREFILL_CHUNK,
-         quantize_head: bool = False, track_mtp: bool = False, kernels: str = "auto", target=None,
-         scan_layers: bool = False, kv_cache_dtype: str | None = None) -> Model:
+def load(path=None, *, mesh=None, progress=None, settings: Settings | None = None, **options) -> Model:
     """Load an official DeepSeek-V4 checkpoint directory (config.json + safetensors), weights kept as stored
     (MXFP4 or NVFP4 routed experts), or a directory written by `save` (Orbax); without `path`, the small model
     packaged in dsv4_jax/default_model (DEFAULT_MODEL_DIR). A `tokenizer.json` in the directory becomes
-    `model.tokenizer` (dsv4_jax.tokenizer.Tokenizer, read on first use; None without one). `quantize_head=True`
-    quantizes the bf16 lm_head to NVFP4 once at load (standard recipe, on device) and frees the bf16 copy; the
-    router gate is never quantized. `kernels` is planned once, here, for `target` (default: JAX's default device; Model says
-    more). `mesh` (make_mesh): each tensor goes from its memory map straight to the devices that hold its shards
-    (sharding.rules: the routed experts split on the "expert" axis, from 4 devices the attention heads and the
-    shared expert too, the rest replicated). `scan_layers`,
-    `kv_cache_dtype` ("fp8": compact decode-state entries): as Model takes them."""
+    `model.tokenizer` (dsv4_jax.tokenizer.Tokenizer, read on first use; None without one). The options (dtype,
+    max_seq_len, max_batch, kernels, kv_cache_dtype, ...: settings.Settings lists and checks them, before any
+    weight is read) may come as keywords, as `settings`, or both. `quantize_head=True` quantizes the bf16 lm_head
+    to NVFP4 once at load (standard recipe, on device) and frees the bf16 copy; the router gate is never
+    quantized. `kernels` is planned once, here, for `target` (default: JAX's default device). `mesh` (make_mesh):
+    each tensor goes from its memory map straight to the devices that hold its shards (sharding.rules: the routed
+    experts split on the "expert" axis, from 4 devices the attention heads and the shared expert too, the rest
+    replicated). `progress(bytes)` is called as the weights are read."""
+    settings = Settings.of(settings, **options)
+    quantize_head = settings.quantize_head
     path = DEFAULT_MODEL_DIR if path is None else os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a directory (expected an official DeepSeek-V4 checkpoint)")
@@ -80,7 +82,4 @@ def load(path=None, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch:
         cfg, params = load_params(path, progress=progress, quantize_head=quantize_head, mesh=mesh)
     tokenizer_file = os.path.join(path, "tokenizer.json")
     tokenizer = tokenizer_file if os.path.isfile(tokenizer_file) else None      # read on first use
-    return Model(cfg, params, dtype=dtype, simulate_quant=simulate_quant, act_quant=act_quant,
-                 max_seq_len=max_seq_len, max_batch=max_batch, prefill_chunk=prefill_chunk, track_mtp=track_mtp,
-                 kernels=kernels, target=target, mesh=mesh, tokenizer=tokenizer, scan_layers=scan_layers,
-                 kv_cache_dtype=kv_cache_dtype, consume_params=True)
+    return Model(cfg, params, settings, mesh=mesh, tokenizer=tokenizer, consume_params=True)

@@ -19,12 +19,11 @@ import numpy as np
 
 from . import engine, generation
 from .config import ModelConfig
-from .numerics.kv_cache import check_kv_cache_dtype
 from .layer_scan import is_scanned, scan_plan, stack_layers, unstack_layers
-from .run_context import RunContext
-from .sharding import check_mesh, param_shardings, state_shardings
 from .module import DeepseekV4
 from .sampling import Sampling
+from .settings import Settings
+from .sharding import check_mesh, param_shardings, state_shardings
 from .state import DecodeState, init_state, state_bytes
 from .text import complete
 from .tokenizer import load_tokenizer
@@ -69,25 +68,22 @@ class GenerationResult:
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, params, *, dtype: str = "bfloat16", simulate_quant: bool = True,
-                 act_quant: str = "none", max_seq_len: int = 4096, max_batch: int = 1,
-                 prefill_chunk: int = engine.PREFILL_CHUNK,
-                 track_mtp: bool = False, kernels: str = "auto", target=None, mesh=None, tokenizer=None,
-                 scan_layers: bool = False, kv_cache_dtype: str | None = None, consume_params: bool = False):
-        """`kernels`: a mode ("auto", "reference", "pallas", "interpret") planned for `target` (a jax Device or
-        jax.sharding.AbstractDevice to compile for; default: the mesh's first device, else JAX's default device),
-        or a KernelPlan. `mesh` (sharding.make_mesh): the devices the model runs on; parameters not yet placed on
-        it are placed by sharding.rules, and decode states are made on it. `tokenizer`: the checkpoint's, a
-        dsv4_jax.tokenizer.Tokenizer or the path of its tokenizer.json (read on first use of `model.tokenizer`).
-        `scan_layers`: run the repeated layer pattern under lax.scan (layer_scan.py: a deep model's programs
-        compile in a fraction of the time; a step moves each scanned cache once more); its weights are stacked
-        once, here, and with `consume_params` the given per-layer arrays are deleted as they are stacked (load and
-        init_random pass it: nothing else holds them); params already stacked (another scanned Model's) are taken
-        as they are. `model.module` of a scanned model is built on first use, from copies. `kv_cache_dtype`:
-        None (decode states hold attention entries in `dtype`) or "fp8" (e4m3 KV nope dims and e2m1 indexer keys
-        with their block scales, numerics/kv_cache.py: half the bytes per token, the same logits under simulate_quant)."""
-        check_kv_cache_dtype(kv_cache_dtype)
-        self.kv_cache_dtype = kv_cache_dtype
+    def __init__(self, cfg: ModelConfig, params, settings: Settings | None = None, *, mesh=None, tokenizer=None,
+                 consume_params: bool = False, **options):
+        """`settings` (settings.Settings) and / or its options as keywords (dtype, simulate_quant, act_quant,
+        kernels, kernel_overrides, target, max_seq_len, max_batch, prefill_chunk, track_mtp, scan_layers,
+        kv_cache_dtype; Settings says what each does), validated there once. `mesh` (sharding.make_mesh): the
+        devices the model runs on; parameters not yet placed on it are placed by sharding.rules, and decode states
+        are made on it. `tokenizer`: the checkpoint's, a dsv4_jax.tokenizer.Tokenizer or the path of its
+        tokenizer.json (read on first use of `model.tokenizer`). With `scan_layers` (layer_scan.py: a deep model's
+        programs compile in a fraction of the time; a step moves each scanned cache once more) the weights are
+        stacked once, here, and with `consume_params` the given per-layer arrays are deleted as they are stacked
+        (load and init_random pass it: nothing else holds them); params already stacked (another scanned Model's)
+        are taken as they are. `model.module` of a scanned model is built on first use, from copies."""
+        settings = Settings.of(settings, **options)
+        self.settings = settings
+        self.kv_cache_dtype = settings.kv_cache_dtype
+        max_batch = settings.max_batch
         self.config = cfg
         self._tokenizer = tokenizer
         self.mesh = mesh
@@ -98,8 +94,8 @@ class Model:
                 raise NotImplementedError("Model(mesh=...) from already stacked params: pass the per-layer tree "
                                           "with scan_layers=True")
             params = jax.device_put(params, param_shardings(cfg, mesh, params))    # no copy where already placed
-        self.context = RunContext.create(dtype, simulate_quant, act_quant, kernels, device=target, mesh=mesh)
-        plan = params["layers"].plan if stacked else scan_plan(cfg) if scan_layers else None
+        self.context = settings.run_context(mesh)
+        plan = params["layers"].plan if stacked else scan_plan(cfg) if settings.scan_layers else None
         self.scan_layers = plan is not None        # a model without a repeated pattern runs unrolled
         if plan is None:
             self._module = DeepseekV4(cfg, params=params, context=self.context)
@@ -110,14 +106,11 @@ class Model:
         # Regrouped once, not per call: a step's jitted program takes this tree (no Python walk of the module).
         # After replacing a variable of `module`, build a new Model from `module.params()`.
         self.params = params
-        for name, value in (("max_seq_len", max_seq_len), ("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self.max_seq_len = max_seq_len
+        self.max_seq_len = settings.max_seq_len
         self.max_batch = max_batch
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = settings.prefill_chunk
         # Keep the MTP block's window current during prefill/decode (one extra block per step), for drafts.
-        self.track_mtp = bool(track_mtp) and cfg.n_mtp_layers > 0
+        self.track_mtp = settings.track_mtp and cfg.n_mtp_layers > 0
 
     @property
     def module(self) -> DeepseekV4:

@@ -97,6 +97,10 @@ class _Parser(argparse.ArgumentParser):
         raise CLIError(f"{message} (see {PROG} --help)", EXIT_USAGE)
 
 
+KERNEL_OVERRIDE_HELP = ("a per-op override of the kernel plan, OP=kernel or OP=reference (ops/choice.py; e.g. "
+                        "attention_core=kernel, the opt-in decode attention kernel); repeatable")
+
+
 def _int_at_least(low: int, high: int | None = None):
     def parse(text: str) -> int:
         try:
@@ -143,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="quantized matmuls on the GPU kernels or the pure-JAX reference: auto = on a CUDA device "
                           "the CUDA (ffi/) and Pallas kernels, elsewhere the reference; pallas = Pallas kernels only "
                           "(default: auto)")
+    src.add_argument("--kernel-override", action="append", default=[], metavar="OP=CHOICE",
+                     help=KERNEL_OVERRIDE_HELP)
     src.add_argument("--devices", type=_int_at_least(1), metavar="N",
                      help="devices to run on, the routed experts split over them (docs/sharding.md); "
                           "default: every local device of the default backend")
@@ -351,14 +357,24 @@ def checked_config(args, directory: str):
     return cfg
 
 
-def planned_kernels(args):
-    """The kernel plan of --kernels, made before the load (e.g. 'pallas' needs a GPU)."""
+def model_settings(args, max_batch: int):
+    """The Model's settings from the command line's options (the CLI's and the server's), checked now, before any
+    weight is read; the kernel plan of --kernels is made here too (e.g. 'pallas' needs a GPU)."""
     # lazy: the command line answers --help and bad arguments before jax and the model load
     from .ops.plan import plan_kernels
+    from .settings import Settings
     try:
-        return plan_kernels(args.kernels)
+        kernels = plan_kernels(args.kernels)
     except ValueError as err:
         raise CLIError(f"--kernels {args.kernels}: {err}") from None
+    try:
+        return Settings(dtype=args.dtype, max_seq_len=args.max_seq_len, max_batch=max_batch,
+                        simulate_quant=not getattr(args, "no_simulate_quant", False),
+                        act_quant=getattr(args, "act_quant", "none"), prefill_chunk=args.prefill_chunk,
+                        quantize_head=getattr(args, "quantize_head", False), kernels=kernels,
+                        kernel_overrides=args.kernel_override, kv_cache_dtype=_kv_cache_dtype(args))
+    except ValueError as err:
+        raise CLIError(_one_line(err), EXIT_USAGE) from None
 
 
 def _kv_cache_dtype(args):
@@ -429,7 +445,7 @@ def run(args) -> int:
 
     import dsv4_jax
     from .checkpoint import CheckpointError
-    kernels = planned_kernels(args)
+    settings = model_settings(args, max(1, len(prompts)))
     mesh = _mesh(args, directory)
     if args.plan:
         print(_memory_plan(args, directory, mesh, batch=max(1, len(prompts))))
@@ -438,10 +454,7 @@ def run(args) -> int:
     progress = _LoadProgress()
     t_load = time.perf_counter()
     try:
-        model = dsv4_jax.load(directory, dtype=args.dtype, max_seq_len=args.max_seq_len,
-                              max_batch=max(1, len(prompts)), simulate_quant=not args.no_simulate_quant,
-                              act_quant=args.act_quant, prefill_chunk=args.prefill_chunk, progress=progress, quantize_head=args.quantize_head,
-                              kernels=kernels, mesh=mesh, kv_cache_dtype=_kv_cache_dtype(args))
+        model = dsv4_jax.load(directory, settings=settings, mesh=mesh, progress=progress)
     except (CheckpointError, OSError) as err:
         raise CLIError(_one_line(err)) from None
     finally:
@@ -516,6 +529,7 @@ def run(args) -> int:
                          "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop": args.stop,
                          "max_seq_len": args.max_seq_len, "prefill_chunk": args.prefill_chunk,
                          "dtype": args.dtype, "act_quant": args.act_quant, "kernels": args.kernels,
+                         "kernel_overrides": dict(model.context.kernels.overrides),
                          "simulate_quant": not args.no_simulate_quant, "quantize_head": args.quantize_head,
                          "kv_cache_dtype": args.kv_cache_dtype, "speculative_tokens": args.speculative_tokens,
                          "chat": args.chat, "thinking": args.thinking, "system": args.system,

@@ -17,8 +17,8 @@ import sys
 import threading
 import time
 
-from .generate import (EXIT_USAGE, CLIError, _check_checkpoint_dir, _int_at_least, _kv_cache_dtype, _LoadProgress,
-                       _mesh, _one_line, _setup_compile_cache, checked_config, planned_kernels)
+from .generate import (EXIT_USAGE, KERNEL_OVERRIDE_HELP, CLIError, _check_checkpoint_dir, _int_at_least,
+                       _LoadProgress, _mesh, _one_line, _setup_compile_cache, checked_config, model_settings)
 from .engine import PREFILL_CHUNK
 
 PROG = "python -m dsv4_jax.serve"
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the packaged model)")
     m.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     m.add_argument("--kernels", choices=("auto", "reference", "pallas", "interpret"), default="auto")
+    m.add_argument("--kernel-override", action="append", default=[], metavar="OP=CHOICE", help=KERNEL_OVERRIDE_HELP)
     m.add_argument("--devices", type=_int_at_least(1), metavar="N",
                    help="devices of the mesh the model is sharded over (default: all local devices)")
     m.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
@@ -74,14 +75,12 @@ def build_model(args):
         raise CLIError(f"--speculative-tokens needs a model with an MTP block; {directory} has none", EXIT_USAGE)
     if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
         raise CLIError(f"{directory}: no tokenizer.json (the server needs the model's tokenizer)")
-    kernels = planned_kernels(args)
+    settings = model_settings(args, args.max_batch)
     mesh = _mesh(args, directory)
     _setup_compile_cache(args)
     progress = _LoadProgress()
     try:
-        model = dsv4_jax.load(directory, dtype=args.dtype, max_seq_len=args.max_seq_len, max_batch=args.max_batch,
-                              prefill_chunk=args.prefill_chunk, progress=progress, kernels=kernels, mesh=mesh,
-                              kv_cache_dtype=_kv_cache_dtype(args))
+        model = dsv4_jax.load(directory, settings=settings, mesh=mesh, progress=progress)
     except (CheckpointError, OSError, ValueError) as err:
         raise CLIError(_one_line(err)) from None
     finally:

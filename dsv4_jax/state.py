@@ -57,7 +57,6 @@ def init_state(cfg: ModelConfig, batch: int, max_seq_len: int, dtype=jnp.bfloat1
     `kv_cache_dtype` "fp8": window, compressed and indexer entries stored compact (numerics/kv_cache.py)."""
     if batch < 1 or max_seq_len < 1:
         raise ValueError(f"max_batch and max_seq_len must be >= 1, got {batch} and {max_seq_len}")
-    kv_cache.check_kv_cache_dtype(kv_cache_dtype)
 
     def cache(layer: int) -> LayerCache:
         return init_layer_cache(cfg, cfg.compress_ratios[layer], batch, max_seq_len, dtype, kv_cache_dtype)

@@ -120,8 +120,7 @@ def run(args) -> dict:
 
     import dsv4_jax
     from ..roofline import prefill_flops, roofline, weight_bytes_by_part
-    from ..ops.plan import plan_kernels
-    from ..run_context import RunContext
+    from ..settings import Settings
     from . import cases, op_profile, probes
 
     cfg = _model_config(args)
@@ -134,15 +133,19 @@ def run(args) -> dict:
               "command": " ".join(["python -m dsv4_jax.bench"] + list(args.argv)), "machine": _machine()}
 
     t0 = time.perf_counter()
-    plan = plan_kernels(args.kernels, mesh.devices.flat[0] if mesh is not None else None, args.kernel_override)
-    model = dsv4_jax.init_random(cfg, seed=0, mesh=mesh, dtype=args.dtype, kernels=plan, scan_layers=args.scan_layers)
+    try:
+        settings = Settings(dtype=args.dtype, kernels=args.kernels, kernel_overrides=args.kernel_override,
+                            scan_layers=args.scan_layers)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    model = dsv4_jax.init_random(cfg, seed=0, mesh=mesh, settings=settings)
     jax.block_until_ready(model.params)
     held = sum(weight_bytes_by_part(cfg).values())
     result["model"] = {"preset": args.preset, "layers": cfg.n_layers, "weights_bytes": held,
                        "init_s": time.perf_counter() - t0, "dtype": args.dtype, "kernels": args.kernels,
                        "scan_layers": model.scan_layers, "kv_cache_dtype": args.kv_cache_dtype,
                        "kernel_backend": model.context.kernels.backend, "devices": args.devices,
-                       "kernel_overrides": dict(plan.overrides)}
+                       "kernel_overrides": dict(model.context.kernels.overrides)}
     print(f"{args.preset} geometry, {cfg.n_layers} layers: {held / 1e9:.3f} GB of weights on "
           f"{result['machine']['device_kind']} ({model.context.kernels.backend or 'reference'} kernels)", flush=True)
 
@@ -157,8 +160,7 @@ def run(args) -> dict:
     main_side = args.kernels            # the label of the main side's cases ("auto" unless --kernels says)
     contexts = {main_side: model.context}
     if args.reference != "none":
-        contexts["reference"] = RunContext.create(args.dtype, model.context.simulate_quant, model.context.act_quant,
-                                                  "reference", mesh=mesh)
+        contexts["reference"] = Settings.of(settings, kernels="reference", kernel_overrides=()).run_context(mesh)
     result["compile"] = {}
     for side, ctx in contexts.items():
         seconds, program, state = cases.decode_step_compile_seconds(model.params, cfg, ctx, 1, args.contexts[0], mesh,

@@ -150,9 +150,10 @@ def _split_heads_output(params: dict, cfg: ModelConfig, q_latent, kv, ring, comp
 @jax.named_scope("attention")
 def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, chunk: Chunk, cache: LayerCache,
               inv_freq: np.ndarray, ctx, defer: bool = False):
-    """x [B, S, D] (attn_norm'd) of the chunk's tokens (at positions chunk.start[b] + i). Returns (output float32 [B, S, D] (the next mHC site
-    rounds it to the streams' dtype), updated layer cache, statistics: {} for inference; under training
-    {"indexer_kl": ...} in CSA layers, run_context.Training; deferred: None, or with `defer` a DeferredChunk).
+    """x [B, S, D] (attn_norm'd) of the chunk's tokens (at positions chunk.start[b] + i). Returns (output float32
+    [B, S, D] (the next mHC site rounds it to the streams' dtype), updated layer cache, statistics: {} for
+    inference, under training {"indexer_kl": ...} in CSA layers (run_context.Training), deferred: None, or with
+    `defer` a DeferredChunk).
 
     `defer`: read without committing (a speculative verify chunk): the window ring and the compressors' pending
     tokens are left as they were, and the DeferredChunk beside the cache lets commit_attention make the state that

@@ -183,7 +183,8 @@ def attend(q: jax.Array, ring, kv: jax.Array, start: jax.Array, positions: jax.A
     decode kernel takes q and kv only as the norm_rope op's kernel makes them (normalised, rotated, rounded)."""
     seq = q.shape[1]
     scale = cfg.head_dim ** -0.5
-    fits = norm_rope.takes_kernel(cfg, ctx) and decode_attention.takes(seq, cfg.n_heads, cfg.head_dim, cfg.window_size, cfg.rope_head_dim)
+    fits = norm_rope.takes_kernel(cfg, ctx) and decode_attention.takes(seq, cfg.n_heads, cfg.head_dim,
+                                                                       cfg.window_size, cfg.rope_head_dim)
     if choice.takes_kernel(DECODE_KERNEL, ctx, fits):
         # the window, the compressed entries, the softmax and the inverse RoPE in one launch (two with the splits'
         # merge), reading only the entries attended (the whole compressed buffer is passed: a slice would be a

@@ -91,9 +91,9 @@ def latents_and_keys(params: dict, cfg: ModelConfig, x: jax.Array, positions: ja
     """The query latent [B, S, q_lora_rank] (wq_a, q_norm) and the chunk's keys [B, S, head_dim] (wkv, kv_norm,
     RoPE, the FP8 rounding of the nope dims) of x, both in x's dtype; wq_a and wkv read x in one launch where a
     decode kernel takes the pair. Returns (q_latent, kv, ring_written): with `ring` (the window ring before the
-    chunk, for a committed chunk) and one token per sequence in a ring stored plainly in x's dtype, the kernel also writes
-    the new key into its ring slot in place and returns that ring (the slot held position t - window, which no
-    query of this chunk sees: attention may read the ring after the write); else ring_written is None."""
+    chunk, for a committed chunk) and one token per sequence in a ring stored plainly in x's dtype, the kernel
+    also writes the new key into its ring slot in place and returns that ring (the slot held position t - window,
+    which no query of this chunk sees: attention may read the ring after the write); else ring_written is None."""
     dtype = x.dtype
     if not takes_kernel(cfg, ctx):
         q_a, kv_a = linear_pair(x, params["wq_a"]["weight"], params["wkv"]["weight"], ctx=ctx)
