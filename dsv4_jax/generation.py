@@ -56,8 +56,9 @@ def start(state: DecodeState, logits: jax.Array, sampling: Sampling):
     return engine.GenerationState(state, token, jnp.ones_like(token), done, sampling), token
 
 
-def _plain_step(params, cfg, ctx, gen: engine.GenerationState, max_seq_len, track_mtp, n_top):
-    """One decode step of every active row: (the token [B] or -1, its logprob outputs, the new state)."""
+def _plain_step(params, cfg, ctx, gen: engine.GenerationState, max_seq_len, track_mtp, logprobs, n_top):
+    """One decode step of every active row: (the token [B] or -1, its logprob outputs (None without `logprobs`),
+    the new state)."""
     active = ~gen.done
     logits, decode = engine.decode_rows(params, gen.decode, gen.last_token, active, cfg, ctx, max_seq_len, track_mtp)
     token = jnp.where(active, sample_rows(logits, gen.generated, gen.sampling), -1)
@@ -65,7 +66,7 @@ def _plain_step(params, cfg, ctx, gen: engine.GenerationState, max_seq_len, trac
     done = gen.done | is_stop(token, gen.sampling) | (generated >= gen.sampling.max_new_tokens)
     gen = gen.replace(decode=decode, last_token=jnp.where(active, token, gen.last_token), generated=generated,
                       done=done)
-    return token, token_logprobs(logits, token, n_top), gen
+    return token, token_logprobs(logits, token, n_top) if logprobs else None, gen
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ctx", "max_seq_len", "chunk", "logprobs", "n_top", "track_mtp",
@@ -98,9 +99,10 @@ def generate_chunk(params, gen: engine.GenerationState, halt: jax.Array, *, cfg:
             emitted, gen, accepted = speculative.speculative_step(params, cfg, ctx, gen, max_seq_len, k)
             out = out._replace(accepted=out.accepted + accepted)
         else:
-            token, (lp, top_ids, top_lp), gen = _plain_step(params, cfg, ctx, gen, max_seq_len, track_mtp, n_top)
+            token, token_lps, gen = _plain_step(params, cfg, ctx, gen, max_seq_len, track_mtp, logprobs, n_top)
             emitted = token[:, None]
             if logprobs:
+                lp, top_ids, top_lp = token_lps
                 out = out._replace(logprobs=out.logprobs.at[:, i].set(lp), top_ids=out.top_ids.at[:, i].set(top_ids),
                                    top_logprobs=out.top_logprobs.at[:, i].set(top_lp))
         tokens = jax.lax.dynamic_update_slice_in_dim(out.tokens, emitted, i * (k + 1), axis=1)

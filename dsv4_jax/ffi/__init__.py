@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax.numerics.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, split_f32
+from ..numerics.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, split_f32
 
 from .build import FfiBuildError, register  # noqa: F401
 from .fp4_layout import GemvLayoutFp4, to_gemv_layout  # noqa: F401

@@ -25,7 +25,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.numerics.formats import Mxfp4Weight, Nvfp4Weight
+from ..numerics.formats import Mxfp4Weight, Nvfp4Weight
 
 DEST = ((6, 7, 8, 15), (22, 23, 24, 31),        # r0 = w & 0x81C081C0
         (25, 26, 27, 2), (9, 10, 11, 18),       # r1 = rotl(w, 13) & ...

@@ -57,7 +57,7 @@ from jax._src.interpreters import mlir
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv4_jax.numerics.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, split_f32
+from ..numerics.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, split_f32
 
 MP = 16                 # activation rows per tensor-core dot at least (Triton's minimum dot width)
 MAX_COLS = 128          # activation columns per program; more rows take several column tiles

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsv4_jax.numerics.formats import Mxfp4Weight, Nvfp4Weight
+from ..numerics.formats import Mxfp4Weight, Nvfp4Weight
 
 from .gemv import (MP, MX_SHIFT, NV_SHIFT, _check_fp4, _fp4_config, _fp4_tile_loop, _params, mx_factor_bits,
                    nv_factor_bits, split_f32)

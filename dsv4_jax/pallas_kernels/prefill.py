@@ -34,7 +34,7 @@ from jax._src.interpreters import mlir
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv4_jax.numerics.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, e8m0_to_float, unpack_fp4_codes
+from ..numerics.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, e8m0_to_float, unpack_fp4_codes
 
 BK = 128        # inputs per scale block and per K step
 

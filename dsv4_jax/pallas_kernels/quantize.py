@@ -72,8 +72,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv4_jax.numerics import activations as _act
-from dsv4_jax.numerics.nvfp4 import pack_fp4_codes
+from ..numerics import activations as _act
+from ..numerics.nvfp4 import pack_fp4_codes
 
 from .tiles import pow2_divisor
 
