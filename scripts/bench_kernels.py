@@ -315,7 +315,7 @@ SWEEP = ("wo_b", "experts_w1")    # shapes on which --sweep compares tile config
 PREFILL_CONFIGS = ((128, 128, 8, 4), (64, 128, 4, 4), (64, 64, 4, 3), (64, 128, 8, 3), (64, 128, 4, 2),
                    (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3))
 # (block_n, K inputs per step, num_warps, num_stages, slot_cols) of the MoE kernel with prefill-wide slots: the
-# former default first, then what kernel_dispatch now picks at 128 columns for MXFP4 and for NVFP4
+# former default first, then what ops/matmul_kernels now picks at 128 columns for MXFP4 and for NVFP4
 MOE_CONFIGS = ((64, 256, 4, 3, 128), (128, 128, 8, 3, 128), (64, 128, 4, 3, 128), (128, 256, 8, 3, 128),
                (128, 128, 8, 2, 128), (128, 64, 8, 3, 128), (128, 64, 8, 4, 128), (128, 128, 8, 4, 128),
                (256, 128, 16, 3, 128), (128, 128, 4, 3, 128), (64, 256, 4, 3, 64))
