@@ -19,7 +19,7 @@ import dsv4_jax
 from dsv4_jax import engine
 from dsv4_jax.numerics import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from dsv4_jax.ops import group_linear, grouped_linear, grouped_linear_pair, linear, linear_pair
-from dsv4_jax.ops import choice, matmul_kernels
+from dsv4_jax.ops import act_quantize, choice, matmul_kernels
 from dsv4_jax.numerics.activations import fp8_activation
 from dsv4_jax.ops.plan import KernelPlan, plan_kernels
 from dsv4_jax.run_context import RunContext
@@ -555,13 +555,13 @@ def test_activation_quantization_takes_the_quantize_kernels():
     from dsv4_jax.numerics import activations
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((3, 320)) * np.exp(rng.uniform(-6, 6, (3, 1))), jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(matmul_kernels.fp8_activation(x, RunContext.create(kernels="interpret")), np.float32),
+    np.testing.assert_array_equal(np.asarray(act_quantize.fp8_activation(x, RunContext.create(kernels="interpret")), np.float32),
                                   np.asarray(activations.fp8_activation(x), np.float32))
-    values, gsa = matmul_kernels.nvfp4_activation(x, RunContext.create(kernels="interpret"))
+    values, gsa = act_quantize.nvfp4_activation(x, RunContext.create(kernels="interpret"))
     ref_values, ref_gsa = activations.nvfp4_activation(x)
     np.testing.assert_array_equal(np.asarray(values, np.float32), np.asarray(ref_values, np.float32))
     np.testing.assert_array_equal(np.asarray(gsa), np.asarray(ref_gsa))
-    assert matmul_kernels.nvfp4_activation(x, RunContext.create(kernels="reference")) is None
+    assert act_quantize.nvfp4_activation(x, RunContext.create(kernels="reference")) is None
     w = _weight(rng, "nvfp4", (128, 320))
     for mode in ("fp8", "nvfp4"):
         got = linear(x, w, jnp.float32, ctx=_ctx("interpret", mode))

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from ..numerics.activations import nvfp4_activation, nvfp4_global_scale
 from ..numerics.formats import Fp8BlockWeight, check_weight, dequantize_blocks, is_quantized
-from . import matmul_kernels
+from . import act_quantize, matmul_kernels
 
 ACT_QUANT_MODES = ("none", "fp8", "nvfp4")
 
@@ -76,8 +76,8 @@ def _quantize_input(x: jax.Array, weight, ctx, row_groups=None):
     if kind == "none":
         return x, None
     if kind == "fp8":
-        return matmul_kernels.fp8_activation(x, ctx), None
-    quantized = matmul_kernels.nvfp4_activation(x, ctx)
+        return act_quantize.fp8_activation(x, ctx), None
+    quantized = act_quantize.nvfp4_activation(x, ctx)
     if quantized is not None:
         return quantized
     return nvfp4_activation(x, _nvfp4_activation_global_scale(x, weight, row_groups))

@@ -29,9 +29,9 @@ A kernel applies where one exists for the call; every other call takes the refer
                                                                           about the rows per expert)
     bf16 / fp32 weights, larger batches    XLA dot (reference)            -
 
-Activation quantization (act_quant fp8 / nvfp4) runs the Pallas quantize kernels of dsv4_jax/pallas_kernels/quantize.py
-on every kernel backend (`quantize_fp8`, `fp8_activation`, `nvfp4_activation` below): bit-identical to the
-reference definition, which XLA:GPU's own run of the jnp reference is not (docs/kernels_quantize.md).
+Activation quantization (act_quant fp8 / nvfp4) is an op of its own (ops/act_quantize.py): the Pallas quantize
+kernels of dsv4_jax/pallas_kernels/quantize.py on every kernel backend, bit-identical to the reference definition,
+which XLA:GPU's own run of the jnp reference is not (docs/kernels_quantize.md).
 
 "rows" are the flattened leading dimensions of x: batch x tokens in the chunk, so decode steps, MTP drafts and
 verify steps of up to 256 rows (batch 64 with 3 drafts) take the decode kernels, which read each stored weight
@@ -54,12 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import ffi
-from ..numerics import activations
-from ..numerics.formats import (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, e4m3_to_float, fp4_codes_to_float,
-                                unpack_fp4_codes)
+from ..numerics.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from ..pallas_kernels import gemv, moe, prefill
-from ..pallas_kernels.quantize import quantize_fp8_kernel, quantize_nvfp4_kernel
-from . import choice
+from . import act_quantize, choice
 from .plan import REFERENCE, KernelPlan
 
 MAX_DECODE_ROWS = 16          # rows up to which FP8 activations take the decode kernels, not the tensor-core one
@@ -91,47 +88,6 @@ def _ffi_takes(x2: jax.Array, weight, routed: bool, plan: KernelPlan) -> bool:
     else:
         fits = _ffi_fits(x2.shape[0], x2.dtype, n, k)
     return fits
-
-
-# The activation quantize kernels serve every phase: bit-identical to the reference, so both paths see one operand.
-ACT_QUANTIZE = choice.Kernel("act_quantize", "quantize", phases=choice.ALL_PHASES)
-
-
-def _act_quantize_backend(ctx) -> str | None:
-    """The backend whose quantize kernel quantizes this activation, or None: the reference."""
-    return ctx.kernels.backend if choice.takes_kernel(ACT_QUANTIZE, ctx) else None
-
-
-def quantize_fp8(x: jax.Array, ctx) -> tuple[jax.Array, jax.Array]:
-    """FP8 per-128 activation quantization (e4m3 [..., K], power-of-two float32 scales [..., K/128]): the Pallas
-    quantize kernel on a kernel backend (bit-identical to the reference, dsv4_jax/pallas_kernels/quantize.py), else the
-    reference (activations.quantize_fp8)."""
-    backend = _act_quantize_backend(ctx)
-    if backend is None:
-        return activations.quantize_fp8(x)
-    return quantize_fp8_kernel(x, interpret=backend == "interpret")
-
-
-def fp8_activation(x: jax.Array, ctx) -> jax.Array:
-    """The FP8-quantized activation as exact x.dtype values (activations.fp8_activation), quantized by the kernel
-    on a kernel backend."""
-    if _act_quantize_backend(ctx) is None:
-        return activations.fp8_activation(x)
-    q, scale = quantize_fp8(x, ctx)
-    scale = jnp.repeat(scale, activations.FP8_ACT_BLOCK, axis=-1)[..., :x.shape[-1]]
-    return (q.astype(jnp.float32) * scale).astype(x.dtype)
-
-
-def nvfp4_activation(x: jax.Array, ctx) -> tuple[jax.Array, jax.Array] | None:
-    """(NVFP4-quantized activation as exact x.dtype values, runtime per-row global scale [..., 1]) from the Pallas
-    quantize kernel on a kernel backend (the same amax / (6 * 448) rule, computed in the kernel); None on the
-    reference path (the caller quantizes with activations.nvfp4_activation)."""
-    backend = _act_quantize_backend(ctx)
-    if backend is None:
-        return None
-    packed, scale, gsa = quantize_nvfp4_kernel(x, interpret=backend == "interpret")
-    scale = jnp.repeat(e4m3_to_float(scale), 16, axis=-1)[..., :x.shape[-1]]
-    return (fp4_codes_to_float(unpack_fp4_codes(packed)) * scale).astype(x.dtype), gsa
 
 
 def nvfp4_weights_kernels_approximate(params) -> list[str]:
@@ -214,7 +170,7 @@ def prefill_matmul(x2: jax.Array, weight, activation_kind: str, ctx):
     _record("linear", weight, backend, "prefill_fp8", ctx)
     operand = prefill.fp8_weight_operand if isinstance(weight, Fp8BlockWeight) else prefill.mxfp4_weight_operand
     wq, sw = operand(weight)
-    xq, sx = quantize_fp8(x2, ctx)                                       # the FP8 quantize kernel
+    xq, sx = act_quantize.quantize_fp8(x2, ctx)                          # the FP8 quantize kernel
     return prefill.fp8_block_matmul(xq, sx, wq, sw, jnp.float32, interpret=backend == "interpret")
 
 
