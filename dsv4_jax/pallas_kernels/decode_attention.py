@@ -28,12 +28,13 @@ makes the chunk's keys from wkv's output (RMS norm with the weight, RoPE per row
 them for the window ring. With `rope` and `query_ready` it takes the query normalised and rotated (norm_rope's
 query kernel, as the model passes it) and does only the inverse RoPE. Rotations pair each rope column with its
 partner through a dot with the swap permutation (Triton has no pair shuffle). The ring and the compressed entries
-are read as numerics/kv_cache.py stores them: in the activation dtype, or compact (e4m3 nope dims decoded with their E8M0
-block scale as they load).
+are read as numerics/kv_cache.py stores them: in the activation dtype, or compact (e4m3 nope dims decoded with
+their E8M0 block scale as they load).
 
 Triton needs power-of-two tensor shapes: heads a multiple of 16, head_dim a power of two, the window a multiple of
 BLOCK_KEYS, the rope dims a power-of-two block after nope dims in blocks of 64 (`supported`); the picks are padded to
-a multiple of BLOCK_KEYS with -1. GPU kernel plans take it only when switched on (ops/attention_core.py: the override ("attention_core", "kernel")).
+a multiple of BLOCK_KEYS with -1. GPU kernel plans take it only when switched on (ops/attention_core.py: the
+override ("attention_core", "kernel")).
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def _column_blocks(head_dim: int, rope_dim: int | None) -> list[tuple[int, int]]
 
 def _load_keys(refs, rows, blocks, dtype):
     """Rows `rows` (an index vector, or a pl.ds) of a cache as one array per column block, in `dtype`: a plain
-    cache as stored; a compact one {nope e4m3, E8M0 scale per 64, rope} decoded as kv_cache.decode does."""
+    cache as stored; a compact one {nope e4m3, E8M0 scale per 64, rope} decoded as numerics/kv_cache.Fp8KvEntries
+    decodes it."""
     if len(refs) == 1:
         return [refs[0][rows, pl.ds(first, width)] for first, width in blocks]
     nope_ref, scale_ref, rope_ref = refs
@@ -139,7 +141,8 @@ def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: i
     start = scalar(start_ref, row // seq)
     t = start + s                                                # this token's position
     q = [q_ref[:, pl.ds(first, width)].astype(dtype) for first, width in blocks]   # [Hb, width] each
-    if fused_rope and not query_ready:   # ops/norm_rope.rms_norm (no weight) per head, then apply_rope on the last block
+    # ops/norm_rope.rms_norm (no weight) per head, then apply_rope on the last block
+    if fused_rope and not query_ready:
         q32 = [b.astype(_F32) for b in q]
         mean_sq = sum(jnp.sum(b * b, axis=1) for b in q32) / sum(width for _, width in blocks)
         r = jax.lax.rsqrt(mean_sq + norm_eps)[:, None]
@@ -279,7 +282,8 @@ def _merge_kernel(*refs, seq: int, width: int, nope: int, dtype, fused_rope: boo
 
 
 def _parts(cache) -> list:
-    """A cache's arrays in the kernel's order: [plain] or [nope, scale, rope] (numerics/kv_cache.py's compact layout)."""
+    """A cache's arrays in the kernel's order: [plain] or [nope, scale, rope] (numerics/kv_cache.py's compact
+    layout, as Fp8KvEntries.kernel_operand hands it)."""
     return [cache["nope"], cache["scale"], cache["rope"]] if isinstance(cache, dict) else [cache]
 
 

@@ -56,7 +56,7 @@ def takes(rows: int, n: int, dim: int, fn_rows: int) -> bool:
 def _post_mix(x, y_refs, post_ref, comb_ref, dtype):
     """hc_post on one chunk: X'_k = post_k * y + sum_j comb[j, k] * X_j, float32, x [n, C]; y rounded to the
     streams' dtype first (a float32 y is a matmul's output whose cast to that dtype happens here). Two y_refs: the
-    MoE's parts (routed [1, K, C], shared [1, C]), y their sum in moe.MoeParts.total's order."""
+    MoE's parts (routed [1, K, C], shared [1, C]), y their sum in ops/moe_ffn.MoeParts.total's order."""
     if len(y_refs) == 1:
         y = y_refs[0][0, :]
     else:
@@ -160,8 +160,8 @@ def mhc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
     """X [..., n, D] -> (x [..., D] = rms_norm(hc_pre's u) in X's dtype, post [..., n] f32, comb [..., n, n] f32,
     the streams X' [..., n, D]). `post_mix` = (y [..., D], post [..., n], comb [..., n, n]): the previous sub-layer's
     hc_post, applied to X first (X' is then its result; otherwise X' is X); y in X's dtype, or float32 (rounded to
-    X's dtype here, as hyper.hc_post rounds it), or a pair (routed [..., K, D], shared [..., D]) of float32 MoE
-    parts (moe.MoeParts), summed here in its `total`'s order, then rounded."""
+    X's dtype here, as ops/mhc_site.hc_post rounds it), or a pair (routed [..., K, D], shared [..., D]) of float32 MoE
+    parts (ops/moe_ffn.MoeParts), summed here in its `total`'s order, then rounded."""
     *lead, n, dim = X.shape
     if not supported(n, dim, fn.shape[0]):
         raise ValueError(f"mhc_pre_norm: needs 4 streams, 24 mixing rows and D a multiple of {MIX_CHUNK}; got "
