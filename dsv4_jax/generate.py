@@ -24,16 +24,33 @@ stderr.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import math
 import os
 import sys
 import time
 
+import jax
+
 from . import DEFAULT_MODEL_DIR   # the packaged default model
-from .engine import PREFILL_CHUNK
+from . import compile_cache, load
+from .chat import encode_messages
+from .checkpoint import CheckpointError, open_checkpoint, stored_formats
 from .compile_time import CompileTimer
+from .config import load_hf_config
+from .engine import PREFILL_CHUNK
+from .interactive import chat_loop, wants_interactive
+from .memory_plan import memory_plan
+from .ops.choice import record_dispatch
+from .ops.plan import plan_kernels
+from .settings import Settings
+from .sharding import check_mesh, make_mesh
 from .text import SAMPLING_DEFAULTS as DEFAULTS   # Model.complete's defaults too
+from .text import TextBatch
+from .text import prompt_ids as text_prompt_ids
+from .tokenizer import BOS, Tokenizer
 
 PROG = "python -m dsv4_jax.generate"
 DEFAULT_PROMPT = "And it came to pass, when the king"
@@ -255,9 +272,6 @@ def read_prompts(args) -> list[str]:
 
 def encode_prompt(prompt: str, args) -> str:
     """The prompt string fed to the tokenizer: BOS + text, or the DeepSeek-V4 chat encoding."""
-    # lazy: the command line answers --help and bad arguments before jax and the model load
-    from .chat import encode_messages
-    from .tokenizer import BOS
     if not args.chat:
         return BOS + prompt
     messages = []
@@ -273,8 +287,6 @@ def encode_prompt(prompt: str, args) -> str:
 def _setup_compile_cache(args):
     """The library turned the cache on at import (dsv4_jax.compile_cache); --no-compile-cache turns it off, unless
     the user set JAX's own cache directory."""
-    # lazy: the command line answers --help and bad arguments before jax and the model load
-    from . import compile_cache
     if args.no_compile_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         compile_cache.disable()
 
@@ -302,11 +314,6 @@ class _LoadProgress:
 
 def _mesh(args, directory: str):
     """The mesh of --devices (None for one device: the single-device programs), checked against the model."""
-    # lazy: the command line answers --help and bad arguments before jax and the model load
-    import jax
-
-    from .config import load_hf_config
-    from .sharding import check_mesh, make_mesh
     available = len(jax.local_devices())
     n = available if args.devices is None else args.devices
     if n > available:
@@ -327,10 +334,6 @@ def _mesh(args, directory: str):
 
 def _memory_plan(args, directory: str, mesh, batch: int) -> str:
     """The --plan report: the checkpoint's stored formats from its headers, programs compiled abstractly."""
-    # lazy: the command line answers --help and bad arguments before jax and the model load
-    from .checkpoint import CheckpointError, open_checkpoint, stored_formats
-    from .config import load_hf_config
-    from .memory_plan import memory_plan
     try:
         cfg = load_hf_config(directory)
         stored = stored_formats(cfg, open_checkpoint(directory), directory, args.quantize_head)
@@ -345,8 +348,6 @@ def _memory_plan(args, directory: str, mesh, batch: int) -> str:
 
 def checked_config(args, directory: str):
     """The checkpoint's config (its errors as one line), with --max-seq-len checked against it."""
-    # lazy: the command line answers --help and bad arguments before jax and the model load
-    from .config import load_hf_config
     try:
         cfg = load_hf_config(directory)
     except (ValueError, FileNotFoundError) as err:
@@ -360,9 +361,6 @@ def checked_config(args, directory: str):
 def model_settings(args, max_batch: int):
     """The Model's settings from the command line's options (the CLI's and the server's), checked now, before any
     weight is read; the kernel plan of --kernels is made here too (e.g. 'pallas' needs a GPU)."""
-    # lazy: the command line answers --help and bad arguments before jax and the model load
-    from .ops.plan import plan_kernels
-    from .settings import Settings
     try:
         kernels = plan_kernels(args.kernels)
     except ValueError as err:
@@ -406,10 +404,6 @@ def _write(text: str):
 
 
 def run(args) -> int:
-    # lazy: the command line answers --help and bad arguments before jax and the model load
-    from .text import TextBatch
-    from .text import prompt_ids as text_prompt_ids
-    from .tokenizer import Tokenizer
 
     directory = _check_checkpoint_dir(args)
     # Everything that can be checked without reading weights is checked first, so bad input fails fast.
@@ -422,7 +416,6 @@ def run(args) -> int:
         raise CLIError(f"{tokenizer.path}: {tokenizer.vocab_size} tokens, but the model has only vocab_size="
                        f"{cfg.vocab_size} (tokenizer and checkpoint do not match)")
 
-    from .interactive import chat_loop, wants_interactive
     interactive = wants_interactive(args)          # --chat on a terminal without --prompt: a conversation
     prompts = [] if interactive else read_prompts(args)
     try:
@@ -443,8 +436,6 @@ def run(args) -> int:
                            f"needs {len(ids) + args.max_new_tokens + spare} positions, more than --max-seq-len "
                            f"{args.max_seq_len}")
 
-    import dsv4_jax
-    from .checkpoint import CheckpointError
     settings = model_settings(args, max(1, len(prompts)))
     mesh = _mesh(args, directory)
     if args.plan:
@@ -454,7 +445,7 @@ def run(args) -> int:
     progress = _LoadProgress()
     t_load = time.perf_counter()
     try:
-        model = dsv4_jax.load(directory, settings=settings, mesh=mesh, progress=progress)
+        model = load(directory, settings=settings, mesh=mesh, progress=progress)
     except (CheckpointError, OSError) as err:
         raise CLIError(_one_line(err)) from None
     finally:
@@ -488,7 +479,6 @@ def run(args) -> int:
             _write(prompts[0])
 
     def compiling_notice():
-        import jax
         cache = jax.config.jax_compilation_cache_dir
         later = f"later runs read them from {cache}" if cache else "no compilation cache: every run compiles"
         print(f"compiling the programs for these shapes ({later})", file=sys.stderr, flush=True)
@@ -579,15 +569,10 @@ def _statistics(batch: int, timing: dict, started: bool) -> str:
 
 def _recording(verbose: bool):
     """ops.choice.record_dispatch() when --verbose (every op's choice, recorded as programs are traced)."""
-    # lazy: the command line answers --help and bad arguments before jax and the model load
-    import contextlib
-
-    from .ops.choice import record_dispatch
     return record_dispatch() if verbose else contextlib.nullcontext([])
 
 
 def _describe_run(model, mesh):
-    import jax
     devices = mesh.devices.flatten().tolist() if mesh is not None else [jax.devices()[0]]
     plan = model.context.kernels
     print(f"backend: {jax.default_backend()} | devices: {len(devices)} x {devices[0].device_kind} | kernels: "
@@ -596,7 +581,6 @@ def _describe_run(model, mesh):
 
 def _describe_dispatch(records):
     """One stderr line per (op, phase, call, weight format, kernel) the traced programs chose, with its count."""
-    import collections
     counts = collections.Counter((c.op, c.phase, c.call, c.weight, c.kernel) for c in records)
     for (op, phase, call, fmt, used), n in sorted(counts.items(), key=str):
         what = f"{call} ({fmt})" if fmt else call

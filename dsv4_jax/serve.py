@@ -17,9 +17,12 @@ import sys
 import threading
 import time
 
+from . import load
+from .checkpoint import CheckpointError
+from .engine import PREFILL_CHUNK
 from .generate import (EXIT_USAGE, KERNEL_OVERRIDE_HELP, CLIError, _check_checkpoint_dir, _int_at_least,
                        _LoadProgress, _mesh, _one_line, _setup_compile_cache, checked_config, model_settings)
-from .engine import PREFILL_CHUNK
+from .serving.scheduler import Failed, Finished, Request, Scheduler
 
 PROG = "python -m dsv4_jax.serve"
 
@@ -66,9 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_model(args):
     """Load the model of `args` (checked the way `python -m dsv4_jax.generate` checks them)."""
-    # lazy: the server's command line answers --help and bad arguments before jax, the model and the web stack load
-    import dsv4_jax
-    from .checkpoint import CheckpointError
     directory = _check_checkpoint_dir(args)
     cfg = checked_config(args, directory)
     if args.speculative_tokens and not cfg.n_mtp_layers:
@@ -80,7 +80,7 @@ def build_model(args):
     _setup_compile_cache(args)
     progress = _LoadProgress()
     try:
-        model = dsv4_jax.load(directory, settings=settings, mesh=mesh, progress=progress)
+        model = load(directory, settings=settings, mesh=mesh, progress=progress)
     except (CheckpointError, OSError, ValueError) as err:
         raise CLIError(_one_line(err)) from None
     finally:
@@ -92,8 +92,6 @@ def build_model(args):
 
 def warm_up(scheduler) -> None:
     """Run one short request through the loop so the prefill, admit and decode programs are compiled."""
-    # lazy: the server's command line answers --help and bad arguments before jax, the model and the web stack load
-    from .serving.scheduler import Failed, Finished, Request
     done = threading.Event()
     failure: list[str] = []
 
@@ -118,11 +116,10 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def serve(args) -> int:
-    # lazy: the server's command line answers --help and bad arguments before jax, the model and the web stack load
+    # lazy: fastapi and uvicorn are the optional `serve` extra (pyproject.toml)
     import uvicorn
 
     from .serving.app import create_app
-    from .serving.scheduler import Scheduler
     sock = listen(args.host, args.port)            # first: a port in use fails before minutes of loading
     model, name = build_model(args)
     scheduler = Scheduler(model, chunk=args.chunk, max_queue=args.max_queue,

@@ -28,7 +28,15 @@ import platform
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+
+from .. import init_random, make_mesh, presets
 from ..engine import PREFILL_CHUNK
+from ..roofline import prefill_flops, roofline, weight_bytes_by_part
+from ..settings import Settings
+from . import cases, op_profile, probes
+from .plots import write_plots
 
 DEFAULT_PROBES = {"gpu": (1 << 30, 16384), "cpu": (64 << 20, 512)}   # bandwidth weight bytes, matmul n
 
@@ -93,13 +101,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _model_config(args):
-    # lazy: the benchmark's command line answers --help and bad arguments before jax loads
-    from .. import presets
     return presets.named(args.preset, args.layers)
 
 
 def _machine() -> dict:
-    import jax
     device = jax.devices()[0]
     return {"backend": jax.default_backend(), "device_kind": device.device_kind, "n_devices": jax.device_count(),
             "host": platform.node(), "cpu_count": os.cpu_count(), "jax": jax.__version__}
@@ -114,21 +119,12 @@ def _save(result: dict, path: str | None) -> None:
 
 
 def run(args) -> dict:
-    # lazy: the benchmark's command line answers --help and bad arguments before jax loads
-    import jax
-    import jax.numpy as jnp
-
-    import dsv4_jax
-    from ..roofline import prefill_flops, roofline, weight_bytes_by_part
-    from ..settings import Settings
-    from . import cases, op_profile, probes
-
     cfg = _model_config(args)
     kv_cache_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     backend = "gpu" if jax.default_backend() == "gpu" else "cpu"
     probe_bytes, probe_n = DEFAULT_PROBES[backend]
     probe_bytes, probe_n = args.bandwidth_bytes or probe_bytes, args.matmul_n or probe_n
-    mesh = dsv4_jax.make_mesh(args.devices) if args.devices > 1 else None
+    mesh = make_mesh(args.devices) if args.devices > 1 else None
     result = {"date": datetime.date.today().isoformat(),
               "command": " ".join(["python -m dsv4_jax.bench"] + list(args.argv)), "machine": _machine()}
 
@@ -138,7 +134,7 @@ def run(args) -> dict:
                             scan_layers=args.scan_layers)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    model = dsv4_jax.init_random(cfg, seed=0, mesh=mesh, settings=settings)
+    model = init_random(cfg, seed=0, mesh=mesh, settings=settings)
     jax.block_until_ready(model.params)
     held = sum(weight_bytes_by_part(cfg).values())
     result["model"] = {"preset": args.preset, "layers": cfg.n_layers, "weights_bytes": held,
@@ -286,7 +282,6 @@ def tables(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.replot:
-        from .plots import write_plots
         with open(args.replot) as f:
             for path in write_plots(json.load(f), args.plot):
                 print(path)
@@ -298,7 +293,6 @@ def main(argv=None) -> int:
         _save(result, args.out)
         print(f"wrote {args.out}")
     if args.plot:
-        from .plots import write_plots
         for path in write_plots(result, args.plot):
             print(f"wrote {path}")
     return 0
