@@ -25,6 +25,15 @@ from .ops.plan import KernelPlan, plan_kernels
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
+def check_numerics(dtype: str, act_quant: str) -> None:
+    """A one-line error unless `dtype` and `act_quant` name modes the model has (RunContext and settings.Settings
+    ask it)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if act_quant not in ACT_QUANT_MODES:
+        raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, got {act_quant!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Training:
     """What a training forward pass needs from the model (scripts/train_tiny.py uses it):
@@ -69,10 +78,7 @@ class RunContext:
     phase: str = "prefill"
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.act_quant not in ACT_QUANT_MODES:
-            raise ValueError(f"act_quant must be one of {ACT_QUANT_MODES}, got {self.act_quant!r}")
+        check_numerics(self.dtype, self.act_quant)
         if not isinstance(self.kernels, KernelPlan):
             raise TypeError(f"RunContext.kernels must be a KernelPlan, got {self.kernels!r} (RunContext.create "
                             f"resolves a mode)")

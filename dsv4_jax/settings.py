@@ -12,8 +12,8 @@ import dataclasses
 
 from .engine import PREFILL_CHUNK
 from .numerics.kv_cache import check_kv_cache_dtype
-from .ops.plan import KernelPlan, parse_overrides
-from .run_context import DTYPES, RunContext
+from .ops.plan import KernelPlan, check_kernel_mode, parse_overrides
+from .run_context import RunContext, check_numerics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +42,9 @@ class Settings:
     quantize_head: bool = False
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check_numerics(self.dtype, self.act_quant)
+        if not isinstance(self.kernels, KernelPlan):
+            check_kernel_mode(self.kernels)
         for name in ("max_seq_len", "max_batch", "prefill_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

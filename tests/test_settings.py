@@ -15,6 +15,8 @@ from dsv4_jax.settings import Settings
 
 @pytest.mark.parametrize("options, message", [
     (dict(dtype="float16"), "dtype must be one of"),
+    (dict(act_quant="int4"), "act_quant must be one of"),
+    (dict(kernels="gpu"), "kernels must be one of"),
     (dict(max_seq_len=0), "max_seq_len must be a positive integer, got 0"),
     (dict(max_batch=2.5), "max_batch must be a positive integer, got 2.5"),
     (dict(prefill_chunk=True), "prefill_chunk must be a positive integer, got True"),

@@ -40,8 +40,7 @@ class KernelPlan:
     overrides: tuple = ()
 
     def __post_init__(self):
-        if self.mode not in KERNEL_MODES:
-            raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.mode!r}")
+        check_kernel_mode(self.mode)
         if self.backend not in BACKENDS:
             raise ValueError(f"kernel backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.ffi and self.backend != "cuda":
@@ -67,6 +66,13 @@ class KernelPlan:
     def interpret(self) -> bool:
         """Whether the Pallas kernels run in interpret mode (the "interpret" plan: the kernels on a CPU)."""
         return self.backend == "interpret"
+
+
+def check_kernel_mode(mode) -> None:
+    """A one-line error unless `mode` is one of KERNEL_MODES (KernelPlan, plan_kernels and settings.Settings ask
+    it)."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {mode!r}")
 
 
 def parse_overrides(overrides) -> tuple:
@@ -115,8 +121,7 @@ def plan_kernels(mode: str, device=None, overrides=None) -> KernelPlan:
 
 
 def _plan_backend(mode: str, device) -> KernelPlan:
-    if mode not in KERNEL_MODES:
-        raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {mode!r}")
+    check_kernel_mode(mode)
     device = jax.devices()[0] if device is None else device
     target = device.device_kind
     nvidia = is_nvidia_gpu(device)
