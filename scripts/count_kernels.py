@@ -99,7 +99,8 @@ def add_kernel_override_options(parser) -> None:
                         help="a per-op override of the kernel plan (ops/choice.py), e.g. attention_core=kernel; "
                              "repeatable")
     parser.add_argument("--decode-attention", action="store_true",
-                        help="with the decode attention kernel (opt-in on GPUs): --kernel-override attention_core=kernel")
+                        help="with the decode attention kernel (opt-in on GPUs): --kernel-override "
+                             "attention_core=kernel")
 
 
 def kernel_overrides(args) -> list[str]:

@@ -555,9 +555,10 @@ def test_activation_quantization_takes_the_quantize_kernels():
     from dsv4_jax.numerics import activations
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((3, 320)) * np.exp(rng.uniform(-6, 6, (3, 1))), jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(act_quantize.fp8_activation(x, RunContext.create(kernels="interpret")), np.float32),
+    interpret = RunContext.create(kernels="interpret")
+    np.testing.assert_array_equal(np.asarray(act_quantize.fp8_activation(x, interpret), np.float32),
                                   np.asarray(activations.fp8_activation(x), np.float32))
-    values, gsa = act_quantize.nvfp4_activation(x, RunContext.create(kernels="interpret"))
+    values, gsa = act_quantize.nvfp4_activation(x, interpret)
     ref_values, ref_gsa = activations.nvfp4_activation(x)
     np.testing.assert_array_equal(np.asarray(values, np.float32), np.asarray(ref_values, np.float32))
     np.testing.assert_array_equal(np.asarray(gsa), np.asarray(ref_gsa))

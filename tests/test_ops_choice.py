@@ -71,7 +71,8 @@ def test_the_declared_phase_decides_not_the_row_count():
 def test_gpu_plans_take_the_opt_in_kernel_only_when_switched_on():
     gpu = KernelPlan("pallas", "pallas", target="NVIDIA H200")
     off = RunContext.create(dtype="bfloat16", kernels=gpu).in_phase("decode")
-    on = RunContext.create(dtype="bfloat16", kernels=gpu, kernel_overrides={"attention_core": "kernel"}).in_phase("decode")
+    on = RunContext.create(dtype="bfloat16", kernels=gpu,
+                           kernel_overrides={"attention_core": "kernel"}).in_phase("decode")
     from dsv4_jax.ops.attention_core import DECODE_KERNEL
     from dsv4_jax.ops.mhc_site import MHC_KERNELS
     with choice.record_dispatch() as rec:

@@ -69,8 +69,8 @@ def _inputs(rng, batch, seq, n_heads, head_dim, n_entries, ratio, starts, n_pick
 
 
 def _compact(args, dtype, rope_dim):
-    """The inputs with the ring and the compressed entries stored compact (numerics/kv_cache.py: e4m3 nope dims with E8M0
-    block scales, rope dims as they are), and the float32 values that storage holds, for the reference."""
+    """The inputs with the ring and the compressed entries stored compact (numerics/kv_cache.py: e4m3 nope dims with
+    E8M0 block scales, rope dims as they are), and the float32 values that storage holds, for the reference."""
     args = list(args)
     stored = {}
     for i in (1, 5):
@@ -134,8 +134,8 @@ def test_bfloat16_matches_float64_within_its_roundings(layout):
 
 
 def _numpy_rope(x, position: int, inv_freq, inverse: bool = False):
-    """ops/norm_rope.apply_rope in float64 on x [..., D] at one position: pairs (2i, 2i + 1) of the last 2 * len(inv_freq)
-    dims turned by the float32 angle position * f_i (the model forms the angle in float32)."""
+    """ops/norm_rope.apply_rope in float64 on x [..., D] at one position: pairs (2i, 2i + 1) of the last
+    2 * len(inv_freq) dims turned by the float32 angle position * f_i (the model forms the angle in float32)."""
     angle = (np.float32(position) * inv_freq.astype(np.float32)).astype(np.float64)
     sin = -np.sin(angle) if inverse else np.sin(angle)
     out = np.array(x, np.float64)

@@ -1,5 +1,6 @@
-"""The kernels' fake-quant roundings (dsv4_jax/pallas_kernels/rounding.py: floor-based, Triton has no `round`) equal
-numerics/fake_quant.py's bit for bit (a zero's sign aside), ties included: plain jnp functions, checked outside Pallas."""
+"""The kernels' fake-quant roundings (dsv4_jax/pallas_kernels/rounding.py: floor-based, Triton has no `round`)
+equal numerics/fake_quant.py's bit for bit (a zero's sign aside), ties included: plain jnp functions, checked
+outside Pallas."""
 
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ def test_fp8_and_fp4_roundings_equal_fake_quant():
 
 
 def test_in_kernel_e4m3_rounding_equals_the_models():
-    """The kernels' e4m3 rounding (floor-based: Triton has no `round`) against numerics/fake_quant.round_to_e4m3 on every
-    e4m3 value, every midpoint between neighbours (the ties, which go to the even one), points just off them, values
-    past saturation and below the smallest subnormal."""
+    """The kernels' e4m3 rounding (floor-based: Triton has no `round`) against numerics/fake_quant.round_to_e4m3 on
+    every e4m3 value, every midpoint between neighbours (the ties, which go to the even one), points just off them,
+    values past saturation and below the smallest subnormal."""
     from dsv4_jax.numerics.fake_quant import round_to_e4m3
     grid = np.unique(np.asarray(jnp.arange(256, dtype=jnp.uint8).view(jnp.float8_e4m3fn).astype(jnp.float32)))
     grid = grid[np.isfinite(grid)]

@@ -3,8 +3,9 @@
 A request is prefilled alone (a batch-1 state, `Model.prefill`) and `admit` writes that state into a free row of the
 shared one (an engine.GenerationState) with `dynamic_update_slice`, samples the request's first token and sets the
 row's own sampling parameters, stop tokens and random key. The shared loop, `generation.generate_chunk`, then runs
-up to `chunk` steps of the whole batch in one `lax.while_loop`; rows that are done (or free) stay frozen. Nothing here depends on how many rows there are or
-which row a request has: every shape is static, so requests join and leave without recompiling.
+up to `chunk` steps of the whole batch in one `lax.while_loop`; rows that are done (or free) stay frozen. Nothing
+here depends on how many rows there are or which row a request has: every shape is static, so requests join and
+leave without recompiling.
 
 Random numbers: a request's key is threefry's key of its 64-bit seed, folded with the choice index (OpenAI `n`),
 and its i-th generated token is drawn with that key folded with i. A seeded request therefore samples the same
