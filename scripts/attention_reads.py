@@ -9,8 +9,8 @@ whole buffers live (no context bucket), for the caches in the activation dtype a
 any) whose operands include one of the attention caches (window ring, compressed entries, indexer keys;
 recognised by their shapes) is listed with what it is (a gather, a dot, an elementwise fusion, ...), the cache
 bytes it takes and the bytes it writes. A gather reads only the rows it selects; a scatter fusion updates its
-buffer in place; anything else that takes a whole cache reads all of it, except the decode attention kernel (pallas_kernels/decode_attention.py), which takes the
-whole buffers and loads only the rows it attends: the ring, the chunk, and the picked (CSA) or visible (HCA)
+buffer in place; anything else that takes a whole cache reads all of it, except the decode attention kernel
+(pallas_kernels/decode_attention.py), which takes the whole buffers and loads only the rows it attends: the ring, the chunk, and the picked (CSA) or visible (HCA)
 entries ("reads": "attended rows"). Instructions that take a cache only through a bitcast (the indexer's score
 dot) are not listed.
 """
