@@ -4,15 +4,15 @@
 
 Compiles the batch-1 decode step of a 2-layer Flash-geometry model (one CSA layer, ratio 4 with the indexer, and
 one HCA layer, ratio 128) for a compile-only H200 (scripts/count_kernels.py's device) at --max-seq-len, with the
-whole buffers live (no context bucket), for the caches in the activation dtype and in "fp8"
-(numerics/kv_cache.py). Every top-level instruction of the entry computation (and of the decode loop's body, if
-any) whose operands include one of the attention caches (window ring, compressed entries, indexer keys;
-recognised by their shapes) is listed with what it is (a gather, a dot, an elementwise fusion, ...), the cache
-bytes it takes and the bytes it writes. A gather reads only the rows it selects; a scatter fusion updates its
-buffer in place; anything else that takes a whole cache reads all of it, except the decode attention kernel
-(pallas_kernels/decode_attention.py), which takes the whole buffers and loads only the rows it attends: the ring, the chunk, and the picked (CSA) or visible (HCA)
-entries ("reads": "attended rows"). Instructions that take a cache only through a bitcast (the indexer's score
-dot) are not listed.
+whole buffers live (no context bucket), for the caches in the activation dtype and in "fp8" (numerics/kv_cache.py).
+Every top-level instruction of the entry computation (and of the decode loop's body, if any) whose operands include
+one of the attention caches (window ring, compressed entries, indexer keys; recognised by their shapes) is listed
+with what it is (a gather, a dot, an elementwise fusion, ...), the cache bytes it takes and the bytes it writes. A
+gather reads only the rows it selects; a scatter fusion updates its buffer in place; anything else that takes a
+whole cache reads all of it, except the decode attention kernel (pallas_kernels/decode_attention.py), which takes
+the whole buffers and loads only the rows it attends: the ring, the chunk, and the picked (CSA) or visible (HCA)
+entries ("reads": "attended rows"). Instructions that take a cache only through a bitcast (the indexer's score dot)
+are not listed.
 """
 
 from __future__ import annotations
