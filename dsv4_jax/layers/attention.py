@@ -112,15 +112,15 @@ def _feed_compressor(params: dict, x, start, n_valid, state, entries, defer: boo
     return entries, state, None
 
 
-def _output(params: dict, cfg: ModelConfig, out: jax.Array, out_dtype, ctx) -> jax.Array:
+def _output(params: dict, cfg: ModelConfig, out: jax.Array, ctx) -> jax.Array:
     """The grouped low-rank output projection of the heads' outputs [B, S, n_heads, head_dim] (inverse RoPE done):
-    wo_a per group, then wo_b. [B, S, D] in out_dtype."""
+    wo_a per group, then wo_b. float32 [B, S, D] (the next mHC site rounds it to the streams' dtype)."""
     batch, seq = out.shape[:2]
     groups = cfg.o_groups
     out = out.reshape(batch, seq, groups, (cfg.n_heads // groups) * cfg.head_dim)
     # wo_a: the reference multiplies it in bf16 (convert.py dequantizes it), so its input is never quantized.
     z = group_linear(out, params["wo_a"]["weight"], ctx=ctx.without_act_quant())
-    return linear(z.reshape(batch, seq, groups * cfg.o_lora_rank), params["wo_b"]["weight"], out_dtype, ctx=ctx)
+    return linear(z.reshape(batch, seq, groups * cfg.o_lora_rank), params["wo_b"]["weight"], jnp.float32, ctx=ctx)
 
 
 def _split_heads_output(params: dict, cfg: ModelConfig, q_latent, kv, ring, compressed, picks, start, positions,
@@ -128,7 +128,7 @@ def _split_heads_output(params: dict, cfg: ModelConfig, q_latent, kv, ring, comp
     """Queries, attention and output projection with the heads split over the mesh's "expert" axis (sharding.rules):
     each device runs, inside shard_map on its local shards, its n_heads / n heads and o_groups / n output groups,
     and one psum (float32) adds the devices' partial wo_b outputs. The inputs (the query latent, the chunk's keys,
-    the caches, the picks) are the same on every device. Returns [B, S, D] in q_latent's dtype."""
+    the caches, the picks) are the same on every device. Returns float32 [B, S, D]."""
     mesh, n = ctx.mesh, expert_devices(ctx.mesh)
     local_cfg = cfg.replace(n_heads=cfg.n_heads // n, o_groups=cfg.o_groups // n)
     heads = {name: params[name] for name in ("wq_b", "attn_sink", "wo_a", "wo_b")}
@@ -140,11 +140,10 @@ def _split_heads_output(params: dict, cfg: ModelConfig, q_latent, kv, ring, comp
         out = attention_core._attend(q, ring, kv, start, positions, heads["attn_sink"], cfg.head_dim ** -0.5,
                                      cfg.window_size, ratio, compressed, picks)
         out = apply_rope(out, positions[:, :, None], inv_freq, inverse=True)
-        return jax.lax.psum(_output(heads, local_cfg, out, jnp.float32, ctx), EXPERT)
+        return jax.lax.psum(_output(heads, local_cfg, out, ctx), EXPERT)
 
-    y = jax.shard_map(local, mesh=mesh, in_specs=(specs, *(jax.tree.map(lambda _: P(), a) for a in replicated)),
-                      out_specs=P(), check_vma=False)(heads, *replicated)
-    return y.astype(q_latent.dtype)
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs, *(jax.tree.map(lambda _: P(), a) for a in replicated)),
+                         out_specs=P(), check_vma=False)(heads, *replicated)
 
 
 @jax.named_scope("attention")
@@ -215,17 +214,15 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, chunk: C
     if not split:
         out = attention_core.attend(q, ring, kv, start, positions, params["attn_sink"], cfg, ratio, compressed,
                                     picks, live, inv_freq, ctx)
-    if defer:
-        cache = cache.replace(window_kv=ring)                  # written by commit_attention
-    elif ring_written is not None:
-        cache = cache.replace(window_kv=ring)                  # written with the keys
-    else:
+    if ring_written is not None:
+        cache = cache.replace(window_kv=ring_written)          # written with the keys
+    elif not defer:                                            # (deferred: commit_attention writes it)
         cache = cache.replace(window_kv=write_ring(ring, kv, start, n_valid))
     if split:
         if compressed is not None and ratio != 4:
             compressed = compressed.leading(live)
         y = _split_heads_output(params, cfg, q_latent, kv, ring, compressed, picks, start, positions,
-                                ratio if compressed is not None else 0, inv_freq, ctx).astype(jnp.float32)
+                                ratio if compressed is not None else 0, inv_freq, ctx)
     else:
-        y = _output(params, cfg, out, jnp.float32, ctx)
+        y = _output(params, cfg, out, ctx)
     return y, cache, stats, deferred
