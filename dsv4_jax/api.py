@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import engine, generation
+from . import engine, generation, stats_report
 from .config import ModelConfig
 from .layer_scan import is_scanned, scan_plan, stack_layers, unstack_layers
 from .module import DeepseekV4
+from .ops import layer_stats
 from .sampling import Sampling
 from .settings import Settings
 from .sharding import check_mesh, param_shardings, state_shardings
@@ -40,6 +41,10 @@ def _state_maker(cfg: ModelConfig, batch: int, max_seq_len: int, dtype, scan_lay
 
 
 MIN_CONTEXT_BUCKET = 4096     # the smallest context bucket: below it the whole buffers are cheap anyway
+
+
+# Two statistics summaries as one, on the device (one small program instead of an op per leaf).
+_merge_summaries = jax.jit(layer_stats.merge)
 
 
 def context_bucket(positions: int, max_seq_len: int) -> int | None:
@@ -65,6 +70,10 @@ class GenerationResult:
     # (1 + the mean accepted drafts), and per draft position j the share of steps whose draft j was accepted.
     acceptance: float | None = None
     acceptance_rates: list[float] | None = None
+    # With stats=True: the layers' statistics over the generated tokens' steps and over the prompt's prefill
+    # (stats_report.StatsReport: a table, flags, JSON).
+    stats: stats_report.StatsReport | None = None
+    prompt_stats: stats_report.StatsReport | None = None
 
 
 class Model:
@@ -142,10 +151,19 @@ class Model:
             raise ValueError(f"batch of {batch} sequences exceeds max_batch={self.max_batch}")
 
     # ---- forward --------------------------------------------------------------------------------------------
-    def forward(self, tokens) -> jax.Array:
-        """int32 [B, S] -> float32 logits [B, S, V], teacher-forced from position 0."""
+    def forward(self, tokens, stats: bool = False):
+        """int32 [B, S] -> float32 logits [B, S, V], teacher-forced from position 0. `stats`: (logits, the layers'
+        statistics), a device summary (ops/layer_stats.py) that dsv4_jax.stats_report.report turns into a table."""
         tokens = self._check_tokens(tokens, 2, "tokens")
-        return engine.forward(self.params, jnp.asarray(tokens), cfg=self.config, ctx=self.context)
+        return engine.forward(self.params, jax.device_put(tokens), cfg=self.config, ctx=self._stats_context(stats))
+
+    def _stats_context(self, stats: bool, ctx=None):
+        """The run context (default: the model's) with the layer statistics on or off (a one-line error for a
+        `stats` that is not a bool)."""
+        if not isinstance(stats, bool):
+            raise ValueError(f"stats must be True or False, got {stats!r}")
+        ctx = self.context if ctx is None else ctx
+        return ctx.replace(stats=True) if stats else ctx
 
     def forward_mtp(self, tokens, next_tokens) -> jax.Array:
         """MTP logits [B, S, V]: position i uses the main model's streams at i and next_tokens[:, i]."""
@@ -167,10 +185,12 @@ class Model:
         return state_bytes(self.config, self.max_batch if batch is None else batch, self.max_seq_len,
                            self.context.dtype, self.kv_cache_dtype)
 
-    def prefill(self, tokens, lengths=None, state: DecodeState | None = None, track_mtp: bool | None = None):
+    def prefill(self, tokens, lengths=None, state: DecodeState | None = None, track_mtp: bool | None = None,
+                stats: bool = False):
         """Consume prompts tokens [B, S] (row b's first lengths[b] tokens are real). Without `state` a fresh one
         is made; with one, the tokens continue each sequence (chunked prefill). Returns (logits [B, V] of each
-        row's last consumed token, state). `track_mtp` (default: the model's) also feeds the MTP block's window."""
+        row's last consumed token, state). `track_mtp` (default: the model's) also feeds the MTP block's window.
+        `stats`: (logits, state, the layers' statistics summed up over the chunks, on the device)."""
         tokens = self._check_tokens(tokens, 2, "tokens")
         batch, seq = tokens.shape
         self._check_batch(batch)
@@ -191,31 +211,36 @@ class Model:
             b = int(np.argmax(too_long))
             raise ValueError(f"sequence {b}: {int(consumed[b] + lengths[b])} tokens exceed max_seq_len="
                              f"{self.max_seq_len}")
-        ctx = self.context_for(int((consumed + lengths).max()))
+        ctx = self._stats_context(stats, self.context_for(int((consumed + lengths).max())))
         # Chunks are padded to a power of two so prompts of many lengths share a few compiled programs.
         chunk = min(self.prefill_chunk, 1 << max(seq - 1, 0).bit_length())
         n_chunks = max(1, -(-seq // chunk))
         padded = np.zeros((batch, n_chunks * chunk), np.int32)
         padded[:, :seq] = tokens
-        logits = jnp.zeros((batch, self.config.vocab_size), jnp.float32)
+        # host arrays go over explicitly (jax.device_put): a prefill runs under jax.transfer_guard("disallow")
+        logits = jax.device_put(np.zeros((batch, self.config.vocab_size), np.float32))
+        summary = None
         for k in range(n_chunks):
             n_valid = np.clip(lengths - k * chunk, 0, chunk).astype(np.int32)
-            logits, state = engine.prefill_chunk(self.params, state, jnp.asarray(padded[:, k * chunk:(k + 1) * chunk]),
-                                                 jnp.asarray(n_valid), logits, cfg=self.config, ctx=ctx,
-                                                 track_mtp=self.track_mtp if track_mtp is None else track_mtp)
-        return logits, state
+            logits, state, *chunk_summary = engine.prefill_chunk(
+                self.params, state, jax.device_put(padded[:, k * chunk:(k + 1) * chunk]), jax.device_put(n_valid),
+                logits, cfg=self.config, ctx=ctx, track_mtp=self.track_mtp if track_mtp is None else track_mtp)
+            if stats:
+                summary = chunk_summary[0] if summary is None else _merge_summaries(summary, chunk_summary[0])
+        return (logits, state, summary) if stats else (logits, state)
 
     def context_for(self, positions: int):
         """The run context of a call whose tokens all lie below `positions` (known on the host: no device read)."""
         return self.context.replace(context_limit=context_bucket(positions, self.max_seq_len))
 
-    def decode(self, tokens, state: DecodeState):
+    def decode(self, tokens, state: DecodeState, stats: bool = False):
         """One step: tokens [B] -> (logits [B, V], state). The state is donated (do not reuse the old one). Host
         token ids are checked here; device arrays are not read back: a row whose id lies outside the vocabulary,
-        or whose sequence is past max_seq_len, gets NaN logits (and its state row is no longer meaningful)."""
+        or whose sequence is past max_seq_len, gets NaN logits (and its state row is no longer meaningful).
+        `stats`: (logits, state, the step's layer statistics, on the device)."""
         if not isinstance(tokens, jax.Array):
-            tokens = jnp.asarray(self._check_tokens(tokens, 1, "tokens"))
-        return engine.decode_step(self.params, state, tokens, cfg=self.config, ctx=self.context,
+            tokens = jax.device_put(self._check_tokens(tokens, 1, "tokens"))
+        return engine.decode_step(self.params, state, tokens, cfg=self.config, ctx=self._stats_context(stats),
                                   max_seq_len=self.max_seq_len, track_mtp=self.track_mtp)
 
     def mtp_draft(self, next_tokens, state: DecodeState) -> jax.Array:
@@ -230,7 +255,7 @@ class Model:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_tokens: Sequence[int] | None = None,
                  stream: Callable[[list[list[int]]], object] | None = None, chunk: int = 16,
-                 speculative_tokens: int = 0) -> GenerationResult:
+                 speculative_tokens: int = 0, stats: bool = False) -> GenerationResult:
         """Generate continuations of a batch of prompts (lists of token ids) with an on-device loop.
 
         Sampling: temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. Each sequence stops at
@@ -244,7 +269,15 @@ class Model:
         chunk (dsv4_jax.speculative); greedy output is the same as without, sampled output has the same
         distribution. Needs a config with an MTP block and k spare positions (prompt + max_new_tokens + k <=
         max_seq_len); the result reports the acceptance.
+
+        `stats`: every layer also measures its numbers on the device (ops/layer_stats.py); the result's `stats`
+        (the generated tokens' steps) and `prompt_stats` (the prompt's prefill) are stats_report.StatsReport
+        tables with anomalous layers flagged. They are read with the last chunk's tokens: no read more than
+        without. Not with speculative_tokens.
         """
+        self._stats_context(stats)                                     # (checks it)
+        if stats and speculative_tokens:
+            raise ValueError("stats=True needs speculative_tokens=0 (speculative steps have no layer statistics)")
         prompts = [list(p) for p in prompts]
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token id lists")
@@ -275,7 +308,7 @@ class Model:
         for b, p in enumerate(prompts):
             tokens[b, :len(p)] = p
             lengths[b] = len(p)
-        logits, state = self.prefill(tokens, lengths, track_mtp=self.track_mtp or k > 0)
+        logits, state, *prompt_summary = self.prefill(tokens, lengths, track_mtp=self.track_mtp or k > 0, stats=stats)
         budget = np.ones((rows,), np.int32)
         budget[:batch] = max_new_tokens
         # row b samples with the key of `seed` folded with b (sampling.Sampling), as the server's choice b would
@@ -289,7 +322,7 @@ class Model:
 
         def drain(chunk_tokens):
             new = [[int(t) for t in row if t >= 0] if not finished[b] else []
-                   for b, row in enumerate(np.asarray(chunk_tokens)[:batch])]
+                   for b, row in enumerate(chunk_tokens[:batch])]
             for b, toks in enumerate(new):
                 outputs[b].extend(toks)
                 finished[b] = finished[b] or any(t in stops for t in toks) or len(outputs[b]) >= max_new_tokens
@@ -301,25 +334,40 @@ class Model:
         # The host reads chunk k-1 while the device runs chunk k, so the device never waits for the host; the
         # stopping decision uses only tokens already read (a finished batch costs one empty chunk at most). Rows
         # the host finished (the caller's stops) are halted on the device at the next chunk.
+        # Each chunk's outputs come back in one jax.device_get; with `stats` the chunks' statistics are summed up
+        # on the device and read with the last chunk's tokens.
         pending = generation.ChunkOut(first[:, None], *(None,) * 5)
         fed = longest          # a bound on every sequence's position, known here without reading the device
+        summary = stats_read = None
         while pending is not None:
             out = None
             if not all(finished):
                 fed += chunk * (k + 1)
                 halt = np.zeros((rows,), bool)
                 halt[sorted(stopped_here)] = True
-                gen, out = generation.generate_chunk(self.params, gen, jnp.asarray(halt), cfg=self.config,
-                                                     ctx=self.context_for(fed), max_seq_len=self.max_seq_len,
-                                                     chunk=chunk, track_mtp=self.track_mtp, speculative_tokens=k)
-            drain(pending.tokens)
-            if k and pending.steps is not None:
-                steps += int(np.asarray(pending.steps)[:batch].sum())
-                accepted += np.asarray(pending.accepted)[:batch].sum(axis=0)
+                gen, out = generation.generate_chunk(self.params, gen, jax.device_put(halt), cfg=self.config,
+                                                     ctx=self._stats_context(stats, self.context_for(fed)),
+                                                     max_seq_len=self.max_seq_len, chunk=chunk,
+                                                     track_mtp=self.track_mtp, speculative_tokens=k)
+                if stats:
+                    summary = out.stats if summary is None else _merge_summaries(summary, out.stats)
+            last = stats and out is None
+            host = jax.device_get((pending.tokens, pending.steps, pending.accepted,
+                                   (prompt_summary[0], summary) if last else None))
+            drain(host[0])
+            if k and host[1] is not None:
+                steps += int(host[1][:batch].sum())
+                accepted += host[2][:batch].sum(axis=0)
+            if last:
+                stats_read = host[3]
             pending = out
         reasons = ["stop" if (b in stopped_here or (o and o[-1] in stops)) else "length"
                    for b, o in enumerate(outputs)]
         result = GenerationResult(tokens=outputs, finish_reasons=reasons)
+        if stats:
+            result.prompt_stats = stats_report.report(stats_read[0], self.config)
+            if stats_read[1] is not None:                     # (None: every row finished with its first token)
+                result.stats = stats_report.report(stats_read[1], self.config)
         if k:
             result.acceptance = 1.0 + float(accepted.sum()) / max(steps, 1)
             result.acceptance_rates = [float(a) / max(steps, 1) for a in accepted]

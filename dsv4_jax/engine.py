@@ -20,6 +20,7 @@ from .config import ModelConfig
 from .layer_scan import is_scanned
 from .layers.chunk import Chunk
 from .model import backbone, commit_backbone, head_logits, mtp_block, mtp_streams
+from .ops import layer_stats
 from .run_context import RunContext
 from .sampling import Sampling
 from .state import DecodeState, init_state
@@ -34,9 +35,23 @@ PREFILL_CHUNK = 2048
 def _run_chunk(params, cfg: ModelConfig, ctx: RunContext, state: DecodeState, tokens, n_valid,
                track_mtp: bool = False):
     """Consume tokens [B, S] (the first n_valid[b] real) at each sequence's position. Returns (final streams
-    X [B, S, n, D], state). With `track_mtp` the MTP block's window is updated too (see `_mtp_window_update`)."""
-    X, layers, _, _ = backbone(params, cfg, ctx, Chunk(tokens, state.positions, n_valid), state.layers)
-    return X, _advance(params, cfg, ctx, state, layers, X, tokens, n_valid, track_mtp)
+    X [B, S, n, D], state, the layers' statistics summary with ctx.stats, else None). With `track_mtp` the MTP
+    block's window is updated too (see `_mtp_window_update`)."""
+    X, layers, stats, _ = backbone(params, cfg, ctx, Chunk(tokens, state.positions, n_valid), state.layers)
+    return X, _advance(params, cfg, ctx, state, layers, X, tokens, n_valid, track_mtp), _summary(ctx, stats, n_valid)
+
+
+def _summary(ctx: RunContext, stats: list, n_valid) -> dict | None:
+    """The backbone's per-layer statistics as one ops/layer_stats.py summary (None without ctx.stats)."""
+    if not ctx.stats:
+        return None
+    record = layer_stats.stack_layers([layer["diagnostics"] for layer in stats])
+    return layer_stats.summarize(record, jnp.sum(n_valid))
+
+
+def with_stats(outputs: tuple, summary: dict | None):
+    """A program's outputs, with the statistics summary appended when there is one (ctx.stats)."""
+    return outputs if summary is None else (*outputs, summary)
 
 
 def _advance(params, cfg, ctx, state, layers, X, tokens, n_valid, track_mtp):
@@ -97,23 +112,25 @@ def mtp_draft(params, state: DecodeState, next_tokens, *, cfg: ModelConfig, ctx:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ctx"))
 def forward(params, tokens, *, cfg: ModelConfig, ctx: RunContext):
-    """Teacher-forced logits float32 [B, S, V] of tokens [B, S] from position 0."""
+    """Teacher-forced logits float32 [B, S, V] of tokens [B, S] from position 0; with ctx.stats (logits, the
+    layers' statistics summary, ops/layer_stats.py)."""
     ctx = ctx.in_phase("prefill")
     batch, seq = tokens.shape
     state = init_state(cfg, batch, seq, ctx.jnp_dtype, is_scanned(params))
-    X, _ = _run_chunk(params, cfg, ctx, state, tokens, jnp.full((batch,), seq, jnp.int32))
-    return head_logits(params, params, cfg, X, ctx)
+    X, _, summary = _run_chunk(params, cfg, ctx, state, tokens, jnp.full((batch,), seq, jnp.int32))
+    logits = head_logits(params, params, cfg, X, ctx)
+    return logits if summary is None else (logits, summary)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ctx"))
 def forward_mtp(params, tokens, next_tokens, *, cfg: ModelConfig, ctx: RunContext):
     """Teacher-forced MTP logits [B, S, V]: position i sees the main streams of i and next_tokens[:, i]
-    (the token at i+1) and predicts the token at i+2."""
-    ctx = ctx.in_phase("prefill")
+    (the token at i+1) and predicts the token at i+2. (No statistics: ctx.stats is set aside.)"""
+    ctx = ctx.in_phase("prefill").replace(stats=False)
     batch, seq = tokens.shape
     state = init_state(cfg, batch, seq, ctx.jnp_dtype, is_scanned(params))
     n_valid = jnp.full((batch,), seq, jnp.int32)
-    X, _ = _run_chunk(params, cfg, ctx, state, tokens, n_valid)
+    X, _, _ = _run_chunk(params, cfg, ctx, state, tokens, n_valid)
     logits, _, _ = mtp_block(params, cfg, ctx, X, Chunk(next_tokens, state.positions, n_valid), state.mtp[0])
     return logits
 
@@ -122,33 +139,36 @@ def forward_mtp(params, tokens, next_tokens, *, cfg: ModelConfig, ctx: RunContex
 def prefill_chunk(params, state: DecodeState, tokens, n_valid, last_logits, *, cfg: ModelConfig,
                   ctx: RunContext, track_mtp: bool = False):
     """Consume tokens [B, C] (the first n_valid[b] real) at each sequence's current position. Returns
-    (logits of each row's last real token in this chunk, or `last_logits` where the row had none; state)."""
+    (logits of each row's last real token in this chunk, or `last_logits` where the row had none; state; with
+    ctx.stats the chunk's statistics summary)."""
     ctx = ctx.in_phase("prefill")
-    X, state = _run_chunk(params, cfg, ctx, state, tokens, n_valid, track_mtp)
+    X, state, summary = _run_chunk(params, cfg, ctx, state, tokens, n_valid, track_mtp)
     last = jnp.maximum(n_valid - 1, 0)
     X_last = jnp.take_along_axis(X, last[:, None, None, None], axis=1)
     logits = head_logits(params, params, cfg, X_last, ctx)[:, 0]
-    return jnp.where((n_valid > 0)[:, None], logits, last_logits), state
+    return with_stats((jnp.where((n_valid > 0)[:, None], logits, last_logits), state), summary)
 
 
 def decode_rows(params, state, tokens, active, cfg: ModelConfig, ctx: RunContext, max_seq_len: int,
                 track_mtp: bool = False):
     """One decode step of the rows where `active` [B] holds (the others consume nothing): tokens [B] ->
-    (logits [B, V] float32, state). Traced inside a program (decode_step, generation.generate_chunk)."""
+    (logits [B, V] float32, state[, the step's statistics summary with ctx.stats]). Traced inside a program
+    (decode_step, generation.generate_chunk)."""
     ctx = ctx.in_phase("decode")
-    X, new_state = _run_chunk(params, cfg, ctx, state, tokens[:, None], active.astype(jnp.int32), track_mtp)
+    X, new_state, summary = _run_chunk(params, cfg, ctx, state, tokens[:, None], active.astype(jnp.int32),
+                                       track_mtp)
     logits = head_logits(params, params, cfg, X, ctx)[:, 0]
     # Past the buffers' capacity the caches would be wrong, and a token id outside the vocabulary has no embedding
     # (the gather would clamp it): say so with NaN rather than a plausible token. Checking on the host would need
     # a device read per step.
     invalid = (state.positions >= max_seq_len) | (tokens < 0) | (tokens >= cfg.vocab_size)
-    return jnp.where(invalid[:, None], jnp.nan, logits), new_state
+    return with_stats((jnp.where(invalid[:, None], jnp.nan, logits), new_state), summary)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ctx", "max_seq_len", "track_mtp"), donate_argnames=("state",))
 def decode_step(params, state: DecodeState, tokens, *, cfg: ModelConfig, ctx: RunContext, max_seq_len: int,
                 track_mtp: bool = False):
-    """One token per sequence: tokens [B] -> (logits [B, V] float32, state)."""
+    """One token per sequence: tokens [B] -> (logits [B, V] float32, state[, statistics summary with ctx.stats])."""
     return decode_rows(params, state, tokens, jnp.ones(tokens.shape, bool), cfg, ctx, max_seq_len, track_mtp)
 
 

@@ -76,7 +76,22 @@ batches:
                   ids, the stop token included when hit), "finish_reason"
                   ("stop" or "length")}, ...],
      "timing": {"load_s", "prefill_s", "decode_s", "compile_s", "prompt_tokens",
-                "generated_tokens", "decode_tokens", "decode_tokens_per_s"}}
+                "generated_tokens", "decode_tokens", "decode_tokens_per_s"},
+     with --stats also "stats": {"prompt", "generated"} (per layer: the mean,
+     max and min over calls of each measure, counts, and the flags)}
+
+--stats:
+  every layer measures, inside the compiled programs, over the real tokens:
+  RMS of the residual streams entering it, after its attention and after its
+  MoE; their max |x|; RMS of the attention and MoE outputs; the mHC mixing
+  weights' range; router entropy (nats) and expert load (max / mean); the
+  compressed entries a query attends; the share of activation block scales
+  that saturate / underflow and the NVFP4 global scales used (act_quant).
+  Two tables go to stderr: the prompt's prefill, and the generated tokens'
+  decode steps (means over steps; max |x| the max). A layer is flagged for
+  NaN / inf, a residual RMS growing more than 16x across a sub-layer (max |x|
+  1000x), an output RMS of zero, or more than 1% of block scales saturating
+  or underflowing (dsv4_jax/stats_report.py). Not with --speculative-tokens.
 
 timing:
   prefill is the time to the first generated token, which includes compiling
@@ -228,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one machine-readable JSON object on stdout (see below); implies --no-stream")
     out.add_argument("--verbose", action="store_true",
                      help="print on stderr the backend, the devices and the kernel each matmul kind takes")
+    out.add_argument("--stats", action="store_true",
+                     help="measure every layer's numbers on the device (residual and output sizes, mHC mixing, "
+                          "routing, activation block scales) and print a per-layer table on stderr after the reply, "
+                          "anomalous layers flagged (see below); in --json under \"stats\"")
     return p
 
 
@@ -241,6 +260,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                        f"chat format (see {PROG} --help)", EXIT_USAGE)
     if any(not s for s in args.stop):
         raise CLIError(f"--stop needs a non-empty TEXT (see {PROG} --help)", EXIT_USAGE)
+    if args.stats and args.speculative_tokens:
+        raise CLIError(f"--stats needs --speculative-tokens 0 (speculative steps have no layer statistics; see "
+                       f"{PROG} --help)", EXIT_USAGE)
     return args
 
 
@@ -452,6 +474,9 @@ def run(args) -> int:
         progress.close()
     load_s = time.perf_counter() - t_load
     if interactive:
+        if args.stats:
+            raise CLIError(f"--stats applies to one reply: give --prompt or --prompt-file (see {PROG} --help)",
+                           EXIT_USAGE)
         return chat_loop(model, args)
 
     if args.verbose:
@@ -488,7 +513,7 @@ def run(args) -> int:
         with CompileTimer(on_first=compiling_notice) as compile_timer, _recording(args.verbose) as dispatch:
             result = model.generate(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     top_p=args.top_p, top_k=args.top_k, seed=args.seed, stream=on_tokens,
-                                    speculative_tokens=args.speculative_tokens)
+                                    speculative_tokens=args.speculative_tokens, stats=args.stats)
     except KeyboardInterrupt:
         sys.stdout.flush()
         timing = _timing(texts, prompt_ids, load_s, t_gen, time.perf_counter(), first_token_at,
@@ -531,7 +556,14 @@ def run(args) -> int:
         }
         if result.acceptance is not None:
             doc["speculative"] = {"tokens_per_step": result.acceptance, "acceptance_rates": result.acceptance_rates}
+        if args.stats:
+            doc["stats"] = {"prompt": result.prompt_stats.to_json(),
+                            "generated": result.stats.to_json() if result.stats is not None else None}
         _write(json.dumps(doc) + "\n")
+    if args.stats:
+        print("\nprompt (prefill) " + result.prompt_stats.table(), file=sys.stderr)
+        if result.stats is not None:
+            print("\ngenerated tokens (decode steps) " + result.stats.table(), file=sys.stderr)
     if result.acceptance is not None:
         rates = ", ".join(f"{r:.2f}" for r in result.acceptance_rates)
         print(f"speculative decoding: {result.acceptance:.2f} tokens per model step; draft acceptance by position: "

@@ -20,9 +20,9 @@ from .layer_scan import StackedLayers
 from .layers.attention import DeferredChunk, LayerCache, attention, commit_attention
 from .layers.chunk import Chunk
 from .layers.hyper import hc_head
-from .ops import linear, mhc_site
+from .ops import layer_stats, linear, mhc_site
 from .ops.mhc_site import hc_post
-from .ops.moe_ffn import moe
+from .ops.moe_ffn import MoeParts, moe
 from .ops.norm_rope import rms_norm, rope_inv_freq
 from .run_context import RunContext
 
@@ -38,7 +38,8 @@ def layer_kind(cfg: ModelConfig, layer: int) -> str:
 
 class BlockOut(NamedTuple):
     """What a block (or the backbone) returns: the streams, the new cache(s), statistics ({} for inference; under
-    training the layer's `indexer_kl` and `expert_load`, run_context.Training) and, for a chunk read with `defer`,
+    training the layer's `indexer_kl` and `expert_load`, run_context.Training; with ctx.stats its "diagnostics",
+    ops/layer_stats.py) and, for a chunk read with `defer`,
     what its commit needs beside the cache(s) (layers.attention.DeferredChunk; None otherwise)."""
     streams: object
     cache: object
@@ -84,15 +85,43 @@ def commit_block(params: dict, cfg: ModelConfig, ctx: RunContext, layer: int, ca
 
 def _block(params, cfg, ctx, layer, X, post_mix, chunk, cache, defer) -> BlockOut:
     ratio = cfg.compress_ratios[layer]
-    x, post, comb, X = mhc_site.pre_norm(X, params["hc_attn_fn"], params["hc_attn_base"], params["hc_attn_scale"],
-                                         params["attn_norm"]["weight"], cfg, ctx, post_mix=post_mix)
-    y, cache, attn_stats, deferred = attention(params["attn"], cfg, ratio, x, chunk, cache,
-                                               rope_inv_freq(cfg, ratio), ctx, defer)
+    x, attn_post, attn_comb, X_in = mhc_site.pre_norm(X, params["hc_attn_fn"], params["hc_attn_base"],
+                                                      params["hc_attn_scale"], params["attn_norm"]["weight"], cfg,
+                                                      ctx, post_mix=post_mix)
+    with layer_stats.collecting() as attn_taps:        # (ctx.stats: what the sub-layer's quantization does)
+        y_attn, cache, attn_stats, deferred = attention(params["attn"], cfg, ratio, x, chunk, cache,
+                                                        rope_inv_freq(cfg, ratio), ctx, defer)
     # the attention's hc_post runs inside the next site, which rounds its float32 output to the streams' dtype
-    x, post, comb, X = mhc_site.pre_norm(X, params["hc_ffn_fn"], params["hc_ffn_base"], params["hc_ffn_scale"],
-                                         params["ffn_norm"]["weight"], cfg, ctx, post_mix=(y, post, comb))
-    y, moe_stats = moe(params["ffn"], cfg, x, chunk.tokens, cfg.is_hash_layer(layer), ctx)
-    return BlockOut((X, (y, post, comb)), cache, attn_stats | moe_stats, deferred)
+    x, post, comb, X = mhc_site.pre_norm(X_in, params["hc_ffn_fn"], params["hc_ffn_base"], params["hc_ffn_scale"],
+                                         params["ffn_norm"]["weight"], cfg, ctx,
+                                         post_mix=(y_attn, attn_post, attn_comb))
+    with layer_stats.collecting() as moe_taps:
+        y, moe_stats = moe(params["ffn"], cfg, x, chunk.tokens, cfg.is_hash_layer(layer), ctx)
+    stats = attn_stats | moe_stats
+    if ctx.stats:
+        # measured beside the computation (the streams after the MoE are the next block's to make)
+        taps = (attn_taps, moe_taps)
+        stats = _layer_record(cfg, chunk, stats, (X_in, y_attn, (attn_post, attn_comb), X), (y, (post, comb)), taps)
+    return BlockOut((X, (y, post, comb)), cache, stats, deferred)
+
+
+def _layer_record(cfg: ModelConfig, chunk: Chunk, stats: dict, attn_side, moe_side, taps) -> dict:
+    """The block's statistics with its raw routing and attention numbers replaced by its ops/layer_stats.py record
+    ("diagnostics")."""
+    X_in, y_attn, attn_mix, X_attn = attn_side
+    y, moe_mix = moe_side
+    valid = jnp.arange(chunk.tokens.shape[1], dtype=jnp.int32)[None, :] < chunk.n_valid[:, None]
+    stats = dict(stats)
+    record = (layer_stats.streams_record("in", X_in, valid) | layer_stats.streams_record("attn", X_attn, valid)
+              | layer_stats.streams_record("moe", hc_post(y, X_attn, *moe_mix), valid)
+              | {"attn_out_rms": layer_stats.masked_rms(y_attn, valid),
+                 "moe_out_rms": layer_stats.masked_rms(y.total() if isinstance(y, MoeParts) else y, valid)}
+              | layer_stats.mix_record((attn_mix, moe_mix), valid)
+              | layer_stats.router_record(stats.pop("router_logits"), stats.pop("expert_ids"), valid,
+                                          cfg.n_routed_experts)
+              | layer_stats.entries_record(stats.pop("entries_attended"), valid)
+              | layer_stats.quant_record("attn", taps[0]) | layer_stats.quant_record("moe", taps[1]))
+    return stats | {"diagnostics": record}
 
 
 @jax.named_scope("embed")

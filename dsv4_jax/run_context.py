@@ -67,7 +67,9 @@ class RunContext:
     attention reads only the compressed entries and indexer keys those positions can see instead of the whole
     max_seq_len buffers (None: the whole buffers). Model picks it from length buckets (api.context_bucket);
     phase: what the program runs, "prefill", "decode", "verify" or "train" (ops/choice.py): declared by each engine
-    program (`in_phase`), never inferred from a shape; a context with `training` is in "train"."""
+    program (`in_phase`), never inferred from a shape; a context with `training` is in "train";
+    stats: every layer also measures its numbers on the device (layer_stats.py) and the engine programs return
+    them beside their outputs (off: nothing of it is traced, the same program as without the feature)."""
     dtype: str
     simulate_quant: bool
     act_quant: str
@@ -76,6 +78,7 @@ class RunContext:
     mesh: Mesh | None = None
     context_limit: int | None = None
     phase: str = "prefill"
+    stats: bool = False
 
     def __post_init__(self):
         check_numerics(self.dtype, self.act_quant)
@@ -90,6 +93,8 @@ class RunContext:
             raise TypeError(f"RunContext.training must be a Training or None, got {self.training!r}")
         if self.phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
+        if not isinstance(self.stats, bool):
+            raise ValueError(f"stats must be True or False, got {self.stats!r}")
         if (self.phase == "train") != (self.training is not None):
             raise ValueError(f"phase {self.phase!r} with training={self.training!r}: a context is in 'train' "
                              f"exactly when it has a Training")

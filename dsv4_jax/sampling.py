@@ -61,21 +61,28 @@ class Sampling:
              first_choice: int = 0) -> Sampling:
         """`batch` rows with the given values (scalars, or one per row; stop_tokens a list of ids, or one list
         per row), row b keyed by `seed` and choice first_choice + b (row_key). Built on the host."""
-        per_row = lambda v, dtype: jnp.asarray(np.broadcast_to(np.asarray(v, dtype), (batch,)))  # noqa: E731
+        # host arrays go over explicitly (jax.device_put): Model.generate runs under jax.transfer_guard("disallow")
+        per_row = lambda v, dtype: jax.device_put(np.broadcast_to(np.asarray(v, dtype), (batch,)))  # noqa: E731
         nested = len(stop_tokens) > 0 and np.ndim(stop_tokens[0]) > 0
         stops = [list(s) for s in stop_tokens] if nested else [list(stop_tokens)] * batch
         width = max(1, max(len(s) for s in stops))
         stop_array = np.full((batch, width), -1, np.int32)
         for b, s in enumerate(stops):
             stop_array[b, :len(s)] = s
-        keys = jax.vmap(lambda c: row_key(seed_words(seed), c))(jnp.arange(batch, dtype=jnp.int32) + first_choice)
+        keys = _row_keys(seed_words(seed), jax.device_put(np.arange(batch, dtype=np.int32) + first_choice))
         return cls(per_row(temperature, np.float32), per_row(top_k, np.int32), per_row(top_p, np.float32),
-                   per_row(max_new_tokens, np.int32), jnp.asarray(stop_array), keys)
+                   per_row(max_new_tokens, np.int32), jax.device_put(stop_array), keys)
 
 
 def seed_words(seed: int) -> jax.Array:
     """A 64-bit seed as the uint32 [2] (high, low) key data of threefry."""
-    return jnp.asarray(np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32))
+    return jax.device_put(np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32))
+
+
+@jax.jit
+def _row_keys(words: jax.Array, choices: jax.Array) -> jax.Array:
+    """row_key of each of choices [B]: uint32 [B, 2]."""
+    return jax.vmap(lambda c: row_key(words, c))(choices)
 
 
 def row_key(words: jax.Array, choice: jax.Array) -> jax.Array:

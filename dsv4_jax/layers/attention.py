@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..config import ModelConfig
 from ..numerics.kv_cache import EntryStore
-from ..ops import attention_core, group_linear, indexer, linear, norm_rope
+from ..ops import attention_core, group_linear, indexer, layer_stats, linear, norm_rope
 from ..ops.attention_core import compressed_visible
 from ..ops.compressor_step import DeferredTokens, TokenRows, compressor_commit, compressor_read, compressor_update
 from ..ops.norm_rope import apply_rope
@@ -136,14 +136,20 @@ def _split_heads_output(params: dict, cfg: ModelConfig, q_latent, kv, ring, comp
     replicated = (q_latent, kv, ring, compressed, picks, start, positions)
 
     def local(heads, q_latent, kv, ring, compressed, picks, start, positions):
-        q = norm_rope.queries(heads, local_cfg, q_latent, positions, inv_freq, ctx)
-        out = attention_core._attend(q, ring, kv, start, positions, heads["attn_sink"], cfg.head_dim ** -0.5,
-                                     cfg.window_size, ratio, compressed, picks)
-        out = apply_rope(out, positions[:, :, None], inv_freq, inverse=True)
-        return jax.lax.psum(_output(heads, local_cfg, out, ctx), EXPERT)
+        with layer_stats.collecting() as taps:       # (ctx.stats: the matmuls' quantization, summed over devices)
+            q = norm_rope.queries(heads, local_cfg, q_latent, positions, inv_freq, ctx)
+            out = attention_core._attend(q, ring, kv, start, positions, heads["attn_sink"], cfg.head_dim ** -0.5,
+                                         cfg.window_size, ratio, compressed, picks)
+            out = apply_rope(out, positions[:, :, None], inv_freq, inverse=True)
+            y = jax.lax.psum(_output(heads, local_cfg, out, ctx), EXPERT)
+        return (y, layer_stats.across_devices(taps, EXPERT)) if ctx.stats else y
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(specs, *(jax.tree.map(lambda _: P(), a) for a in replicated)),
-                         out_specs=P(), check_vma=False)(heads, *replicated)
+    y = jax.shard_map(local, mesh=mesh, in_specs=(specs, *(jax.tree.map(lambda _: P(), a) for a in replicated)),
+                      out_specs=(P(), P()) if ctx.stats else P(), check_vma=False)(heads, *replicated)
+    if not ctx.stats:
+        return y
+    layer_stats.record(y[1])
+    return y[0]
 
 
 @jax.named_scope("attention")
@@ -151,8 +157,8 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, chunk: C
               inv_freq: np.ndarray, ctx, defer: bool = False):
     """x [B, S, D] (attn_norm'd) of the chunk's tokens (at positions chunk.start[b] + i). Returns (output float32
     [B, S, D] (the next mHC site rounds it to the streams' dtype), updated layer cache, statistics: {} for
-    inference, under training {"indexer_kl": ...} in CSA layers (run_context.Training), deferred: None, or with
-    `defer` a DeferredChunk).
+    inference, under training {"indexer_kl": ...} in CSA layers (run_context.Training), with ctx.stats
+    {"entries_attended": [B, S]}, deferred: None, or with `defer` a DeferredChunk).
 
     `defer`: read without committing (a speculative verify chunk): the window ring and the compressors' pending
     tokens are left as they were, and the DeferredChunk beside the cache lets commit_attention make the state that
@@ -225,4 +231,16 @@ def attention(params: dict, cfg: ModelConfig, ratio: int, x: jax.Array, chunk: C
                                 ratio if compressed is not None else 0, inv_freq, ctx)
     else:
         y = _output(params, cfg, out, ctx)
+    if ctx.stats:
+        stats["entries_attended"] = _entries_attended(ratio, picks, positions, live if compressed is not None else 0)
     return y, cache, stats, deferred
+
+
+def _entries_attended(ratio: int, picks, positions: jax.Array, live: int) -> jax.Array:
+    """Compressed entries each query attended, float32 [B, S]: the indexer's valid picks (CSA), the visible
+    entries (HCA: j < (t+1)//ratio among the `live` read), none in a window layer."""
+    if ratio == 4 and picks is not None:
+        return jnp.sum(picks[1], axis=-1).astype(jnp.float32)
+    if ratio > 0 and ratio != 4 and live > 0:
+        return jnp.minimum((positions + 1) // ratio, live).astype(jnp.float32)
+    return jnp.zeros(positions.shape, jnp.float32)

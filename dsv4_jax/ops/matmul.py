@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from ..numerics.activations import nvfp4_activation, nvfp4_global_scale
+from . import layer_stats
 from ..numerics.formats import Fp8BlockWeight, check_weight, dequantize_blocks, is_quantized
 from . import act_quantize, matmul_kernels
 
@@ -69,10 +70,23 @@ def _nvfp4_activation_global_scale(x: jax.Array, weight, row_groups: jax.Array |
     return nvfp4_global_scale(x)
 
 
+def _tap_quantization(x: jax.Array, weight, ctx, row_groups=None) -> None:
+    """With ctx.stats: tell the layer's statistics (layer_stats.py) what quantizing x for `weight` does to its
+    block scales, computed from x beside whichever quantizer runs (nothing is traced without ctx.stats)."""
+    if not ctx.stats:
+        return
+    kind = activation_quantizer(weight, ctx.act_quant)
+    if kind == "fp8":
+        layer_stats.tap_fp8(x)
+    elif kind == "nvfp4":
+        layer_stats.tap_nvfp4(x, _nvfp4_activation_global_scale(x, weight, row_groups))
+
+
 def _quantize_input(x: jax.Array, weight, ctx, row_groups=None):
     """(GEMM operand exact in x.dtype, per-row output factor [..., 1] float32 or None); the quantize kernels on a
     kernel backend (bit-identical), the jnp reference otherwise."""
     kind = activation_quantizer(weight, ctx.act_quant)
+    _tap_quantization(x, weight, ctx, row_groups)
     if kind == "none":
         return x, None
     if kind == "fp8":
@@ -108,7 +122,8 @@ def linear(x: jax.Array, weight, out_dtype=None, *, ctx) -> jax.Array:
     _check_in_features(x, weight.shape, "linear", 2)
     y = matmul_kernels.prefill_matmul(x.reshape(-1, x.shape[-1]), weight,
                                        activation_quantizer(weight, ctx.act_quant), ctx)
-    if y is not None:
+    if y is not None:                      # (the kernel quantizes its input itself)
+        _tap_quantization(x, weight, ctx)
         return y.reshape(*x.shape[:-1], weight.shape[0]).astype(out_dtype or x.dtype)
     xq, row_scale = _quantize_input(x, weight, ctx)
     y = matmul_kernels.dense_matmul(xq.reshape(-1, x.shape[-1]), weight, ctx)

@@ -18,7 +18,7 @@ from ..config import ModelConfig
 from ..numerics import dequantize
 from ..pallas_kernels import moe_decode
 from ..sharding import DATA, EXPERT, expert_devices, split_along, splits_shared_expert
-from . import choice, matmul_kernels
+from . import choice, layer_stats, matmul_kernels
 from .matmul import grouped_linear, grouped_linear_joined, grouped_linear_pair, linear, linear_joined, linear_pair
 
 
@@ -115,19 +115,28 @@ def routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax
     n_local = cfg.n_routed_experts // mesh.shape[EXPERT]
 
     def local(params, shared, x, expert_ids, weights):
-        ids = expert_ids - jax.lax.axis_index(EXPERT) * n_local
-        ids = jnp.where((ids >= 0) & (ids < n_local), ids, n_local)       # another device's expert
-        y = _grouped_experts(params, cfg, x, ids, weights, n_local, ctx)
-        if shared is not None:
-            y = y + shared_expert(shared, cfg, x, ctx)                    # this device's hidden units
-        return jax.lax.psum(y, EXPERT)
+        with layer_stats.collecting() as taps:       # (ctx.stats: the matmuls' quantization, summed over devices)
+            ids = expert_ids - jax.lax.axis_index(EXPERT) * n_local
+            ids = jnp.where((ids >= 0) & (ids < n_local), ids, n_local)       # another device's expert
+            y = _grouped_experts(params, cfg, x, ids, weights, n_local, ctx)
+            if shared is not None:
+                y = y + shared_expert(shared, cfg, x, ctx)                    # this device's hidden units
+        y = jax.lax.psum(y, EXPERT)
+        if not ctx.stats:
+            return y
+        return y, layer_stats.across_devices(taps, (DATA, EXPERT))      # rows differ along DATA too
 
     expert_shards = split_along(params, 0)
     shared_shards = None if shared is None else {name: split_along(shared[name], 1 if name == "w2" else 0)
                                                  for name in ("w1", "w3", "w2")}     # w1 / w3 rows, w2 inputs
     rows = P(DATA, None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(expert_shards, shared_shards, rows, rows, rows),
-                         out_specs=rows, check_vma=False)(params, shared, x, expert_ids, weights)
+    y = jax.shard_map(local, mesh=mesh, in_specs=(expert_shards, shared_shards, rows, rows, rows),
+                      out_specs=(rows, P()) if ctx.stats else rows, check_vma=False)(
+        params, shared, x, expert_ids, weights)
+    if not ctx.stats:
+        return y
+    layer_stats.record(y[1])
+    return y[0]
 
 
 @jax.named_scope("routed_experts")
@@ -180,11 +189,12 @@ def _takes_ffn_kernels(params: dict, cfg: ModelConfig, x: jax.Array, ctx) -> boo
 
 
 def _ffn_on_kernels(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool,
-                    ctx) -> MoeParts:
+                    ctx) -> tuple[MoeParts, jax.Array]:
     """The MoE of a decode or verify step, x [T, D]: the router's GEMV, then pallas_kernels/moe_decode.py for the
     top-k, weights and each pick's row of x (one launch), the routed and the shared gate + up GEMVs, both SwiGLUs
     in one launch, and the two down GEMVs. The sum of the parts is left to the consumer (MoeParts). Every expert
-    id comes from the router, so the grouped matmuls skip their range clip (groups_in_range)."""
+    id comes from the router, so the grouped matmuls skip their range clip (groups_in_range). Returns (the parts,
+    the expert ids [T, K])."""
     interpret = ctx.kernels.interpret
     gate = params["gate"]
     k = cfg.n_activated_experts
@@ -203,19 +213,21 @@ def _ffn_on_kernels(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax
         y = grouped_linear(h, experts["w2"]["weight"], None, jnp.float32, ctx=ctx, row_groups=row_experts,
                            groups_in_range=True)
         shared_y = linear(shared_h, shared["w2"]["weight"], jnp.float32, ctx=ctx)
-    return MoeParts(y.reshape(x.shape[0], k, -1), shared_y)
+    return MoeParts(y.reshape(x.shape[0], k, -1), shared_y), expert_ids
 
 
 def moe(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool, ctx):
     """x [..., D] (ffn_norm'd), token_ids [...] -> (the output, statistics: {} for inference; under training
-    {"expert_load": assignments per expert [E]} in score-routed layers). The output is [..., D] in x.dtype, or, in a
+    {"expert_load": assignments per expert [E]} in score-routed layers; with ctx.stats also "expert_ids" [T, K] and
+    "router_logits" [T, E] of the rows x flattened, for ops/layer_stats.py). The output is [..., D] in x.dtype, or, in a
     decode or verify step on a kernel plan (_ffn_on_kernels), its unsummed MoeParts ([..., K, D] and [..., D]),
     which the next mHC site (ops/mhc_site.py) takes as y."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if _takes_ffn_kernels(params, cfg, x2, ctx):
-        parts = _ffn_on_kernels(params, cfg, x2, token_ids.reshape(-1), hash_routed, ctx)
-        return MoeParts(parts.routed.reshape(*lead, *parts.routed.shape[1:]), parts.shared.reshape(*lead, -1)), {}
+        parts, expert_ids = _ffn_on_kernels(params, cfg, x2, token_ids.reshape(-1), hash_routed, ctx)
+        return (MoeParts(parts.routed.reshape(*lead, *parts.routed.shape[1:]), parts.shared.reshape(*lead, -1)),
+                _routing_stats(params, x2, expert_ids, ctx))
     expert_ids, weights = route(params["gate"], cfg, x2, token_ids.reshape(-1), hash_routed)
     training = ctx.training
     if training is not None and training.moe_capacity > 0:
@@ -229,7 +241,14 @@ def moe(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash
     else:
         y = routed_experts(params["experts"], cfg, x2, expert_ids, weights, ctx)
         y = y + shared_expert(params["shared_experts"], cfg, x2, ctx)
-    stats = {}
+    stats = _routing_stats(params, x2, expert_ids, ctx)
     if training is not None and not hash_routed:
         stats["expert_load"] = jnp.bincount(expert_ids.reshape(-1), length=cfg.n_routed_experts)
     return y.astype(x.dtype).reshape(*lead, x.shape[-1]), stats
+
+
+def _routing_stats(params: dict, x2: jax.Array, expert_ids: jax.Array, ctx) -> dict:
+    """With ctx.stats the routing a layer's statistics read (ops/layer_stats.py); {} otherwise."""
+    if not ctx.stats:
+        return {}
+    return {"expert_ids": expert_ids, "router_logits": router_logits(params["gate"], x2)}
