@@ -108,6 +108,8 @@ def _block(params, cfg, ctx, layer, X, post_mix, chunk, cache, defer) -> BlockOu
 def _layer_record(cfg: ModelConfig, chunk: Chunk, stats: dict, attn_side, moe_side, taps) -> dict:
     """The block's statistics with its raw routing and attention numbers replaced by its ops/layer_stats.py record
     ("diagnostics")."""
+    # the barrier keeps the measuring out of the model's own fusions, so that its numbers stay those without stats
+    attn_side, moe_side, stats = jax.lax.optimization_barrier((attn_side, moe_side, stats))
     X_in, y_attn, attn_mix, X_attn = attn_side
     y, moe_mix = moe_side
     valid = jnp.arange(chunk.tokens.shape[1], dtype=jnp.int32)[None, :] < chunk.n_valid[:, None]

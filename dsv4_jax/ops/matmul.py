@@ -76,6 +76,7 @@ def _tap_quantization(x: jax.Array, weight, ctx, row_groups=None) -> None:
     if not ctx.stats:
         return
     kind = activation_quantizer(weight, ctx.act_quant)
+    x = jax.lax.optimization_barrier(x)                # (the measuring stays out of the model's fusions)
     if kind == "fp8":
         layer_stats.tap_fp8(x)
     elif kind == "nvfp4":

@@ -251,4 +251,5 @@ def _routing_stats(params: dict, x2: jax.Array, expert_ids: jax.Array, ctx) -> d
     """With ctx.stats the routing a layer's statistics read (ops/layer_stats.py); {} otherwise."""
     if not ctx.stats:
         return {}
+    x2 = jax.lax.optimization_barrier(x2)              # (recomputed apart from the model's own router)
     return {"expert_ids": expert_ids, "router_logits": router_logits(params["gate"], x2)}
