@@ -2,7 +2,8 @@
 # The one-H200 runs of docs/performance.md, in parts that each fit one device call of 10 minutes (run on the
 # H200 from the repo root; results in $OUT, or ./out):
 #   suite1   the gpu-marked tests of test_ffi.py and test_fp4_layout.py       -> pytest_gpu_part1.log
-#   suite2   those of test_kernel_dispatch.py, test_pallas_mhc.py, test_pallas_decode_attention.py -> pytest_gpu_part2.log
+#   suite2   those of test_kernel_dispatch.py, test_pallas_mhc.py, test_pallas_decode_attention.py,
+#            test_layer_stats.py                                              -> pytest_gpu_part2.log
 #   suite3   those of test_pallas_quantize.py and test_pallas_gemv.py         -> pytest_gpu_part3.log
 #            (all but test_pallas_gemv.py took more than 540 s in one part, 2026-12-03)
 #   depth    Flash geometry, LAYERS (default 32) layers under scan_layers=True, batch 1 and 8 at 4K context,
@@ -19,7 +20,7 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv | tee -a "$OUT_DIR/gpu.txt"
 GPU_TEST_FILES_1="tests/test_ffi.py tests/test_fp4_layout.py"
-GPU_TEST_FILES_2="tests/test_kernel_dispatch.py tests/test_pallas_mhc.py tests/test_pallas_decode_attention.py"
+GPU_TEST_FILES_2="tests/test_kernel_dispatch.py tests/test_pallas_mhc.py tests/test_pallas_decode_attention.py tests/test_layer_stats.py"
 GPU_TEST_FILES_3="tests/test_pallas_quantize.py tests/test_pallas_gemv.py"
 quiet() { grep -v "Warning\|warn(\|return rule"; }
 for part in "$@"; do

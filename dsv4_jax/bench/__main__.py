@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a per-op override of the main side's kernel plan (ops/choice.py), e.g. "
                         "attention_core=kernel (the opt-in decode attention kernel); repeatable")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--stats", action="store_true",
+                   help="the main side's decode programs also measure every layer's statistics (ops/layer_stats.py): "
+                        "what that costs, against a run without")
     p.add_argument("--scan-layers", action="store_true", help="the repeated layer pattern under lax.scan")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="decode-state entries in the activation dtype (auto) or compact (fp8)")
@@ -141,7 +144,7 @@ def run(args) -> dict:
                        "init_s": time.perf_counter() - t0, "dtype": args.dtype, "kernels": args.kernels,
                        "scan_layers": model.scan_layers, "kv_cache_dtype": args.kv_cache_dtype,
                        "kernel_backend": model.context.kernels.backend, "devices": args.devices,
-                       "kernel_overrides": dict(model.context.kernels.overrides)}
+                       "kernel_overrides": dict(model.context.kernels.overrides), "stats": args.stats}
     print(f"{args.preset} geometry, {cfg.n_layers} layers: {held / 1e9:.3f} GB of weights on "
           f"{result['machine']['device_kind']} ({model.context.kernels.backend or 'reference'} kernels)", flush=True)
 
@@ -154,7 +157,7 @@ def run(args) -> dict:
           f"{bf16_rate / 1e12:.1f} TFLOP/s bf16 (XLA matmul n={probe_n})", flush=True)
 
     main_side = args.kernels            # the label of the main side's cases ("auto" unless --kernels says)
-    contexts = {main_side: model.context}
+    contexts = {main_side: model.context.replace(stats=args.stats)}
     if args.reference != "none":
         contexts["reference"] = Settings.of(settings, kernels="reference", kernel_overrides=()).run_context(mesh)
     result["compile"] = {}
