@@ -68,30 +68,36 @@ class StatsReport:
                                "underflow_share": UNDERFLOW_SHARE}}
 
     def table(self) -> str:
-        """The compact per-layer table (means over calls; max |x| the max over calls)."""
-        head = (f"{'layer':>5} {'kind':<6} {'resid rms in > attn > moe':>26} {'max|x|':>9} "
-                f"{'out rms attn / moe':>19} {'mHC mix':>13} {'router H':>8} {'load max/mean':>13} "
-                f"{'entries':>7} {'quant sat / uflow':>17} {'global scale':>19}  flags")
-        lines = [f"layer statistics over {self.calls} call{'s' if self.calls != 1 else ''}, {self.tokens} tokens", head]
+        """The per-layer table: residual-stream RMS entering the layer, after its attention and after its MoE
+        (means over calls), their max |x| (max over calls), the sub-layers' output RMS, the mHC mixing weights'
+        range, router entropy, expert load max / mean, compressed entries per query, the shares of activation
+        block scales that saturate / underflow, the NVFP4 global scales' range, and the flags."""
         by_layer: dict = {}
         for f in self.flags:
             by_layer.setdefault(f.layer, []).append(f"{f.sublayer}: {f.reason}")
+        header = ("layer", "kind", "rms in", "attn", "moe", "max|x|", "out attn", "out moe", "mHC mix", "router H",
+                  "load max/mean", "entries", "sat", "uflow", "global scale", "flags")
+        rows = [header]
         for row in self.layers:
-            v = row["mean"]
-            quant = (f"{_pct(row['attn_saturated_share'] + row['moe_saturated_share'])} / "
-                     f"{_pct(row['attn_underflow_share'] + row['moe_underflow_share'])}"
-                     if row["attn_quant_blocks"] + row["moe_quant_blocks"] else "-")
-            scale_lo = min(row["min"]["attn_scale_min"], row["min"]["moe_scale_min"])
-            scale_hi = max(row["max"]["attn_scale_max"], row["max"]["moe_scale_max"])
-            scale = f"{scale_lo:.2e}..{scale_hi:.2e}" if np.isfinite(scale_lo) else "-"
-            lines.append(
-                f"{row['layer']:>5} {row['kind']:<6} "
-                f"{_num(v['in_resid_rms']):>8} >{_num(v['attn_resid_rms']):>8} >{_num(v['moe_resid_rms']):>7} "
-                f"{_num(max(row['max']['attn_resid_max'], row['max']['moe_resid_max'])):>9} "
-                f"{_num(v['attn_out_rms']):>9} /{_num(v['moe_out_rms']):>8} "
-                f"{_num(row['min']['mix_min']):>6}..{_num(row['max']['mix_max']):<5} {_num(v['router_entropy']):>8} "
-                f"{_num(row['load_imbalance']):>13} {_num(v['entries_attended']):>7} {quant:>17} {scale:>19}  "
-                + "; ".join(by_layer.get(row["layer"], [])))
+            v, hi, lo = row["mean"], row["max"], row["min"]
+            blocks = row["attn_quant_blocks"] + row["moe_quant_blocks"]
+            sat = (row["attn_quant_saturated"] + row["moe_quant_saturated"]) / blocks if blocks else None
+            uflow = (row["attn_quant_underflow"] + row["moe_quant_underflow"]) / blocks if blocks else None
+            scale_lo = min(lo["attn_scale_min"], lo["moe_scale_min"])
+            scale_hi = max(hi["attn_scale_max"], hi["moe_scale_max"])
+            rows.append((str(row["layer"]), row["kind"], _num(v["in_resid_rms"]), _num(v["attn_resid_rms"]),
+                         _num(v["moe_resid_rms"]), _num(max(hi["attn_resid_max"], hi["moe_resid_max"])),
+                         _num(v["attn_out_rms"]), _num(v["moe_out_rms"]),
+                         f"{_num(lo['mix_min'])}..{_num(hi['mix_max'])}", _num(v["router_entropy"]),
+                         _num(row["load_imbalance"]), _num(v["entries_attended"]),
+                         "-" if sat is None else _pct(sat), "-" if uflow is None else _pct(uflow),
+                         f"{scale_lo:.2e}..{scale_hi:.2e}" if np.isfinite(scale_lo) else "-",
+                         "; ".join(by_layer.get(row["layer"], []))))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+        lines = [f"layer statistics over {self.calls} call{'s' if self.calls != 1 else ''}, {self.tokens} tokens"]
+        for r in rows:
+            cells = [r[i].ljust(widths[i]) if i < 2 else r[i].rjust(widths[i]) for i in range(len(widths))]
+            lines.append(("  ".join(cells) + "  " + r[-1]).rstrip())
         if not self.flags:
             lines.append("no layer flagged")
         return "\n".join(lines)
@@ -100,7 +106,7 @@ class StatsReport:
 def _num(x: float) -> str:
     if not np.isfinite(x):
         return str(x)
-    return f"{x:.3g}" if abs(x) < 1e4 else f"{x:.2e}"
+    return f"{x:.3g}" if 1e-3 <= abs(x) < 1e4 or x == 0 else f"{x:.1e}"
 
 
 def _pct(share: float) -> str:
