@@ -64,7 +64,8 @@ class StatsReport:
     def to_json(self) -> dict:
         return {"calls": self.calls, "tokens": self.tokens, "layers": self.layers,
                 "flags": [dataclasses.asdict(f) for f in self.flags],
-                "thresholds": {"jump_factor": JUMP_FACTOR, "peak_factor": PEAK_FACTOR, "vanished": VANISHED, "saturated_share": SATURATED_SHARE,
+                "thresholds": {"jump_factor": JUMP_FACTOR, "peak_factor": PEAK_FACTOR, "vanished": VANISHED,
+                               "saturated_share": SATURATED_SHARE,
                                "underflow_share": UNDERFLOW_SHARE}}
 
     def table(self) -> str:

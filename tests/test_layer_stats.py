@@ -59,7 +59,8 @@ def test_forward_stats_match_a_float64_reference(tiny_checkpoint):
             "in_resid_rms": _rms(streams[layer], every), "in_resid_max": np.abs(streams[layer]).max(),
             "attn_resid_rms": _rms(mid, every), "attn_resid_max": np.abs(mid).max(),
             "moe_resid_rms": _rms(out, every), "moe_resid_max": np.abs(out).max(),
-            "attn_out_rms": _rms(trace[p + "attn_out"], (0, 1, 2)), "moe_out_rms": _rms(trace[p + "ffn_out"], (0, 1, 2)),
+            "attn_out_rms": _rms(trace[p + "attn_out"], (0, 1, 2)),
+            "moe_out_rms": _rms(trace[p + "ffn_out"], (0, 1, 2)),
             "mix_min": min(w.min() for w in post_comb), "mix_max": max(w.max() for w in post_comb),
             "router_entropy": np.mean(-np.sum(probs * np.log(probs), axis=-1)),
         }
@@ -102,14 +103,15 @@ def test_padding_and_inactive_rows_do_not_count(default_f32):
         for key in a[group]:
             np.testing.assert_allclose(a[group][key], b[group][key], rtol=1e-6, err_msg=f"{group} {key}")
     cfg = default_f32.config
-    np.testing.assert_array_equal(a["count"]["expert_load"].sum(-1), np.full(cfg.n_layers, 63 * cfg.n_activated_experts))
+    np.testing.assert_array_equal(a["count"]["expert_load"].sum(-1),
+                                  np.full(cfg.n_layers, 63 * cfg.n_activated_experts))
 
 
 def test_quantization_tallies_against_numpy():
     """The block-scale tallies of both activation quantizers on rows with planted blocks, against numpy."""
     rng = np.random.default_rng(5)
     x = rng.normal(size=(6, 80)).astype(np.float32)             # K = 80: a trailing partial block of each kind
-    x[1, 16:32] = 1e-12                                          # NVFP4: underflows (ratio < 2^-9); FP8: under the floor
+    x[1, 16:32] = 1e-12                                          # NVFP4: underflows (ratio < 2^-9)
     x[2, :] = 0.0                                                # an all-zero row: nothing underflows (ratio 0)
     x[3, :128] = 1e-6                                            # FP8 floor
     gs = np.maximum(np.abs(x).max(-1, keepdims=True), 6 * 448 * 2.0 ** -126) / (6 * 448)   # floored as the model's

@@ -3,8 +3,9 @@
 A quantized model that goes wrong rarely crashes: a wrong NVFP4 global scale, an amax race or an E8M0 scale read
 as a plain number show up as residual streams that jump, outputs that vanish or block scales that saturate. With
 `stats` on, every layer measures these at its edges, inside the same XLA program, and the program hands them back
-as device arrays beside its logits or tokens (no host read per layer or per token). dsv4_jax/stats_report.py turns them into
-a table on the host and flags what looks wrong. With `stats` off nothing here is traced: the program is the same.
+as device arrays beside its logits or tokens (no host read per layer or per token). dsv4_jax/stats_report.py turns
+them into a table on the host and flags what looks wrong. With `stats` off nothing here is traced: the program is
+the same.
 
 What a layer measures over the call's real tokens (padding and inactive rows left out):
 
