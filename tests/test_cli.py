@@ -107,6 +107,7 @@ IN_PROCESS_ERROR_CASES = {
     "zero_devices": (lambda d: ["--devices", "0"], 2, "--devices"),
     "empty_stop": (lambda d: ["--stop", ""], 2, "--stop"),
     "special_tokens_in_chat": (lambda d: ["--chat", "--special-tokens"], 2, "--special-tokens"),
+    "stats_with_speculative": (lambda d: ["--stats", "--speculative-tokens", "2"], 2, "--stats needs"),
 }
 if jax.default_backend() != "gpu":
     IN_PROCESS_ERROR_CASES["pallas_without_gpu"] = (lambda d: model_args(d) + ["--kernels", "pallas"], 1,

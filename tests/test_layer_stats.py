@@ -204,6 +204,18 @@ def test_generate_with_stats_reads_nothing_more(default_f32, monkeypatch):
     json.dumps(rep.to_json())
 
 
+def test_cli_prints_the_tables_and_puts_them_in_json(capsys):
+    from dsv4_jax import generate as cli
+    assert cli.main(["--prompt", "The capital of France", "--max-new-tokens", "5", "--dtype", "float32",
+                     "--stats", "--json"]) == cli.EXIT_OK
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    n_layers = dsv4_jax.load().config.n_layers
+    assert doc["stats"]["prompt"]["calls"] == 1 and len(doc["stats"]["prompt"]["layers"]) == n_layers
+    assert doc["stats"]["generated"]["tokens"] == 4 and doc["stats"]["generated"]["flags"] == []
+    assert err.count("layer statistics over") == 2 and err.count("no layer flagged") == 2, err
+
+
 def _flag_set(report):
     return {(f.layer, f.sublayer) for f in report.flags}
 
