@@ -223,11 +223,42 @@ def check_serving() -> None:
     print("ok: serving on 2 devices")
 
 
+def check_stats() -> None:
+    """Layer statistics on the 8-device tensor-parallel mesh (experts and heads in shard_map, NVFP4 activations into
+    the FP4 experts) against one device's: the streams' and outputs' sizes, routing and mixing equal to rounding, the
+    NVFP4 global scales' range equal (pmin / pmax over the devices), and the shares of saturated and
+    underflowing block scales equal (the block counts are of the quantizations every device ran)."""
+    from dsv4_jax import stats_report
+    cfg = TENSOR_PARALLEL
+    tokens = np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 20)).astype(np.int32)
+    kw = dict(KW, act_quant="nvfp4")
+    reports = []
+    for mesh in (None, dsv4_jax.make_mesh(8)):
+        model = dsv4_jax.init_random(cfg, seed=3, mesh=mesh, **kw)
+        _, summary = model.forward(tokens, stats=True)
+        reports.append(stats_report.report(summary, cfg))
+    one, split = reports
+    for a, b in zip(one.layers, split.layers, strict=True):
+        for key in ("in_resid_rms", "attn_resid_rms", "moe_resid_rms", "attn_out_rms", "moe_out_rms",
+                    "router_entropy", "mix_max", "moe_scale_min", "moe_scale_max"):
+            # (NVFP4 roundings turn the psums' float32 order differences into ~1e-4 of the streams by layer 3)
+            check(np.isclose(a["mean"][key], b["mean"][key], rtol=2e-3), f"stats on the mesh: layer {a['layer']} "
+                  f"{key} {b['mean'][key]} != {a['mean'][key]}")
+        moved = np.abs(np.subtract(a["expert_load"], b["expert_load"])).sum()      # a routing tie may flip once
+        check(moved <= 2, f"stats on the mesh: layer {a['layer']} expert load differs by {moved}")
+        check(b["moe_quant_blocks"] > 0 and a["moe_saturated_share"] == b["moe_saturated_share"]
+              and a["moe_underflow_share"] == b["moe_underflow_share"],
+              f"stats on the mesh: layer {a['layer']} block-scale shares differ")
+    check(not one.flags and not split.flags, "stats on the mesh: a healthy model flagged")
+    print("ok: layer statistics on the tensor-parallel mesh equal one device's")
+
+
 if __name__ == "__main__":
     check(len(jax.devices()) == 8, f"expected 8 fake CPU devices, got {jax.devices()}")
     check_model(sys.argv[1])
     check_random_model()
     check_tensor_parallel()
+    check_stats()
     check_flash_lowering()
     check_serving()
     print("all sharded checks passed")

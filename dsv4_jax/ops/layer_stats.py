@@ -92,25 +92,31 @@ def record(tally: dict) -> None:
 
 def tap_fp8(x: jax.Array) -> None:
     """The FP8 activation quantizer (per-128 power-of-two scales) on x [..., K]: blocks whose amax lies under the
-    1e-4 floor count as underflowing; its scales never saturate (they come from the block's own amax)."""
+    1e-4 floor count as underflowing; its scales never saturate (they come from the block's own amax). Rows that are
+    all zero (a grouped matmul's rows of another device's experts) carry no data and are not counted."""
     if not collecting_now():
         return
-    xb = _blocks(x, FP8_ACT_BLOCK)
-    amax = jnp.max(jnp.abs(xb), axis=-1)
-    record(_tally(amax.size, jnp.float32(0), jnp.sum(amax < FP8_AMAX_FLOOR), None))
+    amax = jnp.max(jnp.abs(_blocks(x, FP8_ACT_BLOCK)), axis=-1)
+    live = jnp.max(amax, axis=-1, keepdims=True) > 0
+    record(_tally(jnp.sum(live) * amax.shape[-1], jnp.float32(0), jnp.sum((amax < FP8_AMAX_FLOOR) & live), None))
 
 
 def tap_nvfp4(x: jax.Array, global_scale: jax.Array) -> None:
     """The NVFP4 activation quantizer on x [..., K] with per-row global scales [..., 1]: per-16 block scales
     block_amax / (6 * global) past e4m3's 448 saturate (clipped: the block's largest values clip at 6), positive ones
-    under e4m3's smallest subnormal underflow (lifted to it: the block rounds to zeros)."""
+    under e4m3's smallest subnormal underflow (lifted to it: the block rounds to zeros). All-zero rows are left out
+    (their global scale is the floor's, not a measurement)."""
     if not collecting_now():
         return
-    xb = _blocks(x, NVFP4_BLOCK)
-    ratio = jnp.max(jnp.abs(xb), axis=-1) / (FP4_MAX * global_scale.astype(jnp.float32))
+    block_amax = jnp.max(jnp.abs(_blocks(x, NVFP4_BLOCK)), axis=-1)
+    live = jnp.max(block_amax, axis=-1, keepdims=True) > 0
+    ratio = block_amax / (FP4_MAX * global_scale.astype(jnp.float32))
     # (the block holding a row's amax sits at 448 under the live global scale, give or take float32 rounding)
-    record(_tally(ratio.size, jnp.sum(ratio > E4M3_MAX * (1 + SATURATION_SLACK)),
-                  jnp.sum((ratio > 0) & (ratio < E4M3_MIN_SUBNORMAL)), global_scale))
+    saturated = jnp.sum((ratio > E4M3_MAX * (1 + SATURATION_SLACK)) & live)
+    underflow = jnp.sum((ratio > 0) & (ratio < E4M3_MIN_SUBNORMAL) & live)
+    scale = global_scale.astype(jnp.float32)
+    record(_tally(jnp.sum(live) * ratio.shape[-1], saturated, underflow,
+                  (jnp.min(jnp.where(live, scale, jnp.inf)), jnp.max(jnp.where(live, scale, -jnp.inf)))))
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:
@@ -121,14 +127,13 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
     return x.reshape(*x.shape[:-1], -1, block)
 
 
-def _tally(blocks, saturated, underflow, global_scale) -> dict:
+def _tally(blocks, saturated, underflow, scale_range) -> dict:
+    """scale_range: (lowest, highest) global scale, or None (no global scale: +inf, -inf)."""
     f32 = jnp.float32
-    if global_scale is None:
-        low, high = f32(jnp.inf), f32(-jnp.inf)
-    else:
-        low, high = jnp.min(global_scale).astype(f32), jnp.max(global_scale).astype(f32)
-    return {"blocks": f32(blocks), "saturated": jnp.asarray(saturated, f32), "underflow": jnp.asarray(underflow, f32),
-            "scale_min": low, "scale_max": high}
+    low, high = (f32(jnp.inf), f32(-jnp.inf)) if scale_range is None else scale_range
+    return {"blocks": jnp.asarray(blocks, f32), "saturated": jnp.asarray(saturated, f32),
+            "underflow": jnp.asarray(underflow, f32), "scale_min": jnp.asarray(low, f32),
+            "scale_max": jnp.asarray(high, f32)}
 
 
 def combine(tallies: list) -> dict:
