@@ -8,7 +8,8 @@ parameter has its planned sharding and each device holds 1 / n of every expert s
 decode-step logits (and at 8 devices forward logits and greedy generated tokens) equal the single-device model's (float32, 1e-5 of the largest logit; fake quant off so that a float32 difference in the
 order of the experts' psum cannot move an FP8 rounding); a decode step compiles once; the compiled decode step
 holds one all-reduce per layer and no all-gather. A tiny geometry whose heads and shared expert split into whole
-FP8 blocks at 8 devices (tensor parallel): logits equal, weights split, two all-reduces per layer. Then a 2-layer Flash-geometry decode step lowered for CUDA with the ffi/ kernels planned, at 2 and 8
+FP8 blocks at 8 devices (tensor parallel): logits equal, weights split, two all-reduces per layer, and its layer
+statistics (NVFP4 activations) those of one device. Then a 2-layer Flash-geometry decode step lowered for CUDA with the ffi/ kernels planned, at 2 and 8
 devices: every routed-expert custom call sees E / n experts, at 8 wq_b's GEMV its local rows, and the program has
 one all-reduce per layer at 2 devices, two at 8. And the tiny preset's random weights made on an 8-device mesh
 (init_random: each device generates its own shards) are bit for bit those made on one device.
