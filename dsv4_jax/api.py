@@ -21,6 +21,7 @@ from . import engine, generation, stats_report
 from .config import ModelConfig
 from .layer_scan import is_scanned, scan_plan, stack_layers, unstack_layers
 from .module import DeepseekV4
+from .prefix_cache import PrefixCache
 from .ops import layer_stats
 from .sampling import Sampling
 from .settings import Settings
@@ -45,6 +46,9 @@ MIN_CONTEXT_BUCKET = 4096     # the smallest context bucket: below it the whole 
 
 # Two statistics summaries as one, on the device (one small program instead of an op per leaf).
 _merge_summaries = jax.jit(layer_stats.merge)
+# A row of logits [B, V] read or replaced on the device (the row index a device scalar: no implicit transfer).
+_row_of = jax.jit(lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False))
+_set_row = jax.jit(lambda a, row, i: jax.lax.dynamic_update_index_in_dim(a, row, i, 0), donate_argnums=0)
 
 
 def context_bucket(positions: int, max_seq_len: int) -> int | None:
@@ -70,6 +74,8 @@ class GenerationResult:
     # (1 + the mean accepted drafts), and per draft position j the share of steps whose draft j was accepted.
     acceptance: float | None = None
     acceptance_rates: list[float] | None = None
+    # Prompt tokens per prompt continued from the prefix cache instead of prefilled (Settings.prefix_cache).
+    cached_tokens: list[int] | None = None
     # With stats=True: the layers' statistics over the generated tokens' steps and over the prompt's prefill
     # (stats_report.StatsReport: a table, flags, JSON).
     stats: stats_report.StatsReport | None = None
@@ -120,6 +126,9 @@ class Model:
         self.prefill_chunk = settings.prefill_chunk
         # Keep the MTP block's window current during prefill/decode (one extra block per step), for drafts.
         self.track_mtp = settings.track_mtp and cfg.n_mtp_layers > 0
+        if settings.prefix_cache and mesh is not None:
+            raise NotImplementedError("prefix_cache on a mesh (the snapshot pool is one device's)")
+        self.prefix_cache = PrefixCache(settings.prefix_cache, self.state_bytes(1), self.init_pool)
 
     @property
     def module(self) -> DeepseekV4:
@@ -181,16 +190,22 @@ class Model:
         return _state_maker(self.config, batch, self.max_seq_len, self.context.jnp_dtype, self.scan_layers,
                             self.kv_cache_dtype, self.mesh)()
 
+    def init_pool(self, rows: int) -> DecodeState:
+        """A fresh state of `rows` rows of this model's layout, whatever max_batch is (the prefix cache's pool)."""
+        return _state_maker(self.config, rows, self.max_seq_len, self.context.jnp_dtype, self.scan_layers,
+                            self.kv_cache_dtype, self.mesh)()
+
     def state_bytes(self, batch: int | None = None) -> int:
         return state_bytes(self.config, self.max_batch if batch is None else batch, self.max_seq_len,
                            self.context.dtype, self.kv_cache_dtype)
 
     def prefill(self, tokens, lengths=None, state: DecodeState | None = None, track_mtp: bool | None = None,
-                stats: bool = False):
+                stats: bool = False, last_logits=None):
         """Consume prompts tokens [B, S] (row b's first lengths[b] tokens are real). Without `state` a fresh one
         is made; with one, the tokens continue each sequence (chunked prefill). Returns (logits [B, V] of each
         row's last consumed token, state). `track_mtp` (default: the model's) also feeds the MTP block's window.
-        `stats`: (logits, state, the layers' statistics summed up over the chunks, on the device)."""
+        `stats`: (logits, state, the layers' statistics summed up over the chunks, on the device). `last_logits`
+        [B, V]: the logits of a row that consumes nothing here (default zeros)."""
         tokens = self._check_tokens(tokens, 2, "tokens")
         batch, seq = tokens.shape
         self._check_batch(batch)
@@ -218,7 +233,8 @@ class Model:
         padded = np.zeros((batch, n_chunks * chunk), np.int32)
         padded[:, :seq] = tokens
         # host arrays go over explicitly (jax.device_put): a prefill runs under jax.transfer_guard("disallow")
-        logits = jax.device_put(np.zeros((batch, self.config.vocab_size), np.float32))
+        logits = (jax.device_put(np.zeros((batch, self.config.vocab_size), np.float32)) if last_logits is None
+                  else last_logits)
         summary = None
         for k in range(n_chunks):
             n_valid = np.clip(lengths - k * chunk, 0, chunk).astype(np.int32)
@@ -228,6 +244,41 @@ class Model:
             if stats:
                 summary = chunk_summary[0] if summary is None else _merge_summaries(summary, chunk_summary[0])
         return (logits, state, summary) if stats else (logits, state)
+
+    def prefill_prompts(self, prompts: Sequence[Sequence[int]], track_mtp: bool | None = None, stats: bool = False):
+        """Prefill a batch of prompts (lists of token ids; one row each), each continuing from the longest prefix
+        the prefix cache holds (prefix_cache.py), and keep each prompt's end in the cache. Returns (logits [B, V]
+        of each prompt's last token, state, cached [B]: the tokens each row took from the cache[, the statistics
+        summary of what was prefilled with `stats`]). Without a cache (Settings.prefix_cache = 0) it is a plain
+        prefill."""
+        prompts = [[int(t) for t in p] for p in prompts]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token id lists")
+        rows = len(prompts)
+        track = self.track_mtp if track_mtp is None else track_mtp
+        cache = self.prefix_cache
+        state = self.init_state(rows)
+        logits = jax.device_put(np.zeros((rows, self.config.vocab_size), np.float32))
+        cached = [0] * rows
+        for b, p in enumerate(prompts):
+            entry, n = cache.lookup(p, track) if cache.enabled else (None, 0)
+            if entry is not None:
+                state = cache.restore(entry, state, b)
+                if n == len(p):                              # the whole prompt: its logits were kept
+                    logits = _set_row(logits, entry.logits, jax.device_put(np.int32(b)))
+            cached[b] = n
+        rest = [p[n:] for p, n in zip(prompts, cached, strict=True)]
+        tokens = np.zeros((rows, max(1, max(len(r) for r in rest))), np.int32)
+        for b, r in enumerate(rest):
+            tokens[b, :len(r)] = r
+        lengths = np.array([len(r) for r in rest], np.int32)
+        logits, state, *summary = self.prefill(tokens, lengths, state=state, track_mtp=track, stats=stats,
+                                               last_logits=logits)
+        if cache.enabled:
+            for b, p in enumerate(prompts):
+                if cached[b] < len(p):
+                    cache.save(p, state, b, _row_of(logits, jax.device_put(np.int32(b))), track)
+        return (logits, state, cached, *summary)
 
     def context_for(self, positions: int):
         """The run context of a call whose tokens all lie below `positions` (known on the host: no device read)."""
@@ -308,7 +359,15 @@ class Model:
         for b, p in enumerate(prompts):
             tokens[b, :len(p)] = p
             lengths[b] = len(p)
-        logits, state, *prompt_summary = self.prefill(tokens, lengths, track_mtp=self.track_mtp or k > 0, stats=stats)
+        track = self.track_mtp or k > 0
+        cache = self.prefix_cache if self.prefix_cache.enabled else None
+        if cache is None:
+            logits, state, *prompt_summary = self.prefill(tokens, lengths, track_mtp=track, stats=stats)
+            cached = [0] * batch
+        else:
+            logits, state, cached, *prompt_summary = self.prefill_prompts(prompts + [[0]] * (rows - batch),
+                                                                          track_mtp=track, stats=stats)
+            cached = cached[:batch]
         budget = np.ones((rows,), np.int32)
         budget[:batch] = max_new_tokens
         # row b samples with the key of `seed` folded with b (sampling.Sampling), as the server's choice b would
@@ -351,19 +410,26 @@ class Model:
                                                      track_mtp=self.track_mtp, speculative_tokens=k)
                 if stats:
                     summary = out.stats if summary is None else _merge_summaries(summary, out.stats)
-            last = stats and out is None
+            final = out is None
             host = jax.device_get((pending.tokens, pending.steps, pending.accepted,
-                                   (prompt_summary[0], summary) if last else None))
+                                   (prompt_summary[0], summary) if stats and final else None,
+                                   gen.decode.positions if cache is not None and final else None))
             drain(host[0])
             if k and host[1] is not None:
                 steps += int(host[1][:batch].sum())
                 accepted += host[2][:batch].sum(axis=0)
-            if last:
+            if stats and final:
                 stats_read = host[3]
+            if cache is not None and final:
+                # a completion the device finished itself: its row consumed the prompt and all but the last token
+                for b in range(batch):
+                    consumed = int(host[4][b])
+                    if b not in stopped_here and len(prompts[b]) < consumed <= len(prompts[b]) + len(outputs[b]):
+                        cache.save((prompts[b] + outputs[b])[:consumed], gen.decode, b, None, track)
             pending = out
         reasons = ["stop" if (b in stopped_here or (o and o[-1] in stops)) else "length"
                    for b, o in enumerate(outputs)]
-        result = GenerationResult(tokens=outputs, finish_reasons=reasons)
+        result = GenerationResult(tokens=outputs, finish_reasons=reasons, cached_tokens=cached)
         if stats:
             result.prompt_stats = stats_report.report(stats_read[0], self.config)
             if stats_read[1] is not None:                     # (None: every row finished with its first token)

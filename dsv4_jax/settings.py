@@ -26,7 +26,8 @@ class Settings:
     prompt tokens per prefill program; track_mtp: keep the MTP block's window current in every step (for drafts);
     scan_layers: run the repeated layer pattern under lax.scan; kv_cache_dtype: None (entries in `dtype`) or
     "fp8" (compact entries, numerics/kv_cache.py); quantize_head: quantize a bf16 head to NVFP4 when the weights
-    are loaded or made (load, init_random)."""
+    are loaded or made (load, init_random); prefix_cache: bytes of decode-state snapshots Model.generate keeps to
+    continue later prompts from (prefix_cache.py; 0: off)."""
     dtype: str = "bfloat16"
     simulate_quant: bool = True
     act_quant: str = "none"
@@ -40,6 +41,7 @@ class Settings:
     scan_layers: bool = False
     kv_cache_dtype: str | None = None
     quantize_head: bool = False
+    prefix_cache: int = 0
 
     def __post_init__(self):
         check_numerics(self.dtype, self.act_quant)
@@ -53,6 +55,8 @@ class Settings:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if not isinstance(self.prefix_cache, int) or isinstance(self.prefix_cache, bool) or self.prefix_cache < 0:
+            raise ValueError(f"prefix_cache must be a number of bytes >= 0 (0: off), got {self.prefix_cache!r}")
         object.__setattr__(self, "kernel_overrides", parse_overrides(self.kernel_overrides or None))
 
     @classmethod

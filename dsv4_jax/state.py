@@ -78,3 +78,25 @@ def state_bytes(cfg: ModelConfig, batch: int, max_seq_len: int, dtype="bfloat16"
     jdtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype] if isinstance(dtype, str) else dtype
     shapes = jax.eval_shape(lambda: init_state(cfg, batch, max_seq_len, jdtype, kv_cache_dtype=kv_cache_dtype))
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))
+
+
+def _row_axes(state: DecodeState) -> DecodeState:
+    """The batch axis of every buffer of `state` (a scanned model's stacked layers hold it on axis 1)."""
+    layers = state.layers
+    if isinstance(layers, StackedLayers):
+        layers = layers.replace(before=jax.tree.map(lambda _: 0, layers.before),
+                                phases=jax.tree.map(lambda _: 1, layers.phases),
+                                after=jax.tree.map(lambda _: 0, layers.after))
+    else:
+        layers = jax.tree.map(lambda _: 0, layers)
+    return state.replace(layers=layers, mtp=jax.tree.map(lambda _: 0, state.mtp), mtp_hidden=0, positions=0)
+
+
+def copy_row(dst: DecodeState, src: DecodeState, src_row: jax.Array, dst_row: jax.Array) -> DecodeState:
+    """`dst` with its row `dst_row` replaced by row `src_row` of `src` (every buffer: caches, rings, compressor
+    pending tokens, MTP window and streams, position): a device-side copy (`dynamic_slice` /
+    `dynamic_update_slice`), exact, for states of one layout and any batch sizes."""
+    def copy(d, s, axis):
+        row = jax.lax.dynamic_slice_in_dim(s, src_row, 1, axis)
+        return jax.lax.dynamic_update_slice_in_dim(d, row.astype(d.dtype), dst_row, axis)
+    return jax.tree.map(copy, dst, src, _row_axes(dst))

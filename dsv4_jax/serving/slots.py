@@ -21,9 +21,8 @@ import jax.numpy as jnp
 
 from ..engine import GenerationState
 from ..generation import first_tokens
-from ..layer_scan import StackedLayers
 from ..sampling import Sampling, row_key
-from ..state import DecodeState
+from ..state import DecodeState, copy_row
 
 MAX_TOP_LOGPROBS = 20       # OpenAI's limit for top_logprobs
 
@@ -51,16 +50,8 @@ def _put_tree(big, small, slot, axis: int = 0):
 
 def put_state_row(state: DecodeState, row: DecodeState, slot: jax.Array) -> DecodeState:
     """`state` with row `slot` replaced by the batch-1 state `row` (every buffer: caches, rings, compressor
-    pending tokens, MTP streams, position). A scanned model's stacked layers hold the batch on axis 1."""
-    if isinstance(state.layers, StackedLayers):
-        layers = state.layers.replace(before=_put_tree(state.layers.before, row.layers.before, slot),
-                                      phases=_put_tree(state.layers.phases, row.layers.phases, slot, axis=1),
-                                      after=_put_tree(state.layers.after, row.layers.after, slot))
-    else:
-        layers = _put_tree(state.layers, row.layers, slot)
-    return state.replace(layers=layers, mtp=_put_tree(state.mtp, row.mtp, slot),
-                         mtp_hidden=_put_tree(state.mtp_hidden, row.mtp_hidden, slot),
-                         positions=_put_tree(state.positions, row.positions, slot))
+    pending tokens, MTP streams, position; state.copy_row)."""
+    return copy_row(state, row, jnp.int32(0), slot)
 
 
 @functools.partial(jax.jit, static_argnames=("n_top",), donate_argnames=("slots",))
