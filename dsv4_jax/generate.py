@@ -29,6 +29,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -146,6 +147,19 @@ def _int_at_least(low: int, high: int | None = None):
     return parse
 
 
+_SIZE_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+PREFIX_CACHE_DEFAULT = "1G"
+
+
+def byte_size(text: str) -> int:
+    """argparse type: a size in bytes, "0" (off), or with a binary unit K, M, G, T (optionally followed by "iB" or
+    "B"): "512M", "1G", "2GiB"."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.I)
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a size such as 0, 512M or 1G, got {text!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
 def _float_where(valid, requirement: str):
     """argparse type: a float for which valid(value) holds; otherwise 'must <requirement>, got ...'."""
     def parse(text: str) -> float:
@@ -200,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "prefill chunk and a decode step) for these settings, and exit without loading weights")
     src.add_argument("--no-compile-cache", action="store_true",
                      help="do not use the persistent compilation cache")
+    src.add_argument("--prefix-cache", type=byte_size, default=PREFIX_CACHE_DEFAULT, metavar="SIZE",
+                     help="interactive chat: device memory for the conversation's decode-state snapshots, so that "
+                          "each turn prefills only what it adds to the last prompt (e.g. 512M, 1G; 0: off; default: "
+                          "%(default)s)")
+
 
     prm = p.add_argument_group("prompt")
     one = prm.add_mutually_exclusive_group()
@@ -363,7 +382,8 @@ def _memory_plan(args, directory: str, mesh, batch: int) -> str:
         raise CLIError(_one_line(err)) from None
     plan = memory_plan(cfg, mesh=mesh, max_seq_len=args.max_seq_len, max_batch=batch,
                        prefill_chunk=min(args.prefill_chunk, args.max_seq_len), dtype=args.dtype, stored=stored,
-                       compiled=True, kv_cache_dtype=_kv_cache_dtype(args))
+                       compiled=True, kv_cache_dtype=_kv_cache_dtype(args),
+                       prefix_cache=args.prefix_cache)
     return f"{directory}: --max-seq-len {args.max_seq_len}, batch {batch}, --prefill-chunk {args.prefill_chunk}\n" \
         + plan.table()
 
@@ -392,7 +412,8 @@ def model_settings(args, max_batch: int):
                         simulate_quant=not getattr(args, "no_simulate_quant", False),
                         act_quant=getattr(args, "act_quant", "none"), prefill_chunk=args.prefill_chunk,
                         quantize_head=getattr(args, "quantize_head", False), kernels=kernels,
-                        kernel_overrides=args.kernel_override, kv_cache_dtype=_kv_cache_dtype(args))
+                        kernel_overrides=args.kernel_override, kv_cache_dtype=_kv_cache_dtype(args),
+                        prefix_cache=getattr(args, "prefix_cache", 0))
     except ValueError as err:
         raise CLIError(_one_line(err), EXIT_USAGE) from None
 
@@ -458,6 +479,8 @@ def run(args) -> int:
                            f"needs {len(ids) + args.max_new_tokens + spare} positions, more than --max-seq-len "
                            f"{args.max_seq_len}")
 
+    if not interactive:
+        args.prefix_cache = 0          # snapshots are kept between turns of a conversation; one reply needs none
     settings = model_settings(args, max(1, len(prompts)))
     mesh = _mesh(args, directory)
     if args.plan:

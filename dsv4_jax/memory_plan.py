@@ -38,10 +38,12 @@ class MemoryPlan:
     prefill_temp: int | None       # compiled temporaries of one prefill chunk, per device (compiled=True)
     decode_temp: int | None        # compiled temporaries of one decode step, per device (compiled=True)
     device_memory: int | None      # bytes a device has, when known
+    prefix_cache: int = 0          # bytes of the prefix cache's snapshot pool (whole rows of its size)
 
     @property
     def total(self) -> int:
-        return self.weights + self.decode_state + max(self.prefill_temp or 0, self.decode_temp or 0)
+        return (self.weights + self.decode_state + self.prefix_cache
+                + max(self.prefill_temp or 0, self.decode_temp or 0))
 
     @property
     def fits(self) -> bool | None:
@@ -52,7 +54,7 @@ class MemoryPlan:
             if v is None:
                 return "-"
             return f"{v / GB:.2f} GB" if v >= GB else f"{v / 1e6:.2f} MB"
-        rows = [("weights", self.weights), ("decode state", self.decode_state),
+        rows = [("weights", self.weights), ("decode state", self.decode_state), ("prefix cache", self.prefix_cache),
                 ("prefill chunk temporaries", self.prefill_temp), ("decode step temporaries", self.decode_temp),
                 ("total", self.total), ("device memory", self.device_memory)]
         lines = [f"per device, {self.n_devices} device(s):"] + [f"  {name:<27} {gb(v):>12}" for name, v in rows]
@@ -79,16 +81,20 @@ def weight_bytes_per_device(cfg: ModelConfig, n_devices: int, stored=None) -> di
 def memory_plan(config: ModelConfig, mesh=None, n_devices: int | None = None, max_seq_len: int = 4096,
                 max_batch: int = 1, prefill_chunk: int = PREFILL_CHUNK, dtype: str = "bfloat16",
                 stored: dict[str, str] | None = None, compiled: bool = False,
-                device_memory: int | None = None, kv_cache_dtype: str | None = None) -> MemoryPlan:
+                device_memory: int | None = None, kv_cache_dtype: str | None = None,
+                prefix_cache: int = 0) -> MemoryPlan:
     """Per-device bytes on `mesh` (sharding.make_mesh), or on `n_devices` devices of that layout without a mesh
     (weights and state only: nothing to compile for). `device_memory`: a device's bytes (default: the mesh's first
-    device's limit where JAX reports it). `kv_cache_dtype`: as Model takes it ("fp8": compact decode state)."""
+    device's limit where JAX reports it). `kv_cache_dtype`: as Model takes it ("fp8": compact decode state).
+    `prefix_cache`: the prefix cache's limit in bytes (its pool holds as many whole one-sequence rows as fit)."""
     if mesh is not None:
         n_devices = mesh.devices.size
     n_devices = 1 if n_devices is None else n_devices
     if config.n_routed_experts % n_devices:
         raise ValueError(f"{config.n_routed_experts} routed experts do not split over {n_devices} devices")
     state = state_bytes(config, max_batch, max_seq_len, dtype, kv_cache_dtype)
+    row = state_bytes(config, 1, max_seq_len, dtype, kv_cache_dtype)
+    pool = prefix_cache // row * row
     prefill_temp = decode_temp = None
     if compiled:
         if mesh is None and n_devices > 1:
@@ -99,7 +105,7 @@ def memory_plan(config: ModelConfig, mesh=None, n_devices: int | None = None, ma
         device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
         device_memory = (device.memory_stats() or {}).get("bytes_limit")
     return MemoryPlan(n_devices, sum(weight_bytes_per_device(config, n_devices, stored).values()), state,
-                      prefill_temp, decode_temp, device_memory)
+                      prefill_temp, decode_temp, device_memory, pool)
 
 
 def _compiled_temporaries(cfg, mesh, max_seq_len, max_batch, prefill_chunk, dtype, stored, kv_cache_dtype=None):

@@ -21,7 +21,8 @@ from . import load
 from .checkpoint import CheckpointError
 from .engine import PREFILL_CHUNK
 from .generate import (EXIT_USAGE, KERNEL_OVERRIDE_HELP, CLIError, _check_checkpoint_dir, _int_at_least,
-                       _LoadProgress, _mesh, _one_line, _setup_compile_cache, checked_config, model_settings)
+                       PREFIX_CACHE_DEFAULT, _LoadProgress, _mesh, _one_line, _setup_compile_cache, byte_size,
+                       checked_config, model_settings)
 from .serving.scheduler import Failed, Finished, Request, Scheduler
 
 PROG = "python -m dsv4_jax.serve"
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a row; more get 429 (default 256)")
     s.add_argument("--speculative-tokens", type=_int_at_least(0, 17), default=0, metavar="K",
                    help="draft K tokens per step with the model's MTP block and verify them in one pass (0: off)")
+    s.add_argument("--prefix-cache", type=byte_size, default=PREFIX_CACHE_DEFAULT, metavar="SIZE",
+                   help="device memory for decode-state snapshots of earlier prompts, so that a prompt that extends "
+                        "one prefills only the rest (e.g. 512M, 1G; 0: off; default: %(default)s)")
     s.add_argument("--no-warmup", action="store_true", help="report ready before compiling the programs")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
     return p

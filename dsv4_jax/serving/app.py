@@ -139,10 +139,13 @@ class Server:
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     @staticmethod
-    def _usage(prompt_tokens: int, choices: list[_Choice]) -> dict:
+    def _usage(prompt_tokens: int, choices: list[_Choice], requests: list[GenRequest]) -> dict:
+        """OpenAI's usage; `prompt_tokens_details.cached_tokens`: the prompt tokens its first choice took from the
+        prefix cache (each prompt counted once, as prompt_tokens counts it)."""
         completion = sum(c.completion_tokens for c in choices)
+        cached = sum(r.cached_tokens for r in requests if r.choice == 0)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion}
+                "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
     @staticmethod
     def _sse(payload) -> str:
@@ -224,7 +227,7 @@ class Server:
             opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None} for i in range(len(choices))]
             return self._sse_response(stream, updates, base, req.include_usage,
-                                      lambda: self._usage(len(prompt), choices), opening)
+                                      lambda: self._usage(len(prompt), choices, requests), opening)
         await self._drain(stream, updates)
         if any(c.finish_reason is None for c in choices):
             return JSONResponse({}, status_code=499)            # the client left; nobody reads this
@@ -238,7 +241,7 @@ class Server:
             out.append({"index": i, "message": message, "finish_reason": c.finish_reason,
                         "logprobs": {"content": c.logprobs} if req.logprobs is not None else None})
         return {"id": rid, "object": "chat.completion", "created": base["created"], "model": self.model_name,
-                "choices": out, "usage": self._usage(len(prompt), choices)}
+                "choices": out, "usage": self._usage(len(prompt), choices, requests)}
 
     # ---- completions ---------------------------------------------------------------------------------------
     async def completions(self, http: Request):
@@ -270,7 +273,7 @@ class Server:
 
         if req.stream:
             return self._sse_response(stream, lambda index, event: [update(index, event)], base,
-                                      req.include_usage, lambda: self._usage(prompt_tokens, choices))
+                                      req.include_usage, lambda: self._usage(prompt_tokens, choices, requests))
         await self._drain(stream, update)
         if any(c.finish_reason is None for c in choices):
             return JSONResponse({}, status_code=499)
@@ -282,7 +285,13 @@ class Server:
                             for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
             out.append({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
         return {"id": rid, "object": "text_completion", "created": base["created"], "model": self.model_name,
-                "choices": out, "usage": self._usage(prompt_tokens, choices)}
+                "choices": out, "usage": self._usage(prompt_tokens, choices, requests)}
+
+
+def _prefix_cache_info(scheduler) -> dict | None:
+    """The model's prefix cache: entries, bytes, hits, misses, cached tokens (None for a model without one)."""
+    cache = getattr(getattr(scheduler, "model", None), "prefix_cache", None)
+    return None if cache is None else cache.info()
 
 
 async def _json_body(http: Request):
@@ -324,7 +333,7 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "busy_rows": scheduler.busy_rows(), "rows": scheduler.rows,
-                "stats": dict(getattr(scheduler, "stats", {}))}
+                "stats": dict(getattr(scheduler, "stats", {})), "prefix_cache": _prefix_cache_info(scheduler)}
 
     @app.get("/v1/models")
     async def models():

@@ -80,6 +80,7 @@ class Request:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: int | None = None
     cancelled: bool = False            # set by `Scheduler.cancel`; the loop frees the row
+    cached_tokens: int = 0             # prompt tokens taken from the prefix cache (set when the request starts)
 
 
 class _Live:
@@ -242,8 +243,10 @@ class Scheduler:
 
     def _admit(self, req: Request, slot: int):
         model = self.model
-        logits, row_state = model.prefill(np.asarray([req.prompt_ids], np.int32),
-                                          track_mtp=model.track_mtp or bool(self.speculative_tokens))
+        # from the longest prefix an earlier request left in the prefix cache (prefix_cache.py), if any
+        logits, row_state, cached = model.prefill_prompts([req.prompt_ids],
+                                                          track_mtp=model.track_mtp or bool(self.speculative_tokens))
+        req.cached_tokens = cached[0]
         stops = np.full((1, MAX_STOP_TOKENS), -1, np.int32)
         stops[0, :len(req.stop_token_ids)] = req.stop_token_ids
         row = Sampling(temperature=jnp.full((1,), req.temperature, jnp.float32),
