@@ -45,6 +45,12 @@ def _copy_row(dst: DecodeState, src: DecodeState, src_row, dst_row) -> DecodeSta
     return copy_row(dst, src, src_row, dst_row)
 
 
+def _index(i: int) -> jax.Array:
+    """A row index as a device scalar, sent explicitly (no implicit transfer: callers may run under
+    jax.transfer_guard("disallow"))."""
+    return jax.device_put(np.int32(i))
+
+
 class PrefixCache:
     """Snapshots of decode-state rows keyed by the token ids they consumed (tuples), least recently used first out.
     `make_pool(rows)` makes an empty DecodeState of that many rows (the model's layout); `row_bytes` is one row's
@@ -90,7 +96,7 @@ class PrefixCache:
 
     def restore(self, entry: Entry, state: DecodeState, row: int) -> DecodeState:
         """`state` (donated) with row `row` replaced by the entry's snapshot."""
-        return _copy_row(state, self._pool, np.int32(entry.slot), np.int32(row))
+        return _copy_row(state, self._pool, _index(entry.slot), _index(row))
 
     def save(self, tokens, state: DecodeState, row: int, logits: jax.Array | None, track_mtp: bool) -> None:
         """Keep row `row` of `state` (not donated), which consumed exactly `tokens`, with its last token's logits
@@ -112,7 +118,7 @@ class PrefixCache:
         if self._pool is None:
             self._pool = self._make_pool(self.slots)
         slot = self._free.pop()
-        self._pool = _copy_row(self._pool, state, np.int32(row), np.int32(slot))
+        self._pool = _copy_row(self._pool, state, _index(row), _index(slot))
         self._entries[key] = Entry(slot, len(key), logits, track_mtp)
 
     def clear(self) -> None:

@@ -1,0 +1,221 @@
+"""The prefix cache (dsv4_jax/prefix_cache.py): continuing from a cached prefix gives what prefilling the whole prompt
+gives, at every kind of boundary (inside the first window, across it, on and off multiples of 4 and 128, with
+compact FP8 caches, with speculative decoding), for prompt ends and completion ends; it is bounded and evicts the
+least recently used; the server reports the reuse (OpenAI's cached_tokens) and shows the cache on /health."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+import uvicorn
+
+import dsv4_jax
+from dsv4_jax.prefix_cache import PrefixCache
+
+MAX_SEQ_LEN = 512
+PROMPT = np.random.default_rng(21).integers(2, 4096, 300).tolist()
+# inside the first window, on / off multiples of 4, across the 128-token window and the 128-token HCA entries
+BOUNDARIES = (1, 5, 64, 127, 128, 129, 131, 200, 256, 257, 299)
+
+
+def _model(**options):
+    """float32 without the trained fake-quant roundings, as tests/test_decode.py's chunked-prefill check (with them
+    a value on an FP8 rounding tie may round the other way in another chunking: ~1e-4 on the logits)."""
+    return dsv4_jax.load(dtype="float32", simulate_quant=False, max_seq_len=MAX_SEQ_LEN, max_batch=2, **options)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _model()
+
+
+@pytest.fixture(scope="module")
+def cached():
+    return _model(prefix_cache=64 << 20)
+
+
+@pytest.fixture(scope="module")
+def plain_logits(plain):
+    return np.asarray(plain.prefill(np.array([PROMPT], np.int32))[0])
+
+
+def _in_two_pieces(model, boundary):
+    """The prompt prefilled in two calls, split at `boundary`, without the cache: (logits, state)."""
+    _, state = model.prefill(np.array([PROMPT[:boundary]], np.int32))
+    return model.prefill(np.array([PROMPT[boundary:]], np.int32), state=state)
+
+
+@pytest.mark.parametrize("boundary", BOUNDARIES)
+def test_continuing_from_a_prefix_equals_prefilling_the_whole_prompt(cached, plain, plain_logits, boundary):
+    """The snapshot is an exact copy (the logits and every state buffer bit for bit those of the same two-piece
+    prefill without the cache), and the two-piece prefill is the whole prefill up to float32 rounding."""
+    cached.prefix_cache.clear()
+    cached.prefill_prompts([PROMPT[:boundary]])                       # an earlier request's prompt
+    logits, state, taken = cached.prefill_prompts([PROMPT])
+    assert taken == [boundary]
+    assert int(jax.device_get(state.positions)[0]) == len(PROMPT)
+    want_logits, want_state = _in_two_pieces(plain, boundary)
+    assert np.array_equal(np.asarray(logits), np.asarray(want_logits))
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(want_state), strict=True):
+        assert np.array_equal(np.asarray(got), np.asarray(want))
+    # chunked prefill's float32 rounding: measured <= 7e-6 on logits of size ~5
+    np.testing.assert_allclose(np.asarray(logits), plain_logits, atol=5e-5, rtol=0)
+
+
+def test_a_resent_prompt_is_not_prefilled_again(cached, plain, plain_logits):
+    cached.prefix_cache.clear()
+    first = cached.generate([PROMPT], max_new_tokens=6)
+    hits = cached.prefix_cache.hits
+    again = cached.generate([PROMPT], max_new_tokens=6)
+    assert first.cached_tokens == [0] and again.cached_tokens == [len(PROMPT)]
+    assert cached.prefix_cache.hits == hits + 1
+    assert again.tokens == first.tokens == plain.generate([PROMPT], max_new_tokens=6).tokens
+
+
+@pytest.mark.parametrize("boundary", (129, 256, 299))
+def test_greedy_tokens_from_a_cached_prefix_are_those_of_a_whole_prefill(cached, plain, boundary):
+    cached.prefix_cache.clear()
+    cached.generate([PROMPT[:boundary]], max_new_tokens=2)
+    out = cached.generate([PROMPT], max_new_tokens=12)
+    assert out.cached_tokens[0] >= boundary
+    assert out.tokens == plain.generate([PROMPT], max_new_tokens=12).tokens
+
+
+def test_a_completion_end_is_continued(cached, plain):
+    """The next prompt extends the prompt and the completion: the row the device finished (it consumed all but the
+    last generated token) is reused."""
+    cached.prefix_cache.clear()
+    first = cached.generate([PROMPT[:100]], max_new_tokens=10)
+    follow = PROMPT[:100] + first.tokens[0] + PROMPT[200:230]
+    out = cached.generate([follow], max_new_tokens=8)
+    assert out.cached_tokens == [100 + len(first.tokens[0]) - 1]
+    assert out.tokens == plain.generate([follow], max_new_tokens=8).tokens
+
+
+def test_a_batch_takes_each_row_from_its_own_prefix(cached, plain):
+    cached.prefix_cache.clear()
+    a, b = PROMPT[:150], PROMPT[20:90]
+    cached.generate([a[:131], b[:64]], max_new_tokens=1)
+    out = cached.generate([a, b], max_new_tokens=8)
+    assert out.cached_tokens == [131, 64]
+    assert out.tokens == plain.generate([a, b], max_new_tokens=8).tokens
+
+
+@pytest.mark.parametrize("boundary", (5, 129, 257))
+def test_compact_fp8_caches(boundary):
+    """Compact FP8 caches with the trained roundings (what they are for): the continuation equals the two-piece
+    prefill bit for bit; against the whole prefill an FP8 rounding tie may fall the other way in another chunking
+    (~2e-4 on logits of size ~5)."""
+    options = dict(dtype="float32", max_seq_len=MAX_SEQ_LEN, kv_cache_dtype="fp8")
+    plain = dsv4_jax.load(**options)
+    cached = dsv4_jax.load(prefix_cache=16 << 20, **options)
+    cached.prefill_prompts([PROMPT[:boundary]])
+    logits, _, taken = cached.prefill_prompts([PROMPT])
+    assert taken == [boundary]
+    assert np.array_equal(np.asarray(logits), np.asarray(_in_two_pieces(plain, boundary)[0]))
+    whole = np.asarray(plain.prefill(np.array([PROMPT], np.int32))[0])
+    np.testing.assert_allclose(np.asarray(logits), whole, atol=2e-3, rtol=0)
+
+
+def test_speculative_decoding_continues_only_from_rows_that_kept_the_mtp_window(cached, plain):
+    """A prefix prefilled without the MTP block's window cannot serve speculative decoding (its drafts read that
+    window); one that kept it can, and speculative greedy output is the plain greedy output."""
+    cached.prefix_cache.clear()
+    cached.generate([PROMPT[:131]], max_new_tokens=1)                       # no MTP window kept
+    first = cached.generate([PROMPT[:200]], max_new_tokens=1, speculative_tokens=2)
+    assert first.cached_tokens == [0]
+    out = cached.generate([PROMPT[:260]], max_new_tokens=12, speculative_tokens=2)
+    assert out.cached_tokens == [200]
+    assert out.tokens == plain.generate([PROMPT[:260]], max_new_tokens=12).tokens
+
+
+def test_the_cache_is_bounded_and_evicts_the_least_recently_used(plain):
+    row = plain.state_bytes(1)
+    cache = PrefixCache(2 * row + row // 2, row, plain.init_pool)
+    assert cache.slots == 2 and cache.info()["bytes"] == 0               # nothing allocated before the first save
+    state = plain.init_state(1)
+    for key in ((1, 2, 3), (1, 2, 4)):
+        cache.save(key, state, 0, None, False)
+    assert cache.lookup((1, 2, 3, 9))[1] == 3                           # (1, 2, 3) is now the most recent
+    cache.save((7, 8), state, 0, None, False)                           # evicts (1, 2, 4)
+    assert cache.lookup((1, 2, 4, 9))[1] == 0 and cache.lookup((1, 2, 3, 9))[1] == 3
+    assert cache.lookup((7, 8, 9))[1] == 2
+    assert cache.lookup((7, 8))[1] == 0                                 # a whole prompt needs its logits
+    info = cache.info()
+    assert info["entries"] == 2 and info["bytes"] == 2 * row and info["hits"] == 3 and info["misses"] == 2
+    assert PrefixCache(row - 1, row, plain.init_pool).enabled is False
+    with pytest.raises(ValueError, match="prefix_cache must be a number of bytes"):
+        _model(prefix_cache=-1)
+
+
+def test_restoring_and_saving_read_nothing_back(cached):
+    """The snapshot copies are device-side: prefill_prompts from a cached prefix runs under transfer_guard
+    ("disallow") except for the one position read a continued prefill makes (jax.device_get)."""
+    cached.prefix_cache.clear()
+    cached.prefill_prompts([PROMPT[:64]])
+    cached.prefill_prompts([PROMPT[:100]])                              # compiles the continuation
+    cached.prefix_cache.clear()
+    cached.prefill_prompts([PROMPT[:64]])
+    with jax.transfer_guard("disallow"):
+        _, _, taken = cached.prefill_prompts([PROMPT[:100]])
+    assert taken == [64]
+
+
+# ---- the server -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server():
+    from dsv4_jax.serving.app import create_app
+    from dsv4_jax.serving.scheduler import Scheduler
+    model = _model(prefix_cache=32 << 20)
+    scheduler = Scheduler(model, chunk=4, max_queue=16).start()
+    sock = socket.create_server(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(create_app(scheduler, "dsv4-default"), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started:
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    yield url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300), model
+    uv.should_exit = True
+    thread.join(10)
+    scheduler.stop()
+
+
+def test_a_conversation_through_the_server_reuses_its_last_prompt(server, plain):
+    url, client, model = server
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    cached = []
+    for turn in range(3):
+        reply = client.chat.completions.create(model="dsv4-default", messages=messages, max_tokens=6, temperature=0)
+        usage = reply.usage
+        cached.append((usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens))
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": f"And another one, number {turn + 2}?"}]
+    assert cached[0][1] == 0
+    for (before, _), (after, hit) in zip(cached, cached[1:]):
+        assert before <= hit < after                      # at least the whole previous prompt
+    stream = client.chat.completions.create(model="dsv4-default", messages=messages[:-2], max_tokens=6,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens       # sent again: all of it
+    health = httpx.get(url + "/health").json()["prefix_cache"]
+    assert health["entries"] >= 3 and health["hits"] >= 3 and health["cached_tokens"] >= sum(h for _, h in cached)
+    completion = client.completions.create(model="dsv4-default", prompt="The capital of France", max_tokens=5,
+                                           temperature=0)
+    again = client.completions.create(model="dsv4-default", prompt="The capital of France", max_tokens=5,
+                                      temperature=0)
+    assert again.choices[0].text == completion.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+    ids = [model.tokenizer.bos_id] + model.tokenizer.encode("The capital of France")
+    want = plain.generate([ids], max_new_tokens=5).tokens[0]
+    assert model.tokenizer.decode([t for t in want if t != model.config.eos_token_id]) == again.choices[0].text
