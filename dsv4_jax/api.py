@@ -46,9 +46,15 @@ MIN_CONTEXT_BUCKET = 4096     # the smallest context bucket: below it the whole 
 
 # Two statistics summaries as one, on the device (one small program instead of an op per leaf).
 _merge_summaries = jax.jit(layer_stats.merge)
-# A row of logits [B, V] read or replaced on the device (the row index a device scalar: no implicit transfer).
-_row_of = jax.jit(lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False))
-_set_row = jax.jit(lambda a, row, i: jax.lax.dynamic_update_index_in_dim(a, row, i, 0), donate_argnums=0)
+
+
+def _padded(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token lists (some may be empty) as (tokens [B, S] zero-padded, lengths [B])."""
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    tokens = np.zeros((len(prompts), max(1, int(lengths.max()))), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = p
+    return tokens, lengths
 
 
 def context_bucket(positions: int, max_seq_len: int) -> int | None:
@@ -200,12 +206,11 @@ class Model:
                            self.context.dtype, self.kv_cache_dtype)
 
     def prefill(self, tokens, lengths=None, state: DecodeState | None = None, track_mtp: bool | None = None,
-                stats: bool = False, last_logits=None):
+                stats: bool = False):
         """Consume prompts tokens [B, S] (row b's first lengths[b] tokens are real). Without `state` a fresh one
         is made; with one, the tokens continue each sequence (chunked prefill). Returns (logits [B, V] of each
         row's last consumed token, state). `track_mtp` (default: the model's) also feeds the MTP block's window.
-        `stats`: (logits, state, the layers' statistics summed up over the chunks, on the device). `last_logits`
-        [B, V]: the logits of a row that consumes nothing here (default zeros)."""
+        `stats`: (logits, state, the layers' statistics summed up over the chunks, on the device)."""
         tokens = self._check_tokens(tokens, 2, "tokens")
         batch, seq = tokens.shape
         self._check_batch(batch)
@@ -233,8 +238,7 @@ class Model:
         padded = np.zeros((batch, n_chunks * chunk), np.int32)
         padded[:, :seq] = tokens
         # host arrays go over explicitly (jax.device_put): a prefill runs under jax.transfer_guard("disallow")
-        logits = (jax.device_put(np.zeros((batch, self.config.vocab_size), np.float32)) if last_logits is None
-                  else last_logits)
+        logits = jax.device_put(np.zeros((batch, self.config.vocab_size), np.float32))
         summary = None
         for k in range(n_chunks):
             n_valid = np.clip(lengths - k * chunk, 0, chunk).astype(np.int32)
@@ -246,39 +250,41 @@ class Model:
         return (logits, state, summary) if stats else (logits, state)
 
     def prefill_prompts(self, prompts: Sequence[Sequence[int]], track_mtp: bool | None = None, stats: bool = False):
-        """Prefill a batch of prompts (lists of token ids; one row each), each continuing from the longest prefix
-        the prefix cache holds (prefix_cache.py), and keep each prompt's end in the cache. Returns (logits [B, V]
-        of each prompt's last token, state, cached [B]: the tokens each row took from the cache[, the statistics
-        summary of what was prefilled with `stats`]). Without a cache (Settings.prefix_cache = 0) it is a plain
-        prefill."""
+        """Prefill a batch of prompts (lists of token ids; one row each). With the prefix cache (Settings.prefix_cache;
+        prefix_cache.py) each row continues from the longest cached prefix of its prompt, and each prompt but its
+        last token is kept for later prompts (the last token is prefilled on its own). Returns (logits [B, V] of
+        each prompt's last token, state, cached [B]: the tokens each row took from the cache[, the statistics
+        summary of what was prefilled, with `stats`])."""
         prompts = [[int(t) for t in p] for p in prompts]
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token id lists")
         rows = len(prompts)
         track = self.track_mtp if track_mtp is None else track_mtp
         cache = self.prefix_cache
+        if not cache.enabled:
+            logits, state, *summary = self.prefill(*_padded(prompts), track_mtp=track, stats=stats)
+            return (logits, state, [0] * rows, *summary)
         state = self.init_state(rows)
-        logits = jax.device_put(np.zeros((rows, self.config.vocab_size), np.float32))
         cached = [0] * rows
         for b, p in enumerate(prompts):
-            entry, n = cache.lookup(p, track) if cache.enabled else (None, 0)
+            entry, cached[b] = cache.lookup(p, track)
             if entry is not None:
                 state = cache.restore(entry, state, b)
-                if n == len(p):                              # the whole prompt: its logits were kept
-                    logits = _set_row(logits, entry.logits, jax.device_put(np.int32(b)))
-            cached[b] = n
-        rest = [p[n:] for p, n in zip(prompts, cached, strict=True)]
-        tokens = np.zeros((rows, max(1, max(len(r) for r in rest))), np.int32)
-        for b, r in enumerate(rest):
-            tokens[b, :len(r)] = r
-        lengths = np.array([len(r) for r in rest], np.int32)
-        logits, state, *summary = self.prefill(tokens, lengths, state=state, track_mtp=track, stats=stats,
-                                               last_logits=logits)
-        if cache.enabled:
+        summaries = []
+        heads = [p[n:-1] for p, n in zip(prompts, cached, strict=True)]
+        if any(heads):
+            _, state, *summary = self.prefill(*_padded(heads), state=state, track_mtp=track, stats=stats)
+            summaries += summary
             for b, p in enumerate(prompts):
-                if cached[b] < len(p):
-                    cache.save(p, state, b, _row_of(logits, jax.device_put(np.int32(b))), track)
-        return (logits, state, cached, *summary)
+                if len(p) > 1 and cached[b] < len(p) - 1:
+                    cache.save(p[:-1], state, b, track)
+        logits, state, *summary = self.prefill(*_padded([p[-1:] for p in prompts]), state=state, track_mtp=track,
+                                               stats=stats)
+        summaries += summary
+        if stats:
+            summary = summaries[0] if len(summaries) == 1 else _merge_summaries(*summaries)
+            return logits, state, cached, summary
+        return logits, state, cached
 
     def context_for(self, positions: int):
         """The run context of a call whose tokens all lie below `positions` (known on the host: no device read)."""
@@ -425,7 +431,7 @@ class Model:
                 for b in range(batch):
                     consumed = int(host[4][b])
                     if b not in stopped_here and len(prompts[b]) < consumed <= len(prompts[b]) + len(outputs[b]):
-                        cache.save((prompts[b] + outputs[b])[:consumed], gen.decode, b, None, track)
+                        cache.save((prompts[b] + outputs[b])[:consumed], gen.decode, b, track)
             pending = out
         reasons = ["stop" if (b in stopped_here or (o and o[-1] in stops)) else "length"
                    for b, o in enumerate(outputs)]

@@ -10,10 +10,13 @@ request's state (`state.copy_row`, a `dynamic_update_slice` on the device; no ho
 the prompt is prefilled. The result is the state prefilling the whole prompt gives, up to the chunked prefill's
 float rounding (tests/test_prefix_cache.py checks every kind of boundary).
 
-What is kept (Model.generate and the server): the end of every prompt, with the logits of its last token (a prompt
-sent again needs no prefill at all), and in Model.generate the end of every completion the device finished itself
-(the tokens its state consumed: the prompt and all but the last generated token). A chat's next prompt extends its
-last prompt (the official encoder drops earlier turns' reasoning), so the prompt ends are what a conversation reuses.
+What is kept (Model.prefill_prompts: Model.generate and the server): every prompt but its last token, and in
+Model.generate the end of every completion the device finished itself (the tokens its state consumed: the prompt and
+all but the last generated token). The last token is always prefilled (its logits give the first sampled token),
+and a chat's next prompt extends its last prompt but that last token: the official encoder ends a thinking-mode
+prompt with <think> and renders the same turn in the history as </think> and the reply (in chat mode the next
+prompt extends the whole last prompt, and one token more is prefilled than strictly needed). So a conversation's
+every turn continues from the previous turn's prompt, and a prompt sent again prefills one token.
 
 Memory: `max_bytes` of rows (each one sequence of max_seq_len capacity: Model.state_bytes(1)), least recently used
 evicted first. A snapshot is copied out when a request starts, so no running request depends on the pool and any
@@ -36,7 +39,6 @@ from .state import DecodeState, copy_row
 class Entry:
     slot: int                      # its row in the pool
     length: int                    # tokens consumed
-    logits: jax.Array | None       # [V] float32 of its last token (prompt ends), None for completion ends
     track_mtp: bool                # whether the MTP block's window was kept current (speculative decoding needs it)
 
 
@@ -73,14 +75,16 @@ class PrefixCache:
         return self.slots > 0
 
     def lookup(self, tokens, track_mtp: bool = False) -> tuple[Entry | None, int]:
-        """The entry whose key is the longest prefix of `tokens` that a request can continue from (a key as long as
-        the prompt only with its logits; a request that tracks the MTP window only from entries that did), and
-        its length (0: none). Counts a hit or a miss."""
+        """The entry whose key is the longest prefix of `tokens` shorter than them (at least the last token is
+        prefilled; a request that tracks the MTP window only from entries that did), and its length (0: none).
+        Counts a hit or a miss."""
         tokens = tuple(int(t) for t in tokens)
+        if len(tokens) < 2:                  # nothing shorter to continue from (e.g. a batch's padding rows)
+            return None, 0
         best, best_len = None, 0
         for key, entry in self._entries.items():
             n = len(key)
-            if n <= best_len or n > len(tokens) or (n == len(tokens) and entry.logits is None):
+            if n <= best_len or n >= len(tokens):
                 continue
             if track_mtp and not entry.track_mtp:
                 continue
@@ -98,17 +102,15 @@ class PrefixCache:
         """`state` (donated) with row `row` replaced by the entry's snapshot."""
         return _copy_row(state, self._pool, _index(entry.slot), _index(row))
 
-    def save(self, tokens, state: DecodeState, row: int, logits: jax.Array | None, track_mtp: bool) -> None:
-        """Keep row `row` of `state` (not donated), which consumed exactly `tokens`, with its last token's logits
-        [V] if known. An existing entry of the same key is kept (refreshed; its logits added if it had none)."""
+    def save(self, tokens, state: DecodeState, row: int, track_mtp: bool) -> None:
+        """Keep row `row` of `state` (not donated), which consumed exactly `tokens`. An existing entry of the same
+        key is kept (refreshed), unless this one also kept the MTP window and it did not."""
         if not self.enabled or not len(tokens):
             return
         key = tuple(int(t) for t in tokens)
         entry = self._entries.get(key)
         if entry is not None and (entry.track_mtp or not track_mtp):
             self._entries.move_to_end(key)
-            if entry.logits is None and logits is not None:
-                entry.logits = logits
             return
         if entry is not None:                          # replaced by one that also kept the MTP window
             self._free.append(self._entries.pop(key).slot)
@@ -119,7 +121,7 @@ class PrefixCache:
             self._pool = self._make_pool(self.slots)
         slot = self._free.pop()
         self._pool = _copy_row(self._pool, state, _index(row), _index(slot))
-        self._entries[key] = Entry(slot, len(key), logits, track_mtp)
+        self._entries[key] = Entry(slot, len(key), track_mtp)
 
     def clear(self) -> None:
         self._entries.clear()

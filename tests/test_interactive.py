@@ -66,3 +66,41 @@ def test_each_turn_reencodes_the_history(model, monkeypatch):
     assert prompts[1] == encode_message_ids(tok, second)
     assert "".join(written) == reply + "\n" + greedy_reply(prompts[1]) + "\n" + "\n"
     assert "Ctrl-D" in notes[0]
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_each_turn_prefills_only_what_it_adds(model, thinking):
+    """With the prefix cache (the command line's default for the chat) a turn continues from the last prompt's end:
+    its history is not prefilled again (thinking mode too, whose earlier reasoning the encoder drops), and the
+    replies are those of the model without the cache."""
+    cached = dsv4_jax.load(dtype="float32", max_seq_len=512, prefix_cache=32 << 20)
+    argv = ["--system", "Answer briefly.", "--temperature", "0", "--max-new-tokens", "10"]
+    args = cli.parse_args(argv + (["--thinking"] if thinking else []))
+    replies = {}
+    for which in (model, cached):
+        lines = iter(["Who was Moses?", "And who was Aaron?", "And Miriam?"])
+
+        def read_line(prompt):
+            try:
+                return next(lines)
+            except StopIteration:
+                raise EOFError from None
+        runs = []
+        real_generate = which.generate
+
+        def generate(prompt_ids, _real=real_generate, _runs=runs, **kw):
+            result = _real(prompt_ids, **kw)
+            _runs.append((len(prompt_ids[0]), result.cached_tokens[0]))
+            return result
+        which.generate = generate
+        written = []
+        try:
+            assert chat_loop(which, args, read_line, written.append, lambda _: None) == 0
+        finally:
+            del which.generate
+        replies[which] = ("".join(written), runs)
+    (plain_text, plain_runs), (text, runs) = replies[model], replies[cached]
+    assert text == plain_text
+    assert [c for _, c in plain_runs] == [0, 0, 0] and runs[0][1] == 0
+    for (before, _), (after, hit) in zip(runs, runs[1:]):
+        assert before - 1 <= hit < after, runs             # the last prompt but its last token (<think> or </think>)

@@ -46,22 +46,24 @@ def plain_logits(plain):
     return np.asarray(plain.prefill(np.array([PROMPT], np.int32))[0])
 
 
-def _in_two_pieces(model, boundary):
-    """The prompt prefilled in two calls, split at `boundary`, without the cache: (logits, state)."""
+def _in_pieces(model, boundary):
+    """The prompt prefilled without the cache in the pieces a continuation from `boundary` makes: up to the boundary,
+    on to the last token, the last token. (logits, state)"""
     _, state = model.prefill(np.array([PROMPT[:boundary]], np.int32))
-    return model.prefill(np.array([PROMPT[boundary:]], np.int32), state=state)
+    _, state = model.prefill(np.array([PROMPT[boundary:-1]], np.int32), state=state)
+    return model.prefill(np.array([PROMPT[-1:]], np.int32), state=state)
 
 
 @pytest.mark.parametrize("boundary", BOUNDARIES)
 def test_continuing_from_a_prefix_equals_prefilling_the_whole_prompt(cached, plain, plain_logits, boundary):
-    """The snapshot is an exact copy (the logits and every state buffer bit for bit those of the same two-piece
-    prefill without the cache), and the two-piece prefill is the whole prefill up to float32 rounding."""
+    """The snapshot is an exact copy (the logits and every state buffer bit for bit those of the same pieces
+    prefilled without the cache), and those pieces give the whole prefill up to float32 rounding."""
     cached.prefix_cache.clear()
-    cached.prefill_prompts([PROMPT[:boundary]])                       # an earlier request's prompt
+    cached.prefill_prompts([PROMPT[:boundary + 1]])              # an earlier prompt: kept but its last token
     logits, state, taken = cached.prefill_prompts([PROMPT])
     assert taken == [boundary]
     assert int(jax.device_get(state.positions)[0]) == len(PROMPT)
-    want_logits, want_state = _in_two_pieces(plain, boundary)
+    want_logits, want_state = _in_pieces(plain, boundary)
     assert np.array_equal(np.asarray(logits), np.asarray(want_logits))
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(want_state), strict=True):
         assert np.array_equal(np.asarray(got), np.asarray(want))
@@ -74,7 +76,7 @@ def test_a_resent_prompt_is_not_prefilled_again(cached, plain, plain_logits):
     first = cached.generate([PROMPT], max_new_tokens=6)
     hits = cached.prefix_cache.hits
     again = cached.generate([PROMPT], max_new_tokens=6)
-    assert first.cached_tokens == [0] and again.cached_tokens == [len(PROMPT)]
+    assert first.cached_tokens == [0] and again.cached_tokens == [len(PROMPT) - 1]      # all but the last token
     assert cached.prefix_cache.hits == hits + 1
     assert again.tokens == first.tokens == plain.generate([PROMPT], max_new_tokens=6).tokens
 
@@ -82,7 +84,7 @@ def test_a_resent_prompt_is_not_prefilled_again(cached, plain, plain_logits):
 @pytest.mark.parametrize("boundary", (129, 256, 299))
 def test_greedy_tokens_from_a_cached_prefix_are_those_of_a_whole_prefill(cached, plain, boundary):
     cached.prefix_cache.clear()
-    cached.generate([PROMPT[:boundary]], max_new_tokens=2)
+    cached.generate([PROMPT[:boundary + 1]], max_new_tokens=2)
     out = cached.generate([PROMPT], max_new_tokens=12)
     assert out.cached_tokens[0] >= boundary
     assert out.tokens == plain.generate([PROMPT], max_new_tokens=12).tokens
@@ -104,22 +106,22 @@ def test_a_batch_takes_each_row_from_its_own_prefix(cached, plain):
     a, b = PROMPT[:150], PROMPT[20:90]
     cached.generate([a[:131], b[:64]], max_new_tokens=1)
     out = cached.generate([a, b], max_new_tokens=8)
-    assert out.cached_tokens == [131, 64]
+    assert out.cached_tokens == [130, 63]
     assert out.tokens == plain.generate([a, b], max_new_tokens=8).tokens
 
 
 @pytest.mark.parametrize("boundary", (5, 129, 257))
 def test_compact_fp8_caches(boundary):
-    """Compact FP8 caches with the trained roundings (what they are for): the continuation equals the two-piece
-    prefill bit for bit; against the whole prefill an FP8 rounding tie may fall the other way in another chunking
+    """Compact FP8 caches with the trained roundings (what they are for): the continuation equals the same pieces
+    prefilled without the cache bit for bit; against the whole prefill an FP8 rounding tie may fall the other way in another chunking
     (~2e-4 on logits of size ~5)."""
     options = dict(dtype="float32", max_seq_len=MAX_SEQ_LEN, kv_cache_dtype="fp8")
     plain = dsv4_jax.load(**options)
     cached = dsv4_jax.load(prefix_cache=16 << 20, **options)
-    cached.prefill_prompts([PROMPT[:boundary]])
+    cached.prefill_prompts([PROMPT[:boundary + 1]])
     logits, _, taken = cached.prefill_prompts([PROMPT])
     assert taken == [boundary]
-    assert np.array_equal(np.asarray(logits), np.asarray(_in_two_pieces(plain, boundary)[0]))
+    assert np.array_equal(np.asarray(logits), np.asarray(_in_pieces(plain, boundary)[0]))
     whole = np.asarray(plain.prefill(np.array([PROMPT], np.int32))[0])
     np.testing.assert_allclose(np.asarray(logits), whole, atol=2e-3, rtol=0)
 
@@ -132,7 +134,7 @@ def test_speculative_decoding_continues_only_from_rows_that_kept_the_mtp_window(
     first = cached.generate([PROMPT[:200]], max_new_tokens=1, speculative_tokens=2)
     assert first.cached_tokens == [0]
     out = cached.generate([PROMPT[:260]], max_new_tokens=12, speculative_tokens=2)
-    assert out.cached_tokens == [200]
+    assert out.cached_tokens == [199]
     assert out.tokens == plain.generate([PROMPT[:260]], max_new_tokens=12).tokens
 
 
@@ -142,12 +144,12 @@ def test_the_cache_is_bounded_and_evicts_the_least_recently_used(plain):
     assert cache.slots == 2 and cache.info()["bytes"] == 0               # nothing allocated before the first save
     state = plain.init_state(1)
     for key in ((1, 2, 3), (1, 2, 4)):
-        cache.save(key, state, 0, None, False)
+        cache.save(key, state, 0, False)
     assert cache.lookup((1, 2, 3, 9))[1] == 3                           # (1, 2, 3) is now the most recent
-    cache.save((7, 8), state, 0, None, False)                           # evicts (1, 2, 4)
+    cache.save((7, 8), state, 0, False)                                 # evicts (1, 2, 4)
     assert cache.lookup((1, 2, 4, 9))[1] == 0 and cache.lookup((1, 2, 3, 9))[1] == 3
     assert cache.lookup((7, 8, 9))[1] == 2
-    assert cache.lookup((7, 8))[1] == 0                                 # a whole prompt needs its logits
+    assert cache.lookup((7, 8))[1] == 0                        # the last token is always prefilled: not a hit
     info = cache.info()
     assert info["entries"] == 2 and info["bytes"] == 2 * row and info["hits"] == 3 and info["misses"] == 2
     assert PrefixCache(row - 1, row, plain.init_pool).enabled is False
@@ -165,7 +167,7 @@ def test_restoring_and_saving_read_nothing_back(cached):
     cached.prefill_prompts([PROMPT[:64]])
     with jax.transfer_guard("disallow"):
         _, _, taken = cached.prefill_prompts([PROMPT[:100]])
-    assert taken == [64]
+    assert taken == [63]
 
 
 # ---- the server -----------------------------------------------------------------------------------------------
@@ -203,11 +205,11 @@ def test_a_conversation_through_the_server_reuses_its_last_prompt(server, plain)
                      {"role": "user", "content": f"And another one, number {turn + 2}?"}]
     assert cached[0][1] == 0
     for (before, _), (after, hit) in zip(cached, cached[1:]):
-        assert before <= hit < after                      # at least the whole previous prompt
+        assert before - 1 <= hit < after                  # at least the previous prompt but its last token
     stream = client.chat.completions.create(model="dsv4-default", messages=messages[:-2], max_tokens=6,
                                             temperature=0, stream=True, stream_options={"include_usage": True})
     usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
-    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens       # sent again: all of it
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1     # sent again: all but one
     health = httpx.get(url + "/health").json()["prefix_cache"]
     assert health["entries"] >= 3 and health["hits"] >= 3 and health["cached_tokens"] >= sum(h for _, h in cached)
     completion = client.completions.create(model="dsv4-default", prompt="The capital of France", max_tokens=5,
@@ -215,7 +217,7 @@ def test_a_conversation_through_the_server_reuses_its_last_prompt(server, plain)
     again = client.completions.create(model="dsv4-default", prompt="The capital of France", max_tokens=5,
                                       temperature=0)
     assert again.choices[0].text == completion.choices[0].text
-    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
     ids = [model.tokenizer.bos_id] + model.tokenizer.encode("The capital of France")
     want = plain.generate([ids], max_new_tokens=5).tokens[0]
     assert model.tokenizer.decode([t for t in want if t != model.config.eos_token_id]) == again.choices[0].text
