@@ -108,6 +108,7 @@ IN_PROCESS_ERROR_CASES = {
     "empty_stop": (lambda d: ["--stop", ""], 2, "--stop"),
     "special_tokens_in_chat": (lambda d: ["--chat", "--special-tokens"], 2, "--special-tokens"),
     "stats_with_speculative": (lambda d: ["--stats", "--speculative-tokens", "2"], 2, "--stats needs"),
+    "bad_prefix_cache_size": (lambda d: ["--prefix-cache", "lots"], 2, "--prefix-cache"),
 }
 if jax.default_backend() != "gpu":
     IN_PROCESS_ERROR_CASES["pallas_without_gpu"] = (lambda d: model_args(d) + ["--kernels", "pallas"], 1,

@@ -113,8 +113,8 @@ def test_a_batch_takes_each_row_from_its_own_prefix(cached, plain):
 @pytest.mark.parametrize("boundary", (5, 129, 257))
 def test_compact_fp8_caches(boundary):
     """Compact FP8 caches with the trained roundings (what they are for): the continuation equals the same pieces
-    prefilled without the cache bit for bit; against the whole prefill an FP8 rounding tie may fall the other way in another chunking
-    (~2e-4 on logits of size ~5)."""
+    prefilled without the cache bit for bit; against the whole prefill an FP8 rounding tie may fall the other way in
+    another chunking (~2e-4 on logits of size ~5)."""
     options = dict(dtype="float32", max_seq_len=MAX_SEQ_LEN, kv_cache_dtype="fp8")
     plain = dsv4_jax.load(**options)
     cached = dsv4_jax.load(prefix_cache=16 << 20, **options)
@@ -221,3 +221,12 @@ def test_a_conversation_through_the_server_reuses_its_last_prompt(server, plain)
     ids = [model.tokenizer.bos_id] + model.tokenizer.encode("The capital of France")
     want = plain.generate([ids], max_new_tokens=5).tokens[0]
     assert model.tokenizer.decode([t for t in want if t != model.config.eos_token_id]) == again.choices[0].text
+
+
+def test_the_memory_plan_counts_the_pool(plain):
+    from dsv4_jax.memory_plan import memory_plan
+    row = plain.state_bytes(1)
+    off = memory_plan(plain.config, max_seq_len=MAX_SEQ_LEN, dtype="float32")
+    on = memory_plan(plain.config, max_seq_len=MAX_SEQ_LEN, dtype="float32", prefix_cache=5 * row + 1)
+    assert off.prefix_cache == 0 and on.prefix_cache == 5 * row and on.total == off.total + 5 * row
+    assert "prefix cache" in on.table()
