@@ -230,3 +230,19 @@ def test_the_memory_plan_counts_the_pool(plain):
     on = memory_plan(plain.config, max_seq_len=MAX_SEQ_LEN, dtype="float32", prefix_cache=5 * row + 1)
     assert off.prefix_cache == 0 and on.prefix_cache == 5 * row and on.total == off.total + 5 * row
     assert "prefix cache" in on.table()
+
+
+def test_the_server_continues_a_finished_completion(server, plain):
+    """A completion the device finished (max_tokens here) is kept: a prompt that extends the prompt and the
+    completion continues from it (the prompt and all but the last generated token)."""
+    _, client, _ = server
+    prompt = PROMPT[40:140]
+    generated = plain.generate([prompt], max_new_tokens=6).tokens[0]
+    first = client.completions.create(model="dsv4-default", prompt=prompt, max_tokens=6, temperature=0)
+    assert first.choices[0].finish_reason == "length" and len(generated) == 6
+    follow = prompt + generated + PROMPT[300 - 20:]
+    second = client.completions.create(model="dsv4-default", prompt=follow, max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == len(prompt) + len(generated) - 1
+    want = plain.generate([follow], max_new_tokens=4).tokens[0]
+    tok = plain.tokenizer
+    assert second.choices[0].text == tok.decode([t for t in want if t != plain.config.eos_token_id])

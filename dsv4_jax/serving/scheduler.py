@@ -92,6 +92,7 @@ class _Live:
         self.text = TextStream(tokenizer, request.stop, request.stop_token_ids)
         self.generated = 0
         self.finished = False
+        self.received: list[int] = []      # every id the device emitted for the row (past a stop string too)
 
     def emit(self, event) -> None:
         try:
@@ -103,6 +104,7 @@ class _Live:
     def take(self, ids: list[int], logprobs: list[TokenLogprob] | None) -> str | None:
         """Hand over new tokens; returns the finish reason once the request is complete."""
         req = self.request
+        self.received += ids
         ids = ids[:req.max_tokens - self.generated]
         self.generated += len(ids)
         before = len(self.text.token_ids)
@@ -115,6 +117,15 @@ class _Live:
         if self.generated >= req.max_tokens:
             return "length"
         return None
+
+    def consumed_by_device(self) -> list[int] | None:
+        """The tokens the row's state consumed, when the device finished the row itself (a stop token, or
+        max_tokens): the prompt and all but the last generated token. None when the host stopped it (a stop
+        string): the device may have gone on."""
+        received, req = self.received, self.request
+        if not received or not (received[-1] in req.stop_token_ids or len(received) >= req.max_tokens):
+            return None
+        return req.prompt_ids + received[:-1]
 
 
 class Scheduler:
@@ -266,6 +277,15 @@ class Scheduler:
                          jnp.zeros((1,), jnp.int32), jnp.zeros((1, 0), jnp.int32))
         return [(0, live)], first
 
+    def _keep_completion(self, live: _Live) -> None:
+        """Keep a finished request's row in the prefix cache (the next turn of its conversation may extend its
+        completion), unless the host stopped it. The row is frozen on the device since it finished, so the state
+        of the chunk dispatched meanwhile still holds it."""
+        cache = self.model.prefix_cache
+        consumed = live.consumed_by_device() if cache.enabled else None
+        if consumed is not None and len(consumed) > len(live.request.prompt_ids):
+            cache.save(consumed, self._slots.decode, live.slot, self.model.track_mtp or bool(self.speculative_tokens))
+
     def _dispatch(self, live: list[_Live]):
         halt = np.array([o is None or o.finished for o in self._owners])
         k = self.speculative_tokens
@@ -306,5 +326,6 @@ class Scheduler:
                             for i, t in enumerate(ids)]
             reason = live.take(ids, logprobs)
             if reason is not None:
+                self._keep_completion(live)
                 self._free(live)
                 live.emit(Finished(reason, live.text.flush(), live.generated))
