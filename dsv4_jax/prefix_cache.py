@@ -10,9 +10,9 @@ request's state (`state.copy_row`, a `dynamic_update_slice` on the device; no ho
 the prompt is prefilled. The result is the state prefilling the whole prompt gives, up to the chunked prefill's
 float rounding (tests/test_prefix_cache.py checks every kind of boundary).
 
-What is kept (Model.prefill_prompts: Model.generate and the server): every prompt but its last token, and in
-Model.generate the end of every completion the device finished itself (the tokens its state consumed: the prompt and
-all but the last generated token). The last token is always prefilled (its logits give the first sampled token),
+What is kept (Model.prefill_prompts: Model.generate and the server): every prompt but its last token, and the end
+of every completion the device finished itself (the tokens its state consumed: the prompt and all but the last
+generated token; Model.generate and the server's scheduler keep them, not those a stop string ended on the host). The last token is always prefilled (its logits give the first sampled token),
 and a chat's next prompt extends its last prompt but that last token: the official encoder ends a thinking-mode
 prompt with <think> and renders the same turn in the history as </think> and the reply (in chat mode the next
 prompt extends the whole last prompt, and one token more is prefilled than strictly needed). So a conversation's

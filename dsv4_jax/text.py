@@ -31,6 +31,7 @@ class Completion:
     token_ids: list[int]          # the generated ids (a stop token, or the token completing a stop string, included)
     finish_reason: str            # "stop" (a stop token or stop string) or "length"
     prompt_token_ids: list[int]
+    cached_tokens: int = 0        # prompt tokens continued from the prefix cache (load(..., prefix_cache=bytes))
 
 
 def prompt_ids(tokenizer, prompt, *, chat: bool = False, system: str | None = None, thinking: bool = False,
@@ -184,4 +185,6 @@ def complete(model, prompts, *, chat: bool = False, system: str | None = None, t
     texts = TextBatch(tokenizer, ids, stop, [model.config.eos_token_id], stream)
     result = model.generate(ids, stream=texts.on_tokens, **{**SAMPLING_DEFAULTS, **sampling})
     completions = texts.completions(result.finish_reasons)
+    for completion, cached in zip(completions, result.cached_tokens or [0] * len(completions), strict=True):
+        completion.cached_tokens = cached
     return completions[0] if single else completions

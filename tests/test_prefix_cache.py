@@ -246,3 +246,14 @@ def test_the_server_continues_a_finished_completion(server, plain):
     want = plain.generate([follow], max_new_tokens=4).tokens[0]
     tok = plain.tokenizer
     assert second.choices[0].text == tok.decode([t for t in want if t != plain.config.eos_token_id])
+
+
+def test_model_complete_reports_what_it_continued(cached):
+    """Model.complete over a conversation: the second turn continues from the first turn's prompt."""
+    cached.prefix_cache.clear()
+    turn = [{"role": "user", "content": "Who was Moses?"}]
+    first = cached.complete(turn, temperature=0.0, max_new_tokens=6)
+    turn += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And Aaron?"}]
+    second = cached.complete(turn, temperature=0.0, max_new_tokens=6)
+    assert first.cached_tokens == 0
+    assert len(first.prompt_token_ids) - 1 <= second.cached_tokens < len(second.prompt_token_ids)
