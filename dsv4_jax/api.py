@@ -21,8 +21,8 @@ from . import engine, generation, stats_report
 from .config import ModelConfig
 from .layer_scan import is_scanned, scan_plan, stack_layers, unstack_layers
 from .module import DeepseekV4
-from .prefix_cache import PrefixCache
 from .ops import layer_stats
+from .prefix_cache import PrefixCache
 from .sampling import Sampling
 from .settings import Settings
 from .sharding import check_mesh, param_shardings, state_shardings
