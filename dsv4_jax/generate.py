@@ -460,6 +460,9 @@ def run(args) -> int:
                        f"{cfg.vocab_size} (tokenizer and checkpoint do not match)")
 
     interactive = wants_interactive(args)          # --chat on a terminal without --prompt: a conversation
+    if interactive and args.stats:
+        raise CLIError(f"--stats applies to one reply: give --prompt or --prompt-file (see {PROG} --help)",
+                       EXIT_USAGE)
     prompts = [] if interactive else read_prompts(args)
     try:
         prompt_texts = [encode_prompt(p, args) for p in prompts]
@@ -497,9 +500,6 @@ def run(args) -> int:
         progress.close()
     load_s = time.perf_counter() - t_load
     if interactive:
-        if args.stats:
-            raise CLIError(f"--stats applies to one reply: give --prompt or --prompt-file (see {PROG} --help)",
-                           EXIT_USAGE)
         return chat_loop(model, args)
 
     if args.verbose:
