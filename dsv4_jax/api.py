@@ -48,6 +48,10 @@ MIN_CONTEXT_BUCKET = 4096     # the smallest context bucket: below it the whole 
 _merge_summaries = jax.jit(layer_stats.merge)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _padded(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Token lists (some may be empty) as (tokens [B, S] zero-padded, lengths [B])."""
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -102,6 +106,7 @@ class Model:
         (load and init_random pass it: nothing else holds them); params already stacked (another scanned Model's)
         are taken as they are. `model.module` of a scanned model is built on first use, from copies."""
         settings = Settings.of(settings, **options)
+        settings.check_context(cfg)
         self.settings = settings
         self.kv_cache_dtype = settings.kv_cache_dtype
         max_batch = settings.max_batch
@@ -338,13 +343,22 @@ class Model:
         prompts = [list(p) for p in prompts]
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token id lists")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        for name, value in (("temperature", temperature), ("top_p", top_p)):
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if not _is_int(seed) or not 0 <= seed < 2 ** 64:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        if not _is_int(chunk) or chunk < 1:
+            raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+        if stop_tokens is not None and not all(_is_int(t) and 0 <= t < self.config.vocab_size for t in stop_tokens):
+            raise ValueError(f"stop_tokens must be token ids in [0, {self.config.vocab_size}), got {stop_tokens!r:.80}")
         if not (np.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
         if not (np.isfinite(top_p) and 0 < top_p <= 1):
             raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
-        if not isinstance(top_k, int) or top_k < 0:
+        if not _is_int(top_k) or top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {top_k!r}")
         k = speculative_tokens
         if not isinstance(k, int) or k < 0:

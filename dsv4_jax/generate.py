@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "prefill chunk and a decode step) for these settings, and exit without loading weights")
     src.add_argument("--no-compile-cache", action="store_true",
                      help="do not use the persistent compilation cache")
+    src.add_argument("--allow-long-context", action="store_true",
+                     help="let --max-seq-len exceed the checkpoint's max_position_embeddings (the positions it was "
+                          "trained for)")
     src.add_argument("--prefix-cache", type=byte_size, default=PREFIX_CACHE_DEFAULT, metavar="SIZE",
                      help="interactive chat: device memory for the conversation's decode-state snapshots, so that "
                           "each turn prefills only what it adds to the last prompt (e.g. 512M, 1G; 0: off; default: "
@@ -394,9 +397,10 @@ def checked_config(args, directory: str):
         cfg = load_hf_config(directory)
     except (ValueError, FileNotFoundError) as err:
         raise CLIError(_one_line(err)) from None
-    if args.max_seq_len > cfg.max_position_embeddings:
-        raise CLIError(f"--max-seq-len {args.max_seq_len} exceeds the model's max_position_embeddings="
-                       f"{cfg.max_position_embeddings}", EXIT_USAGE)
+    try:                      # the Model's rule (Settings.check_context), before any weight is read
+        Settings(max_seq_len=args.max_seq_len, allow_long_context=args.allow_long_context).check_context(cfg)
+    except ValueError as err:
+        raise CLIError(f"--max-seq-len {args.max_seq_len}: {_one_line(err)}", EXIT_USAGE) from None
     return cfg
 
 
@@ -413,7 +417,7 @@ def model_settings(args, max_batch: int):
                         act_quant=getattr(args, "act_quant", "none"), prefill_chunk=args.prefill_chunk,
                         quantize_head=getattr(args, "quantize_head", False), kernels=kernels,
                         kernel_overrides=args.kernel_override, kv_cache_dtype=_kv_cache_dtype(args),
-                        prefix_cache=getattr(args, "prefix_cache", 0))
+                        prefix_cache=getattr(args, "prefix_cache", 0), allow_long_context=args.allow_long_context)
     except ValueError as err:
         raise CLIError(_one_line(err), EXIT_USAGE) from None
 
@@ -527,9 +531,10 @@ def run(args) -> int:
             _write(prompts[0])
 
     def compiling_notice():
+        # said before it is known which programs the cache holds: the line after the run counts both
         cache = jax.config.jax_compilation_cache_dir
-        later = f"later runs read them from {cache}" if cache else "no compilation cache: every run compiles"
-        print(f"compiling the programs for these shapes ({later})", file=sys.stderr, flush=True)
+        source = f"read from {cache} or compiled and stored there" if cache else "compiled: no compilation cache"
+        print(f"preparing the programs for these shapes ({source})", file=sys.stderr, flush=True)
 
     t_gen = time.perf_counter()
     try:

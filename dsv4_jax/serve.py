@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-seq-len", type=_int_at_least(2), default=4096, metavar="N",
                    help="positions per sequence, prompt and completion together (default 4096)")
     m.add_argument("--prefill-chunk", type=_int_at_least(1), default=PREFILL_CHUNK, metavar="N")
+    m.add_argument("--allow-long-context", action="store_true",
+                   help="let --max-seq-len exceed the checkpoint's max_position_embeddings (the positions it was "
+                        "trained for)")
     m.add_argument("--no-compile-cache", action="store_true")
     s = p.add_argument_group("serving")
     s.add_argument("--host", default="127.0.0.1")
@@ -95,20 +98,32 @@ def build_model(args):
 
 
 def warm_up(scheduler) -> None:
-    """Run one short request through the loop so the prefill, admit and decode programs are compiled."""
-    done = threading.Event()
-    failure: list[str] = []
+    """Run requests through the loop so that the programs a first client would wait for are compiled (or read from
+    the compilation cache) before the server says it is ready: the prefill of a short prompt, of a 256-token one and
+    of a whole --prefill-chunk (long system and tool prompts; with the prefix cache also the separate last-token
+    prefill), admission and decode chunks with and without logprobs."""
+    model = scheduler.model
+    room = model.max_seq_len - scheduler.speculative_tokens - scheduler.chunk - 2
+    lengths = sorted({n for n in (2, 257, model.prefill_chunk + 1) if n <= room})
+    requests, failures = [], []
+    # then a short prompt with logprobs, top alternatives or not (each a variant of the programs)
+    extra = [] if scheduler.speculative_tokens else [0, 20]
+    for i, (n, logprobs) in enumerate([(n, None) for n in lengths] + [(2, k) for k in extra]):
+        done = threading.Event()
 
-    def on_event(event):
-        if isinstance(event, Failed):
-            failure.append(event.message)
-        if isinstance(event, (Finished, Failed)):
-            done.set()
-    scheduler.submit([Request(prompt_ids=[scheduler.tokenizer.bos_id], max_tokens=scheduler.chunk + 1,
-                              on_event=on_event)])
-    done.wait()
-    if failure:
-        raise CLIError(f"warm-up request failed: {failure[0]}")
+        def on_event(event, done=done):
+            if isinstance(event, Failed):
+                failures.append(event.message)
+            if isinstance(event, (Finished, Failed)):
+                done.set()
+        prompt = [scheduler.tokenizer.bos_id] + [(17 * i + 3 * k) % model.config.vocab_size for k in range(n - 1)]
+        requests.append((done, Request(prompt_ids=prompt, max_tokens=scheduler.chunk + 1, on_event=on_event,
+                                       logprobs=logprobs)))
+    for done, request in requests:                # one at a time: each compiles its own programs
+        scheduler.submit([request])
+        done.wait()
+    if failures:
+        raise CLIError(f"warm-up request failed: {failures[0]}")
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -27,7 +27,8 @@ class Settings:
     scan_layers: run the repeated layer pattern under lax.scan; kv_cache_dtype: None (entries in `dtype`) or
     "fp8" (compact entries, numerics/kv_cache.py); quantize_head: quantize a bf16 head to NVFP4 when the weights
     are loaded or made (load, init_random); prefix_cache: bytes of decode-state snapshots Model.generate keeps to
-    continue later prompts from (prefix_cache.py; 0: off)."""
+    continue later prompts from (prefix_cache.py; 0: off); allow_long_context: let max_seq_len exceed the checkpoint's
+    max_position_embeddings (`check_context`)."""
     dtype: str = "bfloat16"
     simulate_quant: bool = True
     act_quant: str = "none"
@@ -42,6 +43,7 @@ class Settings:
     kv_cache_dtype: str | None = None
     quantize_head: bool = False
     prefix_cache: int = 0
+    allow_long_context: bool = False
 
     def __post_init__(self):
         check_numerics(self.dtype, self.act_quant)
@@ -51,7 +53,7 @@ class Settings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("simulate_quant", "track_mtp", "scan_layers", "quantize_head"):
+        for name in ("simulate_quant", "track_mtp", "scan_layers", "quantize_head", "allow_long_context"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -69,6 +71,16 @@ class Settings:
             raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} (options: "
                             f"{', '.join(sorted(names))})")
         return dataclasses.replace(settings or cls(), **options)
+
+    def check_context(self, cfg) -> None:
+        """The one rule for max_seq_len (Model applies it, so load, init_random and the command lines all do): at most
+        the checkpoint's max_position_embeddings, the positions it was trained for, unless allow_long_context (the
+        state and RoPE take any position, e.g. to measure a long context's cost; what the model says past its
+        trained length is not known). A one-line error names the way out."""
+        if self.max_seq_len > cfg.max_position_embeddings and not self.allow_long_context:
+            raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the model's max_position_embeddings="
+                             f"{cfg.max_position_embeddings} (the positions it was trained for); "
+                             f"allow_long_context=True (--allow-long-context) runs past them")
 
     def run_context(self, mesh=None) -> RunContext:
         """The run context these settings make (the kernel plan resolved now, for `target` or the mesh)."""

@@ -59,7 +59,7 @@ def main(argv=None):
     rows = []
     print(f"{'max_seq_len':>11} {'buckets':>8} {'ms/step':>8}")
     for max_seq_len in args.max_seq_lens:
-        model = dsv4_jax.load(DEFAULT_MODEL, max_seq_len=max_seq_len)
+        model = dsv4_jax.load(DEFAULT_MODEL, max_seq_len=max_seq_len, allow_long_context=True)
         for bucketed in (True, False):
             ms = step_ms(model, prompt, bucketed, args.steps, args.repeats)
             rows.append(dict(max_seq_len=max_seq_len, buckets=bucketed, ms_per_step=ms))
@@ -67,7 +67,7 @@ def main(argv=None):
     result = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind, "context": 64,
               "rows": rows}
     if args.long:
-        model = dsv4_jax.load(DEFAULT_MODEL, max_seq_len=args.long + 128)
+        model = dsv4_jax.load(DEFAULT_MODEL, max_seq_len=args.long + 128, allow_long_context=True)
         before = generation.generate_chunk._cache_size()
         t = time.perf_counter()
         model.generate([list(prompt[0])], max_new_tokens=args.long, chunk=256, stop_tokens=[-5])

@@ -66,3 +66,25 @@ def test_server_process_reports_ready_answers_and_stops():
             raise
     assert proc.returncode == 0, rest
     assert "Traceback" not in rest
+
+
+def test_warm_up_compiles_what_a_first_client_would_wait_for():
+    """After the warm-up, a request with logprobs and one with a long prompt compile nothing new."""
+    import threading
+
+    import dsv4_jax
+    from dsv4_jax import engine, generation
+    from dsv4_jax.serving.scheduler import Finished, Request, Scheduler
+    model = dsv4_jax.load(dtype="float32", max_seq_len=512, max_batch=2, prefill_chunk=128, prefix_cache=16 << 20)
+    scheduler = Scheduler(model, chunk=4, max_queue=8).start()
+    try:
+        serve.warm_up(scheduler)
+        sizes = (engine.prefill_chunk._cache_size(), generation.generate_chunk._cache_size())
+        for prompt, logprobs in (([0] + list(range(5, 305)), None), ([0, 9, 10], 5), ([0, 11], 0)):
+            done = threading.Event()
+            scheduler.submit([Request(prompt_ids=prompt, max_tokens=6, logprobs=logprobs,
+                                      on_event=lambda e, done=done: isinstance(e, Finished) and done.set())])
+            assert done.wait(120)
+        assert (engine.prefill_chunk._cache_size(), generation.generate_chunk._cache_size()) == sizes
+    finally:
+        scheduler.stop()

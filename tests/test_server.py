@@ -176,6 +176,17 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "seed": "abc"}, "seed"),
     ("/v1/completions", {"prompt": "word " * 300}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 300}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tool_choice": {"type": "function", "function": {"name": "f"}},
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format"),
 ]
 
 

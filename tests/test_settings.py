@@ -59,3 +59,14 @@ def test_the_command_line_refuses_a_bad_override_in_one_line(capsys):
     assert err == ["error: kernel override 'attention=kernel': expected OP=CHOICE with OP one of matmul, "
                    "act_quantize, mhc_site, norm_rope, attention_core, indexer_scores, compressor_step, moe_ffn and "
                    "CHOICE one of kernel, reference"]
+
+
+def test_max_seq_len_past_the_trained_positions_needs_asking_for():
+    """One rule (Settings.check_context) for every entry: the default model was trained for 4,096 positions."""
+    import dsv4_jax
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=4096.*allow_long_context"):
+        dsv4_jax.load(max_seq_len=8192)
+    model = dsv4_jax.load(max_seq_len=8192, allow_long_context=True)
+    assert model.max_seq_len == 8192
+    with pytest.raises(ValueError, match="allow_long_context must be True or False"):
+        Settings(allow_long_context="yes")

@@ -125,3 +125,16 @@ def test_batches_share_a_few_programs_and_padding_changes_no_row(model):
     sampled = own.generate(ids[:3], max_new_tokens=10, temperature=1.0, seed=5)
     padded_away = own.generate(ids[:3] + [[tok.bos_id]], max_new_tokens=10, temperature=1.0, seed=5)
     assert sampled.tokens == padded_away.tokens[:3]             # the padding row is a row like any other
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("temperature", "abc", "temperature must be a number"), ("top_p", None, "top_p must be a number"),
+    ("seed", -1, "seed must be an integer"), ("seed", 1.5, "seed must be an integer"),
+    ("max_new_tokens", True, "max_new_tokens must be a positive integer"), ("top_k", "3", "top_k must be an integer"),
+])
+def test_bad_sampling_options_are_one_line_errors(option, value, message):
+    model = dsv4_jax.load()
+    with pytest.raises(ValueError, match=message):
+        model.complete("x", **{option: value})
+    with pytest.raises(ValueError, match="stop_tokens must be token ids"):
+        model.generate([[1, 2]], max_new_tokens=2, stop_tokens=["eos"])

@@ -3,7 +3,8 @@
 Every check names the field and what it expected, and ends as a 400 `{"error": {"message", "type", "param",
 "code"}}`. Fields this server does not use (`user`, `presence_penalty` at 0, ...) are accepted and ignored, as
 OpenAI's own server does; fields whose meaning it cannot honour (`echo`, `best_of` > n, penalties other than 0,
-`logit_bias`, `suffix`) are refused rather than silently dropped.
+`logit_bias`, `suffix`, a `tool_choice` that forces a call, a `response_format` other than text: both would need
+decoding constrained to a grammar) are refused rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -151,6 +152,18 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return _bool(options, "include_usage", False)
 
 
+def _check_response_format(body: dict) -> None:
+    """`response_format` other than {"type": "text"} asks for JSON the model would be constrained to write: refused
+    (no grammar-constrained decoding here), not ignored."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind != "text":
+        raise _bad("response_format", f"only {{'type': 'text'}} is supported (no constrained decoding for JSON "
+                                      f"output), got {fmt!r:.60}")
+
+
 def parse_chat(body: Any, served: str, vocab_size: int) -> ChatRequest:
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
@@ -164,6 +177,10 @@ def parse_chat(body: Any, served: str, vocab_size: int) -> ChatRequest:
     tool_choice = body.get("tool_choice")
     if tool_choice not in (None, "none", "auto", "required") and not isinstance(tool_choice, dict):
         raise _bad("tool_choice", f"expected 'none', 'auto', 'required' or a function, got {tool_choice!r:.60}")
+    if tool_choice == "required" or isinstance(tool_choice, dict):
+        raise _bad("tool_choice", "only 'auto' and 'none' are supported: this server does not constrain the model to "
+                                  "call a tool (no grammar-constrained decoding)")
+    _check_response_format(body)
     if tool_choice == "none":
         tools = None                  # the model is not told of them
     template = _object(body, "chat_template_kwargs")
@@ -192,6 +209,7 @@ def parse_completion(body: Any, served: str, vocab_size: int) -> CompletionReque
         raise _bad("echo", "not supported by this server")
     if body.get("suffix"):
         raise _bad("suffix", "not supported by this server")
+    _check_response_format(body)
     prompt = body.get("prompt")
     is_ids = lambda p: isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)  # noqa: E731
                                                          for t in p)
