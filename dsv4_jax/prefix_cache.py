@@ -12,11 +12,12 @@ float rounding (tests/test_prefix_cache.py checks every kind of boundary).
 
 What is kept (Model.prefill_prompts: Model.generate and the server): every prompt but its last token, and the end
 of every completion the device finished itself (the tokens its state consumed: the prompt and all but the last
-generated token; Model.generate and the server's scheduler keep them, not those a stop string ended on the host). The last token is always prefilled (its logits give the first sampled token),
-and a chat's next prompt extends its last prompt but that last token: the official encoder ends a thinking-mode
-prompt with <think> and renders the same turn in the history as </think> and the reply (in chat mode the next
-prompt extends the whole last prompt, and one token more is prefilled than strictly needed). So a conversation's
-every turn continues from the previous turn's prompt, and a prompt sent again prefills one token.
+generated token; Model.generate and the server's scheduler keep them, not those a stop string ended on the host).
+The last token is always prefilled (its logits give the first sampled token), and a chat's next prompt extends its
+last prompt but that last token: the official encoder ends a thinking-mode prompt with <think> and renders the
+same turn in the history as </think> and the reply (in chat mode the next prompt extends the whole last prompt, and
+one token more is prefilled than strictly needed). So a conversation's every turn continues from the previous
+turn's prompt, and a prompt sent again prefills one token.
 
 Memory: `max_bytes` of rows (each one sequence of max_seq_len capacity: Model.state_bytes(1)), least recently used
 evicted first. A snapshot is copied out when a request starts, so no running request depends on the pool and any
@@ -38,7 +39,6 @@ from .state import DecodeState, copy_row
 @dataclasses.dataclass
 class Entry:
     slot: int                      # its row in the pool
-    length: int                    # tokens consumed
     track_mtp: bool                # whether the MTP block's window was kept current (speculative decoding needs it)
 
 
@@ -121,7 +121,7 @@ class PrefixCache:
             self._pool = self._make_pool(self.slots)
         slot = self._free.pop()
         self._pool = _copy_row(self._pool, state, _index(row), _index(slot))
-        self._entries[key] = Entry(slot, len(key), track_mtp)
+        self._entries[key] = Entry(slot, track_mtp)
 
     def clear(self) -> None:
         self._entries.clear()

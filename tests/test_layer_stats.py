@@ -215,10 +215,6 @@ def test_cli_prints_the_tables_and_puts_them_in_json(capsys):
     assert err.count("layer statistics over") == 2 and err.count("no layer flagged") == 2, err
 
 
-def _flag_set(report):
-    return {(f.layer, f.sublayer) for f in report.flags}
-
-
 def test_e8m0_scale_read_as_a_number_is_flagged_at_its_layer(default_f32, prompt):
     """One expert's E8M0 scale bytes taken as plain numbers (2^(e-127) -> e, about x2^13 here): the layer that holds
     it is flagged in its MoE, and no earlier layer is."""
@@ -239,7 +235,7 @@ def test_e8m0_scale_read_as_a_number_is_flagged_at_its_layer(default_f32, prompt
     broken = dsv4_jax.Model(m.config, params, settings=m.settings)
     _, summary = broken.forward(prompt, stats=True)
     rep = stats_report.report(summary, m.config)
-    assert (layer, "moe") in _flag_set(rep), rep.table()
+    assert (layer, "moe") in rep.flagged, rep.table()
     assert min(f.layer for f in rep.flags) == layer
     assert any("residual jump" in f.reason for f in rep.flags if f.layer == layer)
 
@@ -255,7 +251,7 @@ def test_zeroed_attention_output_is_flagged_at_its_layer(default_f32, prompt):
     params["layers"][layer] = {**params["layers"][layer], "attn": attn}
     _, summary = dsv4_jax.Model(m.config, params, settings=m.settings).forward(prompt, stats=True)
     rep = stats_report.report(summary, m.config)
-    assert _flag_set(rep) == {(layer, "attention")}, rep.table()
+    assert rep.flagged == {(layer, "attention")}, rep.table()
     assert "output vanished" in rep.flags[0].reason
 
 
@@ -288,7 +284,7 @@ def test_checkpoint_input_scale_as_nvfp4_global_scale_is_flagged(nvfp4_checkpoin
     jax.clear_caches()                                   # the seam is read while tracing
     _, summary = model.forward(tokens, stats=True)
     rep = stats_report.report(summary, model.config)
-    assert _flag_set(rep) == {(layer, "moe") for layer in range(model.config.n_layers)}, rep.table()
+    assert rep.flagged == {(layer, "moe") for layer in range(model.config.n_layers)}, rep.table()
     assert all("saturate" in f.reason for f in rep.flags)
 
 

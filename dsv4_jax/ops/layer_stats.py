@@ -48,7 +48,6 @@ VALUE_KEYS = ("in_resid_rms", "in_resid_max", "attn_resid_rms", "attn_resid_max"
 # Counts, summed over calls.
 COUNT_KEYS = ("attn_nonfinite", "moe_nonfinite", "attn_quant_blocks", "attn_quant_saturated", "attn_quant_underflow",
               "moe_quant_blocks", "moe_quant_saturated", "moe_quant_underflow", "expert_load")
-TALLY_KEYS = ("blocks", "saturated", "underflow", "scale_min", "scale_max")
 # A block scale saturates when block_amax / (6 x global scale) exceeds 448 by more than the divisions' rounding.
 SATURATION_SLACK = 1e-5
 
