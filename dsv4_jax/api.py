@@ -374,20 +374,12 @@ class Model:
         batch = len(prompts)
         self._check_batch(batch)
         rows = batch_bucket(batch, self.max_batch)
-        tokens = np.zeros((rows, longest), np.int32)          # padding rows: one token 0, done after one sample
-        lengths = np.ones((rows,), np.int32)
-        for b, p in enumerate(prompts):
-            tokens[b, :len(p)] = p
-            lengths[b] = len(p)
         track = self.track_mtp or k > 0
+        # padding rows: one token 0, done after one sample (a plain prefill where the prefix cache is off)
+        logits, state, cached, *prompt_summary = self.prefill_prompts(prompts + [[0]] * (rows - batch),
+                                                                      track_mtp=track, stats=stats)
+        cached = cached[:batch]
         cache = self.prefix_cache if self.prefix_cache.enabled else None
-        if cache is None:
-            logits, state, *prompt_summary = self.prefill(tokens, lengths, track_mtp=track, stats=stats)
-            cached = [0] * batch
-        else:
-            logits, state, cached, *prompt_summary = self.prefill_prompts(prompts + [[0]] * (rows - batch),
-                                                                          track_mtp=track, stats=stats)
-            cached = cached[:batch]
         budget = np.ones((rows,), np.int32)
         budget[:batch] = max_new_tokens
         # row b samples with the key of `seed` folded with b (sampling.Sampling), as the server's choice b would
