@@ -5,16 +5,12 @@ least recently used; the server reports the reuse (OpenAI's cached_tokens) and s
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import httpx
 import jax
 import numpy as np
 import openai
 import pytest
-import uvicorn
+from serving_runs import serving
 
 import dsv4_jax
 from dsv4_jax.prefix_cache import PrefixCache
@@ -174,23 +170,10 @@ def test_restoring_and_saving_read_nothing_back(cached):
 
 @pytest.fixture(scope="module")
 def server():
-    from dsv4_jax.serving.app import create_app
     from dsv4_jax.serving.scheduler import Scheduler
     model = _model(prefix_cache=32 << 20)
-    scheduler = Scheduler(model, chunk=4, max_queue=16).start()
-    sock = socket.create_server(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(create_app(scheduler, "dsv4-default"), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not uv.started:
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300), model
-    uv.should_exit = True
-    thread.join(10)
-    scheduler.stop()
+    with serving(Scheduler(model, chunk=4, max_queue=16).start(), "dsv4-default") as url:
+        yield url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300), model
 
 
 def test_a_conversation_through_the_server_reuses_its_last_prompt(server, plain):

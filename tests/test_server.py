@@ -4,7 +4,6 @@ text, concurrent clients each get their own output, a client that leaves frees i
 OpenAI's shape without disturbing the others, and special-token text in a message stays text."""
 
 import json
-import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -13,7 +12,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
+from serving_runs import serving
 
 import dsv4_jax
 from dsv4_jax.chat import encode_message_ids
@@ -29,20 +28,9 @@ MAX_SEQ_LEN = 256
 def server():
     model = dsv4_jax.load(dtype="float32", max_seq_len=MAX_SEQ_LEN, max_batch=4)
     scheduler = Scheduler(model, chunk=4, max_queue=64).start()
-    sock = socket.create_server(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(create_app(scheduler, NAME), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not uv.started:
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield SimpleNamespace(url=url, model=model, scheduler=scheduler,
-                          client=openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300))
-    uv.should_exit = True
-    thread.join(10)
-    scheduler.stop()
+    with serving(scheduler, NAME) as url:
+        yield SimpleNamespace(url=url, model=model, scheduler=scheduler,
+                              client=openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300))
 
 
 def _greedy_text(model, prompt_ids, max_tokens):
