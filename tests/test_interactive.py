@@ -17,6 +17,18 @@ def model():
     return dsv4_jax.load(dtype="float32", max_seq_len=512)
 
 
+def _typed(*lines):
+    """A read_line that returns `lines` one after another, then Ctrl-D (EOFError)."""
+    pending = iter(lines)
+
+    def read_line(prompt):
+        try:
+            return next(pending)
+        except StopIteration:
+            raise EOFError from None
+    return read_line
+
+
 class _Terminal(io.StringIO):
     def isatty(self):
         return True
@@ -37,13 +49,7 @@ def test_interactive_only_for_chat_without_a_prompt_on_a_terminal(monkeypatch, a
 
 def test_each_turn_reencodes_the_history(model, monkeypatch):
     args = cli.parse_args(["--system", "Answer briefly.", "--temperature", "0", "--max-new-tokens", "12"])
-    lines = iter(["Who was Moses?", "   ", "And who was Aaron?"])
-
-    def read_line(prompt):
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
+    read_line = _typed("Who was Moses?", "   ", "And who was Aaron?")
     prompts = []
     real_generate = model.generate
 
@@ -78,13 +84,7 @@ def test_each_turn_prefills_only_what_it_adds(model, thinking):
     args = cli.parse_args(argv + (["--thinking"] if thinking else []))
     replies = {}
     for which in (model, cached):
-        lines = iter(["Who was Moses?", "And who was Aaron?", "And Miriam?"])
-
-        def read_line(prompt):
-            try:
-                return next(lines)
-            except StopIteration:
-                raise EOFError from None
+        read_line = _typed("Who was Moses?", "And who was Aaron?", "And Miriam?")
         runs = []
         real_generate = which.generate
 
