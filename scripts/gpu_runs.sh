@@ -8,9 +8,11 @@
 #            (all but test_pallas_gemv.py took more than 540 s in one part, 2026-12-03)
 #   depth    Flash geometry, LAYERS (default 32) layers under scan_layers=True, batch 1 and 8 at 4K context,
 #            as deep as one H200 holds                                       -> flash<LAYERS>_scan.{json,log}
-#   matrix   Flash geometry, 4 layers: batch 1, 8, 32, 64 at 4K and 64K, prefill 1K and 8K   -> flash4.{json,log}
-#   profile  Flash geometry, 4 layers: where a batch-1 decode step's and a prefill chunk's (2,048 tokens) kernel time
-#            goes, by op family (command buffers off, so every kernel carries its HLO op) -> flash4_profile.{json,log}
+#   matrix   Flash geometry, 4 layers: decode at BATCHES (default 1, 8, 32, 64, 128, 256) x CONTEXTS (default 4K),
+#            prefill PROMPTS (default 8K and 32K), numerics ACT_QUANT (default none) -> flash4_<act_quant>.{json,log}
+#   profile  Flash geometry, 4 layers: where a decode step's kernel time goes at batch 1, 32 and 64, and a prefill
+#            chunk's (8,192 tokens), by op family (command buffers off, so every kernel carries its HLO op; traces
+#            under /tmp)                                                     -> flash4_profile.{json,log}
 # Usage: bash scripts/gpu_runs.sh suite3 depth   (parts run in the order given)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,13 +39,16 @@ for part in "$@"; do
                     --preset flash --layers "$layers" --scan-layers --batches 1,8 --contexts 4096 --prompts none \
                     --reference none --calls 5 --out "$OUT_DIR/flash${layers}_scan.json" 2>&1 | quiet \
                     | tee "$OUT_DIR/flash${layers}_scan.log" || status=1 ;;
-        matrix) timeout "${BENCH_S:-420}" python3 -m dsv4_jax.bench --preset flash --layers 4 --batches 1,8,32,64 \
-                    --contexts 4096,65536 --prompts 1024,8192 --reference none --out "$OUT_DIR/flash4.json" 2>&1 \
-                    | quiet | tee "$OUT_DIR/flash4.log" || status=1 ;;
+        matrix) aq="${ACT_QUANT:-none}"
+                timeout "${BENCH_S:-420}" python3 -m dsv4_jax.bench --preset flash --layers 4 \
+                    --batches "${BATCHES:-1,8,32,64,128,256}" --contexts "${CONTEXTS:-4096}" \
+                    --prompts "${PROMPTS:-8192,32768}" --act-quant "$aq" --calls 2 --reference none \
+                    --out "$OUT_DIR/flash4_$aq.json" 2>&1 | quiet | tee "$OUT_DIR/flash4_$aq.log" || status=1 ;;
         profile) XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout "${BENCH_S:-300}" python3 -m dsv4_jax.bench \
-                    --preset flash --layers 4 --batches 1 --contexts 4096 --prompts none --reference none \
-                    --profile "$OUT_DIR/trace_decode" --profile-prefill "$OUT_DIR/trace_prefill" \
-                    --out "$OUT_DIR/flash4_profile.json" 2>&1 | quiet | tee "$OUT_DIR/flash4_profile.log" || status=1 ;;
+                    --preset flash --layers 4 --batches 1 --contexts 4096 --prompts none --reference none --calls 1 \
+                    --profile /tmp/trace_decode --profile-batches 1,32,64 --profile-prefill /tmp/trace_prefill \
+                    --prefill-chunk "${PROFILE_CHUNK:-8192}" --out "$OUT_DIR/flash4_profile.json" 2>&1 | quiet \
+                    | tee "$OUT_DIR/flash4_profile.log" || status=1 ;;
         *) echo "unknown part: $part (expected suite1, suite2, suite3, depth, matrix or profile)" >&2; exit 2 ;;
     esac
 done

@@ -14,7 +14,8 @@ measures in one process:
 - all of it again on kernels="reference" (XLA only) unless --reference says otherwise.
 With `--devices N` the model runs on an N-device mesh (experts split, dsv4_jax.sharding); the floor stays the
 one-device figure (all bytes over one device's bandwidth), so "of floor" then understates the fraction per device.
-`--profile DIR` adds a per-op table of one batch-1 decode step from a jax.profiler trace, and its launch count.
+`--profile DIR` adds a per-op table of one decode step (at each `--profile-batches`, default 1) from a jax.profiler
+trace, and its launch count; `--profile-prefill DIR` the same for one prefill chunk.
 Prints tables, writes `--out` JSON, and `--plot DIR` PNGs (or `--replot JSON --plot DIR` from an earlier run).
 """
 
@@ -75,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a per-op override of the main side's kernel plan (ops/choice.py), e.g. "
                         "attention_core=kernel (the opt-in decode attention kernel); repeatable")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--act-quant", choices=("none", "fp8", "nvfp4"), default="none",
+                   help="activations quantized before the quantized-weight matmuls (Settings.act_quant; default none)")
     p.add_argument("--stats", action="store_true",
                    help="the main side's decode programs also measure every layer's statistics (ops/layer_stats.py): "
                         "what that costs, against a run without")
@@ -83,7 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="decode-state entries in the activation dtype (auto) or compact (fp8)")
     p.add_argument("--bandwidth-bytes", type=int, default=None, help="bandwidth probe's weight size")
     p.add_argument("--matmul-n", type=int, default=None, help="matmul rate probe's n")
-    p.add_argument("--profile", metavar="DIR", help="trace one batch-1 decode step into DIR and tabulate it")
+    p.add_argument("--profile", metavar="DIR",
+                   help="trace one decode step (at each --profile-batches) into DIR and tabulate it")
+    p.add_argument("--profile-batches", type=_ints, default=[1], metavar="B,...",
+                   help="the batches --profile traces, rows at random tokens (default 1)")
     p.add_argument("--profile-prefill", metavar="DIR",
                    help="trace one prefill chunk (--prefill-chunk tokens of one sequence) into DIR and tabulate it")
     p.add_argument("--out", metavar="FILE", help="write the results as JSON")
@@ -133,15 +139,16 @@ def run(args) -> dict:
 
     t0 = time.perf_counter()
     try:
-        settings = Settings(dtype=args.dtype, kernels=args.kernels, kernel_overrides=args.kernel_override,
-                            scan_layers=args.scan_layers)
+        settings = Settings(dtype=args.dtype, act_quant=args.act_quant, kernels=args.kernels,
+                            kernel_overrides=args.kernel_override, scan_layers=args.scan_layers)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     model = init_random(cfg, seed=0, mesh=mesh, settings=settings)
     jax.block_until_ready(model.params)
     held = sum(weight_bytes_by_part(cfg).values())
     result["model"] = {"preset": args.preset, "layers": cfg.n_layers, "weights_bytes": held,
-                       "init_s": time.perf_counter() - t0, "dtype": args.dtype, "kernels": args.kernels,
+                       "init_s": time.perf_counter() - t0, "dtype": args.dtype, "act_quant": args.act_quant,
+                       "kernels": args.kernels,
                        "scan_layers": model.scan_layers, "kv_cache_dtype": args.kv_cache_dtype,
                        "kernel_backend": model.context.kernels.backend, "devices": args.devices,
                        "kernel_overrides": dict(model.context.kernels.overrides), "stats": args.stats}
@@ -157,22 +164,33 @@ def run(args) -> dict:
           f"{bf16_rate / 1e12:.1f} TFLOP/s bf16 (XLA matmul n={probe_n})", flush=True)
 
     main_side = args.kernels            # the label of the main side's cases ("auto" unless --kernels says)
+    side_settings = {main_side: settings}
+    if args.reference != "none":
+        side_settings["reference"] = Settings.of(settings, kernels="reference", kernel_overrides=())
     contexts = {main_side: model.context.replace(stats=args.stats)}
     if args.reference != "none":
-        contexts["reference"] = Settings.of(settings, kernels="reference", kernel_overrides=()).run_context(mesh)
+        contexts["reference"] = side_settings["reference"].run_context(mesh)
     result["compile"] = {}
     for side, ctx in contexts.items():
         seconds, program, state = cases.decode_step_compile_seconds(model.params, cfg, ctx, 1, args.contexts[0], mesh,
                                                                     kv_cache_dtype)
         result["compile"][f"decode_step_s_{side}"] = seconds
-        if args.profile and side == main_side:
-            tokens = jnp.zeros((1,), jnp.int32)
-            steps = 5
-            op_profile.trace_steps(program, model.params, state, (tokens,), steps, args.profile)
-            table = op_profile.op_table(args.profile, program.as_text(), steps)
-            result["profile"] = {"batch": 1, "context": args.contexts[0], **table}
-            _save(result, args.out)
         del program, state
+    if args.profile:
+        result["profiles"] = []
+        for batch in args.profile_batches:
+            _, program, state = cases.decode_step_compile_seconds(model.params, cfg, contexts[main_side], batch,
+                                                                  args.contexts[0], mesh, kv_cache_dtype)
+            # random tokens: rows at one token would all route to the same experts
+            tokens = jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab_size, jnp.int32)
+            steps = 5
+            directory = os.path.join(args.profile, f"batch{batch}")
+            op_profile.trace_steps(program, model.params, state, (tokens,), steps, directory)
+            table = op_profile.op_table(directory, program.as_text(), steps)
+            result["profiles"].append({"batch": batch, "context": args.contexts[0], **table})
+            result["profile"] = result["profiles"][0]
+            _save(result, args.out)
+            del program, state
     if args.profile_prefill:
         steps = 3
         program, state, inputs = cases.prefill_chunk_program(model.params, cfg, model.context, args.prefill_chunk,
@@ -221,8 +239,8 @@ def run(args) -> dict:
     for tokens in args.prompts:
         flops = prefill_flops(cfg, tokens)
         for side, ctx in prefill_sides.items():
-            case = cases.time_prefill(model.params, cfg, ctx.kernels, tokens, args.prefill_chunk, args.prefill_calls,
-                                      args.dtype, mesh, kv_cache_dtype)
+            case = cases.time_prefill(model.params, cfg, side_settings[side], tokens, args.prefill_chunk,
+                                      args.prefill_calls, mesh, kv_cache_dtype)
             case["kernels"] = side
             case["flops"] = flops
             case["fraction_of_fp8_rate"] = flops / (case["ttft_ms"] / 1e3) / fp8_rate
@@ -271,14 +289,13 @@ def tables(result: dict) -> str:
         lines += [f"{c['k']:2d} {c['batch']:5d} {c['ms_per_step']:9.3f} {c['break_even_tokens_per_step']:7.2f}x "
                   f"{c['tokens_per_step']:11.2f}" for c in result["speculative"]]
     lines += ["", "compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in result["compile"].items())]
-    profiles = (("profile", "one batch-{batch} decode step"), ("profile_prefill", "one {chunk}-token prefill chunk"))
-    for key, what in profiles:
-        if key in result:
-            prof = result[key]
-            lines += ["", f"{what.format(**prof)}: {prof['kernel_ms_per_step']:.3f} ms of kernels, "
-                          f"{prof['launches']['launches_per_call']} launches"]
-            lines += [f"  {fam:<22} {row['ms']:8.3f} ms {row['percent']:5.1f}%"
-                      for fam, row in prof["by_family"].items()]
+    decode_profiles = result.get("profiles", [result["profile"]] if "profile" in result else [])
+    traced = [("one batch-{batch} decode step", prof) for prof in decode_profiles]
+    traced += [("one {chunk}-token prefill chunk", result["profile_prefill"])] if "profile_prefill" in result else []
+    for what, prof in traced:
+        lines += ["", f"{what.format(**prof)}: {prof['kernel_ms_per_step']:.3f} ms of kernels, "
+                      f"{prof['launches']['launches_per_call']} launches"]
+        lines += [f"  {fam:<22} {row['ms']:8.3f} ms {row['percent']:5.1f}%" for fam, row in prof["by_family"].items()]
     return "\n".join(lines)
 
 

@@ -29,6 +29,7 @@ from ..generation import generate_chunk
 from ..layer_scan import is_scanned, map_layer_trees
 from ..run_context import RunContext
 from ..sampling import Sampling
+from ..settings import Settings
 from ..sharding import state_shardings
 from ..state import DecodeState, init_state
 
@@ -152,12 +153,12 @@ def prefill_chunk_program(params, cfg: ModelConfig, ctx: RunContext, chunk: int,
     return program, state, inputs
 
 
-def time_prefill(params, cfg: ModelConfig, kernels, prompt_tokens: int, chunk: int, calls: int, dtype: str,
+def time_prefill(params, cfg: ModelConfig, settings: Settings, prompt_tokens: int, chunk: int, calls: int,
                  mesh=None, kv_cache_dtype=None) -> dict:
     """Time to first token of a `prompt_tokens`-token prompt at batch 1 (median of `calls` after a warm-up call,
-    which compiles; its time is reported as the cold figure)."""
-    model = Model(cfg, params, dtype=dtype, max_seq_len=prompt_tokens + 1, max_batch=1, prefill_chunk=chunk,
-                  kernels=kernels, mesh=mesh, kv_cache_dtype=kv_cache_dtype)
+    which compiles; its time is reported as the cold figure), on a Model of `settings` (numerics and kernels)."""
+    model = Model(cfg, params, settings, max_seq_len=prompt_tokens + 1, max_batch=1, prefill_chunk=chunk,
+                  mesh=mesh, kv_cache_dtype=kv_cache_dtype, scan_layers=False)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, prompt_tokens), dtype=np.int32)
     sampling = Sampling.rows(1, max_new_tokens=2 ** 30)
     times = []
