@@ -292,7 +292,7 @@ def _place_tensor(array: np.ndarray, sharding):
 def _place_stack(names: list[str], read, sharding, convert=lambda a: a):
     """The stack [E, ...] of one tensor per expert (`names`), each device's shard stacked from its own experts
     only (sharding.expert_slice). The shards of one stack meet on the host while they are transferred: the peak is
-    about 1x the stack (scripts/load_memory.py), never a second copy of it."""
+    about 1x the stack (benchmarks/load_memory.py), never a second copy of it."""
     first = convert(read(names[0]))
     shape = (len(names), *first.shape)
 

@@ -28,7 +28,7 @@ from .state import DecodeState, init_state
 # Prompt tokens per prefill program, the default of load / Model / the command lines. A chunk routes its tokens to
 # the 256 experts of each layer and reads every expert's weights once, so longer chunks share that read among more
 # tokens: on an H200 (4 Flash layers, docs/performance.md) an 8K prompt takes 142 ms in 2,048-token chunks against
-# 257 ms in 512-token ones, for ~3 GB more compiled temporaries per device (scripts/plan_h200.py).
+# 257 ms in 512-token ones, for ~3 GB more compiled temporaries per device (benchmarks/plan_h200.py).
 PREFILL_CHUNK = 2048
 
 

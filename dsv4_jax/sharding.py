@@ -20,7 +20,7 @@ The rules (`rules(cfg, n)`) map the logical axes of the weight description (para
 The indexer (its top-k needs every head's score), the compressors, wq_a / wkv (read by everything after them), the
 embedding and the head stay replicated, and so does the decode state: DeepSeek-V4's single KV head is read by every
 head. Why from 4 devices: at decode a collective costs ~10-25 us whatever its size, and the second all-reduce per
-layer must buy more than it costs. By the bytes-read arithmetic (docs/sharding.md, scripts/sharding_arithmetic.py,
+layer must buy more than it costs. By the bytes-read arithmetic (docs/sharding.md, benchmarks/sharding_arithmetic.py,
 20 us per all-reduce assumed) splitting at 2 devices would make a Flash step slower (3.36 against 3.17 ms); from 4
 it is faster (2.87 against 3.03 ms at 4, 2.56 against 2.88 at 8; Pro at 8, the first count it fits: 4.82 against
 8.28 ms).

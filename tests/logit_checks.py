@@ -1,7 +1,7 @@
 """Comparing a model's logits with a reference's when rounding noise is expected (bf16): both ways, each sequence's
 top token must be among the other's top k. Noise moves logits by up to ~17% (relative Frobenius; the default model,
-bf16 vs float32 with FP8 activations, scripts/bf16_logit_noise.py) without breaking this; an unrelated result
-(~100%) breaks it. Shared by tests/test_kernel_dispatch.py and scripts/bf16_logit_noise.py."""
+bf16 vs float32 with FP8 activations, benchmarks/bf16_logit_noise.py) without breaking this; an unrelated result
+(~100%) breaks it. Shared by tests/test_kernel_dispatch.py and benchmarks/bf16_logit_noise.py."""
 
 import numpy as np
 

@@ -1,8 +1,8 @@
-"""scripts/command_buffers.py reads XLA's CommandBufferConversionPass log: lines as XLA 0.11.2 writes them (taken from
+"""benchmarks/command_buffers.py reads XLA's CommandBufferConversionPass log: lines as XLA 0.11.2 writes them (taken from
 a compile of the 4-layer Flash step, shortened), with a helper program, a while loop and every reason a kernel stays
 outside a command buffer."""
 
-from scripts.command_buffers import main, parse, summary
+from benchmarks.command_buffers import main, parse, summary
 
 _P = "I1204 20:25:16.225599   13034 command_buffer_conversion_pass.cc"
 LOG = f"""\

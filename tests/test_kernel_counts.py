@@ -1,4 +1,4 @@
-"""The decode step's kernel launches, compiled for a compile-only H200 on this CPU machine (scripts/count_kernels.py,
+"""The decode step's kernel launches, compiled for a compile-only H200 on this CPU machine (benchmarks/count_kernels.py,
 dsv4_jax/hlo_census.py): the counts are deterministic, so they are held to limits -- the launches per layer kind
 of a 4-layer Flash-geometry step at batch 1 as last counted (docs/performance.md), so that a change that adds
 launches has to say so. Needs jax's CUDA build in the environment (`pip install "jax[cuda13]==0.11.2"`, no GPU;
@@ -12,7 +12,7 @@ import sys
 import jax
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
 # launches per layer of each kind (window: layers 0-1, CSA: 2, HCA: 3, whose count includes the final hc_post);
 # counted 2026-12-05 (after the decode attention's one softmax): window 25, CSA 35, HCA 28 (121 for the step)

@@ -525,7 +525,7 @@ def test_default_model_with_kernels_matches_reference_gpu(dtype, act_quant):
     # the FP8 prefill kernel accumulates) in their own order, through 6 layers whose FP8 roundings and top-k routing
     # amplify that: the REFERENCE alone, bf16 vs float32, differs by up to 3.2% (no activation quantization) and 17%
     # (FP8 activations) over 20 random prompts, and the interpret-mode kernels are 0.11% / 1.1% off the bf16
-    # reference (scripts/bf16_logit_noise.py, CPU), while an unrelated result is ~100% off. So bf16 asserts what
+    # reference (benchmarks/bf16_logit_noise.py, CPU), while an unrelated result is ~100% off. So bf16 asserts what
     # that noise keeps: each sequence's top token within the other's top 5, and an error below 0.3. (Fixed bounds
     # of 3e-2 and 6e-2 failed on the H200 at 3.6e-2 and 6.1e-2, bf16 + FP8.)
     errors = _rel(got[0], ref[0]), _rel(got[1], ref[1])

@@ -2,7 +2,7 @@
 
 CPU: the FP4 decode constants checked for every byte, the kernels in interpret mode (the inline-PTX decode is
 replaced by its exact jnp emulation there) on fresh random weights, and the CUDA lowering of every kernel for an
-abstract H200. GPU (`-m gpu`, scripts/gpu_check.sh): the compiled kernels against the same references.
+abstract H200. GPU (`-m gpu`, benchmarks/gpu_check.sh): the compiled kernels against the same references.
 """
 
 import functools
@@ -265,7 +265,7 @@ def test_moe_gpu(fmt):
 @pytest.fixture(scope="module")
 def routed_prefill_case():
     """16 MXFP4 experts 2048 x 4096 and 6144 routed rows sorted by expert (a shape on which a faulty tiling wrote
-    non-finite values, scripts/probe_moe_tilings.py), with float32 per-expert reference products."""
+    non-finite values, benchmarks/probe_moe_tilings.py), with float32 per-expert reference products."""
     rng = np.random.default_rng()
     n_exp, n, k = 16, 2048, 4096
     w = _mxfp4(rng, (n_exp, n, k))

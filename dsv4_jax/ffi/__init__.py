@@ -27,11 +27,11 @@ from .fp4_layout import GemvLayoutFp4, to_gemv_layout  # noqa: F401
 MAX_ROWS = 8                     # the mma's 8 columns: bf16 activation rows per launch (float32: 4)
 # moe_gemv's default schedule: 4 warps per 16-row tile instead of 8. Routed decode launches 6-48 slots x N/16 tiles
 # (768-6144 CTAs of 8 warps = 1.5-12 waves); with 4-warp CTAs the last wave is less ragged. Measured on the H200
-# in four runs of scripts/bench_ffi.py --experts (MXFP4 and NVFP4, 6 of 256 experts, M = 1 and 8): 2-13% faster
+# in four runs of benchmarks/bench_ffi.py --experts (MXFP4 and NVFP4, 6 of 256 experts, M = 1 and 8): 2-13% faster
 # than 811 in every case (docs/kernels.md).
 ROUTED_SCHEDULE = 411
 # moe_gemv's default for a pair of weights (the routed gate + up projections in one launch), by format: two runs of
-# scripts/bench_ffi.py --gate-up-only (6 of 256 experts, M = 1 and 8): MXFP4 811 5-6% faster than 411, NVFP4 411
+# benchmarks/bench_ffi.py --gate-up-only (6 of 256 experts, M = 1 and 8): MXFP4 811 5-6% faster than 411, NVFP4 411
 # 3-5% faster than 811 (docs/kernels.md).
 ROUTED_PAIR_SCHEDULE = {Mxfp4Weight: 811, Nvfp4Weight: 411}
 _TARGETS = {Mxfp4Weight: ("fp4_gemv.cu", "dsv4_mxfp4_gemv", "DSV4Mxfp4Gemv"),
@@ -40,7 +40,7 @@ _TARGETS = {Mxfp4Weight: ("fp4_gemv.cu", "dsv4_mxfp4_gemv", "DSV4Mxfp4Gemv"),
 PAIR_SCHEDULES = (0, 811, 411, 11)   # schedules compiled for a pair of weights (gemv_kernel.cuh, compiled_for)
 # The default for few tiles: 16 warps per 16-row tile (warps digit 0) instead of 811's 8. When the work items
 # (slots x N / 16) fit in one wave of CTAs, the kernel's time is each warp's chain of dependent steps, not
-# bandwidth; 16 warps halve it. Measured on the H200 (scripts/bench_ffi.py --shapes wq_a,wkv,shared_w1,
+# bandwidth; 16 warps halve it. Measured on the H200 (benchmarks/bench_ffi.py --shapes wq_a,wkv,shared_w1,
 # docs/bench/h200_2026-11-30_ffi_small_shapes*.json): 10-22% less kernel time than 811 on 512-2048 x 4096, M = 1 and
 # 8, FP8 / MXFP4 / NVFP4; on 18432 x 7168 the 16-warp schedules are 10-30% slower, so the rule stops at one wave
 # and at the K where it was measured.

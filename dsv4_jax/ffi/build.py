@@ -2,6 +2,7 @@
 
     library = build_library("fp4_gemv.cu", arch="sm_90a")       # path of the cached .so (compiles on first use)
     register("fp4_gemv.cu", {"dsv4_mxfp4_gemv": "DSV4Mxfp4Gemv"})
+    register("/abs/path/probe.cu", {...})     # a source outside the package (a probe) may include ffi/'s files
 
 The cache lives in $DSV4_JAX_FFI_CACHE (default ~/.cache/dsv4_jax/ffi); a finished library is renamed into place
 atomically, so concurrent builders never load a half-written file. Libraries are built where they run (a library
@@ -43,20 +44,24 @@ def device_arch(device=None) -> str:
     return f"sm_{major}{minor}" + ("a" if major == "9" else "")
 
 
-def _included_sources(source: str) -> list[str]:
-    """The .cu files of ffi/ that `source` includes (a diagnostic build includes a kernel's source whole); headers are
-    hashed anyway."""
-    with open(os.path.join(SOURCE_DIR, source)) as f:
+def _included_sources(path: str) -> list[str]:
+    """The .cu files of ffi/ that the source at `path` includes (a diagnostic build includes a kernel's source whole);
+    headers are hashed anyway."""
+    with open(path) as f:
         return re.findall(r'^#include "([^"]+\.cu)"', f.read(), re.M)
 
 
 def build_library(source: str, arch: str | None = None, cache_dir: str | None = None) -> str:
-    """Path of the shared library for ffi/<source> on `arch`, compiling it if this exact build is not cached."""
+    """Path of the shared library for ffi/<source> (or a source at an absolute path, built with ffi/ on its include
+    path) on `arch`, compiling it if this exact build is not cached."""
     arch = arch or device_arch()
-    path = os.path.join(SOURCE_DIR, source)
+    path = source if os.path.isabs(source) else os.path.join(SOURCE_DIR, source)
+    source = os.path.basename(path)
+    hashed = [path] + [os.path.join(SOURCE_DIR, name) for name in _included_sources(path)]
+    hashed += [os.path.join(SOURCE_DIR, f) for f in sorted(os.listdir(SOURCE_DIR)) if f.endswith(".cuh")]
     code = b""
-    for name in [source] + _included_sources(source) + sorted(f for f in os.listdir(SOURCE_DIR) if f.endswith(".cuh")):
-        with open(os.path.join(SOURCE_DIR, name), "rb") as f:
+    for name in hashed:
+        with open(name, "rb") as f:
             code += f.read()
     nvcc = _nvcc()
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
@@ -71,7 +76,7 @@ def build_library(source: str, arch: str | None = None, cache_dir: str | None = 
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch={compute},code={arch}",
-           "-isystem", jax.ffi.include_dir(), "-o", tmp, path]
+           "-isystem", jax.ffi.include_dir(), "-I", SOURCE_DIR, "-o", tmp, path]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         os.unlink(tmp)
@@ -81,8 +86,8 @@ def build_library(source: str, arch: str | None = None, cache_dir: str | None = 
 
 
 def register(source: str, handlers: dict[str, str], arch: str | None = None) -> None:
-    """Build (if needed) and load ffi/<source> for `arch` (default: this process's GPU), and register its handler
-    symbols as XLA FFI targets for CUDA under the given names; once per process."""
+    """Build (if needed) and load ffi/<source> (or a source at an absolute path) for `arch` (default: this process's
+    GPU), and register its handler symbols as XLA FFI targets for CUDA under the given names; once per process."""
     if all(name in _registered for name in handlers):
         return
     library = ctypes.cdll.LoadLibrary(build_library(source, arch))

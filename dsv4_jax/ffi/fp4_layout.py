@@ -6,7 +6,7 @@
   32 inputs: 1 E8M0 byte per row for MXFP4, 2 e4m3 bytes for NVFP4) made adjacent, and a warp's 32 threads'
   bytes contiguous: one 2- or 4-byte load per thread per step over 2 sectors per warp, instead of two 1- or 2-byte
   loads per thread over 16 sectors (measured: the checkpoint-order scale loads cost the kernel ~20%,
-  scripts/probe_gemv.py). Scale order [..., N/16, K/128 steps, 8 (g), 4 (quad lane q), 2 (row g, g + 8),
+  benchmarks/probe_gemv.py). Scale order [..., N/16, K/128 steps, 8 (g), 4 (quad lane q), 2 (row g, g + 8),
   B' (bytes per 32 inputs: 1 MXFP4, 2 NVFP4)], flattened back to the [..., N, K/B] shape.
 
     to_gemv_layout(w: Mxfp4Weight | Nvfp4Weight) -> GemvLayoutFp4     lossless, one elementwise pass

@@ -341,7 +341,7 @@ namespace dsv4 {
 // Schedules (ffi attribute `schedule` = 10000 B + 1000 P + 100 warps + 10 tiles + unroll; P: the Mode, B: the
 // minimum CTAs per SM the registers are capped for (0: the compiler's choice; staged: CTAs per SM, 0 = 1); warps
 // digit 0 = 16 warps); 0 = the default.
-// Measured on the H200 (docs/kernels.md, scripts/bench_ffi.py): 811 is the fastest or within ~5-10% on every
+// Measured on the H200 (docs/kernels.md, benchmarks/bench_ffi.py): 811 is the fastest or within ~5-10% on every
 // large shape; the persistent, streamed, register-capped and pipelined schedules win a few percent on one shape
 // and lose as much or more on another; the staged ones run at 0.46-0.96x of it; unroll > 1 costs occupancy
 // (registers); a per-thread cp.async shared-memory ring (3-6 stages, since removed) was 11% to 2.5x slower.

@@ -321,7 +321,7 @@ def _fp4_config(n, k, block, block_n, unroll, split_k, num_warps, num_stages, co
     if num_warps >= 8 and num_stages > 1 and unroll * bytes_per_block == 32:
         # H200, jax 0.11.2's Triton: 128-row tiles on 8 warps with 32 packed bytes per row per K step and a
         # pipelined loop wrote non-finite values into up to 4% of the outputs, varying by shape; 4 warps, 1 stage,
-        # 16 or 64 bytes per step were exact (scripts/probe_moe_tilings.py, docs/kernels.md). Refused rather
+        # 16 or 64 bytes per step were exact (benchmarks/probe_moe_tilings.py, docs/kernels.md). Refused rather
         # than risked (64-row tiles with these settings were not tried).
         raise ValueError(f"FP4 matmul: {num_warps} warps with {num_stages} pipeline stages and 32 packed bytes per "
                          f"row per K step (unroll={unroll}) gave wrong results on the H200; use 4 warps, "

@@ -1,6 +1,6 @@
 """Count the kernel launches of the model's GPU programs without a GPU: compile them for a compile-only H200.
 
-    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python scripts/count_kernels.py --preset flash --layers 4 --batch 1 \
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/count_kernels.py --preset flash --layers 4 --batch 1 \
         --json counts.json
 
 Needs jax's CUDA build in the environment (`pip install "jax[cuda13]==0.11.2"`; no GPU or driver needed) and nvcc

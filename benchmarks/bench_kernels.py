@@ -1,7 +1,7 @@
 """Matmul benchmark on the GPU: our Pallas kernels vs XLA's bf16 dot, XLA's FP8 dot, XLA's naive
 dequantize+dot and jax.lax.ragged_dot, on DeepSeek-V4-Flash decode (M = 1..64) and prefill (M = 4096) shapes.
 
-    python3 scripts/bench_kernels.py --out $OUT/bench_kernels.json [--quick] [--budget-s 300] [--prefill-only]
+    python3 benchmarks/bench_kernels.py --out $OUT/bench_kernels.json [--quick] [--budget-s 300] [--prefill-only]
 
 Method: every case is checked against dsv4_jax.numerics's reference on fresh random inputs
 before it is timed; time = one jitted program that calls the op on C different weight copies (C * bytes >= 256 MB,

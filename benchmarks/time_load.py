@@ -1,7 +1,7 @@
 """Load time of a checkpoint from its safetensors and from an Orbax copy of it (dsv4_jax.save), best of N.
 
-    python scripts/time_load.py                       # the packaged default model
-    python scripts/time_load.py --checkpoint DIR --repeats 5
+    python benchmarks/time_load.py                       # the packaged default model
+    python benchmarks/time_load.py --checkpoint DIR --repeats 5
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --f
 timeout "${BENCH_S:-330}" python3 -m dsv4_jax.bench --preset flash --layers 4 --reference none --batches 1 \
     --contexts 4096 --prompts none --speculative-tokens 1,2,3 --out "$OUT_DIR/flash4_speculative.json" 2>&1 \
     | grep -v "Warning\|warn(" | tee "$OUT_DIR/flash4_speculative.log" || status=1
-timeout "${DEFAULT_S:-200}" python3 scripts/speculative_speed.py --ks "${KS:-2}" --max-new-tokens 128 --repeats 1 \
+timeout "${DEFAULT_S:-200}" python3 benchmarks/speculative_speed.py --ks "${KS:-2}" --max-new-tokens 128 --repeats 1 \
     --out "$OUT_DIR/default_speculative.json" 2>&1 | grep -v "Warning\|warn(" \
     | tee "$OUT_DIR/default_speculative.log" || status=1
 exit $status

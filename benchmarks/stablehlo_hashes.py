@@ -1,7 +1,7 @@
 """Hashes of the StableHLO text of the engine programs, to show that a change leaves the compiled programs as they
 were: run it in two trees (e.g. a checkout of the commit before the change) and compare the lines.
 
-    PYTHONPATH=. python scripts/stablehlo_hashes.py > after.txt      # and in the other tree: before.txt
+    PYTHONPATH=. python benchmarks/stablehlo_hashes.py > after.txt      # and in the other tree: before.txt
     diff before.txt after.txt
 
 Programs: forward, prefill_chunk, decode_step and generate_chunk of the packaged default model (batch 2), for the

@@ -2,11 +2,11 @@
 mesh of compile-only H200s (a one-host CUDA topology of n GPUs), so the prefill chunk's and the decode step's
 temporaries are what XLA:GPU would allocate on those devices, with the GPU kernels planned as on a real H200.
 
-    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu python scripts/plan_h200.py --preset flash --devices 2 4 8 \
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu python benchmarks/plan_h200.py --preset flash --devices 2 4 8 \
         --json plan.json
 
 Needs jax's CUDA build in the environment (`pip install "jax[cuda13]==0.11.2"`; no GPU or driver needed) and nvcc for
-the ffi/ kernels, as scripts/count_kernels.py. Compiling a full-depth model takes minutes per mesh on a 2-core CPU;
+the ffi/ kernels, as benchmarks/count_kernels.py. Compiling a full-depth model takes minutes per mesh on a 2-core CPU;
 `--layers N` compiles the first N layers instead (temporaries are per-layer peaks: they barely change with depth).
 """
 

@@ -4,7 +4,7 @@ from this). For each random prompt (2 sequences x 12 tokens): relative Frobenius
 step's logits, and whether each sequence's top token is in the other path's top 5 (both ways). Last line per mode:
 a different prompt, i.e. what an unrelated (wrong) result looks like.
 
-    PYTHONPATH=. python3 scripts/bf16_logit_noise.py [--prompts 20] [--act-quant none,fp8] [--interpret]   # CPU
+    PYTHONPATH=. python3 benchmarks/bf16_logit_noise.py [--prompts 20] [--act-quant none,fp8] [--interpret]   # CPU
 
 --interpret also runs the bf16 model with the Pallas kernels in interpret mode (the CPU's stand-in for the GPU
 kernels) and prints its largest error against the bf16 reference (slow: a few minutes).

@@ -2,7 +2,7 @@
 tiling's rel. error was inf). For a few routed-prefill shapes, each tiling's output vs the default tiling's:
 count of non-finite outputs, the rows / columns they fall in, and the relative difference of the finite ones.
 
-    PYTHONPATH=. python3 scripts/probe_moe_tilings.py        # on the GPU; result: docs/bench/*moe_tiling_probe.txt
+    PYTHONPATH=. python3 benchmarks/probe_moe_tilings.py        # on the GPU; result: docs/bench/*moe_tiling_probe.txt
 
 The tiling found faulty (8 warps, pipelined, 32 packed bytes per row per K step) is now refused by
 dsv4_jax/pallas_kernels/gemv.py's _fp4_config; the check is skipped here so it can be probed again under a new Triton.
@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dsv4_jax.pallas_kernels import gemv, moe  # noqa: E402
-from scripts.bench_kernels import make_weight, routed_expert_ids  # noqa: E402
+from benchmarks.bench_kernels import make_weight, routed_expert_ids  # noqa: E402
 
 SHAPES = ((256, 2048, 4096, 24576), (256, 2048, 1024, 24576), (256, 2048, 4096, 3072), (16, 2048, 4096, 6144),
           (256, 512, 4096, 24576))                   # experts, N, K, routed rows

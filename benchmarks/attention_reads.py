@@ -1,9 +1,9 @@
 """What a decode step's attention reads, from the optimized HLO XLA:GPU compiles for an H200 (no GPU needed).
 
-    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python scripts/attention_reads.py --json reads.json
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python benchmarks/attention_reads.py --json reads.json
 
 Compiles the batch-1 decode step of a 2-layer Flash-geometry model (one CSA layer, ratio 4 with the indexer, and
-one HCA layer, ratio 128) for a compile-only H200 (scripts/count_kernels.py's device) at --max-seq-len, with the
+one HCA layer, ratio 128) for a compile-only H200 (benchmarks/count_kernels.py's device) at --max-seq-len, with the
 whole buffers live (no context bucket), for the caches in the activation dtype and in "fp8" (numerics/kv_cache.py).
 Every top-level instruction of the entry computation (and of the decode loop's body, if any) whose operands include
 one of the attention caches (window ring, compressed entries, indexer keys; recognised by their shapes) is listed

@@ -8,7 +8,7 @@ VLOG 2, so compile with its logging on and read the log:
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_conversion_pass=2 \\
         python3 -m dsv4_jax.bench --preset flash --layers 4 --batches 1 --contexts 4096 --prompts none \\
         --reference none 2> compile.log
-    python3 scripts/command_buffers.py compile.log --json command_buffers.json
+    python3 benchmarks/command_buffers.py compile.log --json command_buffers.json
 
 Per program (jit_decode_step, jit_generate_chunk, ...): the command buffers, the thunks inside them, and the
 thunks left outside with the pass's reason. Compile on the GPU that will run the program: compiled without one

@@ -1,7 +1,7 @@
 """Decode cost against max_seq_len at a short context: the context buckets make a step read the compressed caches
 only up to what its positions can see (run_context.RunContext.context_limit, api.context_bucket).
 
-    python scripts/context_cost.py --json out.json
+    python benchmarks/context_cost.py --json out.json
 
 One process, the packaged default model (bf16, kernels as planned for this machine), one sequence with a 64-token
 prompt: ms per decode step from the jitted generation loop (`--steps` steps per call, best of `--repeats` calls,

@@ -1,6 +1,6 @@
 """Peak host memory of loading onto a mesh, against the largest per-layer expert stack.
 
-    python scripts/load_memory.py --devices 4 --json out.json
+    python benchmarks/load_memory.py --devices 4 --json out.json
 
 In a process of its own with N fake CPU devices (--devices), measured with tracemalloc (numpy's host copies: the
 memory-mapped checkpoint pages themselves are the page cache's, not the process's):

@@ -1,11 +1,11 @@
 """Schedule sweep of the FFI CUDA decode GEMVs (ffi/) on the GPU, with XLA's bf16 dot and the Pallas GEMV of the
 same matrix side by side in the same process.
 
-    python3 scripts/bench_ffi.py --out $OUT/bench_ffi.json [--budget-s 300]
-    python3 scripts/bench_ffi.py --gate-up-only --out $OUT/bench_gate_up.json    # gate + up: one launch or two
-    python3 scripts/bench_ffi.py --concat-only --out $OUT/bench_concat.json      # wq_a + wkv: one launch or two
+    python3 benchmarks/bench_ffi.py --out $OUT/bench_ffi.json [--budget-s 300]
+    python3 benchmarks/bench_ffi.py --gate-up-only --out $OUT/bench_gate_up.json    # gate + up: one launch or two
+    python3 benchmarks/bench_ffi.py --concat-only --out $OUT/bench_concat.json      # wq_a + wkv: one launch or two
 
-Method as scripts/bench_kernels.py (its time_calls / profiled_kernel_us): every case is checked against the
+Method as benchmarks/bench_kernels.py (its time_calls / profiled_kernel_us): every case is checked against the
 reference first; wall time per call in one jitted program over weight copies that L2 cannot hold; kernel time
 from the profiler for the bf16 dot and the schedules in PROFILED. A schedule is 10000 x B + 1000 x P + 100 x warps
 + 10 x tiles + unroll: P = 0 direct loads, 1 persistent + L2 prefetch, 2 streamed (contiguous steps per warp,
@@ -35,7 +35,7 @@ from dsv4_jax.ops.moe_ffn import clamped_swiglu  # noqa: E402
 from dsv4_jax.numerics.formats import weight_bytes  # noqa: E402
 from dsv4_jax.ops.matmul import linear  # noqa: E402
 from dsv4_jax.pallas_kernels import gemv, moe  # noqa: E402
-from scripts.bench_kernels import (MAX_COPIES, REFERENCE, ROTATE_BYTES, make_weight, nbytes,  # noqa: E402
+from benchmarks.bench_kernels import (MAX_COPIES, REFERENCE, ROTATE_BYTES, make_weight, nbytes,  # noqa: E402
                                    profiled_kernel_us, recorder, rel_err, routed_expert_ids, time_calls)
 
 SHAPES = [("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096), ("wo_a", 8192, 4096),

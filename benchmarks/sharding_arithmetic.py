@@ -1,7 +1,7 @@
 """Bytes a batch-1 decode step reads per device, and the collectives it needs, for a partitioning of DeepSeek-V4
 over n devices: the arithmetic behind sharding.rules (docs/sharding.md).
 
-    python scripts/sharding_arithmetic.py --preset flash --devices 1 2 8 --json out.json
+    python benchmarks/sharding_arithmetic.py --preset flash --devices 1 2 8 --json out.json
 
 Layouts compared (the routed experts are split over the devices in all):
     ep      attention, shared expert, embedding and head replicated; one all-reduce per MoE layer (the routed

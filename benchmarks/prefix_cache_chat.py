@@ -1,6 +1,7 @@
 """A multi-turn conversation through the server, with and without the prefix cache: time to first token per turn.
 
-    python scripts/prefix_cache_chat.py --turns 10 --out docs/bench/prefix_cache_chat.json --plot docs/prefix_cache.png
+    python benchmarks/prefix_cache_chat.py --turns 10 --out docs/bench/prefix_cache_chat.json \
+        --plot docs/prefix_cache.png
 
 For each setting (`--prefix-cache 0` and the server's default) it starts `python -m dsv4_jax.serve` on a free port,
 holds one conversation with the real `openai` client (a long system prompt, then --turns user turns; each reply of

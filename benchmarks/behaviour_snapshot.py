@@ -3,10 +3,10 @@ prefill, decode steps and greedy generation on the packaged model and on a check
 writer, on the reference plan and on the "interpret" kernel plan; the decode programs alone (kernel plan) from one
 reference-prefilled state; and the CPU time of a decode step.
 
-    python scripts/behaviour_snapshot.py capture before.npz        # in a checkout of the code before the change
-    python scripts/behaviour_snapshot.py capture after.npz         # in the changed checkout
-    python scripts/behaviour_snapshot.py compare before.npz after.npz
-    python scripts/behaviour_snapshot.py time                      # ms per decode step (run the two trees in turn)
+    python benchmarks/behaviour_snapshot.py capture before.npz        # in a checkout of the code before the change
+    python benchmarks/behaviour_snapshot.py capture after.npz         # in the changed checkout
+    python benchmarks/behaviour_snapshot.py compare before.npz after.npz
+    python benchmarks/behaviour_snapshot.py time                      # ms per decode step (run the two trees in turn)
 
 Each checkout is imported from the current directory (run it from the repository root).
 """

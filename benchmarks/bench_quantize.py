@@ -13,7 +13,7 @@ scales), at decode sizes ([1..16, 4096 / 7168]) and large sizes (>= 64 MiB of bf
     write), an elementwise bf16 -> e4m3 convert (read + write), and a row amax reduction (read).
 Prints a table (last lines) and writes JSON to --out.
 
-    PYTHONPATH=. python3 scripts/bench_quantize.py --out out/bench_quantize.json
+    PYTHONPATH=. python3 benchmarks/bench_quantize.py --out out/bench_quantize.json
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
 #   profile  Flash geometry, 4 layers: where a decode step's kernel time goes at batch 1, 32 and 64, and a prefill
 #            chunk's (8,192 tokens), by op family (command buffers off, so every kernel carries its HLO op; traces
 #            under /tmp)                                                     -> flash4_profile.{json,log}
-# Usage: bash scripts/gpu_runs.sh suite3 depth   (parts run in the order given)
+# Usage: bash benchmarks/gpu_runs.sh suite3 depth   (parts run in the order given)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-./out}"

@@ -1,6 +1,6 @@
 """Speculative decoding with the MTP block on the packaged default model: acceptance and wall time per token.
 
-    python scripts/speculative_speed.py --out docs/bench/speculative_cpu.json
+    python benchmarks/speculative_speed.py --out docs/bench/speculative_cpu.json
 
 One process, the packaged default model (kernels as planned for this machine), batch 1, the opening words of each
 held-out chapter's first verse (chapters the default model never trained on: docs/default_model_data.md) as
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 import dsv4_jax  # noqa: E402
-from held_out_prompts import HELD_OUT_PROMPTS  # noqa: E402
+from scripts.held_out_prompts import HELD_OUT_PROMPTS  # noqa: E402
 
 
 def measure(model, prompts, k: int, temperature: float, max_new_tokens: int, repeats: int) -> dict:

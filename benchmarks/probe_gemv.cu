@@ -1,5 +1,5 @@
 // Diagnostic kernels (not used by the model): the decode GEMV skeleton of gemv_kernel.cuh with one side of the
-// work taken away, to measure which side limits the FP4 decode GEMV (scripts/probe_gemv.py). Their outputs are
+// work taken away, to measure which side limits the FP4 decode GEMV (benchmarks/probe_gemv.py). Their outputs are
 // not products: each thread folds what it loaded into its accumulator (so no load is dead code) and the skeleton
 // stores the folded values.
 //

@@ -6,7 +6,7 @@ is compiled and warmed up first, then run once between cuProfilerStart / cuProfi
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
         --section SchedulerStats --section MemoryWorkloadAnalysis \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
-        python3 scripts/ncu_kernels.py [--cases ...] > $OUT/ncu.txt
+        python3 benchmarks/ncu_kernels.py [--cases ...] > $OUT/ncu.txt
 
 (Without XLA_PYTHON_CLIENT_PREALLOCATE=false ncu saves and restores JAX's preallocated pool, most of the GPU's
 memory, around every replay pass: minutes per kernel. Seen once: a `timeout` that stopped ncu left this script
@@ -26,7 +26,7 @@ Cases (--cases, comma-separated; default all):
   prefill_mxfp4    the same on MXFP4 2048 x 4096 (operand: e4m3 + per-row scales): 52% of XLA's FP8 rate
   moe_prefill      grouped_linear of 24576 routed rows (4096 tokens x 6) on 256 MXFP4 experts 2048 x 4096
   decode_attention the decode attention kernel of one CSA and one HCA layer at Flash geometry, batch 1, with 1, 4
-                   and 16 splits (scripts/bench_decode_attention.py's inputs and XLA's path beside it)
+                   and 16 splits (benchmarks/bench_decode_attention.py's inputs and XLA's path beside it)
 Each case prints its name first (stdout, before ncu's report of its kernels).
 """
 
@@ -46,8 +46,8 @@ import jax.numpy as jnp  # noqa: E402
 from dsv4_jax import ffi  # noqa: E402
 from dsv4_jax.ops import grouped_linear, linear  # noqa: E402
 from dsv4_jax.pallas_kernels.quantize import quantize_fp8_kernel, quantize_nvfp4_kernel  # noqa: E402
-from scripts.bench_kernels import AUTO, make_weight  # noqa: E402
-from scripts.probe_gemv import probe_call  # noqa: E402
+from benchmarks.bench_kernels import AUTO, make_weight  # noqa: E402
+from benchmarks.probe_gemv import PROBE_SOURCE, probe_call  # noqa: E402
 
 CASES = ("nvfp4_quantize", "fp8_quantize", "xla_bf16_gemv", "mxfp4_gemv", "mxfp4_gemv_layout", "probe_loads",
          "probe_decode", "fp8_gemv", "prefill_fp8", "prefill_mxfp4", "moe_prefill", "decode_attention")
@@ -98,7 +98,7 @@ def main():
     if "mxfp4_gemv_layout" in cases:
         profile("mxfp4_gemv_layout M=1", lambda x, w: ffi.gemv(x, w, schedule=811), x1, jax.jit(ffi.to_gemv_layout)(w))
     if "probe_loads" in cases or "probe_decode" in cases:
-        ffi.register("probe_gemv.cu", {"dsv4_probe_gemv": "DSV4ProbeGemv"})
+        ffi.register(PROBE_SOURCE, {"dsv4_probe_gemv": "DSV4ProbeGemv"})
     if "probe_loads" in cases:
         profile("probe_loads M=1", lambda x, w: probe_call(x, w, 1, 811), x1, w)
     if "probe_decode" in cases:
@@ -129,7 +129,7 @@ def main():
 def _decode_attention():
     """The decode attention kernel at 1, 4 and 16 splits and XLA's path, for one CSA and one HCA layer."""
     from dsv4_jax.pallas_kernels import decode_attention as da
-    from scripts.bench_decode_attention import inputs, kernel_path, xla_path
+    from benchmarks.bench_decode_attention import inputs, kernel_path, xla_path
 
     default_splits = da.MAX_SPLITS
     for ratio in (4, 128):

@@ -2,7 +2,7 @@
 attention at Flash geometry (64 heads of 512, window 128; CSA: 512 picks of 1,024 entries; HCA: 32 entries), batch 1,
 one token, and sweep the kernel's schedule (heads per program, keys per step, splits, warps, stages).
 
-    python scripts/bench_decode_attention.py --out decode_attention.json
+    python benchmarks/bench_decode_attention.py --out decode_attention.json
 
 Each case runs 50 times chained in one jitted program (each call's query depends on the previous output, so
 the calls cannot overlap), on the attached GPU; the table gives microseconds per call. XLA's path is what the

@@ -1,7 +1,7 @@
-"""Which side limits the FP4 decode GEMV: the diagnostic kernels of ffi/probe_gemv.cu (the GEMV skeleton with only
-its loads, or only its decode + MMAs) timed next to the real MXFP4 kernel and XLA's bf16 dot, in one process.
+"""Which side limits the FP4 decode GEMV: the diagnostic kernels of benchmarks/probe_gemv.cu (the GEMV skeleton with
+only its loads, or only its decode + MMAs) timed next to the real MXFP4 kernel and XLA's bf16 dot, in one process.
 
-    python3 scripts/probe_gemv.py --out $OUT/probe_gemv.json [--shapes lm_head,w_18432x7168] [--ms 1,8]
+    python3 benchmarks/probe_gemv.py --out $OUT/probe_gemv.json [--shapes lm_head,w_18432x7168] [--ms 1,8]
 
 Rows (kernel time from the profiler, wall time per call over weight copies L2 cannot hold, as bench_kernels.py):
   xla_bf16_dot                      the bf16 matrix (4x the FP4 bytes)
@@ -31,12 +31,13 @@ import numpy as np  # noqa: E402
 from dsv4_jax import ffi  # noqa: E402
 from dsv4_jax.numerics.formats import Mxfp4Weight, weight_bytes  # noqa: E402
 from dsv4_jax.ops.matmul import linear  # noqa: E402
-from scripts.bench_kernels import (MAX_COPIES, REFERENCE, ROTATE_BYTES, make_weight, profiled_kernel_us,  # noqa: E402
-                                   recorder, rel_err, time_calls)
+from benchmarks.bench_kernels import (MAX_COPIES, REFERENCE, ROTATE_BYTES, make_weight,  # noqa: E402
+                                      profiled_kernel_us, recorder, rel_err, time_calls)
 
 SHAPES = {"lm_head": (129280, 4096), "w_18432x7168": (18432, 7168), "wo_b": (4096, 8192), "wq_b": (32768, 1024)}
 PROBES = {0: "loads only", 1: "loads + scales", 2: "wide loads", 3: "decode only", 4: "decode only, GEMV layout"}
 TARGET = "dsv4_probe_gemv"
+PROBE_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe_gemv.cu")   # includes ffi/fp4_gemv.cu
 
 
 def probe_call(x: jax.Array, w: Mxfp4Weight, probe: int, schedule: int) -> jax.Array:
@@ -54,7 +55,7 @@ def main():
     ap.add_argument("--ms", default="1,8")
     ap.add_argument("--probe-schedules", default="811,812,814,411")
     args = ap.parse_args()
-    ffi.register("probe_gemv.cu", {TARGET: "DSV4ProbeGemv"})
+    ffi.register(PROBE_SOURCE, {TARGET: "DSV4ProbeGemv"})
     key = jax.random.key(1)
     results = []
     emit = recorder(args.out, results)

@@ -1,6 +1,6 @@
 """Prefill chunk time and decode step time against the context in use, up to 256K tokens, in one process.
 
-    python scripts/long_context.py --out docs/bench/long_context.json --plot docs/long_context.png
+    python benchmarks/long_context.py --out docs/bench/long_context.json --plot docs/long_context.png
 
 The packaged default model (bf16), one sequence of random tokens prefilled `--chunk` tokens at a time to
 `--max-context`: the time of every chunk against its position (the first chunk of each context bucket also
@@ -104,7 +104,7 @@ def main(argv=None):
     if args.max_context % args.chunk or any(c % args.chunk for c in args.decode_at):
         ap.error("--max-context and every --decode-at must be multiples of --chunk")
     result = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind, "cpus": os.cpu_count(),
-              "command": " ".join(["python scripts/long_context.py"] + (argv or sys.argv[1:])),
+              "command": " ".join(["python benchmarks/long_context.py"] + (argv or sys.argv[1:])),
               "chunk": args.chunk, "runs": []}
     for name in args.kv_cache_dtypes:
         result["runs"].append(run(None if name == "auto" else name, args))
