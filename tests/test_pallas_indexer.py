@@ -1,7 +1,8 @@
 """The indexer scores kernel (dsv4_jax/pallas_kernels/indexer.py) in Pallas interpret mode against a float64 numpy
 reference written from the spec (docs/model.md 4.4: sum over heads of w_h ReLU(q_h . key), entries j < (t+1)//4
-visible); the model's decode on it against the jnp path; the lowering for an H200; and (marker gpu) the compiled
-kernel on a GPU."""
+visible), in its decode and its prefill schedule; the prefill picks (one top-k and the running top-k over blocks)
+against float64's; the model's decode and prefill on it against the jnp path; the lowering for an H200; and (marker
+gpu) the compiled kernel on a GPU."""
 
 from __future__ import annotations
 
@@ -54,6 +55,103 @@ def test_matches_float64(batch, seq, dtype):
     np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=2e-6 * scale)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows_per_program, first_entry", [(16, 0), (4, 128), (1, 64)])
+def test_prefill_schedule_matches_float64(rows_per_program, first_entry, dtype):
+    """The prefill schedule: 32 rows of two sequences, `rows_per_program` at a time, against a block of a longer key
+    buffer that starts at entry `first_entry` (a traced value, as in the running top-k); the keys outside the block
+    poisoned with NaN (never read), positions that see none, some and all of the block."""
+    rng = np.random.default_rng(rows_per_program + first_entry)
+    n_entries, seq = 192, 32
+    q, w, keys, positions = _inputs(rng, 2, seq, 16, 64, 512, [2, 4 * (first_entry + n_entries)], dtype)
+    keys[:, :first_entry] = np.nan
+    keys[:, first_entry + n_entries:] = np.nan
+    run = jax.jit(lambda q, w, k, p, f: kernel.indexer_scores(q, w, k, p, n_entries=n_entries, weight_scale=0.3,
+                                                              rows_per_program=rows_per_program, first_entry=f,
+                                                              interpret=True))
+    got = run(jnp.asarray(q, dtype), jnp.asarray(w), jnp.asarray(keys[:, first_entry:], dtype),
+              jnp.asarray(positions), jnp.int32(first_entry))
+    want = _scores64(q, np.float32(0.3) * w, keys[:, first_entry:], positions - 4 * first_entry, n_entries)
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape and not np.isnan(got).any()
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    finite = np.isfinite(want)
+    assert finite.any() and (~finite).any() and finite[1].all()
+    np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=2e-6 * np.abs(want[finite]).max())
+
+
+def _indexer_inputs(cfg, batch, seq, start, seed):
+    """Params of a CSA layer's indexer, inputs of a prefill chunk of `seq` tokens from position `start` and the keys
+    of every entry up to its end (float32)."""
+    from dsv4_jax.params import init_params
+    params = init_params(cfg, jax.random.PRNGKey(seed))["layers"][1]["attn"]["indexer"]
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((batch, seq, cfg.dim)), jnp.float32)
+    q_latent = jnp.asarray(rng.standard_normal((batch, seq, cfg.q_lora_rank)), jnp.float32)
+    n_entries = (start + seq) // 4
+    keys = jnp.asarray(rng.standard_normal((batch, n_entries, cfg.index_head_dim)), jnp.float32)
+    positions = jnp.broadcast_to(start + jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    return params, x, q_latent, keys, positions
+
+
+@pytest.mark.parametrize("block", [None, 64])
+def test_prefill_picks_match_float64(monkeypatch, block):
+    """The prefill chunk's picks on the kernel (interpret) against float64 scores of the same queries and keys: the
+    valid flags equal, every entry float64 ranks clearly inside the top k picked, every pick ranks at least near
+    the k-th (float32 sums in another order than float64's may swap entries within 1e-5 of the k-th score: ties,
+    documented in pallas_kernels/indexer.py). With block 64 the running top-k merges 8 blocks of 64 entries."""
+    from dsv4_jax import presets
+    from dsv4_jax.ops import indexer as op
+    from dsv4_jax.ops.norm_rope import rope_inv_freq
+    from dsv4_jax.run_context import RunContext
+
+    if block is not None:
+        monkeypatch.setattr(op, "kernel_block", lambda batch, seq: block)
+    cfg = presets.tiny().replace(index_n_heads=16, index_topk=24)
+    params, x, q_latent, keys, positions = _indexer_inputs(cfg, 2, 64, 1984, seed=11)
+    ctx = RunContext.create(dtype="float32", kernels="interpret")
+    inv_freq = rope_inv_freq(cfg, 4)
+    idx, valid = jax.jit(lambda *a: op._indexer_select_prefill_on_kernel(params, cfg, *a, inv_freq, ctx))(
+        x, q_latent, positions, keys)
+    q, w = op._indexer_query(params, cfg, x, q_latent, positions, inv_freq, ctx)
+    scores = _scores64(np.asarray(q), np.asarray(w), np.asarray(keys), np.asarray(positions), keys.shape[1])
+    k = cfg.index_topk
+    kth = -np.sort(-scores, axis=-1)[..., k - 1]
+    tol = 1e-5 * np.abs(scores[np.isfinite(scores)]).max()
+    idx, valid = np.asarray(idx), np.asarray(valid)
+    assert valid.all() and idx.shape == (2, 64, k)
+    picked = np.take_along_axis(scores, idx, -1)
+    assert (picked >= kth[..., None] - tol).all()
+    must = scores > kth[..., None] + tol
+    for b, t in np.ndindex(2, 64):
+        assert set(np.flatnonzero(must[b, t])) <= set(idx[b, t].tolist()), (b, t)
+        assert len(set(idx[b, t].tolist())) == k
+
+
+def test_model_prefill_takes_the_kernel_and_equals_the_jnp_path():
+    """The tiny preset with 16 indexer heads, float32, a 700-token prompt prefilled on the interpret plan (every other
+    op on the reference) and on the reference plan: every CSA layer's picks come from the prefill kernel and the
+    logits agree. index_topk covers every visible entry, so the picks are the same set whatever the float32
+    order of the sums (the scores themselves are checked above)."""
+    import dsv4_jax
+    from dsv4_jax import presets
+    from dsv4_jax.ops import choice
+
+    cfg = presets.tiny().replace(index_n_heads=16, index_topk=256)
+    others = [f"{op}=reference" for op in choice.OPS if op != "indexer_scores"]
+    kw = dict(dtype="float32", max_seq_len=1024, simulate_quant=False)
+    reference = dsv4_jax.init_random(cfg, seed=3, kernels="reference", **kw)
+    with_kernel = dsv4_jax.init_random(cfg, seed=3, kernels="interpret", kernel_overrides=others, **kw)
+    prompt = np.random.default_rng(8).integers(0, cfg.vocab_size, (1, 700)).astype(np.int32)
+    with choice.record_dispatch("indexer_scores") as choices:
+        got, _ = with_kernel.prefill(prompt)
+    want, _ = reference.prefill(prompt)
+    kernels = {c.kernel for c in choices if c.phase == "prefill"}
+    assert kernels == {"indexer_prefill"} and all(c.path == "interpret" for c in choices), choices
+    err = np.abs(np.asarray(got) - np.asarray(want)).max() / np.abs(np.asarray(want)).max()
+    assert err < 1e-5, err
+
+
 def test_unsupported_geometry_is_refused():
     q = jnp.zeros((1, 1, 4, 64))
     with pytest.raises(ValueError, match="heads a multiple of 16"):
@@ -89,6 +187,21 @@ def test_cuda_lowering_at_flash_geometry(n_entries):
         assert fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton") == 1
 
 
+@pytest.mark.parametrize("seq, n_entries", [(2048, 2048), (8192, 4096)])
+def test_cuda_lowering_of_the_prefill_schedule_at_flash_geometry(seq, n_entries):
+    """The prefill schedule lowered for an H200 without a GPU at Flash's indexer, a 2,048- and an 8,192-token chunk
+    against one block of entries: one Triton kernel."""
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    sds = jax.ShapeDtypeStruct
+    fn = jax.jit(lambda q, w, k, p, f: kernel.indexer_scores(
+        q, w, k, p, n_entries=n_entries, rows_per_program=kernel.prefill_rows_per_program(seq), first_entry=f))
+    args = (sds((1, seq, 64, 128), jnp.bfloat16), sds((1, seq, 64), jnp.float32),
+            sds((1, n_entries, 128), jnp.bfloat16), sds((1, seq), jnp.int32), sds((), jnp.int32))
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "indexer_scores_prefill" in text
+
+
 # ---- on the GPU -----------------------------------------------------------------------------------------------
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 
@@ -103,6 +216,23 @@ def test_gpu_matches_float64_at_flash_geometry():
         jnp.asarray(q, jnp.bfloat16), jnp.asarray(w), jnp.asarray(keys, jnp.bfloat16), jnp.asarray(positions)),
         np.float64)
     want = _scores64(q, w, keys, positions, 1024)
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=1e-5 * np.abs(want[finite]).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+def test_gpu_prefill_schedule_matches_float64_at_flash_geometry():
+    """The compiled prefill schedule at Flash geometry (64 heads of 128, bf16): 256 rows of a chunk, 16 a program,
+    against 1,024 entries of a 2,048 buffer from entry 512."""
+    rng = np.random.default_rng(9)
+    q, w, keys, positions = _inputs(rng, 1, 256, 64, 128, 2048, [4000], jnp.bfloat16)
+    got = np.asarray(jax.jit(lambda *a: kernel.indexer_scores(*a, n_entries=1024, rows_per_program=16,
+                                                              first_entry=jnp.int32(512)))(
+        jnp.asarray(q, jnp.bfloat16), jnp.asarray(w), jnp.asarray(keys[:, 512:], jnp.bfloat16),
+        jnp.asarray(positions)), np.float64)
+    want = _scores64(q, w, keys[:, 512:], positions - 4 * 512, 1024)
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
     finite = np.isfinite(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=1e-5 * np.abs(want[finite]).max())

@@ -3,7 +3,9 @@ query, sum over heads of weight_h(x) * ReLU(q_h . key), and the top-k picks.
 
 Its reference is the jnp below (all entries at once, or a block at a time with a running top-k beyond
 indexer_block() entries); its kernel, pallas_kernels/indexer.py, scores a decode or verify step's rows in one
-launch. `select` chooses (ops/choice.py).
+launch, and a prefill chunk's rows 16 at a time against each block of keys (the heads summed on chip: no
+[B, S, heads, N] products in memory; the top-k over the [B, S, N] scores stays XLA's, a block of entries at a time
+beyond kernel_block()). `select` chooses (ops/choice.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .attention_core import compressed_visible
 from .matmul import linear
 
 SCORES_KERNEL = choice.Kernel("indexer_scores", "indexer")
+PREFILL_SCORES_KERNEL = choice.Kernel("indexer_scores", "indexer_prefill", phases=frozenset({"prefill"}))
 
 
 INDEXER_BLOCK = 4096     # compressed entries scored at a time beyond it (bounds the [B, S, heads, block] scores)
@@ -34,6 +37,12 @@ def indexer_block(batch: int, seq: int, n_heads: int) -> int:
     while batch * seq * n_heads * 4 * block * 2 <= INDEXER_SCORE_BYTES:
         block *= 2
     return block
+
+
+def kernel_block(batch: int, seq: int) -> int:
+    """Entries the prefill kernel scores per pass of the running top-k: its [B, S, block] float32 scores (no heads
+    axis) bounded as indexer_block bounds the reference's."""
+    return indexer_block(batch, seq, 1)
 
 
 def _indexer_weight_scale(cfg: ModelConfig) -> float:
@@ -67,20 +76,27 @@ def indexer_scores(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.A
 def _blocked_top_k(q: jax.Array, head_weights: jax.Array, keys: jax.Array, positions: jax.Array, k: int,
                    block: int | None = None):
     """Top-k visible entries of every query over keys [B, N, hd] scored `block` (default INDEXER_BLOCK) entries at a
-    time with a running top-k, so no [B, S, heads, N] intermediate exists. The running picks (lower indices) come
-    first in each merge, so ties resolve to the lower index as one top_k over all entries does. Returns (scores,
-    idx) [B, S, k]."""
+    time with a running top-k (_running_top_k), so no [B, S, heads, N] intermediate exists. Returns (scores, idx)
+    [B, S, k]."""
+    return _running_top_k(lambda keys_block, first: _scores(q, head_weights, keys_block), keys, positions, k,
+                          INDEXER_BLOCK if block is None else block)
+
+
+def _running_top_k(block_scores, keys: jax.Array, positions: jax.Array, k: int, block: int):
+    """Top-k visible entries of every query over keys [B, N, hd], `block` entries at a time: block_scores(keys of
+    the block [B, block, hd], index of its first entry) -> float32 [B, S, block]. The running picks (lower indices)
+    come first in each merge, so ties resolve to the lower index as one top_k over all entries does. Returns
+    (scores, idx) [B, S, k]."""
     batch, n_entries, head_dim = keys.shape
-    block = INDEXER_BLOCK if block is None else block
     n_blocks = -(-n_entries // block)
     keys = jnp.pad(keys, ((0, 0), (0, n_blocks * block - n_entries), (0, 0)))
-    seq = q.shape[1]
+    seq = positions.shape[1]
 
     def body(b, carry):
         best, best_idx = carry
         first = b * block
         entry = first + jnp.arange(block, dtype=jnp.int32)
-        scores = _scores(q, head_weights, jax.lax.dynamic_slice_in_dim(keys, first, block, axis=1))
+        scores = block_scores(jax.lax.dynamic_slice_in_dim(keys, first, block, axis=1), first)
         visible = (entry[None, None, :] < n_entries) & (entry[None, None, :] < ((positions + 1) // 4)[:, :, None])
         scores = jnp.where(visible, scores, -jnp.inf)
         merged = jnp.concatenate([best, scores], axis=-1)
@@ -126,13 +142,45 @@ def _indexer_select_on_kernel(params: dict, cfg: ModelConfig, x: jax.Array, q_la
     return idx, top_scores > -jnp.inf
 
 
+@jax.named_scope("indexer")
+def _indexer_select_prefill_on_kernel(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array,
+                                      positions: jax.Array, keys: jax.Array, inv_freq: np.ndarray, ctx):
+    """indexer_select for a prefill chunk, x [B, S, D], keys [B, N, hd] (the live entries, decoded), with the scores
+    from the kernel's prefill schedule (pallas_kernels/indexer.py): one top-k over all entries up to kernel_block()
+    of them, a running top-k a block at a time beyond. Returns (idx, valid) as indexer_select does."""
+    q, head_weights = _indexer_query(params, cfg, x, q_latent, positions, inv_freq, ctx, scale_weights=False)
+    batch, seq = x.shape[:2]
+    n_entries = keys.shape[1]
+    k = min(cfg.index_topk, n_entries)
+    block = kernel_block(batch, seq)
+
+    def block_scores(keys_block, first):
+        return indexer_kernel.indexer_scores(
+            q, head_weights, keys_block, positions, n_entries=keys_block.shape[1],
+            weight_scale=_indexer_weight_scale(cfg), interpret=ctx.kernels.interpret, first_entry=first,
+            rows_per_program=indexer_kernel.prefill_rows_per_program(seq))
+    if n_entries <= block:
+        top_scores, idx = jax.lax.top_k(block_scores(keys, 0), k)
+    else:
+        top_scores, idx = _running_top_k(block_scores, keys, positions, k, block)
+    return idx, top_scores > -jnp.inf
+
+
 def select(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.Array, positions: jax.Array, index_keys,
            live: int, inv_freq: np.ndarray, ctx):
     """The indexer's picks (idx, valid) [B, S, k] among the first `live` entries of the stored key buffer
     `index_keys`: on pallas_kernels/indexer.py for a decode or verify step whose keys are stored in the activation
     dtype (not compact), in a geometry it takes (its scores need no [B, S, heads, N] intermediate, so even a
-    1M-token context's entries are scored in one pass); else indexer_select on the decoded live keys."""
+    1M-token context's entries are scored in one pass), and for a prefill chunk in such a geometry (keys of any
+    storage, decoded); else indexer_select on the decoded live keys."""
     dtype = x.dtype
+    if ctx.phase == "prefill":
+        block = min(live, kernel_block(*x.shape[:2]))
+        fits = indexer_kernel.supported(cfg.index_n_heads, cfg.index_head_dim, block)
+        keys = index_keys.leading(live).decode(dtype)
+        if choice.takes_kernel(PREFILL_SCORES_KERNEL, ctx, fits):
+            return _indexer_select_prefill_on_kernel(params, cfg, x, q_latent, positions, keys, inv_freq, ctx)
+        return indexer_select(params, cfg, x, q_latent, positions, keys, inv_freq, ctx)
     buffer = index_keys.plain(dtype)
     fits = buffer is not None and indexer_kernel.supported(cfg.index_n_heads, cfg.index_head_dim, live)
     if choice.takes_kernel(SCORES_KERNEL, ctx, fits):
