@@ -3,7 +3,7 @@
 # (pytest arguments; default the mHC kernels' tests), then the 4-layer Flash-geometry model benchmark at BATCHES
 # (default 1, 8, 32) and 4K context (CONTEXTS) from this tree and, in the same call, from the tree at BASELINE_DIR
 # (a checkout of the commit before the change; skipped when unset), so both sides run on one machine in one
-# session. NEW_ARGS (benchmark options, e.g. "--kernel-override attention_core=kernel") and NEW_ENV (environment
+# run. NEW_ARGS (benchmark options, e.g. "--kernel-override attention_core=kernel") and NEW_ENV (environment
 # assignments) apply to this tree's side only, so an opt-in switch is compared with BASELINE_DIR=. (this tree
 # without it). Results: $OUT (or ./out)/pytest_ab.log,
 # flash4_new.{json,log}, flash4_baseline.{json,log}.

@@ -6,6 +6,8 @@
 #            test_layer_stats.py                                              -> pytest_gpu_part2.log
 #   suite3   those of test_pallas_quantize.py and test_pallas_gemv.py         -> pytest_gpu_part3.log
 #            (all but test_pallas_gemv.py took more than 540 s in one part, 2026-12-03)
+#   suite4   those of test_pallas_indexer.py, test_pallas_norm_rope.py, test_pallas_compressor.py,
+#            test_pallas_moe_decode.py                                         -> pytest_gpu_part4.log
 #   depth    Flash geometry, LAYERS (default 32) layers under scan_layers=True, batch 1 and 8 at 4K context,
 #            as deep as one H200 holds                                       -> flash<LAYERS>_scan.{json,log}
 #   matrix   Flash geometry, 4 layers: decode at BATCHES (default 1, 8, 32, 64, 128, 256) x CONTEXTS (default 4K),
@@ -24,6 +26,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --f
 GPU_TEST_FILES_1="tests/test_ffi.py tests/test_fp4_layout.py"
 GPU_TEST_FILES_2="tests/test_kernel_dispatch.py tests/test_pallas_mhc.py tests/test_pallas_decode_attention.py tests/test_layer_stats.py"
 GPU_TEST_FILES_3="tests/test_pallas_quantize.py tests/test_pallas_gemv.py"
+GPU_TEST_FILES_4="tests/test_pallas_indexer.py tests/test_pallas_norm_rope.py tests/test_pallas_compressor.py \
+tests/test_pallas_moe_decode.py"
 quiet() { grep -v "Warning\|warn(\|return rule"; }
 for part in "$@"; do
     case "$part" in
@@ -33,6 +37,8 @@ for part in "$@"; do
                     $GPU_TEST_FILES_2 2>&1 | tee "$OUT_DIR/pytest_gpu_part2.log" || status=1 ;;
         suite3) timeout "${SUITE_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 -rfE \
                     $GPU_TEST_FILES_3 2>&1 | tee "$OUT_DIR/pytest_gpu_part3.log" || status=1 ;;
+        suite4) timeout "${SUITE_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 -rfE \
+                    $GPU_TEST_FILES_4 2>&1 | tee "$OUT_DIR/pytest_gpu_part4.log" || status=1 ;;
         depth)  layers="${LAYERS:-32}"
                 # The weights take most of the GPU: let XLA's allocator have 95% of it, as for any model this deep.
                 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${BENCH_S:-420}" python3 -m dsv4_jax.bench \
@@ -49,7 +55,7 @@ for part in "$@"; do
                     --profile /tmp/trace_decode --profile-batches 1,32,64 --profile-prefill /tmp/trace_prefill \
                     --prefill-chunk "${PROFILE_CHUNK:-8192}" --out "$OUT_DIR/flash4_profile.json" 2>&1 | quiet \
                     | tee "$OUT_DIR/flash4_profile.log" || status=1 ;;
-        *) echo "unknown part: $part (expected suite1, suite2, suite3, depth, matrix or profile)" >&2; exit 2 ;;
+        *) echo "unknown part: $part (expected suite1-4, depth, matrix or profile)" >&2; exit 2 ;;
     esac
 done
 exit $status

@@ -23,7 +23,7 @@ from .norm_rope import apply_rope
 # Opt-in on GPUs: one layer's attention at Flash geometry, batch 1, on an H200 (benchmarks/bench_decode_attention.py)
 # took 22.9 us (CSA) and 21.7 us (HCA) on the kernel against 20.1 and 19.1 us on XLA's kernels (2026-12-04); on a
 # ready query 25.7 / 27.2 us against 20.1 / 16.0, the 4-layer Flash step 1.170 against 1.128 ms (2026-12-05,
-# docs/kernels.md).
+# docs/bench/h200_2026-12-05_bench_decode_attention.json, h200_2026-12-05_query_ready_flash4_*.json).
 DECODE_KERNEL = choice.Kernel("attention_core", "decode_attention", on_gpu_by_default=False)
 
 

@@ -90,8 +90,8 @@ def fp8_block_matmul(xq: jax.Array, sx: jax.Array, wq: jax.Array, sw: jax.Array,
     per row [N, K/128] or per 128x128 block [ceil(N/128), K/128].
 
     Default tile: 64 x 128, one warpgroup, 3 stages (48 KB of SMEM: several CTAs per SM, so one CTA's promotion
-    FMAs overlap another's wgmma). Measured on the H200 (docs/kernels.md) against 128 x 128 with 8 warps and
-    4 stages (one CTA per SM): 672 vs 414 TFLOP/s on 4096 x 4096 x 8192."""
+    FMAs overlap another's wgmma). Measured on the H200 against 128 x 128 with 8 warps and 4 stages (one CTA per
+    SM): 683 vs 417 TFLOP/s by wall time on 4096 x 4096 x 8192 (docs/bench/h200_2026-11-30_prefill.json)."""
     what = "fp8_block_matmul"
     (m, k), (n, kw) = xq.shape, wq.shape
     if xq.dtype != jnp.float8_e4m3fn or wq.dtype != jnp.float8_e4m3fn:
