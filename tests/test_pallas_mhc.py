@@ -84,13 +84,13 @@ def _assert_within(got, want, bounds, what):
                                f"{w[over][:3]}"
 
 
-def _kernel(cfg, X, fn, base, scale, weight, post_mix, dtype, fn_kernel=mhc.mhc_pre_norm):
+def _kernel(cfg, X, fn, base, scale, weight, post_mix, dtype, fn_kernel=mhc.mhc_pre_norm, rows_per_program=0):
     args = [jnp.asarray(X, dtype), jnp.asarray(fn), jnp.asarray(base), jnp.asarray(scale), jnp.asarray(weight)]
     pend = None if post_mix is None else (jnp.asarray(post_mix[0], dtype), jnp.asarray(post_mix[1]),
                                          jnp.asarray(post_mix[2]))
     run = jax.jit(lambda X, fn, b, s, w, p: fn_kernel(X, fn, b, s, w, norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
                                                       sinkhorn_iters=cfg.hc_sinkhorn_iters, post_mix=p,
-                                                      interpret=True))
+                                                      rows_per_program=rows_per_program, interpret=True))
     return [np.asarray(jnp.asarray(a, jnp.float32)) for a in run(*args, pend)]
 
 
@@ -118,6 +118,78 @@ def test_bfloat16_site_matches_float64_with_its_roundings():
     _assert_within(got, want, bounds, "bf16")
     assert np.mean(got[0] == np.asarray(jnp.asarray(want[0], jnp.bfloat16).astype(jnp.float32))) > 0.9, \
         "x: most bf16 elements must agree exactly"
+
+
+@pytest.mark.parametrize("dim, lead, rows_per_program, with_post_mix",
+                         [(256, (2, 32), 32, True), (384, (64,), 16, False), (384, (1, 48), 16, True)])
+def test_prefill_schedule_float32_matches_float64(dim, lead, rows_per_program, with_post_mix):
+    """The prefill schedule (R rows per program against each chunk of fn, the partials as float32 dots): 2-3
+    mixing chunks, 2-4 row blocks, with and without the hc_post due."""
+    rng = np.random.default_rng(dim + rows_per_program)
+    cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, lead, dim, jnp.float32)
+    post_mix = (y, post, comb) if with_post_mix else None
+    want = _numpy_site(cfg, X, fn, base, scale, weight, post_mix)
+    got = _kernel(cfg, X, fn, base, scale, weight, post_mix, jnp.float32, rows_per_program=rows_per_program)
+    for name, g, w, tol in zip(("x", "post", "comb", "streams"), got, want, (2e-5, 1e-6, 2e-6, 1e-6)):
+        err = np.max(np.abs(g - w)) / np.max(np.abs(w))
+        assert err < tol, f"{name}: max error {err:.2e} of the largest value (tolerance {tol})"
+
+
+def test_prefill_schedule_bfloat16_matches_float64_with_its_roundings():
+    """bf16 streams on the prefill schedule, within the bounds of float64 with the model's bf16 roundings."""
+    rng = np.random.default_rng(6)
+    cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, (2, 16), 256, jnp.bfloat16)
+    got = _kernel(cfg, X, fn, base, scale, weight, (y, post, comb), jnp.bfloat16, rows_per_program=16)
+    want, bounds = _numpy_site(cfg, X, fn, base, scale, weight, (y, post, comb), bf16=True)
+    _assert_within(got, want, bounds, "bf16 prefill")
+    assert np.mean(got[0] == np.asarray(jnp.asarray(want[0], jnp.bfloat16).astype(jnp.float32))) > 0.9
+
+
+def test_prefill_schedule_refuses_rows_it_does_not_tile():
+    rng = np.random.default_rng(1)
+    cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, (24,), 128, jnp.float32)
+    with pytest.raises(ValueError, match="power of two dividing the 24 rows"):
+        _kernel(cfg, X, fn, base, scale, weight, None, jnp.float32, rows_per_program=16)
+
+
+def test_model_prefill_takes_the_prefill_schedule_and_equals_the_jnp_path():
+    """The tiny preset at D = 128 (a width the kernels take), float32: a 48-token prompt prefilled on the interpret
+    plan with every other op on the reference takes the prefill schedule at every site and gives the reference
+    plan's logits; a 3-token prompt (rows not a multiple of 16) keeps the jnp path."""
+    import dsv4_jax
+    from dsv4_jax.ops import choice
+
+    cfg = dataclasses.replace(presets.tiny(), dim=128)
+    others = [f"{op}=reference" for op in choice.OPS if op != "mhc_site"]
+    kw = dict(dtype="float32", max_seq_len=256, simulate_quant=False)
+    reference = dsv4_jax.init_random(cfg, seed=3, kernels="reference", **kw)
+    with_kernel = dsv4_jax.init_random(cfg, seed=3, kernels="interpret", kernel_overrides=others, **kw)
+    for length, expected in ((48, {"mhc_prefill"}), (3, {None})):
+        prompt = np.random.default_rng(length).integers(0, cfg.vocab_size, (1, length)).astype(np.int32)
+        with choice.record_dispatch("mhc_site") as choices:
+            got, _ = with_kernel.prefill(prompt)
+        want, _ = reference.prefill(prompt)
+        assert {c.kernel for c in choices if c.phase == "prefill"} == expected, choices
+        err = np.abs(np.asarray(got) - np.asarray(want)).max() / np.abs(np.asarray(want)).max()
+        assert err < 1e-5, (length, err)
+
+
+def test_cuda_lowering_of_the_prefill_schedule_at_flash_geometry():
+    """A 2,048-token chunk's site at Flash width lowered for an H200 without a GPU: two Triton kernels, the first on
+    the prefill schedule."""
+    cfg = presets.flash()
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    sds = jax.ShapeDtypeStruct
+    n, dim, rows = cfg.hc_mult, cfg.dim, 2048
+    fn = jax.jit(lambda X, f, b, s, w, y, p, c: mhc.mhc_pre_norm(
+        X, f, b, s, w, norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters,
+        post_mix=(y, p, c), rows_per_program=mhc.prefill_rows_per_program(rows)))
+    args = (sds((1, rows, n, dim), jnp.bfloat16), sds((24, n * dim), jnp.float32), sds((24,), jnp.float32),
+            sds((3,), jnp.float32), sds((dim,), jnp.bfloat16), sds((1, rows, dim), jnp.bfloat16),
+            sds((1, rows, n), jnp.float32), sds((1, rows, n, n), jnp.float32))
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2 and "mhc_post_mix_rows" in text
 
 
 def test_model_site_dispatch_interpret_equals_reference():
@@ -192,6 +264,22 @@ def test_gpu_site_matches_float64(dim, lead):
     X, y = (np.asarray(bf(a).astype(jnp.float32)) for a in (X, y))
     want, bounds = _numpy_site(cfg, X, fn, base, scale, weight, (y, post, comb), bf16=True)
     _assert_within(got, want, bounds, "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("dim, rows", [(4096, 2048), (7168, 512)])
+def test_gpu_prefill_schedule_matches_float64(dim, rows):
+    """The compiled prefill schedule at Flash and Pro width, float32 against float64 numpy."""
+    rng = np.random.default_rng()
+    cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, (1, rows), dim, jnp.float32)
+    want = _numpy_site(cfg, X, fn, base, scale, weight, (y, post, comb))
+    got = jax.jit(lambda X, fn, b, s, w, p: mhc.mhc_pre_norm(
+        X, fn, b, s, w, norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters, post_mix=p,
+        rows_per_program=mhc.prefill_rows_per_program(rows)))(X, fn, base, scale, weight, (y, post, comb))
+    for name, g, w, tol in zip(("x", "post", "comb", "streams"), got, want, (2e-5, 1e-6, 2e-6, 1e-6)):
+        err = np.max(np.abs(np.asarray(g) - w)) / np.max(np.abs(w))
+        assert err < tol, f"{name}: max error {err:.2e} of the largest value (tolerance {tol})"
 
 
 def test_float32_y_is_rounded_to_the_streams_dtype():

@@ -5,7 +5,8 @@ The residual stream is `hc_mult` parallel streams X [..., n, D]. Before a sub-la
 `pre`; after it, the output is added with weights `post` and the streams mix through a Sinkhorn-normalised
 (nearly doubly stochastic) matrix C, consumed transposed: X'_k = post_k y + sum_j C[j, k] X_j. All coefficient
 math is float32. The functions below are the op's pure-jnp reference; `pre_norm` chooses between it and the two
-Pallas launches of pallas_kernels/mhc.py (ops/choice.py).
+Pallas launches of pallas_kernels/mhc.py (ops/choice.py): one row per program in a decode or verify step, 16-32 rows
+per program against each chunk of the mixing matrix in a prefill chunk.
 """
 
 from __future__ import annotations
@@ -73,14 +74,19 @@ def hc_post(y, X: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
 
 
 MHC_KERNELS = choice.Kernel("mhc_site", "mhc")
+MHC_PREFILL_KERNELS = choice.Kernel("mhc_site", "mhc_prefill", phases=frozenset({"prefill"}))
+PREFILL_MIN_ROWS = 16        # a prefill program's dots need 16 rows (Triton's smallest dot); fewer: the reference
 
 
-def _kernels_take(X: jax.Array, fn: jax.Array, cfg: ModelConfig, ctx) -> bool:
-    """Whether this site runs on pallas_kernels/mhc.py: a decode or verify step (each row's blocks read all of fn,
-    so a prefill chunk would read it once per token where XLA's matmul reads it once), at most mhc.MAX_ROWS rows
-    and a geometry the kernels take."""
-    return choice.takes_kernel(MHC_KERNELS, ctx, mhc.takes(math.prod(X.shape[:-2]), cfg.hc_mult, cfg.dim,
-                                                           fn.shape[0]))
+def _kernel_schedule(X: jax.Array, fn: jax.Array, cfg: ModelConfig, ctx) -> int | None:
+    """How this site runs: None (the jnp reference), 0 (pallas_kernels/mhc.py one row per program: a decode or
+    verify step of at most mhc.MAX_ROWS rows, each row's blocks reading all of fn) or R > 0 (its prefill schedule, R
+    rows per program: a prefill chunk whose rows are a multiple of PREFILL_MIN_ROWS)."""
+    rows = math.prod(X.shape[:-2])
+    if ctx.phase == "prefill":
+        fits = rows % PREFILL_MIN_ROWS == 0 and mhc.supported(cfg.hc_mult, cfg.dim, fn.shape[0])
+        return mhc.prefill_rows_per_program(rows) if choice.takes_kernel(MHC_PREFILL_KERNELS, ctx, fits) else None
+    return 0 if choice.takes_kernel(MHC_KERNELS, ctx, mhc.takes(rows, cfg.hc_mult, cfg.dim, fn.shape[0])) else None
 
 
 def pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, norm_weight: jax.Array,
@@ -88,13 +94,16 @@ def pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, nor
     """One mHC site before a sub-layer: the hc_post still due from the previous sub-layer (`post_mix` = (y, post,
     comb), or None; y in X's dtype or float32, rounded to X's dtype, or the MoE's unsummed moe_ffn.MoeParts), then
     hc_pre and the sub-layer's RMSNorm. Returns (x [..., D] normalised, post, comb, X' the streams after that
-    hc_post). Its kernel: the two Pallas launches of pallas_kernels/mhc.py; its reference: hc_post + hc_pre +
-    rms_norm."""
-    if _kernels_take(X, fn, cfg, ctx):
+    hc_post). Its kernels: the two Pallas launches of pallas_kernels/mhc.py (_kernel_schedule); its reference:
+    hc_post + hc_pre + rms_norm."""
+    schedule = _kernel_schedule(X, fn, cfg, ctx)
+    if schedule is not None:
+        if schedule and post_mix is not None and isinstance(post_mix[0], MoeParts):
+            post_mix = (post_mix[0].total(), *post_mix[1:])           # (the prefill schedule takes y summed)
         with jax.named_scope("mhc"):
             return mhc.mhc_pre_norm(X, fn, base, scale, norm_weight, norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,
                                     sinkhorn_iters=cfg.hc_sinkhorn_iters, post_mix=post_mix,
-                                    interpret=ctx.kernels.interpret)
+                                    rows_per_program=schedule, interpret=ctx.kernels.interpret)
     if post_mix is not None:
         X = hc_post(post_mix[0], X, post_mix[1], post_mix[2])
     u, post, comb = hc_pre(X, fn, base, scale, cfg, unroll_sinkhorn=ctx.kernels.on_gpu)

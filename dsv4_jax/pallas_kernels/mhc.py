@@ -15,6 +15,11 @@ no block reads a partial sum another block may not have written yet:
      returns it, and normalises it, u * rsqrt(mean(u^2) + eps) * weight, in X's dtype. The row's n * D streams
      (32 KB in bf16 for Flash) are few enough for one block, which keeps the RMSNorm's sum inside it (until
      2026-12-03 the collapse and the norm were two launches of D / 1,024 blocks each).
+A prefill chunk's rows take the same two launches with the first on the prefill schedule (`rows_per_program`):
+`_mix_rows_kernel`, grid (rows / R, D / 128), takes R rows against each chunk of fn, so fn is read once per R rows
+instead of once per row (a 2,048-token chunk would read 3 GB of it per site from L2), and forms the partials as
+float32 dots (ieee precision) of the rows' [R, 128] stream columns against the chunk's mixing rows, padded to 32.
+
 Numerics follow the jnp path operation for operation in float32; only the order of the long sums differs (chunked
 partial sums instead of XLA's reduction tree), so results agree to float32 rounding, not bit for bit.
 
@@ -36,9 +41,9 @@ from .tiles import pow2_divisor, scalar
 
 _F32 = jnp.float32
 MIX_CHUNK = 128              # stream columns per block of the mixing reduction
-MAX_ROWS = 128               # rows (tokens) up to which the model takes these kernels: each row's blocks read all
-                             # of fn (1.5 MB for Flash) from L2, so a 512-token prefill chunk would read 786 MB per
-                             # site, where XLA's matmul reads it once; decode and verify steps stay far below
+MAX_ROWS = 128               # rows (tokens) up to which a decode or verify step takes the one-row-per-program mix
+                             # kernel: each row's blocks read all of fn (1.5 MB for Flash) from L2
+PREFILL_ROWS = 32            # rows per program of the prefill schedule
 LANES = 32                   # partials per (row, chunk): 24 mixing sums, sum(X^2) in lanes 24-31
 
 
@@ -93,6 +98,42 @@ def _mix_kernel(*refs, y_parts: int):
     part_ref[0, 0, pl.ds(4, 4)] = dots(4, 4)
     part_ref[0, 0, pl.ds(8, 16)] = dots(8, 16)
     part_ref[0, 0, pl.ds(24, 8)] = jnp.full((8,), jnp.sum(jnp.sum(x * x, axis=1), axis=0), _F32)
+
+
+def _mix_rows_kernel(*refs, post_mix: bool, n: int):
+    """The prefill schedule of _mix_kernel: R rows (x_ref [R, n, C]) against one chunk of fn (fn_ref [32, n, C],
+    rows 24-31 zero). With post_mix: y_ref [R, C], post_ref [R, n], comb_ref [R, n * n] (comb[j, k] at j * n + k),
+    and the rows' X' written out. Partials [R, 1, 32]: the 24 mixing dots, then sum(X^2) in lanes 24-31."""
+    if post_mix:
+        x_ref, y_ref, post_ref, comb_ref, fn_ref, part_ref, x_out_ref = refs
+    else:
+        x_ref, fn_ref, part_ref = refs
+    dtype = x_ref.dtype
+    xs = [x_ref[:, i, :].astype(_F32) for i in range(n)]                     # n x [R, C]
+    if post_mix:
+        y = y_ref[...].astype(dtype).astype(_F32)                            # [R, C]
+        mixed = []
+        for k in range(n):
+            xk = post_ref[:, pl.ds(k, 1)] * y
+            for j in range(n):
+                xk = xk + comb_ref[:, pl.ds(j * n + k, 1)] * xs[j]
+            xk = xk.astype(dtype)
+            x_out_ref[:, k, :] = xk
+            mixed.append(xk.astype(_F32))
+        xs = mixed
+    dots = jnp.dot(xs[0], fn_ref[:, 0, :].T, preferred_element_type=_F32, precision=jax.lax.Precision.HIGHEST)
+    sum_sq = jnp.sum(xs[0] * xs[0], axis=1)
+    for i in range(1, n):
+        dots = dots + jnp.dot(xs[i], fn_ref[:, i, :].T, preferred_element_type=_F32,
+                              precision=jax.lax.Precision.HIGHEST)
+        sum_sq = sum_sq + jnp.sum(xs[i] * xs[i], axis=1)
+    lane = jax.lax.broadcasted_iota(jnp.int32, dots.shape, 1)
+    part_ref[:, 0, :] = jnp.where(lane >= 24, sum_sq[:, None], dots)
+
+
+def prefill_rows_per_program(rows: int) -> int:
+    """Rows a program of the prefill schedule takes: the largest power of two up to PREFILL_ROWS dividing `rows`."""
+    return pow2_divisor(rows, PREFILL_ROWS)
 
 
 def _sinkhorn(logits, iters: int, eps: float):
@@ -156,12 +197,14 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, args, interpret, name, n
 
 
 def mhc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, norm_weight: jax.Array | None, *,
-                 norm_eps: float, hc_eps: float, sinkhorn_iters: int, post_mix=None, interpret: bool = False):
+                 norm_eps: float, hc_eps: float, sinkhorn_iters: int, post_mix=None, rows_per_program: int = 0,
+                 interpret: bool = False):
     """X [..., n, D] -> (x [..., D] = rms_norm(hc_pre's u) in X's dtype, post [..., n] f32, comb [..., n, n] f32,
     the streams X' [..., n, D]). `post_mix` = (y [..., D], post [..., n], comb [..., n, n]): the previous sub-layer's
     hc_post, applied to X first (X' is then its result; otherwise X' is X); y in X's dtype, or float32 (rounded to
     X's dtype here, as ops/mhc_site.hc_post rounds it), or a pair (routed [..., K, D], shared [..., D]) of float32 MoE
-    parts (ops/moe_ffn.MoeParts), summed here in its `total`'s order, then rounded."""
+    parts (ops/moe_ffn.MoeParts), summed here in its `total`'s order, then rounded. `rows_per_program` > 0: the mixing
+    partials on the prefill schedule, that many rows (a power of two dividing the rows) per program; y one array."""
     *lead, n, dim = X.shape
     if not supported(n, dim, fn.shape[0]):
         raise ValueError(f"mhc_pre_norm: needs 4 streams, 24 mixing rows and D a multiple of {MIX_CHUNK}; got "
@@ -176,7 +219,9 @@ def mhc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
     fn_spec = pl.BlockSpec((fn.shape[0], n, MIX_CHUNK), lambda r, j: (0, 0, j))
     part_spec = pl.BlockSpec((1, 1, LANES), lambda r, j: (r, j, 0))
     part_shape = jax.ShapeDtypeStruct((rows, n_mix, LANES), _F32)
-    if post_mix is None:
+    if rows_per_program:
+        part, streams = _mix_rows(X2, fn3, post_mix, rows_per_program, interpret)
+    elif post_mix is None:
         (part,) = _call(functools.partial(_mix_kernel, y_parts=0), (rows, n_mix), [x_spec, fn_spec],
                         [part_spec], [part_shape], (X2, fn3), interpret, "mhc_mix")
         streams = X2
@@ -213,3 +258,30 @@ def mhc_pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array,
         "mhc_collapse_norm")
     return (x.reshape(*lead, dim), post.reshape(*lead, n), comb.reshape(*lead, n, n),
             streams.reshape(X.shape))
+
+
+def _mix_rows(X2, fn3, post_mix, tr: int, interpret: bool):
+    """The first launch on the prefill schedule: (partials [rows, D / 128, 32], the streams after the hc_post due)."""
+    rows, n, dim = X2.shape
+    if tr < 1 or tr & (tr - 1) or rows % tr:
+        raise ValueError(f"mhc_pre_norm: rows_per_program must be a power of two dividing the {rows} rows, got {tr}")
+    n_mix = dim // MIX_CHUNK
+    fn32 = jnp.pad(fn3, ((0, LANES - fn3.shape[0]), (0, 0), (0, 0)))          # 24 mixing rows -> 32 (pow2 dots)
+    x_spec = pl.BlockSpec((tr, n, MIX_CHUNK), lambda r, j: (r, 0, j))
+    fn_spec = pl.BlockSpec((LANES, n, MIX_CHUNK), lambda r, j: (0, 0, j))
+    part_spec = pl.BlockSpec((tr, 1, LANES), lambda r, j: (r, j, 0))
+    part_shape = jax.ShapeDtypeStruct((rows, n_mix, LANES), _F32)
+    grid = (rows // tr, n_mix)
+    if post_mix is None:
+        (part,) = _call(functools.partial(_mix_rows_kernel, post_mix=False, n=n), grid, [x_spec, fn_spec],
+                        [part_spec], [part_shape], (X2, fn32), interpret, "mhc_mix_rows")
+        return part, X2
+    y, post_prev, comb_prev = post_mix
+    if isinstance(y, tuple):
+        raise ValueError("mhc_pre_norm: the prefill schedule takes y as one array, not the MoE's parts")
+    args = (X2, y.reshape(rows, dim), post_prev.astype(_F32).reshape(rows, n),
+            comb_prev.astype(_F32).reshape(rows, n * n), fn32)
+    specs = [x_spec, pl.BlockSpec((tr, MIX_CHUNK), lambda r, j: (r, j)), pl.BlockSpec((tr, n), lambda r, j: (r, 0)),
+             pl.BlockSpec((tr, n * n), lambda r, j: (r, 0)), fn_spec]
+    return _call(functools.partial(_mix_rows_kernel, post_mix=True, n=n), grid, specs, [part_spec, x_spec],
+                 [part_shape, jax.ShapeDtypeStruct(X2.shape, X2.dtype)], args, interpret, "mhc_post_mix_rows")
