@@ -31,10 +31,11 @@ compile_cache.enable()        # on by default (DSV4_JAX_CACHE=off turns it off);
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_model")
 
 
-def init_random(config: ModelConfig, seed: int = 0, mesh=None, settings: Settings | None = None,
+def init_random(config: ModelConfig, seed: int = 0, mesh=None, settings: Settings | None = None, tokenizer=None,
                 **options) -> Model:
     """A model with random weights in the stored formats (an NVFP4 head with the option `quantize_head`), generated
-    on the device (on a `mesh`: each device generates its own shards, no host copy); options as for `load`."""
+    on the device (on a `mesh`: each device generates its own shards, no host copy); options as for `load`;
+    `tokenizer` (a Tokenizer or a tokenizer.json path) becomes `model.tokenizer`."""
     settings = Settings.of(settings, **options)
     stored = {"head.weight": "nvfp4"} if settings.quantize_head else None
     key = jax.random.PRNGKey(seed)
@@ -46,7 +47,7 @@ def init_random(config: ModelConfig, seed: int = 0, mesh=None, settings: Setting
     # places the per-layer weights and stacks them.
     plan = scan_plan(config) if settings.scan_layers and mesh is None else None
     params = init_params(config, key, stored, shardings, scan_plan=plan)
-    return Model(config, params, settings, mesh=mesh, consume_params=True)
+    return Model(config, params, settings, mesh=mesh, consume_params=True, tokenizer=tokenizer)
 
 
 def save(model, directory: str) -> None:

@@ -356,8 +356,9 @@ class _LoadProgress:
             self.bar.close()
 
 
-def _mesh(args, directory: str):
-    """The mesh of --devices (None for one device: the single-device programs), checked against the model."""
+def _mesh(args, directory: str | None, cfg=None):
+    """The mesh of --devices (None for one device: the single-device programs), checked against the model (`cfg`,
+    or the config of the checkpoint in `directory`)."""
     available = len(jax.local_devices())
     n = available if args.devices is None else args.devices
     if n > available:
@@ -365,10 +366,11 @@ def _mesh(args, directory: str):
     if n == 1:
         return None
     mesh = make_mesh(n)
-    try:
-        cfg = load_hf_config(directory)
-    except (ValueError, OSError):
-        return mesh                                   # the load reports what is wrong with the checkpoint
+    if cfg is None:
+        try:
+            cfg = load_hf_config(directory)
+        except (ValueError, OSError):
+            return mesh                               # the load reports what is wrong with the checkpoint
     try:
         check_mesh(cfg, mesh)
     except ValueError as err:

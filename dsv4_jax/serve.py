@@ -1,6 +1,7 @@
 """python -m dsv4_jax.serve: an OpenAI-compatible server (chat and text completions, streaming) over one model.
 
-Serves the packaged default model unless --checkpoint names a DeepSeek-V4 checkpoint directory. Requests share one
+Serves the packaged default model unless --checkpoint names a DeepSeek-V4 checkpoint directory (or
+--random-weights a preset's geometry with random weights, for benchmarks). Requests share one
 static decode batch of --max-batch rows (continuous batching: a request joins at the next chunk of --chunk decode
 steps and leaves as soon as it ends); beyond that they wait in a queue of --max-queue, and past it get 429. The
 programs are compiled before the server reports ready on stderr:
@@ -17,13 +18,15 @@ import sys
 import threading
 import time
 
-from . import load
+from . import DEFAULT_MODEL_DIR, init_random, load, presets
 from .checkpoint import CheckpointError
 from .engine import PREFILL_CHUNK
 from .generate import (EXIT_USAGE, KERNEL_OVERRIDE_HELP, CLIError, _check_checkpoint_dir, _int_at_least,
                        PREFIX_CACHE_DEFAULT, _LoadProgress, _mesh, _one_line, _setup_compile_cache, byte_size,
                        checked_config, model_settings)
 from .serving.scheduler import Failed, Finished, Request, Scheduler
+from .settings import Settings
+from .tokenizer import Tokenizer
 
 PROG = "python -m dsv4_jax.serve"
 
@@ -39,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model")
     m.add_argument("--checkpoint", metavar="DIR", help="a DeepSeek-V4 checkpoint directory (default: the packaged "
                    "small model)")
+    m.add_argument("--random-weights", metavar="PRESET[:LAYERS]",
+                   help="instead of a checkpoint, a preset's geometry (tiny, flash, pro; its first LAYERS layers) with "
+                        "random weights in the stored formats, made on the device, and the packaged tokenizer "
+                        "widened to the preset's vocabulary (ids past it read <id>): for benchmarks, e.g. flash:4")
     m.add_argument("--served-model-name", metavar="NAME",
                    help="the model id clients name (default: the checkpoint directory's name; 'dsv4-default' for "
                    "the packaged model)")
@@ -74,8 +81,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _random_weights_config(spec: str):
+    """--random-weights PRESET[:LAYERS] -> the (truncated) preset's config; a mistake is one CLIError line."""
+    name, _, layers = spec.partition(":")
+    try:
+        return presets.named(name, int(layers) if layers else None)
+    except ValueError as err:
+        raise CLIError(f"--random-weights {spec}: {_one_line(err)} (expected PRESET[:LAYERS], e.g. flash:4)",
+                       EXIT_USAGE) from None
+
+
+def _random_weights_model(args):
+    """The model of --random-weights: init_random on the device with the packaged tokenizer widened to its vocab."""
+    if args.checkpoint is not None:
+        raise CLIError("--random-weights and --checkpoint exclude each other", EXIT_USAGE)
+    cfg = _random_weights_config(args.random_weights)
+    try:
+        Settings(max_seq_len=args.max_seq_len, allow_long_context=args.allow_long_context).check_context(cfg)
+    except ValueError as err:
+        raise CLIError(f"--max-seq-len {args.max_seq_len}: {_one_line(err)}", EXIT_USAGE) from None
+    if args.speculative_tokens and not cfg.n_mtp_layers:
+        raise CLIError(f"--speculative-tokens needs a model with an MTP block; {args.random_weights} has none",
+                       EXIT_USAGE)
+    settings = model_settings(args, args.max_batch)
+    mesh = _mesh(args, None, cfg)
+    _setup_compile_cache(args)
+    tokenizer = Tokenizer(os.path.join(DEFAULT_MODEL_DIR, "tokenizer.json")).widened(cfg.vocab_size)
+    model = init_random(cfg, seed=0, mesh=mesh, settings=settings, tokenizer=tokenizer)
+    name = args.served_model_name or f"{args.random_weights.replace(':', '-')}-random"
+    return model, name
+
+
 def build_model(args):
     """Load the model of `args` (checked the way `python -m dsv4_jax.generate` checks them)."""
+    if args.random_weights is not None:
+        return _random_weights_model(args)
     directory = _check_checkpoint_dir(args)
     cfg = checked_config(args, directory)
     if args.speculative_tokens and not cfg.n_mtp_layers:

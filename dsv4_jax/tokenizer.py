@@ -246,6 +246,18 @@ class Tokenizer:
     def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
 
+    def widened(self, vocab_size: int) -> "Tokenizer":
+        """This tokenizer with a placeholder token `<id>` for every id from its vocabulary up to `vocab_size`: text
+        in and out for a model whose vocabulary is larger than the tokenizer's, as a preset's geometry with random
+        weights served for benchmarks (text encodes as before; an id the model emits past the tokenizer's decodes
+        to `<id>`)."""
+        if vocab_size <= self._vocab_size:
+            return self
+        backend = tokenizers.Tokenizer.from_str(self._tok.to_str())
+        backend.add_tokens([tokenizers.AddedToken(f"<{i}>", special=False, normalized=False)
+                            for i in range(self._vocab_size, vocab_size)])
+        return Tokenizer.from_tokenizers(backend)
+
     def save(self, path: str | os.PathLike) -> str:
         """Write tokenizer.json to ``path`` (a file, or a directory that gets a tokenizer.json)."""
         path = os.fspath(path)

@@ -1,9 +1,11 @@
 """Load test of a running OpenAI-compatible server (`python -m dsv4_jax.serve`, or any other).
 
     python scripts/load_test.py --url http://127.0.0.1:8000/v1 --clients 1,4,16 --seconds 30 --out load.json
+    python scripts/load_test.py --clients 1,8,32,64,128 --prompt-tokens 1024 --max-tokens 256 --out load.json
 
 For each client count, that many threads each send streaming completions back to back for --seconds (a request
-started before the end runs to completion): a prompt drawn from a fixed list, --max-tokens new tokens at
+started before the end runs to completion): a prompt drawn from a fixed list (or, with --prompt-tokens N, N random
+token ids below PROMPT_ID_LIMIT: the same lengths on any model and tokenizer), --max-tokens new tokens at
 --temperature, usage reported in the stream. Measured per request: time to first token (request sent -> first
 chunk with text), inter-token latency ((last text chunk - first) / (tokens - 1)), output tokens. Prints one row per
 client count (requests/s, output tokens/s, TTFT and ITL p50 / p99, errors) and writes --out JSON with the machine,
@@ -23,6 +25,8 @@ import time
 import httpx
 import numpy as np
 from held_out_prompts import HELD_OUT_PROMPTS
+
+PROMPT_ID_LIMIT = 4096        # --prompt-tokens ids: within every DeepSeek-V4 vocabulary and the default model's
 
 
 def one_request(client: httpx.Client, url: str, model: str, prompt: str, args) -> dict:
@@ -61,8 +65,10 @@ def run_clients(url: str, model: str, clients: int, args) -> dict:
         rng = random.Random(k)
         with httpx.Client(timeout=args.timeout) as client:
             while time.perf_counter() < end:
+                prompt = ([rng.randrange(PROMPT_ID_LIMIT) for _ in range(args.prompt_tokens)] if args.prompt_tokens
+                          else rng.choice(HELD_OUT_PROMPTS))
                 try:
-                    out = one_request(client, url, model, rng.choice(HELD_OUT_PROMPTS), args)
+                    out = one_request(client, url, model, prompt, args)
                 except httpx.HTTPError as err:
                     out = {"error": f"{type(err).__name__}: {err}"}
                 with lock:
@@ -84,23 +90,26 @@ def run_clients(url: str, model: str, clients: int, args) -> dict:
             "itl_ms_p99": pct(itl, 99)}
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000/v1")
     p.add_argument("--clients", default="1,4,16", help="comma-separated client counts, run one after another")
     p.add_argument("--seconds", type=float, default=30.0, help="how long each client count sends requests")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=0, metavar="N",
+                   help="prompts of N random token ids instead of the held-out texts (0: the texts)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--out", help="write the results as JSON")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     url = args.url.rstrip("/")
     try:
         model = httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, ValueError) as err:
         raise SystemExit(f"error: no OpenAI-compatible server at {url}: {err}") from None
     rows = []
-    print(f"{url}, model {model!r}, {args.max_tokens} tokens per request, temperature {args.temperature}")
+    prompts = f"{args.prompt_tokens}-token prompts" if args.prompt_tokens else "held-out text prompts"
+    print(f"{url}, model {model!r}, {prompts}, {args.max_tokens} tokens per request, temperature {args.temperature}")
     print(f"{'clients':>7} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
           f"{'ITL p99':>8} {'errors':>6}")
     fmt = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
@@ -115,7 +124,8 @@ def main():
     if args.out:
         meta = {"date": datetime.date.today().isoformat(), "machine": platform.node(), "processor":
                 platform.processor() or platform.machine(), "url": url, "model": model,
-                "max_tokens": args.max_tokens, "temperature": args.temperature, "seconds": args.seconds}
+                "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "temperature": args.temperature,
+                "seconds": args.seconds}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

@@ -380,10 +380,10 @@ def test_decode_step_lowers_for_cuda_with_the_ffi_kernels(monkeypatch):
 @pytest.mark.parametrize("act_quant", ["none", "fp8"])
 def test_no_decode_or_verify_step_dequantizes_a_weight(monkeypatch, act_quant):
     """A 2-layer Flash geometry traced for an H200 with the ffi/ kernels planned: every quantized matmul of the
-    decode step at batch 1, 8, 16, 32 and 64 and of a verify step of 64 sequences x (1 + 3 drafts) takes a kernel
-    that reads the stored weight (none dequantizes it for XLA's dot); the small batches take the ffi/ GEMVs, the
-    larger ones the wider Pallas GEMVs (bf16 activations) or the FP8 tensor-core kernel (FP8 activations) and the
-    MoE kernel."""
+    decode step at batch 1, 8, 16, 32, 64, 128 and 256 and of a verify step of 64 sequences x (1 + 3 drafts) takes a
+    kernel that reads the stored weight (none dequantizes it for XLA's dot); the small batches take the ffi/ GEMVs,
+    the larger ones the wider Pallas GEMVs (bf16 activations) or the FP8 tensor-core kernel (FP8 activations) and
+    the MoE kernel."""
     from dsv4_jax import ffi, presets
     from dsv4_jax.dispatch_census import step_dispatch
     monkeypatch.setattr(ffi, "register", lambda *args: None)               # tracing needs no library
@@ -391,14 +391,14 @@ def test_no_decode_or_verify_step_dequantizes_a_weight(monkeypatch, act_quant):
     ctx = RunContext.create(act_quant=act_quant, kernels=FFI_ON_H200)
     tables = {}
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
-        for batch, tokens in ((1, 1), (8, 1), (16, 1), (32, 1), (64, 1), (64, 4), (16, 3)):
+        for batch, tokens in ((1, 1), (8, 1), (16, 1), (32, 1), (64, 1), (128, 1), (256, 1), (64, 4), (16, 3)):
             tables[batch, tokens] = step_dispatch(cfg, ctx, batch, tokens, max_seq_len=4096)
     for steps, table in tables.items():
         assert "reference" not in table and sum(table.values()) >= 2 * 8, (steps, table)
     assert set(tables[1, 1]) == {"cuda:ffi_gemv", "cuda:ffi_gemv_concat", "cuda:ffi_gemv_pair",
                                  "cuda:ffi_grouped_gemv", "cuda:ffi_moe_gemv", "cuda:ffi_moe_gemv_pair"}
     wide = {"cuda:gemv", "cuda:moe"} | ({"cuda:prefill_fp8"} if act_quant == "fp8" else set())
-    assert set(tables[64, 4]) == set(tables[32, 1]) == wide
+    assert set(tables[64, 4]) == set(tables[32, 1]) == set(tables[128, 1]) == set(tables[256, 1]) == wide
 
 
 # ---- on the GPU -----------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--bogus"], 2, "unrecognized arguments: --bogus"),
     (["--checkpoint", "/nonexistent/dir", "--port", "0"], 1, "--checkpoint /nonexistent/dir: no such directory"),
     (["--max-seq-len", "100000000", "--port", "0"], 2, "exceeds the model's max_position_embeddings"),
+    (["--random-weights", "flash:99", "--port", "0"], 2, "layers must be an integer in [1, 43]"),
+    (["--random-weights", "tiny", "--checkpoint", "x", "--port", "0"], 2, "exclude each other"),
 ])
 def test_bad_arguments_are_one_line(capsys, argv, code, message):
     assert serve.main(argv) == code
@@ -88,3 +90,23 @@ def test_warm_up_compiles_what_a_first_client_would_wait_for():
         assert (engine.prefill_chunk._cache_size(), generation.generate_chunk._cache_size()) == sizes
     finally:
         scheduler.stop()
+
+
+def test_random_weights_serve_a_preset_geometry():
+    """--random-weights tiny:2: the preset's first two layers with random weights, the packaged tokenizer (widened
+    to the vocabulary where it is smaller), named after the spec; a request runs through the scheduler."""
+    from dsv4_jax.serving.scheduler import Request, Scheduler
+    from serving_runs import run_requests
+
+    args = serve.build_parser().parse_args(["--random-weights", "tiny:2", "--max-seq-len", "128", "--max-batch", "2",
+                                            "--dtype", "float32", "--prefix-cache", "0"])
+    model, name = serve.build_model(args)
+    assert name == "tiny-2-random" and model.config.n_layers == 2
+    assert model.tokenizer.vocab_size >= model.config.vocab_size
+    scheduler = Scheduler(model, chunk=4, max_queue=4).start()
+    try:
+        [(tokens, reason)] = run_requests(scheduler, [Request(prompt_ids=[model.tokenizer.bos_id, 7, 8], max_tokens=6,
+                                                               on_event=None)])
+    finally:
+        scheduler.stop()
+    assert 1 <= len(tokens) <= 6 and reason in ("length", "stop")        # (random weights may pick EOS)

@@ -196,3 +196,23 @@ def test_load_carries_the_checkpoints_tokenizer_read_on_first_use(tmp_path):
     model = dsv4_jax.load(str(broken))                         # the weights load without reading it
     with pytest.raises(ValueError, match="tokenizer"):
         model.tokenizer
+
+
+def test_widened_tokenizer_reads_every_id_of_a_larger_vocabulary():
+    """widened(V): text encodes as before, the special ids stay, and the ids past the tokenizer's vocabulary decode
+    to `<id>` (a random-weights model of a real geometry emits them), streamed too."""
+    import os
+
+    import dsv4_jax
+
+    tok = Tokenizer(os.path.join(dsv4_jax.DEFAULT_MODEL_DIR, "tokenizer.json"))
+    wide = tok.widened(tok.vocab_size + 100)
+    assert wide.vocab_size == tok.vocab_size + 100 and tok.widened(tok.vocab_size) is tok
+    text = "And it came to pass <｜User｜> 4100"
+    assert wide.encode(text) == tok.encode(text)
+    assert (wide.bos_id, wide.eos_id, wide.special_ids) == (tok.bos_id, tok.eos_id, tok.special_ids)
+    last = tok.vocab_size + 99
+    ids = tok.encode("Amen") + [tok.vocab_size, last]
+    assert wide.decode(ids) == tok.decode(ids[:-2]) + f"<{tok.vocab_size}><{last}>"
+    stream = wide.stream_decoder()
+    assert "".join(stream.push(i) for i in ids) == wide.decode(ids) == stream.text

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The server on one GPU under load (run on the GPU machine from the repo root; results in $OUT, or ./out):
+# `python -m dsv4_jax.serve --random-weights flash:LAYERS` (DeepSeek-V4-Flash's first LAYERS layers, default 4, random
+# weights in the stored formats) with MAX_BATCH rows (default 128), then scripts/load_test.py at CLIENTS concurrent
+# streams (default 1,8,32,64,128) with PROMPT_TOKENS-token prompts (default 1024) and MAX_TOKENS new tokens (default
+# 256), SECONDS per client count (default 40).                        -> serve.log, load_flash<LAYERS>.{json,log}
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-./out}"
+mkdir -p "$OUT_DIR"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+layers="${LAYERS:-4}"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT_DIR/gpu.txt"
+python3 -m dsv4_jax.serve --random-weights "flash:$layers" --port 8000 --max-batch "${MAX_BATCH:-128}" \
+    --max-seq-len "${MAX_SEQ_LEN:-2048}" --chunk "${CHUNK:-8}" > "$OUT_DIR/serve.log" 2>&1 &
+server=$!
+for _ in $(seq 600); do
+    grep -q "ready on" "$OUT_DIR/serve.log" && break
+    kill -0 "$server" 2>/dev/null || { echo "the server exited:"; tail -20 "$OUT_DIR/serve.log"; exit 1; }
+    sleep 1
+done
+grep "ready on" "$OUT_DIR/serve.log" || { echo "no readiness line"; kill "$server"; exit 1; }
+python3 scripts/load_test.py --url http://127.0.0.1:8000/v1 --clients "${CLIENTS:-1,8,32,64,128}" \
+    --prompt-tokens "${PROMPT_TOKENS:-1024}" --max-tokens "${MAX_TOKENS:-256}" --seconds "${SECONDS_EACH:-40}" \
+    --out "$OUT_DIR/load_flash$layers.json" 2>&1 | tee "$OUT_DIR/load_flash$layers.log"
+status=$?
+kill -INT "$server"; wait "$server"
+exit $status

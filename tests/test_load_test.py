@@ -1,0 +1,38 @@
+"""scripts/load_test.py against a server in this process: the rows it reports count what the server did (requests,
+output tokens from the streamed usage), with --prompt-tokens' random token ids."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+
+import load_test  # noqa: E402
+from serving_runs import serving  # noqa: E402
+
+
+@pytest.fixture()
+def server_url():
+    import dsv4_jax
+    from dsv4_jax.serving.scheduler import Scheduler
+    model = dsv4_jax.load(dtype="float32", max_seq_len=256, max_batch=2)
+    scheduler = Scheduler(model, chunk=4, max_queue=8).start()
+    with serving(scheduler, "dsv4-default") as url:
+        yield url + "/v1"
+
+
+def test_load_test_reports_what_the_server_did(server_url, tmp_path, capsys):
+    """--prompt-tokens 40: prompts of token ids (the text prompts take the server's text path, tested there)."""
+    prompt_tokens = 40
+    out = tmp_path / "load.json"
+    load_test.main(["--url", server_url, "--clients", "1,2", "--seconds", "1", "--max-tokens", "5",
+                    "--temperature", "0", "--prompt-tokens", str(prompt_tokens), "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["meta"]["prompt_tokens"] == prompt_tokens and result["meta"]["model"] == "dsv4-default"
+    for row, clients in zip(result["rows"], (1, 2)):
+        assert row["clients"] == clients and row["errors"] == 0 and row["requests"] >= clients
+        assert row["output_tokens_per_s"] * row["wall_s"] == pytest.approx(5 * row["requests"])
+        assert row["ttft_ms_p50"] > 0 and row["itl_ms_p50"] > 0
+    assert "40-token prompts" in capsys.readouterr().out
