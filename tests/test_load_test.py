@@ -33,6 +33,7 @@ def test_load_test_reports_what_the_server_did(server_url, tmp_path, capsys):
     assert result["meta"]["prompt_tokens"] == prompt_tokens and result["meta"]["model"] == "dsv4-default"
     for row, clients in zip(result["rows"], (1, 2)):
         assert row["clients"] == clients and row["errors"] == 0 and row["requests"] >= clients
-        assert row["output_tokens_per_s"] * row["wall_s"] == pytest.approx(5 * row["requests"])
-        assert row["ttft_ms_p50"] > 0 and row["itl_ms_p50"] > 0
+        produced = row["output_tokens_per_s"] * row["wall_s"]            # (a request may end early on EOS)
+        assert row["requests"] <= produced <= 5 * row["requests"] + 1e-6
+        assert row["ttft_ms_p50"] > 0 and (row["itl_ms_p50"] is None or row["itl_ms_p50"] > 0)
     assert "40-token prompts" in capsys.readouterr().out
