@@ -136,15 +136,9 @@ def _state_read(cfg: ModelConfig, ratio: int, batch: int, context: int, item: in
     return read
 
 
-def roofline(cfg: ModelConfig, batch: int, context: int, dtype: str = "bfloat16",
-             stored: dict[str, str] | None = None, mtp: bool = False, kv_cache_dtype=None) -> DecodeRoofline:
-    """Bytes a batch-`batch` decode step must read with `context` tokens already in each sequence's state
-    (`dtype`: the decode state's element type; `kv_cache_dtype` "fp8": its entries stored compact)."""
-    if batch < 1 or context < 0:
-        raise ValueError(f"batch must be >= 1 and context >= 0, got {batch} and {context}")
-    item = _DTYPE_BYTES[dtype]
+def _weight_reads(cfg: ModelConfig, batch: int, stored, mtp: bool):
+    """(spec, its part, bytes a batch-`batch` step reads of it) for every weight a decode step reads."""
     fraction = distinct_expert_fraction(batch, cfg.n_activated_experts, cfg.n_routed_experts)
-    weights = dict.fromkeys(WEIGHT_PARTS, 0.0)
     for spec in weight_specs(cfg, stored):
         part = weight_part(spec.name)
         size = spec_bytes(spec)
@@ -156,13 +150,66 @@ def roofline(cfg: ModelConfig, batch: int, context: int, dtype: str = "bfloat16"
             size = min(size, batch * cfg.dim * 2)
         elif spec.name.endswith("gate.tid2eid"):
             size = min(size, batch * cfg.n_activated_experts * 4)
-        weights[part] += size
-    state = dict.fromkeys(STATE_PARTS, 0.0)
+        yield spec, part, size
+
+
+def _state_reads(cfg: ModelConfig, batch: int, context: int, dtype: str, mtp: bool, kv_cache_dtype):
+    """(buffer kind, bytes) of the decode state a step reads, layer by layer."""
     layers = list(range(cfg.n_layers)) + ([cfg.n_layers + k for k in range(cfg.n_mtp_layers)] if mtp else [])
     for layer in layers:
-        for kind, v in _state_read(cfg, cfg.compress_ratios[layer], batch, context, item, kv_cache_dtype).items():
-            state[kind] += v
+        yield from _state_read(cfg, cfg.compress_ratios[layer], batch, context, _DTYPE_BYTES[dtype],
+                               kv_cache_dtype).items()
+
+
+def _check(batch: int, context: int) -> None:
+    if batch < 1 or context < 0:
+        raise ValueError(f"batch must be >= 1 and context >= 0, got {batch} and {context}")
+
+
+def roofline(cfg: ModelConfig, batch: int, context: int, dtype: str = "bfloat16",
+             stored: dict[str, str] | None = None, mtp: bool = False, kv_cache_dtype=None) -> DecodeRoofline:
+    """Bytes a batch-`batch` decode step must read with `context` tokens already in each sequence's state
+    (`dtype`: the decode state's element type; `kv_cache_dtype` "fp8": its entries stored compact)."""
+    _check(batch, context)
+    weights = dict.fromkeys(WEIGHT_PARTS, 0.0)
+    for _, part, size in _weight_reads(cfg, batch, stored, mtp):
+        weights[part] += size
+    state = dict.fromkeys(STATE_PARTS, 0.0)
+    for kind, v in _state_reads(cfg, batch, context, dtype, mtp, kv_cache_dtype):
+        state[kind] += v
     return DecodeRoofline(batch, context, weights, state)
+
+
+# The op family (hlo_census.FAMILIES: what a profile reports kernel time under) whose kernels read each part.
+_FAMILY_OF_PART = {"attention": "attention", "compressor": "compressor", "indexer": "indexer", "mhc": "mhc",
+                   "norms": "norm/rope", "router": "router", "embed": "embed", "head": "bf16 matmul",
+                   "shared_experts": "fp8 matmul", "routed_experts": "fp4 matmul", "mtp": "other"}
+_FAMILY_OF_STATE = {"window_kv": "attention", "compressed_kv": "attention", "index_keys": "indexer",
+                    "compressor_state": "compressor"}
+
+
+def bytes_by_family(cfg: ModelConfig, batch: int, context: int, dtype: str = "bfloat16",
+                    stored: dict[str, str] | None = None, kv_cache_dtype=None) -> dict[str, float]:
+    """The floor's bytes (`roofline`, without the MTP block) by the op family whose kernels read them: a quantized
+    weight under its matmul kind ("fp8 matmul", "fp4 matmul"), a bf16 matrix multiplied through ops/matmul.linear
+    (the head, the compressors' and the indexer's projections) under "bf16 matmul", the router's gate under
+    "router", the rest under its part's family; the decode state under the family that reads it. Beside a profile's
+    kernel time by family (bench --profile) it says how far each family is from its bytes."""
+    _check(batch, context)
+    out: dict[str, float] = {}
+    for spec, part, size in _weight_reads(cfg, batch, stored, False):
+        if spec.fmt == "fp8":
+            family = "fp8 matmul"
+        elif spec.fmt in ("mxfp4", "nvfp4"):
+            family = "fp4 matmul"
+        elif spec.fmt == "bf16" and len(spec.shape) == 2 and part in ("compressor", "indexer", "head"):
+            family = "bf16 matmul"
+        else:
+            family = _FAMILY_OF_PART[part]
+        out[family] = out.get(family, 0.0) + size
+    for kind, v in _state_reads(cfg, batch, context, dtype, False, kv_cache_dtype):
+        out[_FAMILY_OF_STATE[kind]] = out.get(_FAMILY_OF_STATE[kind], 0.0) + v
+    return out
 
 
 def _matmul_macs_per_token(cfg: ModelConfig) -> float:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dsv4_jax import presets, roofline as R
+from dsv4_jax.hlo_census import FAMILIES
 from dsv4_jax.params import init_params, nvidia_formats, tree_get, weight_specs
 from dsv4_jax.state import init_state
 
@@ -51,6 +52,22 @@ def test_a_batch_large_enough_reads_every_weight_once():
         assert r.weights[part] == parts[part], part
     assert r.weights["mtp"] == 0
     assert R.roofline(cfg, batch=4096, context=0, mtp=True).weights["mtp"] == pytest.approx(parts["mtp"], rel=1e-9)
+
+
+@pytest.mark.parametrize("batch, context", [(1, 4096), (64, 65536)])
+def test_bytes_by_family_regroup_the_floor(batch, context):
+    """The floor by op family adds up to the floor and puts each stored format where its matmul kernels read it:
+    the routed experts' expected bytes and nothing else under "fp4 matmul", every FP8 weight (attention, shared
+    experts, the indexer's wq_b) under "fp8 matmul", the state's bytes under the families that read it."""
+    cfg = presets.named("flash", 4)
+    floor = R.roofline(cfg, batch, context)
+    families = R.bytes_by_family(cfg, batch, context)
+    assert sum(families.values()) == pytest.approx(floor.total_bytes, rel=1e-12)
+    assert families["fp4 matmul"] == pytest.approx(floor.weights["routed_experts"], rel=1e-12)
+    fp8 = sum(R.spec_bytes(s) for s in weight_specs(cfg) if s.fmt == "fp8" and not s.name.startswith("mtp."))
+    assert families["fp8 matmul"] == fp8
+    assert families["attention"] > floor.state["window_kv"] + floor.state["compressed_kv"]   # (+ the sinks)
+    assert families["indexer"] > floor.state["index_keys"] and set(families) <= set(FAMILIES)
 
 
 @pytest.mark.parametrize("n_experts,k,batch", [(4, 2, 2), (5, 2, 3), (6, 3, 2)])

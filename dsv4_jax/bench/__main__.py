@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from .. import init_random, make_mesh, presets
 from ..engine import PREFILL_CHUNK
-from ..roofline import prefill_flops, roofline, weight_bytes_by_part
+from ..roofline import bytes_by_family, prefill_flops, roofline, weight_bytes_by_part
 from ..settings import Settings
 from . import cases, op_profile, probes
 from .plots import write_plots
@@ -187,6 +187,8 @@ def run(args) -> dict:
             directory = os.path.join(args.profile, f"batch{batch}")
             op_profile.trace_steps(program, model.params, state, (tokens,), steps, directory)
             table = op_profile.op_table(directory, program.as_text(), steps)
+            table["bytes_by_family"] = bytes_by_family(cfg, batch, args.contexts[0], args.dtype,
+                                                       kv_cache_dtype=kv_cache_dtype)
             result["profiles"].append({"batch": batch, "context": args.contexts[0], **table})
             result["profile"] = result["profiles"][0]
             _save(result, args.out)
@@ -295,7 +297,12 @@ def tables(result: dict) -> str:
     for what, prof in traced:
         lines += ["", f"{what.format(**prof)}: {prof['kernel_ms_per_step']:.3f} ms of kernels, "
                       f"{prof['launches']['launches_per_call']} launches"]
-        lines += [f"  {fam:<22} {row['ms']:8.3f} ms {row['percent']:5.1f}%" for fam, row in prof["by_family"].items()]
+        floor = prof.get("bytes_by_family", {})
+        for fam, row in prof["by_family"].items():
+            line = f"  {fam:<22} {row['ms']:8.3f} ms {row['percent']:5.1f}%"
+            if floor.get(fam):        # the bytes the family must read, and the rate its kernels read them at
+                line += f"  {floor[fam] / 1e6:9.1f} MB  {floor[fam] / row['ms'] / 1e6:7.0f} GB/s"
+            lines.append(line)
     return "\n".join(lines)
 
 
