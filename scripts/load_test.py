@@ -9,7 +9,10 @@ token ids below PROMPT_ID_LIMIT: the same lengths on any model and tokenizer), -
 --temperature, usage reported in the stream. Measured per request: time to first token (request sent -> first
 chunk with text), inter-token latency ((last text chunk - first) / (tokens - 1)), output tokens. Prints one row per
 client count (requests/s, output tokens/s, TTFT and ITL p50 / p99, errors) and writes --out JSON with the machine,
-the date and the server's model.
+the date and the server's model. Against `python -m dsv4_jax.serve` it also reads the device loop's time from
+/health before and after each client count (LOOP_STATS): the shares of the wall time the loop spent waiting for
+decode chunks (the device decoding, the host idle), admitting requests (prefill and first token) and on its own work
+between chunks, and that host work per chunk.
 """
 
 from __future__ import annotations
@@ -27,6 +30,27 @@ import numpy as np
 from held_out_prompts import HELD_OUT_PROMPTS
 
 PROMPT_ID_LIMIT = 4096        # --prompt-tokens ids: within every DeepSeek-V4 vocabulary and the default model's
+LOOP_STATS = ("chunks", "busy_s", "chunk_wait_s", "admit_s")      # dsv4_jax.serving.scheduler's, in /health
+
+
+def loop_stats(url: str) -> dict | None:
+    """The server's device-loop counters (LOOP_STATS) from /health, or None where it has none."""
+    try:
+        stats = httpx.get(url.removesuffix("/v1") + "/health", timeout=30).json().get("stats", {})
+    except (httpx.HTTPError, ValueError):
+        return None
+    return {k: stats[k] for k in LOOP_STATS} if all(k in stats for k in LOOP_STATS) else None
+
+
+def loop_shares(before: dict | None, after: dict | None, wall: float) -> dict:
+    """What the device loop did during `wall` seconds: shares of the wall time waiting for decode chunks,
+    admitting requests and on the host's own work between chunks, and that host work per chunk (ms)."""
+    if before is None or after is None:
+        return {}
+    d = {k: after[k] - before[k] for k in LOOP_STATS}
+    host = d["busy_s"] - d["chunk_wait_s"] - d["admit_s"]
+    return {"chunks": d["chunks"], "chunk_wait_share": d["chunk_wait_s"] / wall, "admit_share": d["admit_s"] / wall,
+            "host_share": host / wall, "host_ms_per_chunk": 1e3 * host / d["chunks"] if d["chunks"] else None}
 
 
 def one_request(client: httpx.Client, url: str, model: str, prompt: str, args) -> dict:
@@ -73,12 +97,14 @@ def run_clients(url: str, model: str, clients: int, args) -> dict:
                     out = {"error": f"{type(err).__name__}: {err}"}
                 with lock:
                     results.append(out)
+    before = loop_stats(url)
     threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    loop = loop_shares(before, loop_stats(url), wall)
     ok = [r for r in results if "error" not in r]
     pct = lambda values, q: float(np.percentile(values, q)) * 1e3 if values else None  # noqa: E731
     ttft = [r["ttft"] for r in ok]
@@ -87,7 +113,16 @@ def run_clients(url: str, model: str, clients: int, args) -> dict:
             "error_examples": sorted({r["error"] for r in results if "error" in r})[:3],
             "requests_per_s": len(ok) / wall, "output_tokens_per_s": sum(r["tokens"] for r in ok) / wall,
             "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99), "itl_ms_p50": pct(itl, 50),
-            "itl_ms_p99": pct(itl, 99)}
+            "itl_ms_p99": pct(itl, 99), **loop}
+
+
+def _loop_columns(row: dict) -> str:
+    """The device loop's shares of the wall time (blank for a server that does not report them)."""
+    if "chunk_wait_share" not in row:
+        return ""
+    per_chunk = f"{row['host_ms_per_chunk']:.2f} ms" if row["host_ms_per_chunk"] is not None else "-"
+    shares = (row["chunk_wait_share"], row["admit_share"], row["host_share"])
+    return " ".join(f"{100 * s:>4.0f}%" for s in shares) + f" {per_chunk:>10}"
 
 
 def main(argv=None):
@@ -111,14 +146,14 @@ def main(argv=None):
     prompts = f"{args.prompt_tokens}-token prompts" if args.prompt_tokens else "held-out text prompts"
     print(f"{url}, model {model!r}, {prompts}, {args.max_tokens} tokens per request, temperature {args.temperature}")
     print(f"{'clients':>7} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
-          f"{'ITL p99':>8} {'errors':>6}")
+          f"{'ITL p99':>8} {'errors':>6}  {'wait':>5} {'admit':>5} {'host':>5} {'host/chunk':>10}")
     fmt = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
     for clients in (int(c) for c in args.clients.split(",")):
         row = run_clients(url, model, clients, args)
         rows.append(row)
         print(f"{clients:>7} {row['requests_per_s']:>7.2f} {row['output_tokens_per_s']:>9.1f} "
               f"{fmt(row['ttft_ms_p50']):>9} {fmt(row['ttft_ms_p99']):>9} {fmt(row['itl_ms_p50']):>8} "
-              f"{fmt(row['itl_ms_p99']):>8} {row['errors']:>6}", flush=True)
+              f"{fmt(row['itl_ms_p99']):>8} {row['errors']:>6}  {_loop_columns(row)}", flush=True)
         for example in row["error_examples"]:
             print(f"        error: {example}")
     if args.out:

@@ -1,5 +1,6 @@
 """scripts/load_test.py against a server in this process: the rows it reports count what the server did (requests,
-output tokens from the streamed usage), with --prompt-tokens' random token ids."""
+output tokens from the streamed usage, the device loop's time from /health), with --prompt-tokens' random token
+ids."""
 
 import json
 import os
@@ -36,4 +37,9 @@ def test_load_test_reports_what_the_server_did(server_url, tmp_path, capsys):
         produced = row["output_tokens_per_s"] * row["wall_s"]            # (a request may end early on EOS)
         assert row["requests"] <= produced <= 5 * row["requests"] + 1e-6
         assert row["ttft_ms_p50"] > 0 and (row["itl_ms_p50"] is None or row["itl_ms_p50"] > 0)
+        # the device loop's time from /health: every request was admitted and decoded within the wall time
+        assert row["chunks"] >= 1 and row["host_ms_per_chunk"] > 0
+        shares = (row["chunk_wait_share"], row["admit_share"], row["host_share"])
+        assert all(0 <= s for s in shares) and row["admit_share"] > 0
+        assert sum(shares) <= 1.05                           # (the last pass ends just after the wall time)
     assert "40-token prompts" in capsys.readouterr().out

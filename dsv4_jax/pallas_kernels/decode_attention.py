@@ -53,13 +53,13 @@ from .tiles import is_pow2, scalar
 _F32 = jnp.float32
 _EMPTY = -1e30       # the running maximum of a split that has seen no key yet (finite: exp(_EMPTY - m) is 0)
 BLOCK_HEADS = 16     # query heads per program: a tensor-core dot needs at least 16 rows
-# The schedule: the fastest for both layer kinds in benchmarks/bench_decode_attention.py's sweeps on an H200 (2026-12-04,
-# batch 1, Flash geometry; docs/bench/h200_2026-12-04c_bench_decode_attention_splits16.json): 16 heads and 64 keys per step on 8 warps, a token's keys split over 16
-# programs per head block: 22.9 us for a CSA layer and 21.7 us for an HCA layer (4 splits: 37.0 / 27.5; XLA's path
-# 20.1 / 19.1). More splits used to be slower because the merge ran one program per (token, head block) over every
-# split's [16, 512] state (ncu: 91 us at 16 splits); it now runs per 64 columns too. Without its query prologue and
-# inverse RoPE (a bf16 query already normalised and rotated) the kernel took 18.8 / 14.1 us at 4 splits: that work,
-# repeated by every program, is most of what it loses to XLA.
+# The schedule: the fastest for both layer kinds in benchmarks/bench_decode_attention.py's sweeps on an H200
+# (2026-12-04, batch 1, Flash geometry; docs/bench/h200_2026-12-04c_bench_decode_attention_splits16.json): 16 heads
+# and 64 keys per step on 8 warps, a token's keys split over 16 programs per head block: 22.9 us for a CSA layer and
+# 21.7 us for an HCA layer (4 splits: 37.0 / 27.5; XLA's path 20.1 / 19.1). More splits used to be slower because the
+# merge ran one program per (token, head block) over every split's [16, 512] state (ncu: 91 us at 16 splits); it now
+# runs per 64 columns too. Without its query prologue and inverse RoPE (a bf16 query already normalised and rotated)
+# the kernel took 18.8 / 14.1 us at 4 splits: that work, repeated by every program, is most of what it loses to XLA.
 BLOCK_KEYS = 64      # keys per step of the online softmax
 COLUMNS = 64         # key columns per dot: the compact layout's scale block (kv_cache.KV_BLOCK)
 MAX_SPLITS = 16      # programs a token's keys may be spread over per head block (fewer as rows grow)

@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import logging
 import threading
+import time
 from typing import Callable
 
 import jax
@@ -152,8 +153,14 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dsv4_jax-device-loop", daemon=True)
-        # cancelled: rows freed for a client that left; verify_steps / accepted_drafts: speculative decoding's
-        self.stats = {"admitted": 0, "chunks": 0, "cancelled": 0, "verify_steps": 0, "accepted_drafts": 0}
+        # cancelled: rows freed for a client that left; verify_steps / accepted_drafts: speculative decoding's.
+        # Where the device loop's time goes, in seconds: busy_s, the loop's passes that had work; chunk_wait_s, of
+        # those, waiting for a decode chunk's outputs (the device decoding while the host has nothing left to do);
+        # admit_s, admitting requests (their prefill and first token). The rest of busy_s is the host's own work
+        # between chunks (reading tokens, detokenizing, stop strings, events, dispatch), which the device overlaps
+        # with the chunk in flight.
+        self.stats = {"admitted": 0, "chunks": 0, "cancelled": 0, "verify_steps": 0, "accepted_drafts": 0,
+                      "busy_s": 0.0, "chunk_wait_s": 0.0, "admit_s": 0.0}
 
     # ---- called from any thread ------------------------------------------------------------------------------
     def start(self) -> "Scheduler":
@@ -190,19 +197,24 @@ class Scheduler:
     def _run(self):
         in_flight = None                  # (owners when dispatched, device outputs) of the chunk not yet read
         while not self._stop.is_set():
+            start = time.perf_counter()
             self._free_cancelled()
             admitted = self._admit_waiting()
+            admit_s = time.perf_counter() - start
             live = [o for o in self._owners if o is not None and not o.finished]
             dispatched = self._dispatch(live) if live else None
             try:
                 if in_flight is not None:
-                    self._deliver(*in_flight)
+                    self.stats["chunk_wait_s"] += self._deliver(*in_flight)
                 for first in admitted:
-                    self._deliver(*first)
+                    admit_s += self._deliver(*first)
             except Exception as err:          # a bug here must not kill the loop silently
                 log.exception("reading a chunk failed")
                 self._fail_all(f"internal error: {err}")
                 dispatched = None
+            if admitted or in_flight is not None or dispatched is not None:
+                self.stats["busy_s"] += time.perf_counter() - start
+                self.stats["admit_s"] += admit_s
             in_flight = dispatched
             if in_flight is None and not admitted:
                 with self._lock:
@@ -303,10 +315,13 @@ class Scheduler:
         rows = [(slot, o) for slot, o in enumerate(self._owners) if o is not None and not o.finished]
         return rows, out
 
-    def _deliver(self, rows: list[tuple[int, _Live]], out):
+    def _deliver(self, rows: list[tuple[int, _Live]], out) -> float:
         """Hand out a read: `rows` are (row of the arrays, the request that held it when they were computed);
-        requests that finished since get nothing (their row may already serve another)."""
+        requests that finished since get nothing (their row may already serve another). Returns the seconds spent
+        waiting for the device's outputs."""
+        start = time.perf_counter()
         out = jax.device_get(out)                                   # a generation.ChunkOut
+        waited = time.perf_counter() - start
         arrays = [np.asarray(a) for a in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)]
         if self.speculative_tokens:
             self.stats["verify_steps"] += int(np.asarray(out.steps).sum())
@@ -329,3 +344,4 @@ class Scheduler:
                 self._keep_completion(live)
                 self._free(live)
                 live.emit(Finished(reason, live.text.flush(), live.generated))
+        return waited
