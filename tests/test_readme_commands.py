@@ -7,7 +7,7 @@ Each command line of a ```bash block is checked by what it names:
   environment assignments): the module or script exists and its own argument parsing accepts ARGS as written
   (a module's `parse_args(argv)` where it has one, so its checks after argparse run too); nothing else of it runs;
 - the commands of RUN_FOR_REAL, which need no GPU, checkpoint or terminal, also run to completion (in a process of
-  their own, as a user runs them; see test_readme.py for why not in this one).
+  their own, as a user runs them; see test_readme.py for why not in this one; `-m slow`).
 A command no rule covers fails the test, so a new kind of command in the README gets a rule here.
 """
 
@@ -112,8 +112,11 @@ def test_readme_command_is_valid(command, monkeypatch):
     _check_arguments(target, argv, monkeypatch)
 
 
+@pytest.mark.slow
 def test_readme_commands_run_for_real(tmp_path):
-    """The quick start and the command line's first examples, run through the CLI's entry point in one process."""
+    """The quick start and the command line's first examples, run through the CLI's entry point in one process
+    (`slow`: in CI, test_readme.py's check of the real-output block runs the same entry point on the default
+    model, and the arguments of these commands are checked above)."""
     argvs = [shlex.split(c)[3:] for c in RUN_FOR_REAL]
     driver = ("import sys\nfrom dsv4_jax.generate import main\n"
               f"for argv in {argvs!r}:\n"
