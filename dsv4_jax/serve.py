@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--random-weights", metavar="PRESET[:LAYERS]",
                    help="instead of a checkpoint, a preset's geometry (tiny, flash, pro; its first LAYERS layers) with "
                         "random weights in the stored formats, made on the device, and the packaged tokenizer "
-                        "widened to the preset's vocabulary (ids past it read <id>): for benchmarks, e.g. flash:4")
+                        "widened to the preset's vocabulary (ids past it read <id>; a smaller vocabulary is raised "
+                        "to the tokenizer's): for benchmarks, e.g. flash:4")
     m.add_argument("--served-model-name", metavar="NAME",
                    help="the model id clients name (default: the checkpoint directory's name; 'dsv4-default' for "
                    "the packaged model)")
@@ -103,11 +104,17 @@ def _random_weights_model(args):
     if args.speculative_tokens and not cfg.n_mtp_layers:
         raise CLIError(f"--speculative-tokens needs a model with an MTP block; {args.random_weights} has none",
                        EXIT_USAGE)
+    tokenizer = Tokenizer(os.path.join(DEFAULT_MODEL_DIR, "tokenizer.json"))
+    if tokenizer.vocab_size > cfg.vocab_size:          # (tiny: 512) every id the tokenizer writes must be a row
+        cfg = cfg.replace(vocab_size=tokenizer.vocab_size)
+    tokenizer = tokenizer.widened(cfg.vocab_size)
     settings = model_settings(args, args.max_batch)
     mesh = _mesh(args, None, cfg)
     _setup_compile_cache(args)
-    tokenizer = Tokenizer(os.path.join(DEFAULT_MODEL_DIR, "tokenizer.json")).widened(cfg.vocab_size)
-    model = init_random(cfg, seed=0, mesh=mesh, settings=settings, tokenizer=tokenizer)
+    try:
+        model = init_random(cfg, seed=0, mesh=mesh, settings=settings, tokenizer=tokenizer)
+    except ValueError as err:
+        raise CLIError(f"--random-weights {args.random_weights}: {_one_line(err)}") from None
     name = args.served_model_name or f"{args.random_weights.replace(':', '-')}-random"
     return model, name
 

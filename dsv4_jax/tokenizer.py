@@ -249,8 +249,8 @@ class Tokenizer:
     def widened(self, vocab_size: int) -> "Tokenizer":
         """This tokenizer with a placeholder token `<id>` for every id from its vocabulary up to `vocab_size`: text
         in and out for a model whose vocabulary is larger than the tokenizer's, as a preset's geometry with random
-        weights served for benchmarks (text encodes as before; an id the model emits past the tokenizer's decodes
-        to `<id>`)."""
+        weights served for benchmarks: an id the model emits past the tokenizer's decodes to `<id>`, and text
+        encodes as before unless it spells such a placeholder (added tokens are matched in the text)."""
         if vocab_size <= self._vocab_size:
             return self
         backend = tokenizers.Tokenizer.from_str(self._tok.to_str())

@@ -29,7 +29,7 @@ import httpx
 import numpy as np
 from held_out_prompts import HELD_OUT_PROMPTS
 
-PROMPT_ID_LIMIT = 4096        # --prompt-tokens ids: within every DeepSeek-V4 vocabulary and the default model's
+PROMPT_ID_LIMIT = 4096        # --prompt-tokens ids: within the official vocabulary and the packaged tokenizer's
 LOOP_STATS = ("chunks", "busy_s", "chunk_wait_s", "admit_s")      # dsv4_jax.serving.scheduler's, in /health
 
 
@@ -137,6 +137,8 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--out", help="write the results as JSON")
     args = p.parse_args(argv)
+    if args.prompt_tokens < 0:
+        p.error(f"--prompt-tokens must be >= 0, got {args.prompt_tokens}")
     url = args.url.rstrip("/")
     try:
         model = httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]

@@ -5,7 +5,8 @@ Each command line of a ```bash block is checked by what it names:
 - the test command: it is what CI runs (`.ci/run`);
 - `python -m MODULE ARGS` and `python scripts/X.py ARGS` (also `.venv/bin/python`, `python3`, with leading
   environment assignments): the module or script exists and its own argument parsing accepts ARGS as written
-  (a module's `parse_args(argv)` where it has one, so its checks after argparse run too); nothing else of it runs;
+  (a module's `parse_args(argv)` where it has one, so its checks after argparse run too; argparse's alone for one
+  without, e.g. the server, whose later checks need a model); nothing else of it runs;
 - the commands of RUN_FOR_REAL, which need no GPU, checkpoint or terminal, also run to completion (in a process of
   their own, as a user runs them; see test_readme.py for why not in this one; `-m slow`).
 A command no rule covers fails the test, so a new kind of command in the README gets a rule here.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import re
 import runpy
@@ -79,6 +81,7 @@ def _check_arguments(target: list[str], argv: list[str], monkeypatch):
     assert os.path.isfile(path), f"the README runs {target[0]}, which does not exist"
     _stop_after_parsing(monkeypatch)
     monkeypatch.setattr(sys, "argv", [path] + argv)
+    monkeypatch.syspath_prepend(os.path.dirname(path))          # as `python path` puts the script's folder first
     with pytest.raises(_Parsed):
         runpy.run_path(path, run_name="__main__")
 

@@ -94,15 +94,17 @@ def test_warm_up_compiles_what_a_first_client_would_wait_for():
 
 def test_random_weights_serve_a_preset_geometry():
     """--random-weights tiny:2: the preset's first two layers with random weights in the stored formats, the
-    packaged tokenizer (widened to the vocabulary where it is smaller), named after the spec, with the options of
-    the command line; the scheduler takes it like any model (it serves the default model in the other tests)."""
+    packaged tokenizer (tiny's 512-id vocabulary raised to the tokenizer's 4,096, so every id it writes is a row),
+    named after the spec, with the options of the command line; the scheduler takes it like any model (it serves
+    the default model in the other tests)."""
     import dsv4_jax
 
     args = serve.build_parser().parse_args(["--random-weights", "tiny:2", "--max-seq-len", "128", "--max-batch", "2",
                                             "--dtype", "float32", "--prefix-cache", "0"])
     model, name = serve.build_model(args)
-    assert name == "tiny-2-random" and model.config == dsv4_jax.presets.named("tiny", 2)
+    assert name == "tiny-2-random"
+    assert model.config == dsv4_jax.presets.named("tiny", 2).replace(vocab_size=model.tokenizer.vocab_size)
     assert (model.max_seq_len, model.max_batch, model.settings.dtype) == (128, 2, "float32")
-    assert model.tokenizer.vocab_size >= model.config.vocab_size
+    assert model.tokenizer.vocab_size == model.config.vocab_size == 4096
     experts = model.params["layers"][0]["ffn"]["experts"]["w1"]["weight"]
     assert type(experts).__name__ == "Mxfp4Weight"                      # the stored format, not bf16

@@ -210,6 +210,7 @@ def test_widened_tokenizer_reads_every_id_of_a_larger_vocabulary():
     assert wide.vocab_size == tok.vocab_size + 100 and tok.widened(tok.vocab_size) is tok
     text = "And it came to pass <｜User｜> 4100"
     assert wide.encode(text) == tok.encode(text)
+    assert wide.encode(f"x <{tok.vocab_size + 3}>")[-1] == tok.vocab_size + 3      # (a placeholder spelled out)
     assert (wide.bos_id, wide.eos_id, wide.special_ids) == (tok.bos_id, tok.eos_id, tok.special_ids)
     last = tok.vocab_size + 99
     ids = tok.encode("Amen") + [tok.vocab_size, last]

@@ -103,6 +103,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--replot needs --plot DIR")
     if not args.replot and not (args.batches and args.contexts):
         p.error("--batches and --contexts need at least one value each")
+    if min(args.profile_batches) < 1 or len(set(args.profile_batches)) != len(args.profile_batches):
+        p.error(f"--profile-batches must be distinct values >= 1, got {args.profile_batches}")
+    if args.profile_batches != [1] and not args.profile:
+        p.error("--profile-batches needs --profile DIR")
     for name in ("steps", "calls", "prefill_calls", "prefill_chunk", "devices"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")

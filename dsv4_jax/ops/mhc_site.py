@@ -74,14 +74,16 @@ def hc_post(y, X: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
 
 
 MHC_KERNELS = choice.Kernel("mhc_site", "mhc")
-MHC_PREFILL_KERNELS = choice.Kernel("mhc_site", "mhc_prefill", phases=frozenset({"prefill"}))
+# Opt-in on GPUs (the override mhc_site=kernel) until a GPU has timed it against XLA's path; the interpret plan
+# takes it (tests).
+MHC_PREFILL_KERNELS = choice.Kernel("mhc_site", "mhc_prefill", phases=frozenset({"prefill"}), on_gpu_by_default=False)
 PREFILL_MIN_ROWS = 16        # a prefill program's dots need 16 rows (Triton's smallest dot); fewer: the reference
 
 
 def _kernel_schedule(X: jax.Array, fn: jax.Array, cfg: ModelConfig, ctx) -> int | None:
     """How this site runs: None (the jnp reference), 0 (pallas_kernels/mhc.py one row per program: a decode or
     verify step of at most mhc.MAX_ROWS rows, each row's blocks reading all of fn) or R > 0 (its prefill schedule, R
-    rows per program: a prefill chunk whose rows are a multiple of PREFILL_MIN_ROWS)."""
+    rows per program: a prefill chunk whose rows are a multiple of PREFILL_MIN_ROWS; opt-in on GPUs)."""
     rows = math.prod(X.shape[:-2])
     if ctx.phase == "prefill":
         fits = rows % PREFILL_MIN_ROWS == 0 and mhc.supported(cfg.hc_mult, cfg.dim, fn.shape[0])

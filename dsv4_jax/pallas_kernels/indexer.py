@@ -15,8 +15,8 @@ would be a copy): `n_entries` of them, the entries the call's context can hold.
 A decode program takes one query row; a prefill program takes `rows_per_program` rows of one sequence against one
 block of entries, so each key block is read once per that many rows instead of once per row (a prefill chunk's
 thousands of rows would otherwise stream the keys thousands of times), and the [rows, heads, entries] products
-still never leave registers. The Triton backend because the other indexer kernels of this file use it and Pallas'
-Mosaic GPU lowering has no interpret mode for the CPU tests; the dots are plain bf16 (or float32) tensor-core dots.
+still never leave registers. The Triton backend, as for the decode schedule, because Pallas' Mosaic GPU lowering has
+no interpret mode for the CPU tests; the dots are plain bf16 (or float32) tensor-core dots.
 
 Numerics as the jnp path: the dot products of the stored values accumulate in float32, ReLU, times the float32
 head weights, summed over heads in float32; only the order of the sums differs (float32 rounding). Triton needs

@@ -16,9 +16,10 @@ no block reads a partial sum another block may not have written yet:
      (32 KB in bf16 for Flash) are few enough for one block, which keeps the RMSNorm's sum inside it (until
      2026-12-03 the collapse and the norm were two launches of D / 1,024 blocks each).
 A prefill chunk's rows take the same two launches with the first on the prefill schedule (`rows_per_program`):
-`_mix_rows_kernel`, grid (rows / R, D / 128), takes R rows against each chunk of fn, so fn is read once per R rows
-instead of once per row (a 2,048-token chunk would read 3 GB of it per site from L2), and forms the partials as
-float32 dots (ieee precision) of the rows' [R, 128] stream columns against the chunk's mixing rows, padded to 32.
+`_mix_rows_kernel`, grid (rows / R, D / 128), takes R = 16 rows against each chunk of fn, so fn is read once per 16
+rows instead of once per row (a 2,048-token chunk would read 3 GB of it per site from L2), and forms the partials as
+float32 dots (ieee precision) of the rows' [16, 128] stream columns against the chunk's mixing rows, padded to 32.
+Not yet timed on a GPU: GPU plans take it only with the override mhc_site=kernel (ops/mhc_site.py).
 
 Numerics follow the jnp path operation for operation in float32; only the order of the long sums differs (chunked
 partial sums instead of XLA's reduction tree), so results agree to float32 rounding, not bit for bit.
@@ -43,7 +44,8 @@ _F32 = jnp.float32
 MIX_CHUNK = 128              # stream columns per block of the mixing reduction
 MAX_ROWS = 128               # rows (tokens) up to which a decode or verify step takes the one-row-per-program mix
                              # kernel: each row's blocks read all of fn (1.5 MB for Flash) from L2
-PREFILL_ROWS = 32            # rows per program of the prefill schedule
+PREFILL_ROWS = 16            # rows per program of the prefill schedule (its n streams of 16 x 128 values and their
+PREFILL_WARPS = 8            # mixed copies stay in registers: ~64 float32 a thread on 8 warps)
 LANES = 32                   # partials per (row, chunk): 24 mixing sums, sum(X^2) in lanes 24-31
 
 
@@ -114,10 +116,10 @@ def _mix_rows_kernel(*refs, post_mix: bool, n: int):
         y = y_ref[...].astype(dtype).astype(_F32)                            # [R, C]
         mixed = []
         for k in range(n):
-            xk = post_ref[:, pl.ds(k, 1)] * y
-            for j in range(n):
-                xk = xk + comb_ref[:, pl.ds(j * n + k, 1)] * xs[j]
-            xk = xk.astype(dtype)
+            mixed_k = comb_ref[:, pl.ds(k, 1)] * xs[0]                      # sum_j comb[j, k] X_j, then + post_k y
+            for j in range(1, n):                                          # (hc_post's and _post_mix's order)
+                mixed_k = mixed_k + comb_ref[:, pl.ds(j * n + k, 1)] * xs[j]
+            xk = (post_ref[:, pl.ds(k, 1)] * y + mixed_k).astype(dtype)
             x_out_ref[:, k, :] = xk
             mixed.append(xk.astype(_F32))
         xs = mixed
@@ -274,7 +276,7 @@ def _mix_rows(X2, fn3, post_mix, tr: int, interpret: bool):
     grid = (rows // tr, n_mix)
     if post_mix is None:
         (part,) = _call(functools.partial(_mix_rows_kernel, post_mix=False, n=n), grid, [x_spec, fn_spec],
-                        [part_spec], [part_shape], (X2, fn32), interpret, "mhc_mix_rows")
+                        [part_spec], [part_shape], (X2, fn32), interpret, "mhc_mix_rows", num_warps=PREFILL_WARPS)
         return part, X2
     y, post_prev, comb_prev = post_mix
     if isinstance(y, tuple):
@@ -284,4 +286,5 @@ def _mix_rows(X2, fn3, post_mix, tr: int, interpret: bool):
     specs = [x_spec, pl.BlockSpec((tr, MIX_CHUNK), lambda r, j: (r, j)), pl.BlockSpec((tr, n), lambda r, j: (r, 0)),
              pl.BlockSpec((tr, n * n), lambda r, j: (r, 0)), fn_spec]
     return _call(functools.partial(_mix_rows_kernel, post_mix=True, n=n), grid, specs, [part_spec, x_spec],
-                 [part_shape, jax.ShapeDtypeStruct(X2.shape, X2.dtype)], args, interpret, "mhc_post_mix_rows")
+                 [part_shape, jax.ShapeDtypeStruct(X2.shape, X2.dtype)], args, interpret, "mhc_post_mix_rows",
+                 num_warps=PREFILL_WARPS)
