@@ -74,8 +74,8 @@ def hc_post(y, X: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
 
 
 MHC_KERNELS = choice.Kernel("mhc_site", "mhc")
-# Opt-in on GPUs (the override mhc_site=kernel) until a GPU has timed it against XLA's path; the interpret plan
-# takes it (tests).
+# Opt-in on GPUs (the override mhc_site=kernel): on an H100 (2026-12-06) it made an 8K prompt's time to first token
+# 4% slower than XLA's path (one call each, docs/performance.md); the interpret plan takes it (tests).
 MHC_PREFILL_KERNELS = choice.Kernel("mhc_site", "mhc_prefill", phases=frozenset({"prefill"}), on_gpu_by_default=False)
 PREFILL_MIN_ROWS = 16        # a prefill program's dots need 16 rows (Triton's smallest dot); fewer: the reference
 
