@@ -86,10 +86,6 @@ def indexer_scores(q: jax.Array, head_weights: jax.Array, keys: jax.Array, posit
     `rows_per_program` > 1 (a power of two dividing S): the prefill schedule (module docstring); `first_entry`
     (int32, traced or not): the index of keys[:, 0] among the sequence's entries, for a block of the buffer."""
     batch, seq, n_heads, head_dim = q.shape
-    if rows_per_program > 1 or not isinstance(first_entry, int) or first_entry != 0:
-        return _scores_prefill(q, head_weights, keys, positions, n_entries=n_entries, ratio=ratio,
-                               weight_scale=weight_scale, rows_per_program=rows_per_program,
-                               first_entry=first_entry, interpret=interpret)
     if not supported(n_heads, head_dim, n_entries) or keys.shape[-1] != head_dim or keys.shape[1] < n_entries:
         raise ValueError(f"indexer_scores: needs heads a multiple of 16, a power-of-two head_dim >= 16 and "
                          f"n_entries a multiple of {BLOCK_ENTRIES} within the buffer; got q {q.shape}, keys "
@@ -98,6 +94,13 @@ def indexer_scores(q: jax.Array, head_weights: jax.Array, keys: jax.Array, posit
         raise ValueError(f"indexer_scores: keys {keys.dtype} and queries {q.dtype} differ")
     rows = batch * seq
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    operands = (q.reshape(rows, n_heads, head_dim), head_weights.astype(_F32).reshape(rows, n_heads), keys,
+                positions.astype(jnp.int32).reshape(rows))
+    if rows_per_program > 1 or not isinstance(first_entry, int) or first_entry != 0:
+        out = _scores_prefill(operands, seq, n_entries=n_entries, ratio=ratio, weight_scale=weight_scale,
+                              rows_per_program=rows_per_program, first_entry=first_entry, precision=precision,
+                              interpret=interpret)
+        return out.reshape(batch, seq, n_entries)
     out = pl.pallas_call(
         functools.partial(_kernel, ratio=ratio, weight_scale=float(weight_scale), precision=precision),
         grid=(rows, n_entries // BLOCK_ENTRIES),
@@ -107,28 +110,21 @@ def indexer_scores(q: jax.Array, head_weights: jax.Array, keys: jax.Array, posit
                   pl.BlockSpec((rows,), lambda r, n: (0,))],
         out_specs=pl.BlockSpec((None, BLOCK_ENTRIES), lambda r, n: (r, n)),
         out_shape=jax.ShapeDtypeStruct((rows, n_entries), _F32), interpret=interpret, name="indexer_scores",
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2))(
-            q.reshape(rows, n_heads, head_dim), head_weights.astype(_F32).reshape(rows, n_heads), keys,
-            positions.astype(jnp.int32).reshape(rows))
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2))(*operands)
     return out.reshape(batch, seq, n_entries)
 
 
-def _scores_prefill(q, head_weights, keys, positions, *, n_entries, ratio, weight_scale, rows_per_program,
-                    first_entry, interpret):
-    batch, seq, n_heads, head_dim = q.shape
+def _scores_prefill(operands, seq: int, *, n_entries, ratio, weight_scale, rows_per_program, first_entry, precision,
+                    interpret) -> jax.Array:
+    """The prefill schedule's launch on indexer_scores' checked, flattened operands -> float32 [B * S, n_entries]."""
+    q, head_weights, keys, positions = operands
+    rows, n_heads, head_dim = q.shape
     tq = rows_per_program
-    if (not supported(n_heads, head_dim, n_entries) or keys.shape[-1] != head_dim or keys.shape[1] < n_entries
-            or not is_pow2(tq) or seq % tq):
-        raise ValueError(f"indexer_scores: needs heads a multiple of 16, a power-of-two head_dim >= 16, n_entries a "
-                         f"multiple of {BLOCK_ENTRIES} within the buffer and rows_per_program a power of two "
-                         f"dividing the sequence; got q {q.shape}, keys {keys.shape}, n_entries {n_entries}, "
-                         f"rows_per_program {tq}")
-    if keys.dtype != q.dtype:
-        raise ValueError(f"indexer_scores: keys {keys.dtype} and queries {q.dtype} differ")
-    rows = batch * seq
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    if not is_pow2(tq) or seq % tq:
+        raise ValueError(f"indexer_scores: rows_per_program must be a power of two dividing the sequence's {seq} "
+                         f"tokens, got {tq}")
     first = jnp.asarray(first_entry, jnp.int32).reshape(1)
-    out = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_rows_kernel, rows=tq, ratio=ratio, weight_scale=float(weight_scale), precision=precision),
         grid=(rows // tq, n_entries // BLOCK_ENTRIES),
         in_specs=[pl.BlockSpec((tq, n_heads, head_dim), lambda r, n: (r, 0, 0)),
@@ -139,6 +135,4 @@ def _scores_prefill(q, head_weights, keys, positions, *, n_entries, ratio, weigh
         out_specs=pl.BlockSpec((tq, BLOCK_ENTRIES), lambda r, n: (r, n)),
         out_shape=jax.ShapeDtypeStruct((rows, n_entries), _F32), interpret=interpret,
         name="indexer_scores_prefill", compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2))(
-            q.reshape(rows, n_heads, head_dim), head_weights.astype(_F32).reshape(rows, n_heads), keys,
-            positions.astype(jnp.int32).reshape(rows), first)
-    return out.reshape(batch, seq, n_entries)
+            q, head_weights, keys, positions, first)
