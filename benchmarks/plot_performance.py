@@ -83,6 +83,15 @@ def prefill_row(name: str, tokens: int) -> dict:
     raise KeyError(f"{name}: no prefill row for {tokens} tokens")
 
 
+def _save(plt, fig, path: str, title: str | None = None) -> None:
+    """Every figure's ending: its title over the panels, the layout, the PNG, the figure closed."""
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_decode(plt, path: str) -> None:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     batches = [1, 8, 32, 64]
@@ -108,11 +117,8 @@ def plot_decode(plt, path: str) -> None:
     ax2.set_ylabel("tokens / s (all sequences)")
     ax2.set_title("Throughput (labels: fraction of the floor)")
     ax2.legend(fontsize=8)
-    fig.suptitle("DeepSeek-V4-Flash geometry, first 4 of 43 layers, random weights, one H200 (2026-12-03 to 12-05)",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, "DeepSeek-V4-Flash geometry, first 4 of 43 layers, random weights, one H200 "
+                          "(2026-12-03 to 12-05)")
 
 
 def plot_long_context(plt, path: str) -> None:
@@ -137,9 +143,7 @@ def plot_long_context(plt, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.set_ylim(0, 4.3)
     ax.legend(fontsize=8, ncol=3, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_prefill(plt, path: str) -> None:
@@ -179,11 +183,7 @@ def plot_prefill(plt, path: str) -> None:
     ax2.set_ylabel("kernel time per prompt token, us")
     ax2.set_title("One prefill chunk by op family")
     ax2.legend(fontsize=7)
-    fig.suptitle("DeepSeek-V4-Flash geometry, first 4 of 43 layers, random weights, one H200 (2026-12-03)",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, "DeepSeek-V4-Flash geometry, first 4 of 43 layers, random weights, one H200 (2026-12-03)")
 
 
 def main() -> None:
