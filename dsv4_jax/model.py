@@ -96,7 +96,7 @@ def _block(params, cfg, ctx, layer, X, post_mix, chunk, cache, defer) -> BlockOu
                                          params["ffn_norm"]["weight"], cfg, ctx,
                                          post_mix=(y_attn, attn_post, attn_comb))
     with layer_stats.collecting() as moe_taps:
-        y, moe_stats = moe(params["ffn"], cfg, x, chunk.tokens, cfg.is_hash_layer(layer), ctx)
+        y, moe_stats = moe(params["ffn"], cfg, x, chunk.tokens, cfg.is_hash_layer(layer), ctx, real=chunk.real)
     stats = attn_stats | moe_stats
     if ctx.stats:
         # measured beside the computation (the streams after the MoE are the next block's to make)

@@ -382,8 +382,9 @@ def test_no_decode_or_verify_step_dequantizes_a_weight(monkeypatch, act_quant):
     """A 2-layer Flash geometry traced for an H200 with the ffi/ kernels planned: every quantized matmul of the
     decode step at batch 1, 8, 16, 32, 64, 128 and 256 and of a verify step of 64 sequences x (1 + 3 drafts) takes a
     kernel that reads the stored weight (none dequantizes it for XLA's dot); the small batches take the ffi/ GEMVs,
-    the larger ones the wider Pallas GEMVs (bf16 activations) or the FP8 tensor-core kernel (FP8 activations) and
-    the MoE kernel."""
+    the larger ones the wider Pallas GEMVs (bf16 activations) or the FP8 tensor-core kernel (FP8 activations), and
+    their routed experts the ffi/ GEMV over the rows grouped by expert (each touched expert streamed once per
+    slot of 8 rows, one launch per projection)."""
     from dsv4_jax import ffi, presets
     from dsv4_jax.dispatch_census import step_dispatch
     monkeypatch.setattr(ffi, "register", lambda *args: None)               # tracing needs no library
@@ -397,7 +398,9 @@ def test_no_decode_or_verify_step_dequantizes_a_weight(monkeypatch, act_quant):
         assert "reference" not in table and sum(table.values()) >= 2 * 8, (steps, table)
     assert set(tables[1, 1]) == {"cuda:ffi_gemv", "cuda:ffi_gemv_concat", "cuda:ffi_gemv_pair",
                                  "cuda:ffi_grouped_gemv", "cuda:ffi_moe_gemv", "cuda:ffi_moe_gemv_pair"}
-    wide = {"cuda:gemv", "cuda:moe"} | ({"cuda:prefill_fp8"} if act_quant == "fp8" else set())
+    assert set(tables[16, 1]) == {"cuda:gemv", "cuda:ffi_moe_gemv", "cuda:ffi_moe_gemv_pair"}    # one slot a row
+    wide = ({"cuda:gemv", "cuda:ffi_moe_gemv_slots", "cuda:ffi_moe_gemv_slots_pair"}
+            | ({"cuda:prefill_fp8"} if act_quant == "fp8" else set()))
     assert set(tables[64, 4]) == set(tables[32, 1]) == set(tables[128, 1]) == set(tables[256, 1]) == wide
 
 

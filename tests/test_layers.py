@@ -728,3 +728,28 @@ def test_moe(tiny, layer):
     scale = np.abs(want).max()
     assert_close(got, want, 2e-5 * scale, 0, f"moe (routed + shared) vs reference.moe, atol 2e-5 x max|y| = "
                                              f"{2e-5 * scale:.3g}")
+
+
+@pytest.mark.parametrize("layer", [1, 3], ids=["hash", "score"])
+def test_moe_skips_tokens_that_are_not_real(tiny, layer):
+    """moe(real=...): the real tokens' output is reference.moe's; a token that is not real (padding, a row that is not
+    generating) gets no routed expert, so its output is the shared expert's alone (with the routed sum it would not
+    be)."""
+    cfg, params, weights = tiny
+    rng = np.random.default_rng(67 + layer)
+    B, S = 3, 16
+    x = (rng.standard_normal((B, S, cfg.dim)) * 3).astype(np.float32)
+    tokens = rng.integers(0, cfg.vocab_size, (B, S)).astype(np.int32)
+    real = np.arange(S)[None, :] < np.array([S, 5, 0])[:, None]               # a full row, a short one, a free one
+    got, _ = jax.jit(functools.partial(moe, cfg=cfg, hash_routed=cfg.is_hash_layer(layer), ctx=_ctx(False)))(
+        params["layers"][layer]["ffn"], x=jnp.asarray(x), token_ids=jnp.asarray(tokens), real=jnp.asarray(real))
+    x64 = x.astype(np.float64)
+    want = R.moe(cfg, weights, f"layers.{layer}.", layer, x64, tokens)
+    f = R.sub(weights, f"layers.{layer}.ffn.")
+    shared = R.swiglu_expert(x64, f["shared_experts.w1.weight"], f["shared_experts.w2.weight"],
+                             f["shared_experts.w3.weight"], cfg.swiglu_limit)
+    got = np.asarray(got, np.float64)
+    scale = np.abs(want).max()
+    assert_close(got[real], want[real], 2e-5 * scale, 0, "real tokens: moe vs reference.moe (atol 2e-5 x max|y|)")
+    assert_close(got[~real], shared[~real], 2e-5 * scale, 0, "other tokens: the shared expert alone")
+    assert np.abs(want[~real] - shared[~real]).max() > 100 * 2e-5 * scale, "the routed sum must be visible here"

@@ -218,7 +218,12 @@ def moe_gemv(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=None
     if x_rows.ndim != 2 or expert_ids.shape != x_rows.shape[:1]:
         raise ValueError(f"ffi.moe_gemv: x_rows [R, K] and expert_ids [R] expected, got {x_rows.shape}, "
                          f"{expert_ids.shape}")
+    return grouped_gemv(x_rows[:, None], w_stacked, expert_ids, out_dtype,
+                        schedule=schedule or routed_schedule(w_stacked))[:, 0]
+
+
+def routed_schedule(w_stacked) -> int:
+    """The schedule of routed-expert calls, whose slots each read another expert: ROUTED_SCHEDULE, a pair
+    ROUTED_PAIR_SCHEDULE of its format."""
     weights = _weights(w_stacked)
-    if not schedule:
-        schedule = ROUTED_PAIR_SCHEDULE.get(type(_stored(weights[0])), 0) if len(weights) == 2 else ROUTED_SCHEDULE
-    return grouped_gemv(x_rows[:, None], w_stacked, expert_ids, out_dtype, schedule=schedule)[:, 0]
+    return ROUTED_PAIR_SCHEDULE.get(type(_stored(weights[0])), 0) if len(weights) == 2 else ROUTED_SCHEDULE

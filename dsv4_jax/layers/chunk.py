@@ -19,3 +19,8 @@ class Chunk:
     def positions(self) -> jax.Array:
         """[B, S] int32: the position of every token of the chunk."""
         return self.start[:, None] + jnp.arange(self.tokens.shape[1], dtype=jnp.int32)[None, :]
+
+    @property
+    def real(self) -> jax.Array:
+        """[B, S] bool: whether each token of the chunk is real (not padding, not an inactive row's)."""
+        return jnp.arange(self.tokens.shape[1], dtype=jnp.int32)[None, :] < self.n_valid[:, None]

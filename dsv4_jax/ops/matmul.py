@@ -224,7 +224,7 @@ def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array | None, out_dtyp
     if group_sizes is None and matmul_kernels.expert_kernel(x.shape[0], x.dtype, weight, ctx) is None:
         return _sorted_reference(x, weight, row_groups, out_dtype, ctx)
     xq, row_scale = _quantize_input(x, weight, ctx, groups)
-    y = matmul_kernels.expert_matmul(xq, weight, groups, ctx)
+    y = matmul_kernels.expert_matmul(xq, weight, groups, ctx, real)
     if y is not None:
         return _grouped_kernel_output(y, row_scale, real, out_dtype or x.dtype)
     w, weight_scale = dequantize_blocks(weight, x.dtype)
@@ -247,7 +247,7 @@ def grouped_linear_pair(x: jax.Array, w_a, w_b, group_sizes: jax.Array | None, o
         return (grouped_linear(x, w_a, group_sizes, out_dtype, ctx=ctx, row_groups=row_groups),
                 grouped_linear(x, w_b, group_sizes, out_dtype, ctx=ctx, row_groups=row_groups))
     xq, row_scale = _quantize_input(x, w_a, ctx, groups)
-    y = _grouped_kernel_output(kernel(xq, groups), row_scale, real, out_dtype or x.dtype)
+    y = _grouped_kernel_output(kernel(xq, groups, real), row_scale, real, out_dtype or x.dtype)
     n = w_a.shape[1]
     return y[:, :n], y[:, n:]
 

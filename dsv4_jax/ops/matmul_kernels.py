@@ -11,7 +11,8 @@ A kernel applies where one exists for the call; every other call takes the refer
     call                                   kernel                         applies when
     linear / group_linear (wo_a) /         ffi.gemv / grouped_gemv /      "auto" on CUDA; rows (per group) <= 8
       routed experts (decode),             moe_gemv (CUDA, one launch)    bf16 / 4 fp32, N % 16, K % 128; routed
-      FP8-block / MXFP4 / NVFP4 weight                                    rows <= 128 (one slot per row)
+      FP8-block / MXFP4 / NVFP4 weight                                    rows <= 128 (one slot per row),
+                                                                          <= 1,536 (rows grouped by expert)
     linear_pair / grouped_linear_pair      the same with a pair of        as above, two weights of one format
       (gate and up projections)            weights (pair_matmul)          and shape
     linear_pair, two FP8-block weights     ffi.gemv_concat (tiles of      as above, one K, N and N2 % 16 == 0
@@ -61,6 +62,10 @@ from .plan import REFERENCE, KernelPlan
 
 MAX_DECODE_ROWS = 16          # rows up to which FP8 activations take the decode kernels, not the tensor-core one
 MAX_MOE_ROWS = 128            # routed rows (tokens x top-k) up to which the MoE kernel keeps its decode schedule
+# Routed rows up to which the ffi/ GEMV takes the routed experts on CUDA (a decode or verify step of up to 256
+# tokens): up to MAX_MOE_ROWS one slot per row, beyond that the rows grouped by expert (routed_gemv). More rows
+# (prefill chunks: many rows per expert) take the MoE kernel's tensor-core slots.
+MAX_SLOTTED_ROWS = 256 * 6
 
 def _plan(ctx) -> KernelPlan:
     """The plan the matmuls follow: the context's, or the reference where its overrides say so for "matmul"."""
@@ -78,12 +83,12 @@ def _ffi_fits(rows: int, dtype, n: int, k: int) -> bool:
 
 def _ffi_takes(x2: jax.Array, weight, routed: bool, plan: KernelPlan) -> bool:
     """Whether the ffi/ decode GEMV takes rows x2 [R, K] times a quantized weight under `plan` (the kernels built):
-    2-D (dense), or stacked FP4 experts [E, N, K] with one slot per routed row (routed)."""
+    2-D (dense), or stacked FP4 experts [E, N, K] with the routed rows (routed; routed_gemv)."""
     if not plan.ffi:
         return False
     n, k = weight.shape[-2:]
     if routed:
-        fits = (x2.shape[0] <= MAX_MOE_ROWS and _ffi_fits(1, x2.dtype, n, k)
+        fits = (x2.shape[0] <= MAX_SLOTTED_ROWS and _ffi_fits(1, x2.dtype, n, k)
                 and isinstance(weight, (Mxfp4Weight, Nvfp4Weight)))
     else:
         fits = _ffi_fits(x2.shape[0], x2.dtype, n, k)
@@ -237,13 +242,38 @@ def expert_kernel(rows: int, dtype, weight, ctx) -> str | None:
     return None
 
 
-def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, ctx):
-    """Rows xs [R, K] each times its own expert of a stacked FP4 weight -> float32 [R, N], or None (reference)."""
+def routed_gemv(xs: jax.Array, weights, row_experts: jax.Array, real: jax.Array | None = None, *,
+                grouped_gemv=ffi.grouped_gemv) -> jax.Array:
+    """Rows xs [R, K] each times its own expert row_experts[r] of a stacked FP4 weight [E, N, K] (or a pair of them)
+    on the ffi/ GEMV -> float32 [R, N] (a pair: [R, 2N]). Rows that are not `real` (padding, a row that is not
+    generating, another device's expert; None: all are) go to no expert: no weight is read for them and their
+    output rows are left unwritten, for the caller to zero.
+
+    Up to MAX_MOE_ROWS rows: one slot per row (ffi.moe_gemv: no sort; an expert two rows share is read twice,
+    mostly from L2). More rows (a decode step of 22 to 256 tokens): the rows are grouped by expert into slots of
+    up to ffi.max_rows rows (pallas_kernels/moe.py's moe_schedule), so each expert the step touches is streamed
+    once per slot, whatever the rows that chose it, in one launch; the unused slots of the static bound skip.
+    `grouped_gemv` is ffi.grouped_gemv (tests pass a reference with its contract)."""
+    experts = row_experts if real is None else jnp.where(real, row_experts, -1)
+    if xs.shape[0] <= MAX_MOE_ROWS:
+        return grouped_gemv(xs[:, None], weights, experts, jnp.float32, schedule=ffi.routed_schedule(weights))[:, 0]
+    n_experts = jax.tree.leaves(weights)[0].shape[0]
+    capacity = ffi.max_rows(xs.dtype)
+    n_slots = moe.slot_bound(xs.shape[0], capacity, n_experts + 1)          # + 1: the rows of no expert (-1)
+    slot_expert, slot_rows, slot_of_row, pos_of_row = moe.moe_schedule(experts, capacity, n_slots)
+    x3 = jnp.concatenate([xs, jnp.zeros((1, xs.shape[1]), xs.dtype)])[slot_rows]     # [S, capacity, K]
+    y3 = grouped_gemv(x3, weights, slot_expert, jnp.float32, schedule=ffi.routed_schedule(weights))
+    return y3[slot_of_row, pos_of_row]
+
+
+def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, ctx, real: jax.Array | None = None):
+    """Rows xs [R, K] each times its own expert of a stacked FP4 weight -> float32 [R, N], or None (reference).
+    `real` [R] (None: all): rows whose output the caller zeroes, which the ffi/ path skips (routed_gemv)."""
     kernel = expert_kernel(xs.shape[0], xs.dtype, weight, ctx)
     backend = _plan(ctx).backend
     if kernel == "ffi":
-        _record("grouped_linear", weight, backend, "ffi_moe_gemv", ctx)
-        return ffi.moe_gemv(xs, weight, row_experts, jnp.float32)
+        _record("grouped_linear", weight, backend, _ffi_routed_kernel(xs), ctx)
+        return routed_gemv(xs, weight, row_experts, real)
     if _is_quantized_matrix(weight, 3):
         _record("grouped_linear", weight, backend if kernel else "reference", "moe", ctx)
     if kernel is None:
@@ -253,9 +283,15 @@ def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, ctx):
                           **_moe_schedule(xs, weight, unroll))
 
 
+def _ffi_routed_kernel(xs: jax.Array) -> str:
+    """The name record_dispatch gives routed_gemv's launch for rows xs: one slot per row, or the rows in slots."""
+    return "ffi_moe_gemv" if xs.shape[0] <= MAX_MOE_ROWS else "ffi_moe_gemv_slots"
+
+
 def pair_matmul(x2: jax.Array, w_a, w_b, ctx, routed: bool):
-    """Two weights of one format times the same rows in one launch: a function (xq [R, K], row_experts [R] or None)
-    -> float32 [R, N + N2] (w_a's products in columns 0 .. N), or None where no such kernel applies (the caller then
+    """Two weights of one format times the same rows in one launch: a function (xq [R, K], row_experts [R] or None
+    [, real [R]: routed_gemv]) -> float32 [R, N + N2] (w_a's products in columns 0 .. N), or None where no such
+    kernel applies (the caller then
     makes two calls). The ffi/ decode GEMVs only. One shape (a gate and an up projection): each activation load and
     B fragment serves both weights; routed: stacked FP4 experts [E, N, K], each row times its own expert (as
     expert_matmul). Two 2-D FP8-block weights of one K and different N (the attention's wq_a and wkv): the
@@ -272,8 +308,8 @@ def pair_matmul(x2: jax.Array, w_a, w_b, ctx, routed: bool):
         _record("linear pair", w_a, "cuda", "ffi_gemv_concat", ctx)
         return lambda xq, row_experts: ffi.gemv_concat(xq, (w_a, w_b), jnp.float32)
     if routed:
-        _record("grouped_linear pair", w_a, "cuda", "ffi_moe_gemv_pair", ctx)
-        return lambda xq, row_experts: ffi.moe_gemv(xq, (w_a, w_b), row_experts, jnp.float32)
+        _record("grouped_linear pair", w_a, "cuda", _ffi_routed_kernel(x2) + "_pair", ctx)
+        return lambda xq, row_experts, real=None: routed_gemv(xq, (w_a, w_b), row_experts, real)
     _record("linear pair", w_a, "cuda", "ffi_gemv_pair", ctx)
     return lambda xq, row_experts: ffi.gemv(xq, (w_a, w_b), jnp.float32)
 

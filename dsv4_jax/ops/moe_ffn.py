@@ -102,7 +102,8 @@ def _grouped_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: j
 def routed_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax.Array, weights: jax.Array, ctx,
                    shared: dict | None = None):
     """Sum over each token's K experts of weight * expert(x), plus the shared expert of `shared` (its params) if
-    given. Returns float32 [T, D].
+    given; expert_ids in [0, E], where E is no expert (a pick that adds nothing and reads no weight). Returns
+    float32 [T, D].
 
     On a mesh whose "expert" axis splits the experts (sharding.py) each device runs, inside shard_map on its local
     shards (so the kernels see local shapes and no weight is gathered), the rows routed to its own E / n experts,
@@ -216,12 +217,18 @@ def _ffn_on_kernels(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax
     return MoeParts(y.reshape(x.shape[0], k, -1), shared_y), expert_ids
 
 
-def moe(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool, ctx):
+def moe(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool, ctx,
+        real: jax.Array | None = None):
     """x [..., D] (ffn_norm'd), token_ids [...] -> (the output, statistics: {} for inference; under training
     {"expert_load": assignments per expert [E]} in score-routed layers; with ctx.stats also "expert_ids" [T, K] and
     "router_logits" [T, E] of the rows x flattened, for ops/layer_stats.py). The output is [..., D] in x.dtype, or, in a
     decode or verify step on a kernel plan (_ffn_on_kernels), its unsummed MoeParts ([..., K, D] and [..., D]),
-    which the next mHC site (ops/mhc_site.py) takes as y."""
+    which the next mHC site (ops/mhc_site.py) takes as y.
+
+    `real` [...] bool (None: every token is): the tokens whose output is kept. The others (a chunk's padding, the
+    rows of a batch that are not generating) go to no routed expert on the grouped path, so the experts only they
+    picked are not read; their output is then the shared expert's alone (it is never used). The decode kernels'
+    path (at most MAX_KERNEL_TOKENS tokens) runs every row."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if _takes_ffn_kernels(params, cfg, x2, ctx):
@@ -229,6 +236,8 @@ def moe(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash
         return (MoeParts(parts.routed.reshape(*lead, *parts.routed.shape[1:]), parts.shared.reshape(*lead, -1)),
                 _routing_stats(params, x2, expert_ids, ctx))
     expert_ids, weights = route(params["gate"], cfg, x2, token_ids.reshape(-1), hash_routed)
+    # the experts the grouped matmuls run: cfg.n_routed_experts is none of them (routed_experts gives it zeros)
+    run_ids = expert_ids if real is None else jnp.where(real.reshape(-1, 1), expert_ids, cfg.n_routed_experts)
     training = ctx.training
     if training is not None and training.moe_capacity > 0:
         if ctx.mesh is not None and ctx.mesh.shape[EXPERT] > 1:
@@ -237,9 +246,9 @@ def moe(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash
         y = y + shared_expert(params["shared_experts"], cfg, x2, ctx)
     elif splits_shared_expert(cfg, expert_devices(ctx.mesh)):
         # the shared expert's hidden units are split over the devices too: its partial outputs join the MoE psum
-        y = routed_experts(params["experts"], cfg, x2, expert_ids, weights, ctx, shared=params["shared_experts"])
+        y = routed_experts(params["experts"], cfg, x2, run_ids, weights, ctx, shared=params["shared_experts"])
     else:
-        y = routed_experts(params["experts"], cfg, x2, expert_ids, weights, ctx)
+        y = routed_experts(params["experts"], cfg, x2, run_ids, weights, ctx)
         y = y + shared_expert(params["shared_experts"], cfg, x2, ctx)
     stats = _routing_stats(params, x2, expert_ids, ctx)
     if training is not None and not hash_routed:
