@@ -30,7 +30,7 @@ import numpy as np
 from held_out_prompts import HELD_OUT_PROMPTS
 
 PROMPT_ID_LIMIT = 4096        # --prompt-tokens ids: within the official vocabulary and the packaged tokenizer's
-LOOP_STATS = ("chunks", "busy_s", "chunk_wait_s", "admit_s")      # dsv4_jax.serving.scheduler's, in /health
+LOOP_STATS = ("chunks", "busy_s", "chunk_wait_s", "admit_s", "dispatch_s")   # dsv4_jax.serving.scheduler's, /health
 
 
 def loop_stats(url: str) -> dict | None:
@@ -44,13 +44,15 @@ def loop_stats(url: str) -> dict | None:
 
 def loop_shares(before: dict | None, after: dict | None, wall: float) -> dict:
     """What the device loop did during `wall` seconds: shares of the wall time waiting for decode chunks,
-    admitting requests and on the host's own work between chunks, and that host work per chunk (ms)."""
+    launching them (a launch may wait on the device: scheduler.py says when), admitting requests
+    and on the host's own work between chunks, and that host work per chunk (ms)."""
     if before is None or after is None:
         return {}
     d = {k: after[k] - before[k] for k in LOOP_STATS}
-    host = d["busy_s"] - d["chunk_wait_s"] - d["admit_s"]
-    return {"chunks": d["chunks"], "chunk_wait_share": d["chunk_wait_s"] / wall, "admit_share": d["admit_s"] / wall,
-            "host_share": host / wall, "host_ms_per_chunk": 1e3 * host / d["chunks"] if d["chunks"] else None}
+    host = d["busy_s"] - d["chunk_wait_s"] - d["admit_s"] - d["dispatch_s"]
+    return {"chunks": d["chunks"], "chunk_wait_share": d["chunk_wait_s"] / wall,
+            "dispatch_share": d["dispatch_s"] / wall, "admit_share": d["admit_s"] / wall, "host_share": host / wall,
+            "host_ms_per_chunk": 1e3 * host / d["chunks"] if d["chunks"] else None}
 
 
 def one_request(client: httpx.Client, url: str, model: str, prompt: str, args) -> dict:
@@ -121,8 +123,8 @@ def _loop_columns(row: dict) -> str:
     if "chunk_wait_share" not in row:
         return ""
     per_chunk = f"{row['host_ms_per_chunk']:.2f} ms" if row["host_ms_per_chunk"] is not None else "-"
-    shares = (row["chunk_wait_share"], row["admit_share"], row["host_share"])
-    return " ".join(f"{100 * s:>4.0f}%" for s in shares) + f" {per_chunk:>10}"
+    shares = (row["chunk_wait_share"], row["dispatch_share"], row["admit_share"], row["host_share"])
+    return " ".join(f"{100 * s:>5.0f}%" for s in shares) + f" {per_chunk:>10}"
 
 
 def main(argv=None):
@@ -148,7 +150,7 @@ def main(argv=None):
     prompts = f"{args.prompt_tokens}-token prompts" if args.prompt_tokens else "held-out text prompts"
     print(f"{url}, model {model!r}, {prompts}, {args.max_tokens} tokens per request, temperature {args.temperature}")
     print(f"{'clients':>7} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
-          f"{'ITL p99':>8} {'errors':>6}  {'wait':>5} {'admit':>5} {'host':>5} {'host/chunk':>10}")
+          f"{'ITL p99':>8} {'errors':>6}  {'wait':>6} {'launch':>6} {'admit':>6} {'host':>6} {'host/chunk':>10}")
     fmt = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
     for clients in (int(c) for c in args.clients.split(",")):
         row = run_clients(url, model, clients, args)

@@ -39,8 +39,8 @@ def test_load_test_reports_what_the_server_did(server_url, tmp_path, capsys):
         assert row["ttft_ms_p50"] > 0 and (row["itl_ms_p50"] is None or row["itl_ms_p50"] > 0)
         # the device loop's time from /health: every request was admitted and decoded within the wall time
         assert row["chunks"] >= 1 and row["host_ms_per_chunk"] > 0
-        shares = (row["chunk_wait_share"], row["admit_share"], row["host_share"])
-        assert all(0 <= s for s in shares) and row["admit_share"] > 0
+        shares = (row["chunk_wait_share"], row["dispatch_share"], row["admit_share"], row["host_share"])
+        assert all(0 <= s for s in shares) and row["admit_share"] > 0 and row["dispatch_share"] > 0
         # (loosely: a pass of the previous client count may end after this count's first /health read)
         assert sum(shares) <= 1.5
     assert "40-token prompts" in capsys.readouterr().out

@@ -156,11 +156,14 @@ class Scheduler:
         # cancelled: rows freed for a client that left; verify_steps / accepted_drafts: speculative decoding's.
         # Where the device loop's time goes, in seconds: busy_s, the loop's passes that had work; chunk_wait_s, of
         # those, waiting for a decode chunk's outputs (the device decoding while the host has nothing left to do);
-        # admit_s, admitting requests (their prefill and first token). The rest of busy_s is the host's own work
-        # between chunks (reading tokens, detokenizing, stop strings, events, dispatch), which the device overlaps
-        # with the chunk in flight.
+        # admit_s, admitting requests (their prefill and first token); dispatch_s, launching the next decode chunk.
+        # It is counted apart because a launch may wait on the device: on one H100 (2026-12-06, before dispatch_s
+        # existed) the host's share per chunk matched the chunk's decode time and chunk_wait_s was ~0, as when XLA
+        # reads the chunk's while-loop condition on the host after each step. The rest of busy_s is the host's own
+        # work between chunks (reading tokens, detokenizing, stop strings, events), which the device overlaps with
+        # the chunk in flight.
         self.stats = {"admitted": 0, "chunks": 0, "cancelled": 0, "verify_steps": 0, "accepted_drafts": 0,
-                      "busy_s": 0.0, "chunk_wait_s": 0.0, "admit_s": 0.0}
+                      "busy_s": 0.0, "chunk_wait_s": 0.0, "admit_s": 0.0, "dispatch_s": 0.0}
 
     # ---- called from any thread ------------------------------------------------------------------------------
     def start(self) -> "Scheduler":
@@ -202,7 +205,9 @@ class Scheduler:
             admitted = self._admit_waiting()
             admit_s = time.perf_counter() - start
             live = [o for o in self._owners if o is not None and not o.finished]
+            launch = time.perf_counter()
             dispatched = self._dispatch(live) if live else None
+            dispatch_s = time.perf_counter() - launch
             try:
                 if in_flight is not None:
                     self.stats["chunk_wait_s"] += self._deliver(*in_flight)
@@ -215,6 +220,7 @@ class Scheduler:
             if admitted or in_flight is not None or dispatched is not None:
                 self.stats["busy_s"] += time.perf_counter() - start
                 self.stats["admit_s"] += admit_s
+                self.stats["dispatch_s"] += dispatch_s
             in_flight = dispatched
             if in_flight is None and not admitted:
                 with self._lock:
