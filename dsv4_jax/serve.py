@@ -18,17 +18,28 @@ import sys
 import threading
 import time
 
+import jax.numpy as jnp
+import numpy as np
+
 from . import DEFAULT_MODEL_DIR, init_random, load, presets
+from .api import context_bucket
 from .checkpoint import CheckpointError
 from .engine import PREFILL_CHUNK
 from .generate import (EXIT_USAGE, KERNEL_OVERRIDE_HELP, CLIError, _check_checkpoint_dir, _int_at_least,
                        PREFIX_CACHE_DEFAULT, _LoadProgress, _mesh, _one_line, _setup_compile_cache, byte_size,
                        checked_config, model_settings)
+from .generation import generate_chunk
 from .serving.scheduler import Failed, Finished, Request, Scheduler
+from .serving.slots import MAX_TOP_LOGPROBS
 from .settings import Settings
 from .tokenizer import Tokenizer
 
 PROG = "python -m dsv4_jax.serve"
+# Contexts whose every program the warm-up compiles: one context bucket (api.MIN_CONTEXT_BUCKET), each prompt length
+# and decode variant in it. Every further bucket multiplies them (each chunk size meets each bucket with the prefix
+# cache): at 1M positions all of them are ~135 programs, an hour of compiling for Flash.
+WARM_UP_CONTEXT = 4096
+log = logging.getLogger("dsv4_jax.serve")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device memory for decode-state snapshots of earlier prompts, so that a prompt that extends "
                         "one prefills only the rest (e.g. 512M, 1G; 0: off; default: %(default)s)")
     s.add_argument("--no-warmup", action="store_true", help="report ready before compiling the programs")
+    s.add_argument("--warm-up-context", type=_int_at_least(1), default=WARM_UP_CONTEXT, metavar="N",
+                   help="compile before reporting ready every program of contexts up to N positions (default "
+                        f"{WARM_UP_CONTEXT}; the programs of longer contexts compile when first met and the "
+                        "compilation cache keeps them; N = --max-seq-len: all)")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
     return p
 
@@ -144,18 +159,116 @@ def build_model(args):
     return model, name
 
 
-def warm_up(scheduler) -> None:
-    """Run requests through the loop so that the programs a first client would wait for are compiled (or read from
-    the compilation cache) before the server says it is ready: the prefill of a short prompt, of a 256-token one and
-    of a whole --prefill-chunk (long system and tool prompts; with the prefix cache also the separate last-token
-    prefill), admission and decode chunks with and without logprobs."""
+def _buckets(lo: int, hi: int, max_seq_len: int) -> list[int | None]:
+    """The context buckets (api.context_bucket) of calls whose tokens end at positions lo..hi, in order."""
+    found = []
+    while lo <= hi:
+        found.append(context_bucket(lo, max_seq_len))
+        if found[-1] is None:
+            break
+        lo = found[-1] + 1
+    return found
+
+
+def warm_up_programs(model, chunk: int, speculative_tokens: int = 0, context: int | None = None) -> tuple[list, list]:
+    """The programs a request that fits the server can meet, as (prefill, decode): `prefill` the (chunk size,
+    context bucket) pairs of engine.prefill_chunk, `decode` the (context bucket, logprobs, n_top) triples of
+    generation.generate_chunk on the shared batch (a bucket None: the whole buffers); their other static arguments
+    are the server's own. It follows Model.prefill and prefill_prompts (api.py): n tokens run in chunks of
+    min(prefill_chunk, the next power of two >= n), each with the bucket of the position the last one reaches;
+    with the prefix cache a prompt's head (all but its last token) continues any cached prefix, so every head
+    chunk size meets every bucket up to the longest prompt, and the last token runs alone (chunk 1) at every
+    bucket. Decode chunks meet every bucket from the first chunk's bound up to max_seq_len. `context`: only the
+    programs of calls whose tokens lie below that many positions (their bucket's; None: all)."""
+    k = speculative_tokens
+    longest = model.max_seq_len - k - 1        # the longest prompt (app.py: it leaves k + 1 positions)
+    if longest < 1:
+        return [], []
+    pc, max_seq_len = model.prefill_chunk, model.max_seq_len
+    prefill = set()
+    size = 1
+    while size // 2 < longest:          # the lengths (size / 2, size] run in chunks of min(prefill_chunk, size)
+        if not model.prefix_cache.enabled:
+            prefill.add((min(pc, size), context_bucket(min(size, longest), max_seq_len)))
+        elif size // 2 < longest - 1:   # a head of such a length, after any cached prefix, ends at most at longest - 1
+            prefill.update((min(pc, size), b) for b in _buckets(size // 2 + 1, longest - 1, max_seq_len))
+        size *= 2
+    if model.prefix_cache.enabled:
+        prefill.update((1, b) for b in _buckets(1, longest, max_seq_len))
+    # The logprob variants too at every bucket: a batch decodes with logprobs (and the top 20) while any of its rows
+    # asks for them, at the bucket of its longest row, so a short request with logprobs beside a long conversation
+    # meets them at a large bucket, and a compile in the device loop stalls every row for its duration.
+    variants = [(False, 0)] if k else [(False, 0), (True, 0), (True, MAX_TOP_LOGPROBS)]
+    first_bound = min(2 + chunk * (k + 1), max_seq_len)      # a 1-token prompt's first decode chunk (scheduler.py)
+    decode = [(b, *v) for b in _buckets(first_bound, max_seq_len, max_seq_len) for v in variants]
+    limit = max_seq_len if context is None else context_bucket(min(context, max_seq_len), max_seq_len) or max_seq_len
+    prefill = [p for p in prefill if (p[1] or max_seq_len) <= limit]
+    decode = [d for d in decode if (d[0] or max_seq_len) <= limit]
+    return sorted(prefill, key=lambda p: (p[1] or max_seq_len, p[0])), decode
+
+
+def _prompt_programs(model, n: int) -> set:
+    """The prefill programs (chunk size, context bucket) of an n-token prompt the prefix cache has no prefix of."""
+    def program(tokens: int, end: int):
+        return min(model.prefill_chunk, 1 << (tokens - 1).bit_length()), context_bucket(end, model.max_seq_len)
+    if not model.prefix_cache.enabled:
+        return {program(n, n)}
+    return {program(n - 1, n - 1), program(1, n)} if n > 1 else {program(1, 1)}
+
+
+def warm_up(scheduler, context: int | None = None) -> None:
+    """Compile (or read from the compilation cache) every prefill and decode program a request that fits the server
+    can meet (warm_up_programs) before the server says it is ready: a client would wait for a compile, and so would
+    every other row of the device loop. `context`: only those of calls below that many positions (None: all; the
+    others compile when first met, and the compilation cache keeps them).
+    - First, while the loop is idle (it has had no request yet), directly: the prefill chunks that only long prompts
+      and conversations reach (a context bucket past the first), each on a fresh one-row state whose position is set
+      near the bucket's end (one chunk's work); and every decode chunk (every bucket, with and without logprobs) on
+      the shared batch with every row halted (its loop ends at once).
+    - Then real requests through the loop, one at a time, for the other prefill chunks and what lies around them
+      (admission, the prefix cache's copies): a prompt per chunk size (1, 2, 4, ... up to --prefill-chunk; with the
+      prefix cache 2**j + 1 tokens, a head of 2**j and the last token), each starting with a token of its own so
+      that none continues another; then the first prompt and one token more, which continues it from the prefix
+      cache and keeps its completion there, asking for logprobs and for their top 20 (two requests; one without
+      logprobs under --speculative-tokens).
+    Then the prefix cache is emptied of the warm-up's prompts."""
     model = scheduler.model
-    room = model.max_seq_len - scheduler.speculative_tokens - scheduler.chunk - 2
-    lengths = sorted({n for n in (2, 257, model.prefill_chunk + 1) if n <= room})
-    requests, failures = [], []
-    # then a short prompt with logprobs, top alternatives or not (each a variant of the programs)
-    extra = [] if scheduler.speculative_tokens else [0, 20]
-    for i, (n, logprobs) in enumerate([(n, None) for n in lengths] + [(2, k) for k in extra]):
+    k = scheduler.speculative_tokens
+    prefill, decode = warm_up_programs(model, scheduler.chunk, k, context)
+    if not prefill:
+        return
+    first = context_bucket(1, model.max_seq_len)
+    cache = model.prefix_cache
+    longest = model.max_seq_len - k - 1
+    sizes = sorted({c for c, b in prefill if b == first})
+    lengths = [min(c, longest - 1) + 1 if cache.enabled else min(c, longest) for c in sizes]
+    covered = set().union(*(_prompt_programs(model, n) for n in lengths))
+    log.info("warm-up: %d prefill and %d decode programs", len(prefill), len(decode))
+    track = model.track_mtp or bool(k)
+    for size, bucket in prefill:
+        if (size, bucket) in covered:
+            continue
+        end = bucket or model.max_seq_len            # a chunk whose tokens end here has this bucket
+        start = max(0, end - size)
+        state = model.init_state(1)
+        # (the positions as a jitted op leaves them: committed to their sharding or not, else a program of its own)
+        state = state.replace(positions=state.positions + start)
+        model.prefill(np.zeros((1, size), np.int32), np.array([end - start]), state=state, track_mtp=track)
+    # The loop leaves its slots alone while no request is live (Scheduler._dispatch), so they can be borrowed here.
+    halt = np.ones((scheduler.rows,), bool)
+    for bucket, logprobs, n_top in decode:          # as Scheduler._dispatch calls it
+        scheduler._slots, _ = generate_chunk(
+            model.params, scheduler._slots, jnp.asarray(halt), cfg=model.config,
+            ctx=model.context_for(bucket or model.max_seq_len), max_seq_len=model.max_seq_len,
+            chunk=scheduler.chunk, logprobs=logprobs, n_top=n_top, track_mtp=model.track_mtp, speculative_tokens=k)
+    vocab = model.config.vocab_size
+    prompts = [[(i + 1 + 17 * j) % vocab for j in range(n)] for i, n in enumerate(lengths)]
+    extension = (prompts[0] + [5 % vocab])[:longest]
+    requests = [(p, 1, None) for p in prompts]
+    requests += [(extension, min(scheduler.chunk + 1, model.max_seq_len - k - len(extension)), logprobs)
+                 for logprobs in ([None] if k else [0, MAX_TOP_LOGPROBS])]
+    failures = []
+    for prompt, max_tokens, logprobs in requests:     # one at a time: each compiles its own programs
         done = threading.Event()
 
         def on_event(event, done=done):
@@ -163,12 +276,9 @@ def warm_up(scheduler) -> None:
                 failures.append(event.message)
             if isinstance(event, (Finished, Failed)):
                 done.set()
-        prompt = [scheduler.tokenizer.bos_id] + [(17 * i + 3 * k) % model.config.vocab_size for k in range(n - 1)]
-        requests.append((done, Request(prompt_ids=prompt, max_tokens=scheduler.chunk + 1, on_event=on_event,
-                                       logprobs=logprobs)))
-    for done, request in requests:                # one at a time: each compiles its own programs
-        scheduler.submit([request])
+        scheduler.submit([Request(prompt_ids=prompt, max_tokens=max_tokens, on_event=on_event, logprobs=logprobs)])
         done.wait()
+    cache.clear()
     if failures:
         raise CLIError(f"warm-up request failed: {failures[0]}")
 
@@ -192,7 +302,7 @@ def serve(args) -> int:
                           speculative_tokens=args.speculative_tokens).start()
     t0 = time.perf_counter()
     if not args.no_warmup:
-        warm_up(scheduler)
+        warm_up(scheduler, args.warm_up_context)
     host, port = sock.getsockname()[:2]
     print(f"dsv4_jax.serve: ready on http://{host}:{port}/v1 (model {name!r}, max_batch {args.max_batch}, "
           f"max_seq_len {args.max_seq_len}, compiled in {time.perf_counter() - t0:.1f} s)", file=sys.stderr,

@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from dsv4_jax import serve
@@ -44,7 +45,8 @@ def test_port_in_use_is_one_line(capsys):
 def test_server_process_reports_ready_answers_and_stops():
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "dsv4_jax.serve", "--port", "0", "--max-batch", "2",
-                             "--max-seq-len", "128", "--chunk", "4", "--dtype", "float32"],
+                             "--max-seq-len", "128", "--chunk", "4", "--dtype", "float32",
+                             "--prefill-chunk", "8"],            # (the warm-up compiles each chunk size: 1 to 8)
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.time() + 240
@@ -70,24 +72,54 @@ def test_server_process_reports_ready_answers_and_stops():
     assert "Traceback" not in rest
 
 
-def test_warm_up_compiles_what_a_first_client_would_wait_for():
-    """After the warm-up, a request with logprobs and one with a long prompt compile nothing new."""
+@pytest.mark.parametrize("prefix_cache", ["16M", "0"])
+def test_warm_up_compiles_what_a_first_client_would_wait_for(prefix_cache):
+    """After the warm-up no request compiles a prefill or decode program, whatever its prompt length (every chunk
+    size, one chunk or several), logprobs and context bucket (max_seq_len 8192 has two: 4,096 positions and the
+    whole buffers; a completion crosses from one to the other, and with the prefix cache a short continuation of
+    a long prompt prefills its few tokens in the large one); the warm-up compiles each of its programs once."""
     import threading
 
-    import dsv4_jax
+    import jax
+
     from dsv4_jax import engine, generation
     from dsv4_jax.serving.scheduler import Finished, Request, Scheduler
-    model = dsv4_jax.load(dtype="float32", max_seq_len=512, max_batch=2, prefill_chunk=128, prefix_cache=16 << 20)
-    scheduler = Scheduler(model, chunk=4, max_queue=8).start()
+    jax.clear_caches()              # this test's programs are counted from here (the other parameter's too)
+    args = serve.build_parser().parse_args(["--random-weights", "tiny:1", "--dtype", "float32", "--max-batch", "2",
+                                            "--max-seq-len", "8192", "--allow-long-context", "--prefill-chunk", "64",
+                                            "--prefix-cache", prefix_cache])
+    model, _ = serve.build_model(args)
+    assert model.prefix_cache.enabled == (prefix_cache != "0")
+    scheduler = Scheduler(model, chunk=4, max_queue=32).start()
+
+    def programs():
+        return engine.prefill_chunk._cache_size(), generation.generate_chunk._cache_size()
     try:
         serve.warm_up(scheduler)
-        sizes = (engine.prefill_chunk._cache_size(), generation.generate_chunk._cache_size())
-        for prompt, logprobs in (([0] + list(range(5, 305)), None), ([0, 9, 10], 5), ([0, 11], 0)):
-            done = threading.Event()
-            scheduler.submit([Request(prompt_ids=prompt, max_tokens=6, logprobs=logprobs,
-                                      on_event=lambda e, done=done: isinstance(e, Finished) and done.set())])
-            assert done.wait(120)
-        assert (engine.prefill_chunk._cache_size(), generation.generate_chunk._cache_size()) == sizes
+        prefill, decode = serve.warm_up_programs(model, chunk=4)
+        assert {b for _, b in prefill} == {b for b, *_ in decode} == {4096, None}
+        first_prefill, first_decode = serve.warm_up_programs(model, chunk=4, context=4096)     # --warm-up-context
+        assert {b for _, b in first_prefill} == {b for b, *_ in first_decode} == {4096}
+        assert set(first_prefill) < set(prefill) and set(first_decode) < set(decode)
+        assert programs() == (len(prefill), len(decode))
+        rng = np.random.default_rng(0)
+        long_prompt = [0] + rng.integers(1, 4096, 4199).tolist()
+        requests = [(rng.integers(1, 4096, n).tolist(), 3, [None, 0, 5][n % 3])    # (none extends another)
+                    for n in (1, 2, 3, 5, 9, 17, 33, 65, 100, 129, 200, 300)]
+        requests += [([0] + rng.integers(1, 4096, 4089).tolist(), 12, None),   # decodes across position 4,096
+                     (long_prompt, 3, 5)]
+        dones = []
+
+        def submit(batch):
+            for prompt, max_tokens, logprobs in batch:
+                dones.append(threading.Event())
+                scheduler.submit([Request(prompt_ids=prompt, max_tokens=max_tokens, logprobs=logprobs,
+                                          on_event=lambda e, done=dones[-1]: isinstance(e, Finished) and done.set())])
+        submit(requests)                                        # two rows: short and long requests side by side
+        assert all(done.wait(120) for done in dones)
+        submit([(long_prompt[:-1] + [7, 8, 9, 10, 11, 12], 3, 0)])    # the prefix cache has all but 6 tokens
+        assert dones[-1].wait(120)
+        assert programs() == (len(prefill), len(decode))
     finally:
         scheduler.stop()
 
