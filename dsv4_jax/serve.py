@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 
-import jax.numpy as jnp
 import numpy as np
 
 from . import DEFAULT_MODEL_DIR, init_random, load, presets
@@ -28,7 +27,6 @@ from .engine import PREFILL_CHUNK
 from .generate import (EXIT_USAGE, KERNEL_OVERRIDE_HELP, CLIError, _check_checkpoint_dir, _int_at_least,
                        PREFIX_CACHE_DEFAULT, _LoadProgress, _mesh, _one_line, _setup_compile_cache, byte_size,
                        checked_config, model_settings)
-from .generation import generate_chunk
 from .serving.scheduler import Failed, Finished, Request, Scheduler
 from .serving.slots import MAX_TOP_LOGPROBS
 from .settings import Settings
@@ -254,13 +252,8 @@ def warm_up(scheduler, context: int | None = None) -> None:
         # (the positions as a jitted op leaves them: committed to their sharding or not, else a program of its own)
         state = state.replace(positions=state.positions + start)
         model.prefill(np.zeros((1, size), np.int32), np.array([end - start]), state=state, track_mtp=track)
-    # The loop leaves its slots alone while no request is live (Scheduler._dispatch), so they can be borrowed here.
-    halt = np.ones((scheduler.rows,), bool)
-    for bucket, logprobs, n_top in decode:          # as Scheduler._dispatch calls it
-        scheduler._slots, _ = generate_chunk(
-            model.params, scheduler._slots, jnp.asarray(halt), cfg=model.config,
-            ctx=model.context_for(bucket or model.max_seq_len), max_seq_len=model.max_seq_len,
-            chunk=scheduler.chunk, logprobs=logprobs, n_top=n_top, track_mtp=model.track_mtp, speculative_tokens=k)
+    for bucket, logprobs, n_top in decode:
+        scheduler.compile_decode(bucket or model.max_seq_len, logprobs, n_top)
     vocab = model.config.vocab_size
     prompts = [[(i + 1 + 17 * j) % vocab for j in range(n)] for i, n in enumerate(lengths)]
     extension = (prompts[0] + [5 % vocab])[:longest]

@@ -304,19 +304,34 @@ class Scheduler:
         if consumed is not None and len(consumed) > len(live.request.prompt_ids):
             cache.save(consumed, self._slots.decode, live.slot, self.model.track_mtp or bool(self.speculative_tokens))
 
+    def _launch(self, halt: np.ndarray, bound: int, logprobs: bool, n_top: int):
+        """Start a decode chunk of the shared batch with the rows `halt` marks done, in the context bucket of
+        positions below `bound`; returns its outputs (a generation.ChunkOut, not read yet)."""
+        model = self.model
+        self._slots, out = generate_chunk(model.params, self._slots, jnp.asarray(halt), cfg=model.config,
+                                          ctx=model.context_for(min(bound, model.max_seq_len)),
+                                          max_seq_len=model.max_seq_len, chunk=self.chunk, logprobs=logprobs,
+                                          n_top=n_top, track_mtp=model.track_mtp,
+                                          speculative_tokens=self.speculative_tokens)
+        return out
+
+    def compile_decode(self, bound: int, logprobs: bool, n_top: int) -> None:
+        """Compile (and run, every row halted: its loop ends at once) the decode chunk of the context bucket of
+        positions below `bound` with that logprobs variant. Before the loop's first request only (serve.warm_up):
+        it uses the shared batch outside the loop."""
+        if self.stats["admitted"] or self._waiting:
+            raise RuntimeError("compile_decode runs before the first request only")
+        jax.block_until_ready(self._launch(np.ones((self.rows,), bool), bound, logprobs, n_top))
+
     def _dispatch(self, live: list[_Live]):
         halt = np.array([o is None or o.finished for o in self._owners])
         k = self.speculative_tokens
         for o in live:
             self._fed[o.slot] += self.chunk * (k + 1)
         bound = int(max(self._fed[o.slot] for o in live))
-        model = self.model
         logprobs = not k and any(o.request.logprobs is not None for o in live)
         n_top = device.MAX_TOP_LOGPROBS if logprobs and any(o.request.logprobs for o in live) else 0
-        self._slots, out = generate_chunk(model.params, self._slots, jnp.asarray(halt), cfg=model.config,
-                                          ctx=model.context_for(min(bound, model.max_seq_len)),
-                                          max_seq_len=model.max_seq_len, chunk=self.chunk, logprobs=logprobs,
-                                          n_top=n_top, track_mtp=model.track_mtp, speculative_tokens=k)
+        out = self._launch(halt, bound, logprobs, n_top)
         self.stats["chunks"] += 1
         rows = [(slot, o) for slot, o in enumerate(self._owners) if o is not None and not o.finished]
         return rows, out
