@@ -753,3 +753,28 @@ def test_moe_skips_tokens_that_are_not_real(tiny, layer):
     assert_close(got[real], want[real], 2e-5 * scale, 0, "real tokens: moe vs reference.moe (atol 2e-5 x max|y|)")
     assert_close(got[~real], shared[~real], 2e-5 * scale, 0, "other tokens: the shared expert alone")
     assert np.abs(want[~real] - shared[~real]).max() > 100 * 2e-5 * scale, "the routed sum must be visible here"
+
+
+@pytest.mark.parametrize("layer", [1, 3], ids=["hash", "score"])
+def test_moe_decode_kernels_give_rows_that_are_not_real_the_first_real_rows_experts(tiny, layer):
+    """On the decode kernels' path (a step of at most MAX_KERNEL_TOKENS rows, interpret plan) a row that is not real
+    takes the first real row's input, so its routed parts are that row's (the step reads no expert for it alone);
+    the real rows' parts are those of a call without `real`."""
+    from dsv4_jax.ops import moe_ffn
+    from dsv4_jax.run_context import RunContext
+    cfg, params, _ = tiny
+    ctx = RunContext.create(dtype="float32", kernels="interpret").in_phase("decode")
+    rng = np.random.default_rng(71 + layer)
+    x = jnp.asarray(rng.standard_normal((8, cfg.dim)) * 3, jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, 8), jnp.int32)
+    ffn = params["layers"][layer]["ffn"]
+    assert moe_ffn._takes_ffn_kernels(ffn, cfg, x, ctx)
+    real = np.array([False, False, True, False, True, True, False, True])
+    call = functools.partial(moe, ffn, cfg, hash_routed=cfg.is_hash_layer(layer), ctx=ctx)
+    masked, _ = call(x, token_ids=tokens, real=jnp.asarray(real))
+    whole, _ = call(x, token_ids=tokens)
+    routed, whole_routed = np.asarray(masked.routed), np.asarray(whole.routed)
+    np.testing.assert_array_equal(routed[real], whole_routed[real])
+    np.testing.assert_array_equal(np.asarray(masked.shared)[real], np.asarray(whole.shared)[real])
+    assert all(np.array_equal(routed[i], whole_routed[2]) for i in np.flatnonzero(~real))       # row 2: first real
+    assert not np.allclose(whole_routed[0], whole_routed[2])                                   # (they differ)

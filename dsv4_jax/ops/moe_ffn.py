@@ -190,12 +190,19 @@ def _takes_ffn_kernels(params: dict, cfg: ModelConfig, x: jax.Array, ctx) -> boo
 
 
 def _ffn_on_kernels(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash_routed: bool,
-                    ctx) -> tuple[MoeParts, jax.Array]:
+                    ctx, real: jax.Array | None = None) -> tuple[MoeParts, jax.Array]:
     """The MoE of a decode or verify step, x [T, D]: the router's GEMV, then pallas_kernels/moe_decode.py for the
     top-k, weights and each pick's row of x (one launch), the routed and the shared gate + up GEMVs, both SwiGLUs
     in one launch, and the two down GEMVs. The sum of the parts is left to the consumer (MoeParts). Every expert
     id comes from the router, so the grouped matmuls skip their range clip (groups_in_range). Returns (the parts,
-    the expert ids [T, K])."""
+    the expert ids [T, K]).
+
+    `real` [T] (None: all): a token that is not real (a row of the batch that is not generating) takes the first
+    real token's input, so it picks that token's experts, which the step reads anyway, instead of its own; its
+    outputs are never used. (The kernels write every row, so a row without an expert would leave garbage.)"""
+    if real is not None:
+        source = jnp.where(real, jnp.arange(x.shape[0]), jnp.argmax(real))
+        x, token_ids = x[source], token_ids[source]
     interpret = ctx.kernels.interpret
     gate = params["gate"]
     k = cfg.n_activated_experts
@@ -227,12 +234,13 @@ def moe(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax.Array, hash
 
     `real` [...] bool (None: every token is): the tokens whose output is kept. The others (a chunk's padding, the
     rows of a batch that are not generating) go to no routed expert on the grouped path, so the experts only they
-    picked are not read; their output is then the shared expert's alone (it is never used). The decode kernels'
-    path (at most MAX_KERNEL_TOKENS tokens) runs every row."""
+    picked are not read; their output is then the shared expert's alone (it is never used). On the decode kernels'
+    path (at most MAX_KERNEL_TOKENS tokens) they take the first real token's experts instead (_ffn_on_kernels)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if _takes_ffn_kernels(params, cfg, x2, ctx):
-        parts, expert_ids = _ffn_on_kernels(params, cfg, x2, token_ids.reshape(-1), hash_routed, ctx)
+        parts, expert_ids = _ffn_on_kernels(params, cfg, x2, token_ids.reshape(-1), hash_routed, ctx,
+                                            None if real is None else real.reshape(-1))
         return (MoeParts(parts.routed.reshape(*lead, *parts.routed.shape[1:]), parts.shared.reshape(*lead, -1)),
                 _routing_stats(params, x2, expert_ids, ctx))
     expert_ids, weights = route(params["gate"], cfg, x2, token_ids.reshape(-1), hash_routed)
