@@ -199,8 +199,9 @@ def _ffn_on_kernels(params: dict, cfg: ModelConfig, x: jax.Array, token_ids: jax
 
     `real` [T] (None: all): a token that is not real (a row of the batch that is not generating) takes the first
     real token's input, so it picks that token's experts, which the step reads anyway, instead of its own; its
-    outputs are never used. (The kernels write every row, so a row without an expert would leave garbage.)"""
-    if real is not None:
+    outputs are never used. (The kernels write every row, so a row without an expert would leave garbage.) Not on
+    a mesh that splits the rows (DATA): there the first real row may be another device's."""
+    if real is not None and (ctx.mesh is None or ctx.mesh.shape[DATA] == 1):
         source = jnp.where(real, jnp.arange(x.shape[0]), jnp.argmax(real))
         x, token_ids = x[source], token_ids[source]
     interpret = ctx.kernels.interpret
