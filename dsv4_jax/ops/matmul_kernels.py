@@ -291,11 +291,10 @@ def _ffi_routed_kernel(xs: jax.Array) -> str:
 def pair_matmul(x2: jax.Array, w_a, w_b, ctx, routed: bool):
     """Two weights of one format times the same rows in one launch: a function (xq [R, K], row_experts [R] or None
     [, real [R]: routed_gemv]) -> float32 [R, N + N2] (w_a's products in columns 0 .. N), or None where no such
-    kernel applies (the caller then
-    makes two calls). The ffi/ decode GEMVs only. One shape (a gate and an up projection): each activation load and
-    B fragment serves both weights; routed: stacked FP4 experts [E, N, K], each row times its own expert (as
-    expert_matmul). Two 2-D FP8-block weights of one K and different N (the attention's wq_a and wkv): the
-    concatenation kernel, whose items are the tiles of both (ffi.gemv_concat)."""
+    kernel applies (the caller then makes two calls). The ffi/ decode GEMVs only. One shape (a gate and an up
+    projection): each activation load and B fragment serves both weights; routed: stacked FP4 experts [E, N, K],
+    each row times its own expert (as expert_matmul). Two 2-D FP8-block weights of one K and different N (the
+    attention's wq_a and wkv): the concatenation kernel, whose items are the tiles of both (ffi.gemv_concat)."""
     plan = _plan(ctx)
     ndim = 3 if routed else 2
     same_shape = tuple(w_a.shape) == tuple(w_b.shape)
