@@ -17,6 +17,8 @@ A kernel applies where one exists for the call; every other call takes the refer
       (gate and up projections)            weights (pair_matmul)          and shape
     linear_pair, two FP8-block weights     ffi.gemv_concat (tiles of      as above, one K, N and N2 % 16 == 0
       of one K (attention wq_a and wkv)    both weights, one launch)
+    linear, FP8-block / MXFP4 / NVFP4      ffi.grouped_gemv, the rows in  opt-in (override matmul=kernel; not
+      weight (dense_slots_gemv)            slots of 8, one weight         timed yet): CUDA, 9-64 rows
     linear, FP8-block weight               gemv.fp8_matmul                rows <= 256 (bf16) / 128 (fp32),
                                                                           N % 64 == 0
     linear, MXFP4 / NVFP4 weight           gemv.mxfp4_matmul / nvfp4_...  rows as above, N % 64 == 0, K % 32 == 0
@@ -66,6 +68,9 @@ MAX_MOE_ROWS = 128            # routed rows (tokens x top-k) up to which the MoE
 # tokens): up to MAX_MOE_ROWS one slot per row, beyond that the rows grouped by expert (routed_gemv). More rows
 # (prefill chunks: many rows per expert) take the MoE kernel's tensor-core slots.
 MAX_SLOTTED_ROWS = 256 * 6
+# Rows up to which a dense FP8 / FP4 weight takes the ffi/ GEMV in slots of 8 rows when the plan opts in
+# (`matmul=kernel`; dense_slots_gemv): 9 to 64 rows, the weight read once per slot (from L2 after the first).
+MAX_DENSE_SLOT_ROWS = 64
 
 def _plan(ctx) -> KernelPlan:
     """The plan the matmuls follow: the context's, or the reference where its overrides say so for "matmul"."""
@@ -148,6 +153,29 @@ def _is_quantized_matrix(weight, ndim: int) -> bool:
     return isinstance(weight, (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight)) and len(weight.shape) == ndim
 
 
+def _takes_dense_slots(x2: jax.Array, weight, plan: KernelPlan) -> bool:
+    """Whether rows x2 [R, K] times a 2-D quantized weight take dense_slots_gemv: opt-in (the plan's override
+    `matmul=kernel`; not timed on a GPU yet), CUDA with the ffi/ kernels, more rows than one ffi/ call takes and at
+    most MAX_DENSE_SLOT_ROWS."""
+    n, k = weight.shape[-2:]
+    return (plan.backend == "cuda" and plan.ffi and plan.override("matmul") == "kernel"
+            and ffi.max_rows(x2.dtype) < x2.shape[0] <= MAX_DENSE_SLOT_ROWS and _ffi_fits(1, x2.dtype, n, k))
+
+
+def dense_slots_gemv(x2: jax.Array, weight, *, grouped_gemv=ffi.grouped_gemv) -> jax.Array:
+    """float32 x2 [R, K] @ dequant(W [N, K])^T on the ffi/ GEMV in one launch: the rows in slots of ffi.max_rows
+    (zero rows pad the last), every slot times the one weight (a stack of one expert), so the weight is read once
+    per slot, after the first mostly from L2. -> float32 [R, N]. `grouped_gemv`: ffi.grouped_gemv (tests pass a
+    reference with its contract)."""
+    rows, k = x2.shape
+    capacity = ffi.max_rows(x2.dtype)
+    slots = -(-rows // capacity)
+    x3 = jnp.pad(x2, ((0, slots * capacity - rows), (0, 0))).reshape(slots, capacity, k)
+    stacked = jax.tree.map(lambda a: a[None], weight)
+    y3 = grouped_gemv(x3, stacked, np.zeros((slots,), np.int32), jnp.float32, schedule=0)
+    return y3.reshape(slots * capacity, -1)[:rows]
+
+
 def dense_matmul(x2: jax.Array, weight, ctx, call: str = "linear"):
     """float32 x2 [M, K] @ dequant(W)^T (global scale included) through a kernel, or None: use the reference."""
     plan = _plan(ctx)
@@ -157,6 +185,9 @@ def dense_matmul(x2: jax.Array, weight, ctx, call: str = "linear"):
     if backend == "cuda" and _ffi_takes(x2, weight, False, plan):
         _record(call, weight, backend, "ffi_gemv", ctx)
         return ffi.gemv(x2, weight, jnp.float32)
+    if _takes_dense_slots(x2, weight, plan):
+        _record(call, weight, backend, "ffi_gemv_slots", ctx)
+        return dense_slots_gemv(x2, weight)
     kernel = _dense_kernel(weight, *weight.shape) if backend and _rows_fit(x2, x2.shape[0]) else None
     _record(call, weight, backend if kernel else "reference", "gemv", ctx)
     return kernel(x2, weight, backend == "interpret") if kernel else None

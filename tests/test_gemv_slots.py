@@ -1,7 +1,8 @@
-"""ops/matmul_kernels.routed_gemv: the routed rows of a decode or verify step on the ffi/ GEMV, one slot per row or
-grouped by expert into slots of up to 8 rows. Runs on the CPU with a stand-in for ffi.grouped_gemv that keeps its
-contract (slot s times expert slot_expert[s]; a slot of expert -1 is skipped, its rows unwritten: poisoned here), and
-checks the rows against float64 products and which slots read which expert."""
+"""The ffi/ GEMV in slots of rows (ops/matmul_kernels.py): routed_gemv, the routed rows of a decode or verify step,
+one slot per row or grouped by expert into slots of up to 8 rows; dense_slots_gemv, 9-64 rows times one weight in
+slots of 8 (opt-in). Runs on the CPU with a stand-in for ffi.grouped_gemv that keeps its contract (slot s times
+expert slot_expert[s]; a slot of expert -1 is skipped, its rows unwritten: poisoned here), and checks the rows
+against float64 products and which slots read which expert; on the GPU (`-m gpu`) the real kernel."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from dsv4_jax import ffi
-from dsv4_jax.numerics.formats import Mxfp4Weight, Nvfp4Weight
+from dsv4_jax.numerics.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight
 from dsv4_jax.ops import matmul_kernels
 
 
@@ -33,9 +34,11 @@ class _StandIn:
         self.slot_experts = []
 
     def __call__(self, x3, weights, slot_expert, out_dtype, *, schedule):
-        assert x3.ndim == 3 and x3.shape[1] <= ffi.max_rows(x3.dtype) and schedule == ffi.routed_schedule(weights)
+        self.rows_per_slot = x3.shape[1]
+        assert x3.ndim == 3 and x3.shape[1] <= ffi.max_rows(x3.dtype)
         pair = weights if isinstance(weights, tuple) else (weights,)
         w = jnp.concatenate([p.dequantize(jnp.float32) for p in pair], axis=1)          # [E, N', K]
+        assert schedule in (0, ffi.routed_schedule(weights))
         y = jnp.einsum("smk,snk->smn", x3.astype(jnp.float32), w[jnp.maximum(slot_expert, 0)],
                        precision=jax.lax.Precision.HIGHEST)
         self.slot_experts.append(slot_expert)
@@ -85,6 +88,48 @@ def test_routed_gemv_without_real_computes_every_row():
     assert np.abs(np.asarray(y, np.float64) - want).max() / np.abs(want).max() < 1e-5
 
 
+def _fp8_weight(rng, shape):
+    w = np.clip(rng.standard_normal(shape) * 64, -448, 448)
+    scale = rng.integers(108, 124, (-(-shape[0] // 128), shape[1] // 128))
+    return Fp8BlockWeight(jnp.asarray(w, jnp.float32).astype(jnp.float8_e4m3fn), jnp.asarray(scale, jnp.uint8))
+
+
+@pytest.mark.parametrize("rows, dtype, fmt", [(9, jnp.bfloat16, "fp8"), (32, jnp.bfloat16, "mxfp4"),
+                                              (61, jnp.float32, "fp8"), (64, jnp.bfloat16, "nvfp4")])
+def test_dense_slots_gemv(rows, dtype, fmt):
+    """Every row against float64, the slots of ffi.max_rows rows (4 float32), one weight for all."""
+    rng = np.random.default_rng(rows)
+    w = _fp8_weight(rng, (192, 256)) if fmt == "fp8" else _fp4_weight(rng, fmt, (192, 256))
+    x = jnp.asarray(rng.standard_normal((rows, 256)), dtype)
+    stand_in = _StandIn()
+    y = np.asarray(matmul_kernels.dense_slots_gemv(x, w, grouped_gemv=stand_in), np.float64)
+    want = np.asarray(x, np.float64) @ np.asarray(w.dequantize(jnp.float32), np.float64).T
+    assert y.shape == want.shape
+    assert np.abs(y - want).max() / np.abs(want).max() < 1e-5
+    slot_expert = np.asarray(stand_in.slot_experts[0])
+    capacity = ffi.max_rows(dtype)
+    assert stand_in.rows_per_slot == capacity and slot_expert.tolist() == [0] * -(-rows // capacity)
+
+
+def test_dense_slots_are_opt_in_on_cuda_plans(monkeypatch):
+    """A batch-32 decode step traced for an H200 takes dense_slots_gemv for its dense FP8 weights only with the
+    override matmul=kernel."""
+    from dsv4_jax import presets
+    from dsv4_jax.dispatch_census import step_dispatch
+    from dsv4_jax.ops.plan import KernelPlan
+    from dsv4_jax.run_context import RunContext
+    monkeypatch.setattr(ffi, "register", lambda *args: None)               # tracing needs no library
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    cfg = presets.named("flash", 1)
+    tables = {}
+    for overrides in ((), ("matmul=kernel",)):
+        plan = KernelPlan("auto", "cuda", ffi=True, target="NVIDIA H200").with_overrides(overrides)
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=h200)):
+            tables[overrides] = step_dispatch(cfg, RunContext.create(kernels=plan), 32, 1, max_seq_len=4096)
+    assert "cuda:ffi_gemv_slots" not in tables[()] and tables[()]["cuda:gemv"] >= 7
+    assert tables[("matmul=kernel",)]["cuda:ffi_gemv_slots"] == tables[()]["cuda:gemv"] - 1, tables   # all but wo_a
+
+
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 
 
@@ -107,3 +152,17 @@ def test_routed_gemv_flash_geometry_gpu(fmt, tokens):
         assert np.all(np.isfinite(y))
         err = np.abs(y - want).max() / np.abs(want).max()
         assert err < 1e-4, f"{fmt} {n}x{k} pair={pair}: {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("rows", [9, 32, 64])
+def test_dense_slots_gemv_gpu(fmt, rows):
+    """The real ffi.grouped_gemv in slots of 8 rows at a Flash projection's shape (4096 x 4096) against float64."""
+    rng = np.random.default_rng()
+    w = _fp8_weight(rng, (4096, 4096)) if fmt == "fp8" else _fp4_weight(rng, fmt, (4096, 4096))
+    x = jnp.asarray(rng.standard_normal((rows, 4096)), jnp.bfloat16)
+    y = np.asarray(jax.jit(matmul_kernels.dense_slots_gemv)(x, w), np.float64)
+    want = np.asarray(x, np.float64) @ np.asarray(w.dequantize(jnp.float32), np.float64).T
+    assert np.all(np.isfinite(y)) and np.abs(y - want).max() / np.abs(want).max() < 1e-4
