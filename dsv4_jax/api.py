@@ -71,6 +71,12 @@ def context_bucket(positions: int, max_seq_len: int) -> int | None:
     return None if bucket >= max_seq_len else bucket
 
 
+def prefill_chunk_size(tokens: int, prefill_chunk: int) -> int:
+    """The chunk `tokens` prompt tokens are prefilled in: the next power of two, at most `prefill_chunk`. Chunks are
+    padded to a power of two so that prompts of many lengths share a few compiled programs."""
+    return min(prefill_chunk, 1 << max(tokens - 1, 0).bit_length())
+
+
 def batch_bucket(batch: int, max_batch: int) -> int:
     """The rows a generation of `batch` prompts runs with: the next power of two, at most max_batch."""
     return min(1 << max(batch - 1, 0).bit_length(), max_batch)
@@ -237,8 +243,7 @@ class Model:
             raise ValueError(f"sequence {b}: {int(consumed[b] + lengths[b])} tokens exceed max_seq_len="
                              f"{self.max_seq_len}")
         ctx = self._stats_context(stats, self.context_for(int((consumed + lengths).max())))
-        # Chunks are padded to a power of two so prompts of many lengths share a few compiled programs.
-        chunk = min(self.prefill_chunk, 1 << max(seq - 1, 0).bit_length())
+        chunk = prefill_chunk_size(seq, self.prefill_chunk)
         n_chunks = max(1, -(-seq // chunk))
         padded = np.zeros((batch, n_chunks * chunk), np.int32)
         padded[:, :seq] = tokens

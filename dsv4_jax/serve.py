@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from . import DEFAULT_MODEL_DIR, init_random, load, presets
-from .api import context_bucket
+from .api import context_bucket, prefill_chunk_size
 from .checkpoint import CheckpointError
 from .engine import PREFILL_CHUNK
 from .generate import (EXIT_USAGE, KERNEL_OVERRIDE_HELP, CLIError, _check_checkpoint_dir, _int_at_least,
@@ -187,9 +187,10 @@ def warm_up_programs(model, chunk: int, speculative_tokens: int = 0, context: in
     size = 1
     while size // 2 < longest:          # the lengths (size / 2, size] run in chunks of min(prefill_chunk, size)
         if not model.prefix_cache.enabled:
-            prefill.add((min(pc, size), context_bucket(min(size, longest), max_seq_len)))
+            prefill.add((prefill_chunk_size(size, pc), context_bucket(min(size, longest), max_seq_len)))
         elif size // 2 < longest - 1:   # a head of such a length, after any cached prefix, ends at most at longest - 1
-            prefill.update((min(pc, size), b) for b in _buckets(size // 2 + 1, longest - 1, max_seq_len))
+            prefill.update((prefill_chunk_size(size, pc), b)
+                           for b in _buckets(size // 2 + 1, longest - 1, max_seq_len))
         size *= 2
     if model.prefix_cache.enabled:
         prefill.update((1, b) for b in _buckets(1, longest, max_seq_len))
@@ -208,7 +209,7 @@ def warm_up_programs(model, chunk: int, speculative_tokens: int = 0, context: in
 def _prompt_programs(model, n: int) -> set:
     """The prefill programs (chunk size, context bucket) of an n-token prompt the prefix cache has no prefix of."""
     def program(tokens: int, end: int):
-        return min(model.prefill_chunk, 1 << (tokens - 1).bit_length()), context_bucket(end, model.max_seq_len)
+        return prefill_chunk_size(tokens, model.prefill_chunk), context_bucket(end, model.max_seq_len)
     if not model.prefix_cache.enabled:
         return {program(n, n)}
     return {program(n - 1, n - 1), program(1, n)} if n > 1 else {program(1, 1)}
