@@ -5,7 +5,7 @@
 # (a checkout of the commit before the change; skipped when unset), so both sides run on one machine in one
 # run. NEW_ARGS (benchmark options, e.g. "--kernel-override attention_core=kernel") and NEW_ENV (environment
 # assignments) apply to this tree's side only, so an opt-in switch is compared with BASELINE_DIR=. (this tree
-# without it). Results: $OUT (or ./out)/pytest_ab.log,
+# without it). COMMON_ARGS (e.g. "--act-quant fp8") apply to both sides. Results: $OUT (or ./out)/pytest_ab.log,
 # flash4_new.{json,log}, flash4_baseline.{json,log}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ PYTHONPATH=. timeout "${TEST_S:-300}" python3 -m pytest -m gpu -q -p no:cachepro
     ${TESTS:-tests/test_pallas_mhc.py} 2>&1 | tee "$OUT_DIR/pytest_ab.log" || status=1
 bench() {   # tree, name, environment assignments, benchmark options
     (cd "$1" && env ${3:-} PYTHONPATH=. timeout "${BENCH_S:-200}" python3 -m dsv4_jax.bench --preset flash --layers 4 \
-        ${4:-} --reference none --batches "${BATCHES:-1,8,32}" --contexts "${CONTEXTS:-4096}" --prompts "${PROMPTS:-1024}" \
+        ${COMMON_ARGS:-} ${4:-} --reference none --batches "${BATCHES:-1,8,32}" --contexts "${CONTEXTS:-4096}" --prompts "${PROMPTS:-1024}" \
         --out "$OUT_DIR/$2.json") 2>&1 | grep -v "Warning\|warn(" | tee "$OUT_DIR/$2.log" || status=1
 }
 bench . flash4_new "${NEW_ENV:-}" "${NEW_ARGS:-}"

@@ -216,6 +216,36 @@ def test_grouped_linear_prefill_rows_take_wide_slots(fmt, dtype, n):
     assert _rel(y, ref) < (1e-5 if dtype == jnp.bfloat16 else 2e-5)
 
 
+def test_grouped_linear_prefill_fp8_takes_the_w4a8_kernel():
+    """A prefill chunk's routed rows (more than a decode step's MAX_SLOTTED_ROWS) with FP8 activations: the W4A8
+    grouped GEMM on FP8 tensor cores, equal to the reference's W4A8 math (the same e4m3 x 2^k activations times
+    the exact MXFP4 weight; only the float32 summation order differs), sorted rows past the groups' sum zeros;
+    NVFP4 experts and bf16 activations keep the MoE kernel."""
+    rng = np.random.default_rng()
+    n_exp, n, k = 4, 128, 256
+    w = _weight(rng, "mxfp4", (n_exp, n, k))
+    w = Mxfp4Weight(w.packed, jnp.clip(w.scale, 118, 131))              # exponents within 14 binades: exact
+    sizes = np.array([900, 0, 380, 300])
+    m = int(sizes.sum()) + 7                                             # 7 rows past the groups
+    assert sizes.sum() > matmul_kernels.MAX_SLOTTED_ROWS
+    x = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.uniform(-3, 3, (m, 1))), jnp.bfloat16)
+    x = x.at[sizes.sum():].set(jnp.nan)                                  # rows that are not real: never read
+    with choice.record_dispatch("matmul") as rec:
+        y = grouped_linear(x, w, jnp.asarray(sizes, jnp.int32), jnp.float32, ctx=_ctx("interpret", "fp8"))
+    assert [r[3:5] for r in rec] == [("interpret", "moe_fp8")]
+    xq = np.asarray(fp8_activation(x[:sizes.sum()]).astype(jnp.float32), np.float64)
+    ref = np.einsum("rk,rnk->rn", xq, _dense64(w)[np.repeat(np.arange(n_exp), sizes)])
+    y = np.asarray(y)
+    assert _rel(y[:sizes.sum()], ref) < 1e-6
+    assert np.all(y[sizes.sum():] == 0)
+    for fmt, act_quant in (("nvfp4", "fp8"), ("mxfp4", "none")):
+        with choice.record_dispatch("matmul") as rec:
+            jax.eval_shape(lambda x, w: grouped_linear(x, w, jnp.asarray(sizes, jnp.int32), jnp.float32,
+                                                       ctx=_ctx("interpret", act_quant)),
+                           x, _weight(rng, fmt, (n_exp, n, k)))
+        assert [r[4] for r in rec] == ["moe"], (fmt, act_quant)
+
+
 def test_nvfp4_weights_the_kernels_would_approximate_are_listed():
     rng = np.random.default_rng()
     good = _weight(rng, "nvfp4", (64, 256))

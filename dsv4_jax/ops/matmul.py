@@ -221,6 +221,10 @@ def grouped_linear(x: jax.Array, weight, group_sizes: jax.Array | None, out_dtyp
     (a group >= G gives zeros; no sort where a per-row kernel takes the call; `groups_in_range`: every group is
     one of W's, _row_groups). Returns [m, out]."""
     groups, real = _row_groups(x, weight, group_sizes, row_groups, "grouped_linear", groups_in_range)
+    y = matmul_kernels.prefill_expert_matmul(x, weight, groups, real, activation_quantizer(weight, ctx.act_quant), ctx)
+    if y is not None:                      # (the kernel quantizes its input itself)
+        _tap_quantization(x, weight, ctx, groups)
+        return y.astype(out_dtype or x.dtype)
     if group_sizes is None and matmul_kernels.expert_kernel(x.shape[0], x.dtype, weight, ctx) is None:
         return _sorted_reference(x, weight, row_groups, out_dtype, ctx)
     xq, row_scale = _quantize_input(x, weight, ctx, groups)
