@@ -40,7 +40,7 @@ from dsv4_jax.numerics.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, 
 from dsv4_jax.ops.matmul import grouped_linear, linear  # noqa: E402
 from dsv4_jax.numerics.activations import quantize_fp8  # noqa: E402
 from dsv4_jax.run_context import RunContext  # noqa: E402
-from dsv4_jax.pallas_kernels import gemv, moe, prefill  # noqa: E402
+from dsv4_jax.pallas_kernels import gemv, moe, moe_fp8, prefill  # noqa: E402
 
 REFERENCE = RunContext.create(kernels="reference")            # the pure-jnp baselines
 REFERENCE_FP8 = RunContext.create(act_quant="fp8", kernels="reference")
@@ -51,6 +51,7 @@ DENSE = [("wq_a", 1024, 4096), ("wo_b", 4096, 8192), ("lm_head", 129280, 4096), 
 EXPERTS = [("experts_w1", 2048, 4096), ("experts_w2", 4096, 2048)]
 N_EXPERTS, TOP_K = 256, 6
 ROTATE_BYTES = 160 << 20
+MAX_CHECKED_MOE_ROWS = 24576     # routed rows up to which the MoE cases are checked against the reference
 MAX_COPIES = 48
 
 
@@ -179,6 +180,8 @@ def main():
     ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument("--moe-prefill-rows", default="3072,24576",
                     help="routed rows (tokens x 6) for the MoE prefill section ('' to skip)")
+    ap.add_argument("--moe-fp8-tiles", default="64x128x4,128x128x8,128x64x4",
+                    help="W4A8 routed-expert kernel tiles (rows per slot x weight rows x warps) to time")
     ap.add_argument("--prefill-shapes", default=",".join(PREFILL), help="matrices of the prefill section")
     ap.add_argument("--sweep", action="store_true",
                     help="also time tile configurations: the prefill kernel on " + ", ".join(SWEEP) + " at 4096 rows "
@@ -416,10 +419,24 @@ def run_moe_prefill(args, key, row_counts, emit):
                  ("xla_dequant_ragged_dot", lambda x, w: grouped_linear(x, w, sizes, jnp.float32, ctx=REFERENCE),
                   w4),
                  ("ragged_dot_bf16", lambda x, w: jax.lax.ragged_dot(x, w, sizes), wb)]
-        ref = jax.jit(cases[1][1])(x, w4).astype(jnp.float32)
+        checked = rows <= MAX_CHECKED_MOE_ROWS          # (XLA's ragged_dot reference needs ~96 GB at 49,152 rows)
+        if not checked:
+            cases = [c for c in cases if c[0] != "xla_dequant_ragged_dot"]
+        ref = jax.jit(cases[1][1])(x, w4).astype(jnp.float32) if checked else None
+        # FP8 activations (W4A8): the model's call (quantize, gather into slots, kernel) in each tile shape, checked
+        # against the reference's W4A8 math
+        ids_j = jnp.asarray(ids, jnp.int32)
+        for bm, bn, warps in ([] if args.smoke else [tuple(map(int, t.split("x"))) for t in args.moe_fp8_tiles.split(",") if t]):
+            def w4a8(x, w, bm=bm, bn=bn, warps=warps):
+                xq, sx = quantize_fp8(x)
+                return moe_fp8.moe_fp8_matmul(xq, sx, w, ids_j, block_m=bm, block_n=bn, num_warps=warps)
+            cases.append((f"pallas_moe_fp8_{bm}x{bn}x{warps}", w4a8, w4))
+        ref_fp8 = (jax.jit(lambda x, w: grouped_linear(x, w, sizes, jnp.float32, ctx=REFERENCE_FP8))(x, w4)
+                   if checked and len(cases) > 3 else None)
         for impl, fn, w in cases:
             try:
-                err = rel_err(jax.jit(fn)(x, w), ref) if impl == "pallas_moe_prefill" else None
+                err = None if not checked else (rel_err(jax.jit(fn)(x, w), ref) if impl == "pallas_moe_prefill"
+                       else rel_err(jax.jit(fn)(x, w), ref_fp8) if impl.startswith("pallas_moe_fp8") else None)
                 t = time_calls(fn, [w], x, 2 if args.smoke else 5, repeats=3)
                 kt = profiled_kernel_us(fn, x, [w], calls=4) if PROFILE else None
             except Exception as e:  # noqa: BLE001
@@ -428,7 +445,7 @@ def run_moe_prefill(args, key, row_counts, emit):
             emit(dict(name=name, shape=[len(ids), n, k], fmt="bf16" if impl == "ragged_dot_bf16" else "mxfp4",
                       impl=impl, time_us=t[0], min_us=t[1], max_us=t[2], kernel_us=kt, rel_err=err,
                       tflops=flops / t[0] / 1e6, gbps=float("nan"), experts=n_exp))
-        if args.sweep:
+        if args.sweep and checked:
             run_moe_sweep(args, key, name, n, k, x, jnp.asarray(ids, jnp.int32), w4, ref, flops, emit)
     del w4, wb
 

@@ -62,7 +62,7 @@ def _rel_err(y, ref) -> float:
 
 
 def test_e4m3_operand_every_code_and_shift():
-    """The kernel's bits of e2m1 x 2^d, then rounded to e4m3, for every code and every shift the kernel makes."""
+    """The tables' float32 bits of e2m1 x 2^d, then rounded to e4m3, for every code and every shift they use."""
     codes = np.arange(16, dtype=np.int32)
     for shift in range(moe_fp8.MIN_SHIFT, 7):
         bits = np.asarray(moe_fp8.e4m3_operand_bits(jnp.asarray(codes), jnp.int32(shift)))
@@ -74,15 +74,53 @@ def test_e4m3_operand_every_code_and_shift():
             np.testing.assert_array_equal(e4m3, E2M1 * 2.0 ** shift)
 
 
-def test_block_shifts():
+def _e4m3_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8).astype(np.uint32)
+
+
+def test_magnitude_tables_and_block_scale():
+    """The per-32-block tables: byte i of the words is e4m3(|e2m1 code i| x 2^(e - r + 6)) (shift clipped at
+    MIN_SHIFT); the block's weight scale 2^(r - 133), clipped at 2^-126."""
     rng = np.random.default_rng(0)
     e = rng.integers(0, 255, (64, 4)).astype(np.uint8)
     e[0] = [127, 127, 127, 127]
     e[1] = [3, 250, 0, 5]                                                # shifts below MIN_SHIFT clip
-    shift, scale = (np.asarray(a) for a in moe_fp8._block_shifts(jnp.asarray(e)))
+    e[2] = [120, 100, 105, 110]                                          # subnormal and zero table entries
+    lo, hi, scale = (np.asarray(a) for a in moe_fp8._block_tables(jnp.asarray(e)))
     r = e.astype(np.int64).max(axis=1)
-    np.testing.assert_array_equal(shift, np.maximum(e - r[:, None] + 6, moe_fp8.MIN_SHIFT))
+    shift = np.maximum(e - r[:, None] + 6, moe_fp8.MIN_SHIFT)
+    for code in range(8):
+        word = lo if code < 4 else hi
+        got = (word >> (8 * (code % 4))) & 0xFF
+        np.testing.assert_array_equal(got, _e4m3_bytes(E2M1[code] * 2.0 ** shift))
     np.testing.assert_array_equal(scale.astype(np.float64), 2.0 ** (np.maximum(r - 6, 1) - 127.0))
+
+
+def _tables_np(shift):
+    words = [np.zeros(np.shape(shift), np.uint32) for _ in range(2)]
+    for code in range(8):
+        words[code // 4] |= _e4m3_bytes(E2M1[code] * 2.0 ** np.asarray(shift)) << (8 * (code % 4))
+    return words
+
+
+def test_decode_ptx_every_byte():
+    """The PTX's constants, run instruction by instruction (decode_ptx_np), for every packed byte in each of the
+    four positions of its register and tables of several shifts: the low and high nibbles' e4m3 bytes are
+    e4m3(e2m1 value x 2^shift), signs and negative zero included; the jnp emulation (interpret mode) agrees."""
+    byte = np.arange(256, dtype=np.uint32)
+    for shift in (6, 0, -5, -9, -12, moe_fp8.MIN_SHIFT):
+        table_lo, table_hi = _tables_np(shift)
+        for position in range(4):
+            word = (byte << (8 * position)) | np.uint32(0x5AC3E17F & ~(0xFF << (8 * position)))   # other bytes
+            lo, hi = moe_fp8.decode_ptx_np(word, table_lo, table_hi)
+            got_lo, got_hi = (lo >> (8 * position)) & 0xFF, (hi >> (8 * position)) & 0xFF
+            for got, codes in ((got_lo, byte & 15), (got_hi, byte >> 4)):
+                want = _e4m3_bytes(np.abs(E2M1[codes]) * 2.0 ** shift) | ((codes & 8) << 4)
+                np.testing.assert_array_equal(got, want)
+        emulated = moe_fp8._decode_emulated(jnp.asarray(byte, jnp.uint8), jnp.uint32(table_lo), jnp.uint32(table_hi))
+        for got, codes in zip(emulated, (byte & 15, byte >> 4)):
+            want = _e4m3_bytes(np.abs(E2M1[codes]) * 2.0 ** shift) | ((codes & 8) << 4)
+            np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint8)), want)
 
 
 def _case(rng, rows=150, n_exp=6, n=256, k=512):

@@ -20,9 +20,16 @@ float32 sum scaled by the activation's and the weight's block scales into the fl
 promotion per 128 inputs; prefill.fp8_dot_nt_p says why the dot needs its own lowering). The programs of unused
 slots (expert -1) exit at once; rows that are not real (`real`) take no slot.
 
-Backend: Pallas Triton, as prefill.py (whose FP8 wgmma primitive this reuses): its interpret mode runs the CPU
-tests, and the weight decode is plain integer arithmetic on the loaded bytes (bits of e2m1 x 2^d built as float32,
-then Triton's round-to-nearest-even conversion to e4m3, what XLA's convert does for the reference operand).
+The decode is a table lookup, so it costs about two instructions per weight: per row and 32-block the kernel
+builds the e4m3 bytes of the eight e2m1 magnitudes times 2^(e - r + 6) (float32 bits, then Triton's
+round-to-nearest-even conversion, what XLA's convert does for the reference operand; 8 conversions per 32
+weights), and inline PTX turns four packed bytes into eight e4m3 bytes with two `prmt` byte permutes over that
+table plus the sign bits (E4M3_DECODE_PTX; decode_ptx_np emulates it instruction by instruction for the tests).
+A first version that built every weight's float32 bits and converted each (about 15 instructions per weight)
+made an 8K prompt's prefill slower than the bf16 path on an H100 (163.8 vs 125.4 ms, docs/performance.md).
+
+Backend: Pallas Triton, as prefill.py (whose FP8 wgmma primitive this reuses) and gemv.py (whose inline-PTX
+decode this follows): its interpret mode runs the CPU tests, with the PTX replaced by its exact jnp emulation.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax._src import core as jax_core
+from jax._src.interpreters import mlir
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -45,8 +55,8 @@ MIN_SHIFT = -30         # e2m1 x 2^d for d below this is under e4m3's smallest s
 
 
 def e4m3_operand_bits(codes: jax.Array, shift: jax.Array) -> jax.Array:
-    """float32 bits (uint32) of e2m1 codes [..., 16] (uint8 or int32, 0..15) times 2^shift (int32, broadcast
-    against codes, shift >= MIN_SHIFT): exact, since every such value is a normal float32."""
+    """float32 bits (uint32) of e2m1 codes (uint8 or int32, 0..15) times 2^shift (int32, broadcast against codes,
+    shift >= MIN_SHIFT): exact, since every such value is a normal float32."""
     c = codes.astype(jnp.int32)
     sign = (c >> 3) & 1
     e = (c >> 1) & 3
@@ -58,14 +68,114 @@ def e4m3_operand_bits(codes: jax.Array, shift: jax.Array) -> jax.Array:
     return magnitude.astype(jnp.uint32) | (sign.astype(jnp.uint32) << 31)
 
 
-def _block_shifts(scale_bytes: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """E8M0 bytes [bn, 4] of one 128-input block -> (the 32-blocks' shifts e - r + 6 [bn, 4] int32, at least
-    MIN_SHIFT; the block's weight scale 2^(r - 133) float32 [bn], 2^-126 at least, as prefill._pow2 clips it)."""
+def magnitude_tables(shift: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The e4m3 bytes of the eight e2m1 magnitudes times 2^shift (int32 [...], >= MIN_SHIFT), rounded to nearest
+    even as XLA converts them, as two uint32 words [...]: magnitudes 0-3 in the first (byte i: code i), 4-7 in
+    the second, the table the decode's `prmt` indexes."""
+    words = []
+    for half in (0, 1):
+        word = jnp.zeros(shift.shape, jnp.uint32)
+        for i in range(4):
+            bits = e4m3_operand_bits(jnp.full(shift.shape, 4 * half + i, jnp.int32), shift)
+            e4m3 = jax.lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.float8_e4m3fn)
+            word = word | (jax.lax.bitcast_convert_type(e4m3, jnp.uint8).astype(jnp.uint32) << (8 * i))
+        words.append(word)
+    return words[0], words[1]
+
+
+# The decode of four packed bytes (one 32-bit register: eight e2m1 codes) into the e4m3 bytes of their low
+# nibbles ($0) and of their high nibbles ($1) through the table of their 32-block ($3: magnitudes 0-3, $7: 4-7;
+# the four bytes of one instance lie in one 32-block, as Triton packs consecutive elements of a 16-byte row run).
+# A nibble's three magnitude bits select a table byte (prmt: selector nibble i -> result byte i; its fourth bit,
+# prmt's sign-replicate mode, is masked off) and its sign bit becomes bit 7 of the result byte.
+SPREAD_LO = 0x0F0F0F0F
+PACK_SELECTORS = 0x0020            # prmt: bytes 0 and 2 of (c | c >> 4) -> the four codes as 16 bits of nibbles
+MAGNITUDE_BITS = 0x7777
+SIGN_BITS = 0x80808080
+E4M3_DECODE_PTX = f"""{{
+.reg .b32 c, t, m;
+and.b32 c, $2, {SPREAD_LO:#x};
+shr.b32 t, c, 4; or.b32 t, t, c; prmt.b32 t, t, 0, {PACK_SELECTORS:#x}; and.b32 t, t, {MAGNITUDE_BITS:#x};
+prmt.b32 m, $3, $7, t;
+shl.b32 c, $2, 4; and.b32 c, c, {SIGN_BITS:#x}; or.b32 $0, m, c;
+shr.b32 c, $2, 4; and.b32 c, c, {SPREAD_LO:#x};
+shr.b32 t, c, 4; or.b32 t, t, c; prmt.b32 t, t, 0, {PACK_SELECTORS:#x}; and.b32 t, t, {MAGNITUDE_BITS:#x};
+prmt.b32 m, $3, $7, t;
+and.b32 c, $2, {SIGN_BITS:#x}; or.b32 $1, m, c;
+}}"""
+
+
+def _prmt_np(a, b, selector):
+    """numpy prmt.b32 (default mode): result byte i is byte (selector nibble i) & 7 of the eight bytes of b:a, or
+    that byte's sign bit replicated where the nibble's bit 3 is set."""
+    pool = a.astype(np.uint64) | (b.astype(np.uint64) << 32)
+    out = np.zeros(np.broadcast(a, b, selector).shape, np.uint32)
+    for i in range(4):
+        nib = (selector >> (4 * i)) & 0xF
+        byte = ((pool >> (8 * (nib & 7)).astype(np.uint64)) & 0xFF).astype(np.uint32)
+        byte = np.where(nib & 8, np.where(byte & 0x80, 0xFF, 0), byte)
+        out |= byte.astype(np.uint32) << (8 * i)
+    return out
+
+
+def decode_ptx_np(word: np.ndarray, table_lo: np.ndarray, table_hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """numpy emulation of E4M3_DECODE_PTX instruction by instruction: uint32 words of four packed bytes -> (the
+    low nibbles' e4m3 bytes, the high nibbles'), uint32 words. Used by the tests to check the constants."""
+    w = word.astype(np.uint32)
+    outs = []
+    for codes, signs in (((w & SPREAD_LO), (w << 4) & SIGN_BITS), (((w >> 4) & SPREAD_LO), w & SIGN_BITS)):
+        t = _prmt_np(((codes >> 4) | codes).astype(np.uint32), np.zeros_like(w), np.uint32(PACK_SELECTORS))
+        outs.append(_prmt_np(table_lo, table_hi, t & MAGNITUDE_BITS) | signs.astype(np.uint32))
+    return outs[0], outs[1]
+
+
+def _decode_emulated(packed: jax.Array, table_lo: jax.Array, table_hi: jax.Array):
+    """What E4M3_DECODE_PTX computes, elementwise and exactly, in plain jnp (interpret mode and CPU)."""
+    def nibble(codes):
+        magnitude = (codes & 7).astype(jnp.uint32)
+        word = jnp.where(magnitude < 4, table_lo, table_hi)
+        byte = (word >> (8 * (magnitude & 3))) & 0xFF
+        byte = byte | ((codes.astype(jnp.uint32) & 8) << 4)
+        return jax.lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e4m3fn)
+    p = packed.astype(jnp.uint32)
+    return nibble(p & 15), nibble(p >> 4)
+
+
+def _make_decode_primitive():
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering as triton_lowering
+    from jaxlib.triton import dialect as tt
+
+    prim = jax_core.Primitive("dsv4_fp4_e4m3_decode")
+    prim.multiple_results = True
+    prim.def_abstract_eval(lambda w, lo, hi: [jax_core.ShapedArray(w.shape, jnp.float8_e4m3fn)] * 2)
+    prim.def_impl(_decode_emulated)
+    mlir.register_lowering(prim, mlir.lower_fun(_decode_emulated, multiple_results=True))
+
+    @triton_lowering.register_lowering(prim)
+    def _triton(ctx, w, lo, hi):
+        types = [ir.RankedTensorType.get(a.shape, mlir.dtype_to_ir_type(jnp.dtype(a.dtype))) for a in ctx.avals_out]
+        # pack=4: each instance sees four consecutive bytes (one 32-bit register) and the four elements' table
+        # words (it reads the first of each: one 32-block), and writes four e4m3 bytes per output register
+        res = tt.elementwise_inline_asm(types, E4M3_DECODE_PTX, constraints="=r,=r,r,r,r,r,r,r,r,r,r", pure=True,
+                                        packed_element=4, args=[w, lo, hi])
+        return list(res)
+
+    return prim
+
+
+fp4_e4m3_decode_p = _make_decode_primitive()
+
+
+def _block_tables(scale_bytes: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """E8M0 bytes [bn, 4] of one 128-input block -> (the 32-blocks' magnitude tables, two uint32 [bn, 4], for
+    shifts e - r + 6, at least MIN_SHIFT; the block's weight scale 2^(r - 133) float32 [bn], at least 2^-126 as
+    prefill._pow2 clips it)."""
     e = scale_bytes.astype(jnp.int32)
     r = jnp.max(e, axis=1)
-    shift = jnp.maximum(e - r[:, None] + 6, MIN_SHIFT)
+    table_lo, table_hi = magnitude_tables(jnp.maximum(e - r[:, None] + 6, MIN_SHIFT))
     scale = jax.lax.bitcast_convert_type((jnp.maximum(r - 6, 1) << 23).astype(jnp.uint32), jnp.float32)
-    return shift, scale
+    return table_lo, table_hi, scale
 
 
 def _kernel(se_ref, xe_ref, xo_ref, sx_ref, w_ref, s_ref, o_ref, *, block_n: int, n_steps: int):
@@ -76,30 +186,27 @@ def _kernel(se_ref, xe_ref, xo_ref, sx_ref, w_ref, s_ref, o_ref, *, block_n: int
     @pl.when(expert >= 0)
     def _():
         def body(j, acc):
-            packed = w_ref[expert, rows, pl.ds(j * (BK // SUB), BK // SUB), :].astype(jnp.int32)  # [bn, 4, 16]
-            shift, w_scale = _block_shifts(s_ref[expert, rows, pl.ds(j * (BK // SUB), BK // SUB)])
-            shift = shift[:, :, None]
-
-            def operand(codes):                                           # [bn, 4, 16] -> e4m3 [bn, 64]
-                bits = e4m3_operand_bits(codes, shift).reshape(block_n, HALF)
-                return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.float8_e4m3fn)
-
-            part = (fp8_dot_nt_p.bind(xe_ref[:, pl.ds(j * HALF, HALF)], operand(packed & 15))
-                    + fp8_dot_nt_p.bind(xo_ref[:, pl.ds(j * HALF, HALF)], operand(packed >> 4)))  # [bm, bn]
+            packed = w_ref[expert, rows, pl.ds(j * (BK // SUB), BK // SUB), :]              # [bn, 4, 16] u8
+            table_lo, table_hi, w_scale = _block_tables(s_ref[expert, rows, pl.ds(j * (BK // SUB), BK // SUB)])
+            lo, hi = fp4_e4m3_decode_p.bind(packed, jnp.broadcast_to(table_lo[:, :, None], packed.shape),
+                                            jnp.broadcast_to(table_hi[:, :, None], packed.shape))
+            part = (fp8_dot_nt_p.bind(xe_ref[:, pl.ds(j * HALF, HALF)], lo.reshape(block_n, HALF))
+                    + fp8_dot_nt_p.bind(xo_ref[:, pl.ds(j * HALF, HALF)], hi.reshape(block_n, HALF)))  # [bm, bn]
             return acc + (part * sx_ref[j, :][:, None]) * w_scale[None, :]
 
         o_ref[...] = jax.lax.fori_loop(0, n_steps, body, jnp.zeros(o_ref.shape, jnp.float32))
 
 
 def moe_fp8_matmul(xq: jax.Array, sx: jax.Array, w_stacked: Mxfp4Weight, expert_ids: jax.Array,
-                   real: jax.Array | None = None, *, block_m: int = 64, block_n: int = 128, num_warps: int = 4,
+                   real: jax.Array | None = None, *, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
                    num_stages: int = 3, interpret: bool = False) -> jax.Array:
     """Row r of xq (e4m3 [R, K], float32 block scales sx [R, K/128]) times expert expert_ids[r] of the stacked
     MXFP4 weight [E, N, K] -> float32 [R, N]. Expert ids in [0, E); rows that are not `real` [R] (None: all are)
     read no weight and give zeros.
 
-    Tiles: `block_m` rows of one expert (a slot) x `block_n` weight rows; 64 x 128 on one warpgroup with 3
-    stages is prefill.fp8_block_matmul's measured default. Not yet timed on a GPU (docs/performance.md)."""
+    Tiles: `block_m` rows of one expert (a slot) x `block_n` weight rows. 128 x 128 on two warpgroups: each
+    decoded weight tile serves 128 rows (an 8K chunk routes ~192 rows to each of Flash's 256 experts); chosen
+    before any timing of this decode (benchmarks/bench_kernels.py --moe-fp8-tiles sweeps it)."""
     what = "moe_fp8_matmul"
     if not isinstance(w_stacked, Mxfp4Weight) or w_stacked.packed.ndim != 3:
         raise TypeError(f"{what}: w_stacked must be a stacked Mxfp4Weight [E, N, K]")
