@@ -14,9 +14,10 @@ NVFP4 experts are not offered: e2m1 x an e4m3 block scale has up to 5 significan
 
 Schedule: moe.moe_schedule puts the rows of each expert into slots of `block_m` rows (the rows of a chunk are
 not sorted in memory: the slots' rows are gathered once, in e4m3, before the launch); a program computes one
-slot's [block_m, block_n] output tile, looping over K in 128-input steps: two FP8 dots of 64 inputs (the even and
-the odd inputs, which are the low and high nibbles of the packed bytes, so the decode needs no interleave), their
-float32 sum scaled by the activation's and the weight's block scales into the float32 accumulator (DeepSeek's
+slot's [block_n, block_m] output tile (weight rows x the slot's rows), looping over K in 128-input steps: one FP8
+wgmma chain of two 64-input dots (the even and the odd inputs, which are the low and high nibbles of the packed
+bytes, so the decode needs no interleave) with the decoded weight as the A operand in registers, then the chain's
+float32 result scaled by the weight's and the activation's block scales into the float32 accumulator (DeepSeek's
 promotion per 128 inputs; prefill.fp8_dot_nt_p says why the dot needs its own lowering). The programs of unused
 slots (expert -1) exit at once; rows that are not real (`real`) take no slot.
 
@@ -167,6 +168,29 @@ def _make_decode_primitive():
 fp4_e4m3_decode_p = _make_decode_primitive()
 
 
+def _make_fp8_dot_acc_primitive():
+    """acc + a [M, 64] . b [N, 64]^T (e4m3 operands, float32 acc) as one FP8 wgmma chain: prefill.fp8_dot_nt_p
+    with an accumulator operand, so the low and high nibbles' dots of one 128-input block are one chain of
+    BK inputs (the bound its imprecise accumulation is allowed) before the promotion."""
+    from jax._src.pallas.triton import lowering as triton_lowering
+    from jaxlib.triton import dialect as tt
+
+    prim = jax_core.Primitive("dsv4_fp8_dot_nt_acc")
+
+    def _impl(a, b, acc):
+        return acc + jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+    prim.def_abstract_eval(lambda a, b, acc: jax_core.ShapedArray(acc.shape, jnp.float32))
+    prim.def_impl(_impl)
+    mlir.register_lowering(prim, mlir.lower_fun(_impl, multiple_results=False))
+    triton_lowering.register_lowering(prim)(
+        lambda ctx, a, b, acc: tt.dot(a, tt.trans(b, (1, 0)), acc, max_num_imprecise_acc=BK))
+    return prim
+
+
+fp8_dot_nt_acc_p = _make_fp8_dot_acc_primitive()
+
+
 def _block_tables(scale_bytes: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """E8M0 bytes [bn, 4] of one 128-input block -> (the 32-blocks' magnitude tables, two uint32 [bn, 4], for
     shifts e - r + 6, at least MIN_SHIFT; the block's weight scale 2^(r - 133) float32 [bn], at least 2^-126 as
@@ -190,9 +214,12 @@ def _kernel(se_ref, xe_ref, xo_ref, sx_ref, w_ref, s_ref, o_ref, *, block_n: int
             table_lo, table_hi, w_scale = _block_tables(s_ref[expert, rows, pl.ds(j * (BK // SUB), BK // SUB)])
             lo, hi = fp4_e4m3_decode_p.bind(packed, jnp.broadcast_to(table_lo[:, :, None], packed.shape),
                                             jnp.broadcast_to(table_hi[:, :, None], packed.shape))
-            part = (fp8_dot_nt_p.bind(xe_ref[:, pl.ds(j * HALF, HALF)], lo.reshape(block_n, HALF))
-                    + fp8_dot_nt_p.bind(xo_ref[:, pl.ds(j * HALF, HALF)], hi.reshape(block_n, HALF)))  # [bm, bn]
-            return acc + (part * sx_ref[j, :][:, None]) * w_scale[None, :]
+            # the decoded weight is the wgmma's A operand, straight from registers (B, the activations, from
+            # shared memory): no round trip of the decoded tile through shared memory
+            part = fp8_dot_nt_acc_p.bind(lo.reshape(block_n, HALF), xe_ref[:, pl.ds(j * HALF, HALF)],
+                                         jnp.zeros(acc.shape, jnp.float32))
+            part = fp8_dot_nt_acc_p.bind(hi.reshape(block_n, HALF), xo_ref[:, pl.ds(j * HALF, HALF)], part)
+            return acc + (part * w_scale[:, None]) * sx_ref[j, :][None, :]            # [bn, bm]
 
         o_ref[...] = jax.lax.fori_loop(0, n_steps, body, jnp.zeros(o_ref.shape, jnp.float32))
 
@@ -234,7 +261,7 @@ def moe_fp8_matmul(xq: jax.Array, sx: jax.Array, w_stacked: Mxfp4Weight, expert_
     w4 = w_stacked.packed.reshape(n_exp, n, k // SUB, SUB_BYTES)
     out = pl.pallas_call(
         functools.partial(_kernel, block_n=block_n, n_steps=k // BK),
-        out_shape=jax.ShapeDtypeStruct((n_slots, block_m, n), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((n_slots, n, block_m), jnp.float32),
         # the N tiles of a slot are the fastest axis, so the CTAs resident at once share a few slots' activations
         grid=(n // block_n, n_slots),
         in_specs=[pl.BlockSpec((n_slots,), lambda i, q: (0,)),
@@ -243,10 +270,10 @@ def moe_fp8_matmul(xq: jax.Array, sx: jax.Array, w_stacked: Mxfp4Weight, expert_
                   pl.BlockSpec((None, k // BK, block_m), lambda i, q: (q, 0, 0)),
                   pl.BlockSpec(w4.shape, lambda i, q: (0, 0, 0, 0)),
                   pl.BlockSpec(w_stacked.scale.shape, lambda i, q: (0, 0, 0))],
-        out_specs=pl.BlockSpec((None, block_m, block_n), lambda i, q: (q, 0, i)),
+        out_specs=pl.BlockSpec((None, block_n, block_m), lambda i, q: (q, i, 0)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="dsv4_moe_fp8_matmul",
     )(slot_expert, xe, xo, sxs, w4, w_stacked.scale)
-    y = out[slot_of_row, pos_of_row]                            # [R, N]; unused slots' tiles are never read
+    y = out[slot_of_row, :, pos_of_row]                         # [R, N]; unused slots' tiles are never read
     return y if real is None else jnp.where(real[:, None], y, 0.0)
