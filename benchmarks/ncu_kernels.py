@@ -25,6 +25,7 @@ Cases (--cases, comma-separated; default all):
   prefill_fp8      linear, act_quant="fp8", on FP8-block 2048 x 4096, M = 4096: quantize, operand, FP8 wgmma kernel
   prefill_mxfp4    the same on MXFP4 2048 x 4096 (operand: e4m3 + per-row scales): 52% of XLA's FP8 rate
   moe_prefill      grouped_linear of 24576 routed rows (4096 tokens x 6) on 256 MXFP4 experts 2048 x 4096
+  moe_prefill_fp8  the same with FP8 activations: quantize, slot gathers, the W4A8 kernel (pallas_kernels/moe_fp8.py)
   decode_attention the decode attention kernel of one CSA and one HCA layer at Flash geometry, batch 1, with 1, 4
                    and 16 splits (benchmarks/bench_decode_attention.py's inputs and XLA's path beside it)
 Each case prints its name first (stdout, before ncu's report of its kernels).
@@ -47,10 +48,12 @@ from dsv4_jax import ffi  # noqa: E402
 from dsv4_jax.ops import grouped_linear, linear  # noqa: E402
 from dsv4_jax.pallas_kernels.quantize import quantize_fp8_kernel, quantize_nvfp4_kernel  # noqa: E402
 from benchmarks.bench_kernels import AUTO, make_weight  # noqa: E402
+from dsv4_jax.run_context import RunContext  # noqa: E402
 from benchmarks.probe_gemv import PROBE_SOURCE, probe_call  # noqa: E402
 
 CASES = ("nvfp4_quantize", "fp8_quantize", "xla_bf16_gemv", "mxfp4_gemv", "mxfp4_gemv_layout", "probe_loads",
-         "probe_decode", "fp8_gemv", "prefill_fp8", "prefill_mxfp4", "moe_prefill", "decode_attention")
+         "probe_decode", "fp8_gemv", "prefill_fp8", "prefill_mxfp4", "moe_prefill", "moe_prefill_fp8",
+         "decode_attention")
 LM_HEAD = (129280, 4096)
 
 
@@ -120,6 +123,15 @@ def main():
         sizes = jnp.bincount(ids, length=n_exp).astype(jnp.int32)
         xs = jax.random.normal(jax.random.fold_in(key, 8), (rows, 4096), jnp.float32).astype(jnp.bfloat16)
         profile("moe_prefill 24576 rows", lambda x, w, s: grouped_linear(x, w, s, jnp.float32, ctx=AUTO), xs,
+                make_weight(jax.random.fold_in(key, 9), "mxfp4", (n_exp, 2048, 4096)), sizes)
+
+    if "moe_prefill_fp8" in cases:
+        n_exp, rows = 256, 24576
+        ids = jax.random.randint(jax.random.fold_in(key, 7), (rows,), 0, n_exp)
+        sizes = jnp.bincount(ids, length=n_exp).astype(jnp.int32)
+        xs = jax.random.normal(jax.random.fold_in(key, 8), (rows, 4096), jnp.float32).astype(jnp.bfloat16)
+        fp8 = RunContext.create(act_quant="fp8")
+        profile("moe_prefill_fp8 24576 rows", lambda x, w, s: grouped_linear(x, w, s, jnp.float32, ctx=fp8), xs,
                 make_weight(jax.random.fold_in(key, 9), "mxfp4", (n_exp, 2048, 4096)), sizes)
 
     if "decode_attention" in cases:

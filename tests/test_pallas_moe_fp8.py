@@ -86,7 +86,7 @@ def test_magnitude_tables_and_block_scale():
     e[0] = [127, 127, 127, 127]
     e[1] = [3, 250, 0, 5]                                                # shifts below MIN_SHIFT clip
     e[2] = [120, 100, 105, 110]                                          # subnormal and zero table entries
-    lo, hi, scale = (np.asarray(a) for a in moe_fp8._block_tables(jnp.asarray(e)))
+    lo, hi, scale = (np.asarray(a) for a in moe_fp8._block_tables(jnp.asarray(e), *moe_fp8.shift_tables()))
     r = e.astype(np.int64).max(axis=1)
     shift = np.maximum(e - r[:, None] + 6, moe_fp8.MIN_SHIFT)
     for code in range(8):

@@ -22,9 +22,9 @@ promotion per 128 inputs; prefill.fp8_dot_nt_p says why the dot needs its own lo
 slots (expert -1) exit at once; rows that are not real (`real`) take no slot.
 
 The decode is a table lookup, so it costs about two instructions per weight: per row and 32-block the kernel
-builds the e4m3 bytes of the eight e2m1 magnitudes times 2^(e - r + 6) (float32 bits, then Triton's
-round-to-nearest-even conversion, what XLA's convert does for the reference operand; 8 conversions per 32
-weights), and inline PTX turns four packed bytes into eight e4m3 bytes with two `prmt` byte permutes over that
+looks up the e4m3 bytes of the eight e2m1 magnitudes times 2^(e - r + 6) (shift_tables: float32 bits, then
+round-to-nearest-even conversion, as XLA converts the reference operand; one table per shift, built outside the
+kernel, 512 bytes), and inline PTX turns four packed bytes into eight e4m3 bytes with two `prmt` byte permutes over that
 table plus the sign bits (E4M3_DECODE_PTX; decode_ptx_np emulates it instruction by instruction for the tests).
 A first version that built every weight's float32 bits and converted each (about 15 instructions per weight)
 made an 8K prompt's prefill slower than the bf16 path on an H100 (163.8 vs 125.4 ms, docs/performance.md).
@@ -191,18 +191,27 @@ def _make_fp8_dot_acc_primitive():
 fp8_dot_nt_acc_p = _make_fp8_dot_acc_primitive()
 
 
-def _block_tables(scale_bytes: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+TABLE_ENTRIES = 64         # shifts MIN_SHIFT .. MIN_SHIFT + 63 (those above 6 never occur): a power of two for Triton
+
+
+def shift_tables() -> tuple[jax.Array, jax.Array]:
+    """magnitude_tables of every shift the kernel can meet, uint32 [TABLE_ENTRIES] twice (entry i: shift
+    MIN_SHIFT + i): the kernel looks a 32-block's table up instead of building it (8 float conversions each)."""
+    return magnitude_tables(MIN_SHIFT + jnp.arange(TABLE_ENTRIES, dtype=jnp.int32))
+
+
+def _block_tables(scale_bytes: jax.Array, lo_ref, hi_ref) -> tuple[jax.Array, jax.Array, jax.Array]:
     """E8M0 bytes [bn, 4] of one 128-input block -> (the 32-blocks' magnitude tables, two uint32 [bn, 4], for
-    shifts e - r + 6, at least MIN_SHIFT; the block's weight scale 2^(r - 133) float32 [bn], at least 2^-126 as
-    prefill._pow2 clips it)."""
+    shifts e - r + 6, at least MIN_SHIFT, looked up in shift_tables' refs; the block's weight scale 2^(r - 133)
+    float32 [bn], at least 2^-126 as prefill._pow2 clips it)."""
     e = scale_bytes.astype(jnp.int32)
     r = jnp.max(e, axis=1)
-    table_lo, table_hi = magnitude_tables(jnp.maximum(e - r[:, None] + 6, MIN_SHIFT))
+    entry = jnp.maximum(e - r[:, None] + 6, MIN_SHIFT) - MIN_SHIFT
     scale = jax.lax.bitcast_convert_type((jnp.maximum(r - 6, 1) << 23).astype(jnp.uint32), jnp.float32)
-    return table_lo, table_hi, scale
+    return lo_ref[entry], hi_ref[entry], scale
 
 
-def _kernel(se_ref, xe_ref, xo_ref, sx_ref, w_ref, s_ref, o_ref, *, block_n: int, n_steps: int):
+def _kernel(se_ref, xe_ref, xo_ref, sx_ref, w_ref, s_ref, lo_ref, hi_ref, o_ref, *, block_n: int, n_steps: int):
     tile, slot = pl.program_id(0), pl.program_id(1)
     expert = se_ref[slot]
     rows = pl.ds(tile * block_n, block_n)
@@ -211,7 +220,8 @@ def _kernel(se_ref, xe_ref, xo_ref, sx_ref, w_ref, s_ref, o_ref, *, block_n: int
     def _():
         def body(j, acc):
             packed = w_ref[expert, rows, pl.ds(j * (BK // SUB), BK // SUB), :]              # [bn, 4, 16] u8
-            table_lo, table_hi, w_scale = _block_tables(s_ref[expert, rows, pl.ds(j * (BK // SUB), BK // SUB)])
+            table_lo, table_hi, w_scale = _block_tables(s_ref[expert, rows, pl.ds(j * (BK // SUB), BK // SUB)],
+                                                        lo_ref, hi_ref)
             lo, hi = fp4_e4m3_decode_p.bind(packed, jnp.broadcast_to(table_lo[:, :, None], packed.shape),
                                             jnp.broadcast_to(table_hi[:, :, None], packed.shape))
             # the decoded weight is the wgmma's A operand, straight from registers (B, the activations, from
@@ -225,15 +235,16 @@ def _kernel(se_ref, xe_ref, xo_ref, sx_ref, w_ref, s_ref, o_ref, *, block_n: int
 
 
 def moe_fp8_matmul(xq: jax.Array, sx: jax.Array, w_stacked: Mxfp4Weight, expert_ids: jax.Array,
-                   real: jax.Array | None = None, *, block_m: int = 128, block_n: int = 128, num_warps: int = 8,
+                   real: jax.Array | None = None, *, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
                    num_stages: int = 3, interpret: bool = False) -> jax.Array:
     """Row r of xq (e4m3 [R, K], float32 block scales sx [R, K/128]) times expert expert_ids[r] of the stacked
     MXFP4 weight [E, N, K] -> float32 [R, N]. Expert ids in [0, E); rows that are not `real` [R] (None: all are)
     read no weight and give zeros.
 
-    Tiles: `block_m` rows of one expert (a slot) x `block_n` weight rows. 128 x 128 on two warpgroups: each
-    decoded weight tile serves 128 rows (an 8K chunk routes ~192 rows to each of Flash's 256 experts); chosen
-    before any timing of this decode (benchmarks/bench_kernels.py --moe-fp8-tiles sweeps it)."""
+    Tiles: `block_m` rows of one expert (a slot) x `block_n` weight rows on `num_warps` warps. 64 x 64 on one
+    warpgroup was the fastest of six tiles on an H100 before the shift tables (3.76 ms for an 8K chunk's 49,152
+    rows on experts_w1, against 5.06 ms at 128 x 128 on two warpgroups, whose 206 registers per thread left one
+    CTA per SM; docs/performance.md, benchmarks/bench_kernels.py --moe-fp8-tiles)."""
     what = "moe_fp8_matmul"
     if not isinstance(w_stacked, Mxfp4Weight) or w_stacked.packed.ndim != 3:
         raise TypeError(f"{what}: w_stacked must be a stacked Mxfp4Weight [E, N, K]")
@@ -269,11 +280,13 @@ def moe_fp8_matmul(xq: jax.Array, sx: jax.Array, w_stacked: Mxfp4Weight, expert_
                   pl.BlockSpec((None, block_m, k // 2), lambda i, q: (q, 0, 0)),
                   pl.BlockSpec((None, k // BK, block_m), lambda i, q: (q, 0, 0)),
                   pl.BlockSpec(w4.shape, lambda i, q: (0, 0, 0, 0)),
-                  pl.BlockSpec(w_stacked.scale.shape, lambda i, q: (0, 0, 0))],
+                  pl.BlockSpec(w_stacked.scale.shape, lambda i, q: (0, 0, 0)),
+                  pl.BlockSpec((TABLE_ENTRIES,), lambda i, q: (0,)),
+                  pl.BlockSpec((TABLE_ENTRIES,), lambda i, q: (0,))],
         out_specs=pl.BlockSpec((None, block_n, block_m), lambda i, q: (q, i, 0)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="dsv4_moe_fp8_matmul",
-    )(slot_expert, xe, xo, sxs, w4, w_stacked.scale)
+    )(slot_expert, xe, xo, sxs, w4, w_stacked.scale, *shift_tables())
     y = out[slot_of_row, :, pos_of_row]                         # [R, N]; unused slots' tiles are never read
     return y if real is None else jnp.where(real[:, None], y, 0.0)
