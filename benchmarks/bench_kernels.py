@@ -426,7 +426,8 @@ def run_moe_prefill(args, key, row_counts, emit):
         # FP8 activations (W4A8): the model's call (quantize, gather into slots, kernel) in each tile shape, checked
         # against the reference's W4A8 math
         ids_j = jnp.asarray(ids, jnp.int32)
-        for bm, bn, warps in ([] if args.smoke else [tuple(map(int, t.split("x"))) for t in args.moe_fp8_tiles.split(",") if t]):
+        tiles = [] if args.smoke else [tuple(map(int, t.split("x"))) for t in args.moe_fp8_tiles.split(",") if t]
+        for bm, bn, warps in tiles:
             def w4a8(x, w, bm=bm, bn=bn, warps=warps):
                 xq, sx = quantize_fp8(x)
                 return moe_fp8.moe_fp8_matmul(xq, sx, w, ids_j, block_m=bm, block_n=bn, num_warps=warps)

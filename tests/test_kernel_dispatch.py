@@ -220,7 +220,7 @@ def test_grouped_linear_prefill_fp8_takes_the_w4a8_kernel():
     """A prefill chunk's routed rows (more than a decode step's MAX_SLOTTED_ROWS) with FP8 activations: the W4A8
     grouped GEMM on FP8 tensor cores, equal to the reference's W4A8 math (the same e4m3 x 2^k activations times
     the exact MXFP4 weight; only the float32 summation order differs), sorted rows past the groups' sum zeros;
-    NVFP4 experts and bf16 activations keep the MoE kernel."""
+    NVFP4 experts and bf16 activations keep the MoE kernel, and GPU plans take it only when opted in."""
     rng = np.random.default_rng()
     n_exp, n, k = 4, 128, 256
     w = _weight(rng, "mxfp4", (n_exp, n, k))
@@ -244,6 +244,14 @@ def test_grouped_linear_prefill_fp8_takes_the_w4a8_kernel():
                                                        ctx=_ctx("interpret", act_quant)),
                            x, _weight(rng, fmt, (n_exp, n, k)))
         assert [r[4] for r in rec] == ["moe"], (fmt, act_quant)
+    # on a GPU plan it is opt-in (slower than the bf16 MoE kernel when timed): the override switches it on
+    for override, kernel in (((), "moe"), ((("matmul", "kernel"),), "moe_fp8")):
+        plan = KernelPlan("pallas", "pallas", overrides=override)
+        with choice.record_dispatch("matmul") as rec, jax.sharding.use_abstract_mesh(
+                jax.sharding.AbstractMesh((), (), abstract_device=H200)):
+            jax.eval_shape(lambda x, w: grouped_linear(x, w, jnp.asarray(sizes, jnp.int32), jnp.float32,
+                                                       ctx=RunContext.create(act_quant="fp8", kernels=plan)), x, w)
+        assert [r[4] for r in rec] == [kernel], override
 
 
 def test_nvfp4_weights_the_kernels_would_approximate_are_listed():

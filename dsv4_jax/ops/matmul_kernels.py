@@ -30,8 +30,10 @@ A kernel applies where one exists for the call; every other call takes the refer
     grouped_linear (experts), FP4 weight   moe.moe_matmul                 N % 64 == 0, K % 32 == 0; slots of 16
                                                                           rows (decode) or up to 128 (prefill:
                                                                           about the rows per expert)
-    grouped_linear (experts), MXFP4        moe_fp8.moe_fp8_matmul (FP8    more than MAX_SLOTTED_ROWS rows,
-      weight, FP8 activations              tensor cores, W4A8)            N % 128 == 0, K % 128 == 0
+    grouped_linear (experts), MXFP4        moe_fp8.moe_fp8_matmul (FP8    opt-in (override matmul=kernel;
+      weight, FP8 activations              tensor cores, W4A8)            slower than moe_matmul so far): more
+                                                                          than MAX_SLOTTED_ROWS rows, N and K
+                                                                          % 128 == 0
     bf16 / fp32 weights, larger batches    XLA dot (reference)            -
 
 Activation quantization (act_quant fp8 / nvfp4) is an op of its own (ops/act_quantize.py): the Pallas quantize
@@ -43,8 +45,8 @@ verify steps of up to 256 rows (batch 64 with 3 drafts) take the decode kernels,
 once whatever the rows (wider tiles of activation columns from 17 rows, gemv.activation_tiling); more rows
 (prefill chunks) take the FP8 tensor-core kernel where activations are FP8 and the reference otherwise (W8A16 /
 W4A16 prefill is XLA's bf16 dot on the dequantized weight), and so do 17 or more rows with FP8 activations; the
-routed experts take the MoE kernel, with wider slots for prefill chunks, except a prefill chunk's MXFP4 experts with
-FP8 activations, which take the W4A8 grouped GEMM on FP8 tensor cores (moe_fp8). The choice is made while tracing, from
+routed experts take the MoE kernel, with wider slots for prefill chunks (the W4A8 grouped GEMM on FP8 tensor cores,
+moe_fp8, is opt-in). The choice is made while tracing, from
 static shapes only, so it never costs a host sync; `record_dispatch()` lists the choices of a trace (tests use
 it to prove the kernels were really taken).
 
@@ -219,9 +221,13 @@ def prefill_expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, real: j
     cores (pallas_kernels/moe_fp8.py), xs quantized by the fp8 activation quantizer (`activation_kind` == "fp8");
     rows that are not `real` (None: all are) read no weight and give zeros. None where another path applies: more
     routed rows than a decode or verify step has (MAX_SLOTTED_ROWS; those stream each weight once on the GEMVs),
-    N and K multiples of 128."""
-    backend = _plan(ctx).backend
-    if (backend is None or activation_kind != "fp8" or xs.shape[0] <= MAX_SLOTTED_ROWS
+    N and K multiples of 128, and on a GPU only where the plan opts in (`matmul=kernel`): on an H100 (2026-12-06)
+    it took 3.86 ms for an 8K chunk's experts_w1 where the bf16 MoE kernel on the same rows took 2.81 ms
+    (docs/performance.md), so FP8 activations keep that kernel by default. The interpret plan takes it."""
+    plan = _plan(ctx)
+    backend = plan.backend
+    if (backend is None or not (plan.interpret or plan.override("matmul") == "kernel")
+            or activation_kind != "fp8" or xs.shape[0] <= MAX_SLOTTED_ROWS
             or not isinstance(weight, Mxfp4Weight) or weight.packed.ndim != 3
             or weight.shape[1] % 128 or weight.shape[2] % 128):
         return None
