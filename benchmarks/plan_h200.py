@@ -21,7 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from count_kernels import _pallas_target, h200_devices  # noqa: E402
+from count_kernels import _pallas_target, add_kernel_override_options, h200_devices, kernel_overrides  # noqa: E402
 
 H200_BYTES = 141e9
 
@@ -38,7 +38,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch", type=int, default=1)
     p.add_argument("--prefill-chunk", type=int, default=dsv4_jax.PREFILL_CHUNK)
     p.add_argument("--json", metavar="FILE")
+    add_kernel_override_options(p)
     args = p.parse_args(argv)
+    overrides = kernel_overrides(args)
 
     cfg = presets.named(args.preset, args.layers)
     rows = []
@@ -48,7 +50,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         with _pallas_target(devices[0]):
             plan = dsv4_jax.memory_plan(cfg, mesh=mesh, max_seq_len=args.max_seq_len, max_batch=args.max_batch,
-                                        prefill_chunk=args.prefill_chunk, compiled=True, device_memory=H200_BYTES)
+                                        prefill_chunk=args.prefill_chunk, compiled=True, device_memory=H200_BYTES,
+                                        kernel_overrides=overrides or None)
         seconds = time.perf_counter() - t0
         print(f"{args.preset}, {cfg.n_layers} layers, {n} H200 (compiled in {seconds:.0f} s):\n{plan.table()}",
               flush=True)
@@ -59,6 +62,7 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"preset": args.preset, "layers": cfg.n_layers, "max_seq_len": args.max_seq_len,
                            "max_batch": args.max_batch, "prefill_chunk": args.prefill_chunk,
+                           "kernel_overrides": overrides,
                            "device_bytes": H200_BYTES, "rows": rows}, f, indent=1)
     return 0
 

@@ -82,11 +82,12 @@ def memory_plan(config: ModelConfig, mesh=None, n_devices: int | None = None, ma
                 max_batch: int = 1, prefill_chunk: int = PREFILL_CHUNK, dtype: str = "bfloat16",
                 stored: dict[str, str] | None = None, compiled: bool = False,
                 device_memory: int | None = None, kv_cache_dtype: str | None = None,
-                prefix_cache: int = 0) -> MemoryPlan:
+                prefix_cache: int = 0, kernel_overrides=None) -> MemoryPlan:
     """Per-device bytes on `mesh` (sharding.make_mesh), or on `n_devices` devices of that layout without a mesh
     (weights and state only: nothing to compile for). `device_memory`: a device's bytes (default: the mesh's first
     device's limit where JAX reports it). `kv_cache_dtype`: as Model takes it ("fp8": compact decode state).
-    `prefix_cache`: the prefix cache's limit in bytes (its pool holds as many whole one-sequence rows as fit)."""
+    `prefix_cache`: the prefix cache's limit in bytes (its pool holds as many whole one-sequence rows as fit).
+    `kernel_overrides`: the compiled programs' kernel plan overrides (RunContext.create), e.g. an opt-in kernel."""
     if mesh is not None:
         n_devices = mesh.devices.size
     n_devices = 1 if n_devices is None else n_devices
@@ -100,7 +101,7 @@ def memory_plan(config: ModelConfig, mesh=None, n_devices: int | None = None, ma
         if mesh is None and n_devices > 1:
             raise ValueError("compiled=True needs the mesh of the devices to compile for")
         prefill_temp, decode_temp = _compiled_temporaries(config, mesh, max_seq_len, max_batch, prefill_chunk,
-                                                          dtype, stored, kv_cache_dtype)
+                                                          dtype, stored, kv_cache_dtype, kernel_overrides)
     if device_memory is None and (mesh is not None or compiled):
         device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
         device_memory = (device.memory_stats() or {}).get("bytes_limit")
@@ -108,9 +109,10 @@ def memory_plan(config: ModelConfig, mesh=None, n_devices: int | None = None, ma
                       prefill_temp, decode_temp, device_memory, pool)
 
 
-def _compiled_temporaries(cfg, mesh, max_seq_len, max_batch, prefill_chunk, dtype, stored, kv_cache_dtype=None):
+def _compiled_temporaries(cfg, mesh, max_seq_len, max_batch, prefill_chunk, dtype, stored, kv_cache_dtype=None,
+                          kernel_overrides=None):
 
-    ctx = RunContext.create(dtype=dtype, mesh=mesh)
+    ctx = RunContext.create(dtype=dtype, mesh=mesh, kernel_overrides=kernel_overrides)
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), stored))
     state = jax.eval_shape(lambda: init_state(cfg, max_batch, max_seq_len, DTYPES[dtype],
                                               kv_cache_dtype=kv_cache_dtype))

@@ -79,3 +79,5 @@ def test_memory_plan_counts_each_devices_share():
         assert plan.fits and plan.prefill_temp is None
     with pytest.raises(ValueError, match="8 routed experts do not split over 3 devices"):
         dsv4_jax.memory_plan(cfg, n_devices=3)
+    with pytest.raises(ValueError, match="kernel override 'indexer=kernel'"):      # the compiled plan's overrides
+        dsv4_jax.memory_plan(cfg, max_seq_len=256, compiled=True, kernel_overrides=["indexer=kernel"])
