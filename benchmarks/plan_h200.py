@@ -29,6 +29,7 @@ H200_BYTES = 141e9
 def main(argv=None) -> int:
     import dsv4_jax
     from dsv4_jax import presets
+    from dsv4_jax.engine import PREFILL_CHUNK
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=("tiny", "flash", "pro"), default="flash")
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
     p.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--max-seq-len", type=int, default=65536)
     p.add_argument("--max-batch", type=int, default=1)
-    p.add_argument("--prefill-chunk", type=int, default=dsv4_jax.PREFILL_CHUNK)
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK)
     p.add_argument("--json", metavar="FILE")
     add_kernel_override_options(p)
     args = p.parse_args(argv)
