@@ -46,9 +46,8 @@ once whatever the rows (wider tiles of activation columns from 17 rows, gemv.act
 (prefill chunks) take the FP8 tensor-core kernel where activations are FP8 and the reference otherwise (W8A16 /
 W4A16 prefill is XLA's bf16 dot on the dequantized weight), and so do 17 or more rows with FP8 activations; the
 routed experts take the MoE kernel, with wider slots for prefill chunks (the W4A8 grouped GEMM on FP8 tensor cores,
-moe_fp8, is opt-in). The choice is made while tracing, from
-static shapes only, so it never costs a host sync; `record_dispatch()` lists the choices of a trace (tests use
-it to prove the kernels were really taken).
+moe_fp8, is opt-in). The choice is made while tracing, from static shapes only, so it never costs a host sync;
+`record_dispatch()` lists the choices of a trace (tests use it to prove the kernels were really taken).
 
 The NVFP4 Pallas kernels assume normal positive e4m3 block scales (what the NVFP4 recipe writes unless a block
 is 2^15 below its matrix maximum; the dsv4_jax/ffi/ kernels read any finite scale exactly);

@@ -24,10 +24,16 @@ slots (expert -1) exit at once; rows that are not real (`real`) take no slot.
 The decode is a table lookup, so it costs about two instructions per weight: per row and 32-block the kernel
 looks up the e4m3 bytes of the eight e2m1 magnitudes times 2^(e - r + 6) (shift_tables: float32 bits, then
 round-to-nearest-even conversion, as XLA converts the reference operand; one table per shift, built outside the
-kernel, 512 bytes), and inline PTX turns four packed bytes into eight e4m3 bytes with two `prmt` byte permutes over that
-table plus the sign bits (E4M3_DECODE_PTX; decode_ptx_np emulates it instruction by instruction for the tests).
-A first version that built every weight's float32 bits and converted each (about 15 instructions per weight)
+kernel, 512 bytes), and inline PTX turns four packed bytes into eight e4m3 bytes with two `prmt` byte permutes
+over that table plus the sign bits (E4M3_DECODE_PTX; decode_ptx_np emulates it instruction by instruction for the
+tests). A first version that built every weight's float32 bits and converted each (about 15 instructions per weight)
 made an 8K prompt's prefill slower than the bf16 path on an H100 (163.8 vs 125.4 ms, docs/performance.md).
+
+Status: correct on an H100 at Flash geometry, but still slower there than moe.py's bf16 kernel on the same rows
+(3.86 vs 2.81 ms for an 8K chunk's experts_w1), so the dispatch takes it only when asked (ops/matmul_kernels.py).
+Nsight Compute on the 128 x 128 tile: 206 registers per thread, one CTA per SM, the tensor pipe 12.6% busy (the
+bf16 kernel: 128, two, 50.6%). The likely cause, not yet tested: the per-step promotion and its second
+accumulator, which make every 128-input step wait on its wgmma (docs/performance.md).
 
 Backend: Pallas Triton, as prefill.py (whose FP8 wgmma primitive this reuses) and gemv.py (whose inline-PTX
 decode this follows): its interpret mode runs the CPU tests, with the PTX replaced by its exact jnp emulation.
