@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 from dsv4_jax.numerics.formats import Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, weight_bytes  # noqa: E402
 from dsv4_jax.ops.matmul import grouped_linear, linear  # noqa: E402
 from dsv4_jax.numerics.activations import quantize_fp8  # noqa: E402
+from dsv4_jax.ops import act_quantize  # noqa: E402
 from dsv4_jax.run_context import RunContext  # noqa: E402
 from dsv4_jax.pallas_kernels import gemv, moe, moe_fp8, prefill  # noqa: E402
 
@@ -423,13 +424,21 @@ def run_moe_prefill(args, key, row_counts, emit):
         if not checked:
             cases = [c for c in cases if c[0] != "xla_dequant_ragged_dot"]
         ref = jax.jit(cases[1][1])(x, w4).astype(jnp.float32) if checked else None
-        # FP8 activations (W4A8): the model's call (quantize, gather into slots, kernel) in each tile shape, checked
-        # against the reference's W4A8 math
+        # FP8 activations, both as the model calls them: the default (the activation quantized to exact bf16 values,
+        # then the bf16 MoE kernel) and the opt-in W4A8 kernel (matmul=kernel); then the W4A8 kernel in each tile
+        # shape (the Pallas FP8 quantize, the slot gathers and the kernel). Checked against the reference's W4A8 math.
         ids_j = jnp.asarray(ids, jnp.int32)
+        fp8_ctx = RunContext.create(act_quant="fp8", kernels=KERNELS)
+        fp8_w4a8_ctx = RunContext.create(act_quant="fp8", kernels=KERNELS, kernel_overrides=["matmul=kernel"])
+        if not args.smoke:
+            cases += [("pallas_moe_prefill_fp8act",
+                       lambda x, w: grouped_linear(x, w, sizes, jnp.float32, ctx=fp8_ctx), w4),
+                      ("pallas_moe_fp8_model", lambda x, w: grouped_linear(x, w, sizes, jnp.float32, ctx=fp8_w4a8_ctx),
+                       w4)]
         tiles = [] if args.smoke else [tuple(map(int, t.split("x"))) for t in args.moe_fp8_tiles.split(",") if t]
         for bm, bn, warps in tiles:
             def w4a8(x, w, bm=bm, bn=bn, warps=warps):
-                xq, sx = quantize_fp8(x)
+                xq, sx = act_quantize.quantize_fp8(x, fp8_ctx)
                 return moe_fp8.moe_fp8_matmul(xq, sx, w, ids_j, block_m=bm, block_n=bn, num_warps=warps)
             cases.append((f"pallas_moe_fp8_{bm}x{bn}x{warps}", w4a8, w4))
         ref_fp8 = (jax.jit(lambda x, w: grouped_linear(x, w, sizes, jnp.float32, ctx=REFERENCE_FP8))(x, w4)
@@ -437,7 +446,7 @@ def run_moe_prefill(args, key, row_counts, emit):
         for impl, fn, w in cases:
             try:
                 err = None if not checked else (rel_err(jax.jit(fn)(x, w), ref) if impl == "pallas_moe_prefill"
-                       else rel_err(jax.jit(fn)(x, w), ref_fp8) if impl.startswith("pallas_moe_fp8") else None)
+                       else rel_err(jax.jit(fn)(x, w), ref_fp8) if "fp8" in impl else None)
                 t = time_calls(fn, [w], x, 2 if args.smoke else 5, repeats=3)
                 kt = profiled_kernel_us(fn, x, [w], calls=4) if PROFILE else None
             except Exception as e:  # noqa: BLE001

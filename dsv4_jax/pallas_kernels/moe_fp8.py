@@ -14,12 +14,13 @@ NVFP4 experts are not offered: e2m1 x an e4m3 block scale has up to 5 significan
 
 Schedule: moe.moe_schedule puts the rows of each expert into slots of `block_m` rows (the rows of a chunk are
 not sorted in memory: the slots' rows are gathered once, in e4m3, before the launch); a program computes one
-slot's [block_n, block_m] output tile (weight rows x the slot's rows), looping over K in 128-input steps: one FP8
-wgmma chain of two 64-input dots (the even and the odd inputs, which are the low and high nibbles of the packed
-bytes, so the decode needs no interleave) with the decoded weight as the A operand in registers, then the chain's
-float32 result scaled by the weight's and the activation's block scales into the float32 accumulator (DeepSeek's
-promotion per 128 inputs; prefill.fp8_dot_nt_p says why the dot needs its own lowering). The programs of unused
-slots (expert -1) exit at once; rows that are not real (`real`) take no slot.
+slot's output tile (accumulated as weight rows x the slot's rows, stored transposed so the rows come back to their
+order by whole-row gathers), looping over K in 128-input steps: one FP8 wgmma chain of two 64-input dots (the even
+and the odd inputs, which are the low and high nibbles of the packed bytes, so the decode needs no interleave) with
+the decoded weight as the A operand in registers, then the chain's float32 result scaled by the weight's and the
+activation's block scales into the float32 accumulator (DeepSeek's promotion per 128 inputs; prefill.fp8_dot_nt_p
+says why the dot needs its own lowering). The programs of unused slots (expert -1) exit at once; rows that are not
+real (`real`) take no slot.
 
 The decode is a table lookup, so it costs about two instructions per weight: per row and 32-block the kernel
 looks up the e4m3 bytes of the eight e2m1 magnitudes times 2^(e - r + 6) (shift_tables: float32 bits, then
@@ -237,7 +238,9 @@ def _kernel(se_ref, xe_ref, xo_ref, sx_ref, w_ref, s_ref, lo_ref, hi_ref, o_ref,
             part = fp8_dot_nt_acc_p.bind(hi.reshape(block_n, HALF), xo_ref[:, pl.ds(j * HALF, HALF)], part)
             return acc + (part * w_scale[:, None]) * sx_ref[j, :][None, :]            # [bn, bm]
 
-        o_ref[...] = jax.lax.fori_loop(0, n_steps, body, jnp.zeros(o_ref.shape, jnp.float32))
+        acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((block_n, o_ref.shape[0]), jnp.float32))
+        # stored as [slot rows, weight rows], so the gather back to row order reads whole rows (coalesced)
+        o_ref[...] = acc.T
 
 
 def moe_fp8_matmul(xq: jax.Array, sx: jax.Array, w_stacked: Mxfp4Weight, expert_ids: jax.Array,
@@ -278,7 +281,7 @@ def moe_fp8_matmul(xq: jax.Array, sx: jax.Array, w_stacked: Mxfp4Weight, expert_
     w4 = w_stacked.packed.reshape(n_exp, n, k // SUB, SUB_BYTES)
     out = pl.pallas_call(
         functools.partial(_kernel, block_n=block_n, n_steps=k // BK),
-        out_shape=jax.ShapeDtypeStruct((n_slots, n, block_m), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((n_slots, block_m, n), jnp.float32),
         # the N tiles of a slot are the fastest axis, so the CTAs resident at once share a few slots' activations
         grid=(n // block_n, n_slots),
         in_specs=[pl.BlockSpec((n_slots,), lambda i, q: (0,)),
@@ -289,10 +292,10 @@ def moe_fp8_matmul(xq: jax.Array, sx: jax.Array, w_stacked: Mxfp4Weight, expert_
                   pl.BlockSpec(w_stacked.scale.shape, lambda i, q: (0, 0, 0)),
                   pl.BlockSpec((TABLE_ENTRIES,), lambda i, q: (0,)),
                   pl.BlockSpec((TABLE_ENTRIES,), lambda i, q: (0,))],
-        out_specs=pl.BlockSpec((None, block_n, block_m), lambda i, q: (q, i, 0)),
+        out_specs=pl.BlockSpec((None, block_m, block_n), lambda i, q: (q, 0, i)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="dsv4_moe_fp8_matmul",
     )(slot_expert, xe, xo, sxs, w4, w_stacked.scale, *shift_tables())
-    y = out[slot_of_row, :, pos_of_row]                         # [R, N]; unused slots' tiles are never read
+    y = out[slot_of_row, pos_of_row]                            # [R, N]; unused slots' tiles are never read
     return y if real is None else jnp.where(real[:, None], y, 0.0)
