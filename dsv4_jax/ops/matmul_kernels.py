@@ -222,7 +222,8 @@ def prefill_expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, real: j
     routed rows than a decode or verify step has (MAX_SLOTTED_ROWS; those stream each weight once on the GEMVs),
     N and K multiples of 128, and on a GPU only where the plan opts in (`matmul=kernel`): on an H100 (2026-12-06)
     it took 3.86 ms for an 8K chunk's experts_w1 where the bf16 MoE kernel on the same rows took 2.81 ms
-    (docs/performance.md), so FP8 activations keep that kernel by default. The interpret plan takes it."""
+    (docs/performance.md; in the model the evidence is mixed), so FP8 activations keep that kernel by default. The
+    interpret plan takes it."""
     plan = _plan(ctx)
     backend = plan.backend
     if (backend is None or not (plan.interpret or plan.override("matmul") == "kernel")

@@ -31,7 +31,8 @@ tests). A first version that built every weight's float32 bits and converted eac
 made an 8K prompt's prefill slower than the bf16 path on an H100 (163.8 vs 125.4 ms, docs/performance.md).
 
 Status: correct on an H100 at Flash geometry, but still slower there than moe.py's bf16 kernel on the same rows
-(3.86 vs 2.81 ms for an 8K chunk's experts_w1), so the dispatch takes it only when asked (ops/matmul_kernels.py).
+(3.86 vs 2.81 ms for an 8K chunk's experts_w1; in the model one version was 5.5% faster and another 23% slower),
+so the dispatch takes it only when asked (ops/matmul_kernels.py).
 Nsight Compute on the 128 x 128 tile: 206 registers per thread, one CTA per SM, the tensor pipe 12.6% busy (the
 bf16 kernel: 128, two, 50.6%). The likely cause, not yet tested: the per-step promotion and its second
 accumulator, which make every 128-input step wait on its wgmma (docs/performance.md).
