@@ -181,8 +181,9 @@ def main():
     ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument("--moe-prefill-rows", default="3072,24576",
                     help="routed rows (tokens x 6) for the MoE prefill section ('' to skip)")
-    ap.add_argument("--moe-fp8-tiles", default="64x128x4,128x128x8,128x64x4",
-                    help="W4A8 routed-expert kernel tiles (rows per slot x weight rows x warps) to time")
+    ap.add_argument("--moe-fp8-tiles", default="64x64x4a,128x64x4a,128x128x8a,64x128x4b,128x128x8b",
+                    help="W4A8 routed-expert kernel tiles to time: rows per slot x weight rows x warps, then the "
+                         "wgmma operand the weight is (a or b)")
     ap.add_argument("--prefill-shapes", default=",".join(PREFILL), help="matrices of the prefill section")
     ap.add_argument("--sweep", action="store_true",
                     help="also time tile configurations: the prefill kernel on " + ", ".join(SWEEP) + " at 4096 rows "
@@ -435,12 +436,14 @@ def run_moe_prefill(args, key, row_counts, emit):
                        lambda x, w: grouped_linear(x, w, sizes, jnp.float32, ctx=fp8_ctx), w4),
                       ("pallas_moe_fp8_model", lambda x, w: grouped_linear(x, w, sizes, jnp.float32, ctx=fp8_w4a8_ctx),
                        w4)]
-        tiles = [] if args.smoke else [tuple(map(int, t.split("x"))) for t in args.moe_fp8_tiles.split(",") if t]
-        for bm, bn, warps in tiles:
-            def w4a8(x, w, bm=bm, bn=bn, warps=warps):
+        for tile in ([] if args.smoke else [t for t in args.moe_fp8_tiles.split(",") if t]):
+            bm, bn, warps = map(int, tile.rstrip("ab").split("x"))
+            operand = tile[-1] if tile[-1] in "ab" else "a"
+            def w4a8(x, w, bm=bm, bn=bn, warps=warps, operand=operand):
                 xq, sx = act_quantize.quantize_fp8(x, fp8_ctx)
-                return moe_fp8.moe_fp8_matmul(xq, sx, w, ids_j, block_m=bm, block_n=bn, num_warps=warps)
-            cases.append((f"pallas_moe_fp8_{bm}x{bn}x{warps}", w4a8, w4))
+                return moe_fp8.moe_fp8_matmul(xq, sx, w, ids_j, block_m=bm, block_n=bn, num_warps=warps,
+                                              weight_operand=operand)
+            cases.append((f"pallas_moe_fp8_{bm}x{bn}x{warps}{operand}", w4a8, w4))
         ref_fp8 = (jax.jit(lambda x, w: grouped_linear(x, w, sizes, jnp.float32, ctx=REFERENCE_FP8))(x, w4)
                    if checked and len(cases) > 3 else None)
         for impl, fn, w in cases:

@@ -9,6 +9,8 @@ accumulator (about 14 significant bits per 128-input block) sets the tolerance."
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -152,11 +154,12 @@ def test_interpret_matches_float64(case):
     assert _rel_err(_run(xq, sx, mutated, ids), ref) > 1e-6
 
 
-def test_interpret_tiles(case):
-    """Other tile shapes: 128-row slots, 64 weight rows per program."""
+@pytest.mark.parametrize("operand", ["a", "b"])
+def test_interpret_tiles(case, operand):
+    """Other tile shapes (128-row slots, 128 weight rows per program) with the weight as either wgmma operand."""
     xq, sx, w, ids = case
     ref = _reference(xq, sx, w, ids)
-    assert _rel_err(_run(xq, sx, w, ids, block_m=128, block_n=64), ref) < 1e-6
+    assert _rel_err(_run(xq, sx, w, ids, block_m=128, block_n=128, weight_operand=operand), ref) < 1e-6
 
 
 def test_rows_not_real_give_zeros(case):
@@ -194,6 +197,8 @@ def test_bad_input_is_refused(case):
         moe_fp8.moe_fp8_matmul(xq.astype(jnp.bfloat16), sx, w, ids)
     with pytest.raises(ValueError, match="multiple of block_n"):
         moe_fp8.moe_fp8_matmul(xq, sx, w, ids, block_n=96)
+    with pytest.raises(ValueError, match="weight_operand must be 'a' or 'b'"):
+        moe_fp8.moe_fp8_matmul(xq, sx, w, ids, weight_operand="c")
     with pytest.raises(TypeError, match="Mxfp4Weight"):
         moe_fp8.moe_fp8_matmul(xq, sx, w.dequantize(jnp.float32), ids)
 
@@ -204,14 +209,16 @@ def _lower_for_h200(f, *args):
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_cuda_lowering_flash_geometry():
+@pytest.mark.parametrize("operand", ["a", "b"])
+def test_cuda_lowering_flash_geometry(operand):
     """Flash's routed experts (256 x 2048 x 4096 gate / up, 256 x 4096 x 2048 down) for a 2,048-token chunk."""
     sds = jax.ShapeDtypeStruct
     rows = 2048 * 6
     for n, k in ((2048, 4096), (4096, 2048)):
         w = Mxfp4Weight(sds((256, n, k // 2), jnp.uint8), sds((256, n, k // 32), jnp.uint8))
-        text = _lower_for_h200(moe_fp8.moe_fp8_matmul, sds((rows, k), jnp.float8_e4m3fn),
-                               sds((rows, k // 128), jnp.float32), w, sds((rows,), jnp.int32))
+        fn = functools.partial(moe_fp8.moe_fp8_matmul, weight_operand=operand)
+        text = _lower_for_h200(fn, sds((rows, k), jnp.float8_e4m3fn), sds((rows, k // 128), jnp.float32), w,
+                               sds((rows,), jnp.int32))
         assert "__gpu$xla.gpu.triton" in text
 
 
@@ -224,11 +231,12 @@ def test_flash_geometry_gpu():
     w = _weight(rng, (256, 2048, 4096))
     ids = jnp.asarray(rng.integers(0, 256, 8192), jnp.int32)
     real = jnp.asarray(rng.random(8192) < 0.95)
-    y = jax.jit(lambda *a: moe_fp8.moe_fp8_matmul(*a, real))(xq, sx, w, ids)
-    y = np.asarray(y, np.float64)
-    assert np.all(y[~np.asarray(real)] == 0)
     sample = np.flatnonzero(np.asarray(real))[::64]                      # float64 for 1 row in 64
     x = _x64(xq[sample], sx[sample])
     dense = _dense64(Mxfp4Weight(w.packed[np.asarray(ids)[sample]], w.scale[np.asarray(ids)[sample]]))
     ref = np.einsum("rk,rnk->rn", x, dense)
-    assert _rel_err(y[sample], ref) < 2e-3
+    for operand in ("a", "b"):
+        y = jax.jit(lambda *a: moe_fp8.moe_fp8_matmul(*a, real, weight_operand=operand))(xq, sx, w, ids)
+        y = np.asarray(y, np.float64)
+        assert np.all(y[~np.asarray(real)] == 0)
+        assert _rel_err(y[sample], ref) < 2e-3, operand

@@ -219,10 +219,12 @@ def _block_tables(scale_bytes: jax.Array, lo_ref, hi_ref) -> tuple[jax.Array, ja
     return lo_ref[entry], hi_ref[entry], scale
 
 
-def _kernel(se_ref, xe_ref, xo_ref, sx_ref, w_ref, s_ref, lo_ref, hi_ref, o_ref, *, block_n: int, n_steps: int):
+def _kernel(se_ref, xe_ref, xo_ref, sx_ref, w_ref, s_ref, lo_ref, hi_ref, o_ref, *, block_n: int, n_steps: int,
+            weight_a: bool):
     tile, slot = pl.program_id(0), pl.program_id(1)
     expert = se_ref[slot]
     rows = pl.ds(tile * block_n, block_n)
+    block_m = o_ref.shape[0]
 
     @pl.when(expert >= 0)
     def _():
@@ -232,21 +234,25 @@ def _kernel(se_ref, xe_ref, xo_ref, sx_ref, w_ref, s_ref, lo_ref, hi_ref, o_ref,
                                                         lo_ref, hi_ref)
             lo, hi = fp4_e4m3_decode_p.bind(packed, jnp.broadcast_to(table_lo[:, :, None], packed.shape),
                                             jnp.broadcast_to(table_hi[:, :, None], packed.shape))
-            # the decoded weight is the wgmma's A operand, straight from registers (B, the activations, from
-            # shared memory): no round trip of the decoded tile through shared memory
-            part = fp8_dot_nt_acc_p.bind(lo.reshape(block_n, HALF), xe_ref[:, pl.ds(j * HALF, HALF)],
-                                         jnp.zeros(acc.shape, jnp.float32))
-            part = fp8_dot_nt_acc_p.bind(hi.reshape(block_n, HALF), xo_ref[:, pl.ds(j * HALF, HALF)], part)
-            return acc + (part * w_scale[:, None]) * sx_ref[j, :][None, :]            # [bn, bm]
+            lo, hi = lo.reshape(block_n, HALF), hi.reshape(block_n, HALF)
+            xe, xo, sx = xe_ref[:, pl.ds(j * HALF, HALF)], xo_ref[:, pl.ds(j * HALF, HALF)], sx_ref[j, :]
+            if weight_a:       # the decoded weight as the wgmma's A operand, from registers: [bn, bm]
+                part = fp8_dot_nt_acc_p.bind(lo, xe, jnp.zeros(acc.shape, jnp.float32))
+                part = fp8_dot_nt_acc_p.bind(hi, xo, part)
+                return acc + (part * w_scale[:, None]) * sx[None, :]
+            part = fp8_dot_nt_acc_p.bind(xe, lo, jnp.zeros(acc.shape, jnp.float32))      # B operand: [bm, bn]
+            part = fp8_dot_nt_acc_p.bind(xo, hi, part)
+            return acc + (part * sx[:, None]) * w_scale[None, :]
 
-        acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((block_n, o_ref.shape[0]), jnp.float32))
+        shape = (block_n, block_m) if weight_a else (block_m, block_n)
+        acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros(shape, jnp.float32))
         # stored as [slot rows, weight rows], so the gather back to row order reads whole rows (coalesced)
-        o_ref[...] = acc.T
+        o_ref[...] = acc.T if weight_a else acc
 
 
 def moe_fp8_matmul(xq: jax.Array, sx: jax.Array, w_stacked: Mxfp4Weight, expert_ids: jax.Array,
                    real: jax.Array | None = None, *, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                   num_stages: int = 3, interpret: bool = False) -> jax.Array:
+                   num_stages: int = 3, weight_operand: str = "a", interpret: bool = False) -> jax.Array:
     """Row r of xq (e4m3 [R, K], float32 block scales sx [R, K/128]) times expert expert_ids[r] of the stacked
     MXFP4 weight [E, N, K] -> float32 [R, N]. Expert ids in [0, E); rows that are not `real` [R] (None: all are)
     read no weight and give zeros.
@@ -254,7 +260,9 @@ def moe_fp8_matmul(xq: jax.Array, sx: jax.Array, w_stacked: Mxfp4Weight, expert_
     Tiles: `block_m` rows of one expert (a slot) x `block_n` weight rows on `num_warps` warps. 64 x 64 on one
     warpgroup was the fastest of six tiles on an H100 before the shift tables (3.76 ms for an 8K chunk's 49,152
     rows on experts_w1, against 5.06 ms at 128 x 128 on two warpgroups, whose 206 registers per thread left one
-    CTA per SM; docs/performance.md, benchmarks/bench_kernels.py --moe-fp8-tiles)."""
+    CTA per SM; docs/performance.md, benchmarks/bench_kernels.py --moe-fp8-tiles). `weight_operand`: the decoded
+    weight as the wgmma's A operand ("a", from registers) or its B operand ("b", through shared memory; the
+    version that made the model's prefill 5.5% faster, docs/performance.md)."""
     what = "moe_fp8_matmul"
     if not isinstance(w_stacked, Mxfp4Weight) or w_stacked.packed.ndim != 3:
         raise TypeError(f"{what}: w_stacked must be a stacked Mxfp4Weight [E, N, K]")
@@ -267,6 +275,8 @@ def moe_fp8_matmul(xq: jax.Array, sx: jax.Array, w_stacked: Mxfp4Weight, expert_
                          f"got {sx.shape} and {expert_ids.shape}")
     if n % block_n or block_m % 16:
         raise ValueError(f"{what}: N={n} must be a multiple of block_n={block_n}; block_m a multiple of 16")
+    if weight_operand not in ("a", "b"):
+        raise ValueError(f"{what}: weight_operand must be 'a' or 'b', got {weight_operand!r}")
     ids = expert_ids.astype(jnp.int32)
     if real is not None:
         ids = jnp.where(real, ids, n_exp)                       # sorted past the experts; their slots are unused
@@ -281,7 +291,7 @@ def moe_fp8_matmul(xq: jax.Array, sx: jax.Array, w_stacked: Mxfp4Weight, expert_
     sxs = jnp.swapaxes(gathered(sx.astype(jnp.float32)), 1, 2)  # [S, K/128, bm]
     w4 = w_stacked.packed.reshape(n_exp, n, k // SUB, SUB_BYTES)
     out = pl.pallas_call(
-        functools.partial(_kernel, block_n=block_n, n_steps=k // BK),
+        functools.partial(_kernel, block_n=block_n, n_steps=k // BK, weight_a=weight_operand == "a"),
         out_shape=jax.ShapeDtypeStruct((n_slots, block_m, n), jnp.float32),
         # the N tiles of a slot are the fastest axis, so the CTAs resident at once share a few slots' activations
         grid=(n // block_n, n_slots),
