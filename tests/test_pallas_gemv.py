@@ -151,8 +151,10 @@ def test_dense_interpret_rows_and_dtype():
         gemv.fp8_matmul(_x(rng, 129, 256, jnp.float32), _fp8(rng, (64, 256)), interpret=True)
 
 
+@pytest.mark.parametrize("rows_out", [False, True])
 @pytest.mark.parametrize("fmt,dtype", [("mxfp4", jnp.bfloat16), ("nvfp4", jnp.float32)])
-def test_moe_interpret(fmt, dtype):
+def test_moe_interpret(fmt, dtype, rows_out):
+    """Both output layouts (tiles as computed, or stored row-major: rows_out) against float64."""
     rng = np.random.default_rng()
     n_exp, n, k = 6, 64, 256
     w = (_mxfp4 if fmt == "mxfp4" else _nvfp4)(rng, (n_exp, n, k))
@@ -161,10 +163,26 @@ def test_moe_interpret(fmt, dtype):
     ids = np.concatenate([rng.integers(0, n_exp, rows - 9), np.full(9, 2)]).astype(np.int32)
     rng.shuffle(ids)
     x = _x(rng, rows, k, dtype)
-    y = np.asarray(moe.moe_matmul(x, w, jnp.asarray(ids), jnp.float32, interpret=True), np.float64)
+    y = np.asarray(moe.moe_matmul(x, w, jnp.asarray(ids), jnp.float32, interpret=True, rows_out=rows_out), np.float64)
     ref = np.einsum("rk,rnk->rn", np.asarray(x, np.float64), dense[ids])
     assert np.all(np.isfinite(y))
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 2e-5
+
+
+def test_moe_prefill_slots_rows_out_interpret():
+    """Prefill-wide slots (64 columns, no split-K), rows sorted and unsorted: the row-major tiles equal the tiles
+    as computed exactly (the same sums, stored transposed) and float64 within float32 rounding."""
+    rng = np.random.default_rng()
+    n_exp, n, k = 4, 128, 256
+    w = _mxfp4(rng, (n_exp, n, k))
+    ids = jnp.asarray(rng.integers(0, n_exp, 300), jnp.int32)
+    x = _x(rng, 300, k, jnp.bfloat16)
+    kw = dict(slot_cols=64, split_k=1, block_n=64, interpret=True)
+    y_rows = np.asarray(moe.moe_matmul(x, w, ids, jnp.float32, rows_out=True, **kw))
+    y_cols = np.asarray(moe.moe_matmul(x, w, ids, jnp.float32, **kw))
+    np.testing.assert_array_equal(y_rows, y_cols)
+    ref = np.einsum("rk,rnk->rn", np.asarray(x.astype(jnp.float32), np.float64), _dequant64(w)[np.asarray(ids)])
+    assert np.linalg.norm(y_rows - ref) / np.linalg.norm(ref) < 1e-5
 
 
 def test_tiling_that_failed_on_the_gpu_is_refused():
@@ -211,10 +229,11 @@ def test_cuda_lowering():
     ]
     wide = sds((200, k), jnp.bfloat16)                                    # a verify step: two column tiles
     cases += [(gemv.fp8_matmul, (wide, cases[2][1][1])), (gemv.mxfp4_matmul, (wide, cases[0][1][1]))]
-    cases.append((functools.partial(moe.moe_matmul, slot_cols=64, split_k=1, block_n=64),      # prefill slots
-                  (sds((600, k), jnp.bfloat16),
-                   Mxfp4Weight(sds((8, n, k // 2), jnp.uint8), sds((8, n, k // 32), jnp.uint8)),
-                   sds((600,), jnp.int32))))
+    for rows_out in (False, True):                                       # prefill slots, either output layout
+        cases.append((functools.partial(moe.moe_matmul, slot_cols=64, split_k=1, block_n=64, rows_out=rows_out),
+                      (sds((600, k), jnp.bfloat16),
+                       Mxfp4Weight(sds((8, n, k // 2), jnp.uint8), sds((8, n, k // 32), jnp.uint8)),
+                       sds((600,), jnp.int32))))
     m, nb, kb = 512, n // 128, k // 128
     xq, wq = sds((m, k), jnp.float8_e4m3fn), sds((n, k), jnp.float8_e4m3fn)
     cases += [(prefill.fp8_block_matmul, (xq, sds((m, kb), jnp.float32), wq, sds((nb, kb), jnp.float32))),
@@ -282,17 +301,19 @@ def routed_prefill_case():
                                                       for nw in (4, 8)])
 def test_moe_tilings_gpu(routed_prefill_case, block_n, step_bytes, warps):
     """The MoE kernel with prefill-wide slots (128 columns) in each tiling: weight rows per tile, packed bytes per
-    row per K step (16: one MXFP4 scale block), warps. The tiling that wrote non-finite values is refused."""
+    row per K step (16: one MXFP4 scale block), warps; in both output layouts. The tiling that wrote non-finite
+    values is refused."""
     x, w, ids, ref = routed_prefill_case
-    fn = functools.partial(moe.moe_matmul, block_n=block_n, unroll=step_bytes // 16, num_warps=warps, slot_cols=128,
-                           split_k=1)
-    if warps == 8 and step_bytes == 32:
-        with pytest.raises(ValueError, match="gave wrong results"):
-            fn(x, w, ids)
-        return
-    y = np.asarray(jax.jit(lambda x, w, i: fn(x, w, i, jnp.float32))(x, w, ids), np.float64)
-    assert np.all(np.isfinite(y)), f"{np.sum(~np.isfinite(y))} non-finite outputs"
-    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
+    for rows_out in (False, True):
+        fn = functools.partial(moe.moe_matmul, block_n=block_n, unroll=step_bytes // 16, num_warps=warps,
+                               slot_cols=128, split_k=1, rows_out=rows_out)
+        if warps == 8 and step_bytes == 32:
+            with pytest.raises(ValueError, match="gave wrong results"):
+                fn(x, w, ids)
+            return
+        y = np.asarray(jax.jit(lambda x, w, i: fn(x, w, i, jnp.float32))(x, w, ids), np.float64)
+        assert np.all(np.isfinite(y)), f"{np.sum(~np.isfinite(y))} non-finite outputs (rows_out={rows_out})"
+        assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5, rows_out
 
 
 @pytest.mark.gpu

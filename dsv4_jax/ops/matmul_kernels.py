@@ -29,7 +29,8 @@ A kernel applies where one exists for the call; every other call takes the refer
                                                                           out % 128 == 0 or 128 % out == 0
     grouped_linear (experts), FP4 weight   moe.moe_matmul                 N % 64 == 0, K % 32 == 0; slots of 16
                                                                           rows (decode) or up to 128 (prefill:
-                                                                          about the rows per expert)
+                                                                          about the rows per expert); its tiles
+                                                                          stored row-major (rows_out) opt-in
     grouped_linear (experts), MXFP4        moe_fp8.moe_fp8_matmul (FP8    opt-in (override matmul=kernel;
       weight, FP8 activations              tensor cores, W4A8)            slower than moe_matmul so far): more
                                                                           than MAX_SLOTTED_ROWS rows, N and K
@@ -336,8 +337,11 @@ def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, ctx, real: jax.
     if kernel is None:
         return None
     unroll = _fp4_unroll(weight, weight.shape[-1])
+    plan = _plan(ctx)
+    # row-major output tiles (moe_matmul's rows_out): opt-in on GPUs until timed, taken by the interpret plan
+    rows_out = plan.interpret or plan.override("matmul") == "kernel"
     return moe.moe_matmul(xs, weight, row_experts, jnp.float32, interpret=backend == "interpret",
-                          **_moe_schedule(xs, weight, unroll))
+                          rows_out=rows_out, **_moe_schedule(xs, weight, unroll))
 
 
 def _ffi_routed_kernel(xs: jax.Array) -> str:
