@@ -81,7 +81,7 @@ def moe_matmul(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=No
     order reads each row's N outputs contiguously; without it the tiles are stored as computed, [slot, N, slot
     column], and that gather reads a row's outputs slot_cols floats apart (for a prefill chunk's 128-column slots,
     one 4-byte value per 32-byte memory sector: in the compiled 8K chunk, the fusions after the gate / up and the
-    down projections read ~8x their 1.1 GiB per layer). Opt-in until timed on a GPU (ops/matmul_kernels.py)."""
+    down projections read ~8x their 1.5 GiB per layer). Opt-in until timed on a GPU (ops/matmul_kernels.py)."""
     what = "moe_matmul"
     if not isinstance(w_stacked, (Mxfp4Weight, Nvfp4Weight)) or w_stacked.packed.ndim != 3:
         raise TypeError(f"{what}: w_stacked must be a stacked Mxfp4Weight / Nvfp4Weight [E, N, K]")
