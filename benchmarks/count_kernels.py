@@ -114,7 +114,7 @@ def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, g
 
     from dsv4_jax import engine
     from dsv4_jax.generation import generate_chunk
-    from dsv4_jax.hlo_census import census
+    from dsv4_jax.hlo_census import census, strided_gathers
 
     params, state, gen, halt, vec = abstract_inputs(cfg, batch, max_seq_len, device, scan_layers)
     programs = {
@@ -134,7 +134,13 @@ def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, g
         with _pallas_target(device):
             compiled = trace().lower().compile()
         seconds = time.perf_counter() - t0
-        out[name] = {**census(compiled.as_text()).as_dict(), "compile_s": seconds}
+        text = compiled.as_text()
+        strided = strided_gathers(text)
+        out[name] = {**census(text).as_dict(), "compile_s": seconds, "strided_gathers": strided}
+        if strided:
+            print(f"{name}: {len(strided)} strided gathers read {sum(g['bytes_used'] for g in strided) / 2**20:.0f} "
+                  f"MiB as up to {sum(g['bytes_read'] for g in strided) / 2**20:.0f} MiB of memory sectors "
+                  f"(hlo_census.strided_gathers)", flush=True)
         print(f"{name}: {out[name]['launches_per_call']} launches per call ({out[name]['top_level_kernels']} "
               f"top-level kernels, {out[name]['while_loops']} while loops, {out[name]['custom_calls']} custom "
               f"calls), compiled in {seconds:.1f} s", flush=True)

@@ -11,6 +11,11 @@ control flow do not. A `while` body counts once per iteration where XLA knows th
 attributed to the model part named by the innermost `jax.named_scope` of its `op_name` metadata (the scopes the
 model sets: see FAMILY_OF_SCOPE), collectives by their opcode, and to the kind of layer whose scope it lies in
 (LAYER_SCOPES).
+
+    hlo_census.strided_gathers(text)     # gathers that read one element per memory sector (layout waste)
+
+lists the gathers whose slices are not contiguous in memory, with the bytes they use and the sectors they touch: it
+found the MoE kernel's outputs read back about 8x (pallas_kernels/moe.py, rows_out).
 """
 
 from __future__ import annotations
@@ -191,3 +196,62 @@ def op_families(hlo_text: str) -> dict[str, str]:
     """Every instruction name of every computation -> its op family (to attribute profiler events by HLO op)."""
     computations, _ = parse(hlo_text)
     return {ins.name: family(ins) for instructions in computations.values() for ins in instructions}
+
+
+_SHAPE = re.compile(r"^(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[\d,]*)\](?:\{(?P<layout>[\d,]*))?")
+_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+               "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+SECTOR_BYTES = 32          # the unit a GPU reads memory in: a gather of single elements reads a sector for each
+
+
+def strided_gathers(hlo_text: str) -> list[dict]:
+    """Gathers (at top level or inside fusions) whose slices are not contiguous in memory: each slice takes one
+    element along the operand's minor-most dimension but several along another, so it reads elements that lie far
+    apart, each costing a memory sector of its own (e.g. the rows of a [slots, N, columns] matmul output gathered
+    back to row order). Per such gather: its op family, op_name, operand shape and layout, slice_sizes, and the
+    bytes it uses against the bytes of the sectors it touches (an upper bound, no cache reuse)."""
+    computations, _ = parse(hlo_text)
+    shapes: dict[str, tuple[str, list[int], list[int] | None]] = {}
+    gathers = []
+    current = None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group("name")
+            continue
+        m = _INSTRUCTION.match(line)
+        if not m or current is None:
+            continue
+        rest = m.group("rest")
+        shape = _SHAPE.match(rest)
+        if shape:
+            dims = [int(d) for d in shape.group("dims").split(",") if d]
+            layout = [int(d) for d in shape.group("layout").split(",") if d] if shape.group("layout") else None
+            shapes[(current, m.group("name"))] = (shape.group("dtype"), dims, layout)
+        if _opcode(rest) == "gather":
+            gathers.append((current, m.group("name"), rest))
+    found = []
+    for computation, name, rest in gathers:
+        operand = re.search(r"gather\(%?([^\s,)]+)", rest)
+        sizes = re.search(r"slice_sizes=\{([\d,]*)\}", rest)
+        if not operand or not sizes or (computation, operand.group(1)) not in shapes:
+            continue
+        dtype, dims, layout = shapes[(computation, operand.group(1))]
+        slice_sizes = [int(d) for d in sizes.group(1).split(",") if d]
+        if len(slice_sizes) != len(dims) or not dims:
+            continue
+        minor = layout[0] if layout else len(dims) - 1
+        if dims[minor] == 1 or slice_sizes[minor] != 1 or max(slice_sizes) == 1:
+            continue
+        out = _SHAPE.match(rest)
+        elements = 1
+        for d in ([int(d) for d in out.group("dims").split(",") if d] if out else []):
+            elements *= d
+        item = _ITEM_BYTES.get(dtype, 4)
+        op_name = re.search(r'op_name="([^"]*)"', rest)
+        op_name = op_name.group(1) if op_name else ""
+        ins = Instruction(name, "gather", op_name, {}, None)
+        found.append({"family": family(ins), "op_name": op_name, "operand": f"{dtype}{dims}",
+                      "layout": layout, "slice_sizes": slice_sizes, "bytes_used": elements * item,
+                      "bytes_read": elements * max(item, SECTOR_BYTES)})
+    return found

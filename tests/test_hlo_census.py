@@ -89,3 +89,38 @@ def test_compiled_loops_and_scopes(unroll):
     assert c.by_family.get("attention", 0) >= 1
     if not unroll:
         assert c.launches_per_call > c.top_level_kernels
+
+
+def _compiled_text(f, *args) -> str:
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def test_strided_gathers_found_and_sized():
+    """A gather of x[slot, :, column] from [slots, N, columns] reads one element per memory sector; x[slot, column]
+    from [slots, columns, N] reads whole rows and is not listed."""
+    idx = jnp.asarray([3, 0, 2, 1, 3], jnp.int32)
+    pos = jnp.asarray([1, 4, 0, 7, 2], jnp.int32)
+    strided = hlo_census.strided_gathers(_compiled_text(lambda x, i, p: x[i, :, p] * 2, jnp.ones((4, 64, 8)), idx,
+                                                        pos))
+    assert len(strided) == 1
+    assert strided[0]["slice_sizes"] == [1, 64, 1] and strided[0]["operand"] == "f32[4, 64, 8]"
+    assert strided[0]["bytes_used"] == 5 * 64 * 4 and strided[0]["bytes_read"] == 5 * 64 * hlo_census.SECTOR_BYTES
+    assert hlo_census.strided_gathers(_compiled_text(lambda x, i, p: x[i, p] * 2, jnp.ones((4, 8, 64)), idx, pos)) == []
+
+
+@pytest.mark.parametrize("rows_out", [False, True])
+def test_moe_kernel_output_gather(rows_out):
+    """The MoE kernel's output read back to row order: strided from its tiles as computed, whole rows from its
+    row-major tiles (moe_matmul's rows_out)."""
+    import numpy as np
+
+    from dsv4_jax.numerics.formats import Mxfp4Weight
+    from dsv4_jax.pallas_kernels import moe
+    rng = np.random.default_rng(0)
+    w = Mxfp4Weight(jnp.asarray(rng.integers(0, 256, (4, 64, 128)), jnp.uint8),
+                    jnp.asarray(rng.integers(120, 130, (4, 64, 8)), jnp.uint8))
+    x, ids = jnp.ones((40, 256), jnp.bfloat16), jnp.asarray(rng.integers(0, 4, 40), jnp.int32)
+    text = _compiled_text(lambda x, w, i: moe.moe_matmul(x, w, i, jnp.float32, interpret=True, slot_cols=32,
+                                                          split_k=1, rows_out=rows_out), x, w, ids)
+    gathers = [g for g in hlo_census.strided_gathers(text) if g["slice_sizes"][-2:] == [64, 1]]
+    assert (gathers == []) == rows_out
