@@ -8,8 +8,9 @@
 #            (all but test_pallas_gemv.py took more than 540 s in one part, 2026-12-03)
 #   suite4   those of test_pallas_indexer.py, test_pallas_norm_rope.py, test_pallas_compressor.py,
 #            test_pallas_moe_decode.py                                         -> pytest_gpu_part4.log
-#   depth    Flash geometry, LAYERS (default 32) layers under scan_layers=True, batch 1 and 8 at 4K context,
-#            as deep as one H200 holds                                       -> flash<LAYERS>_scan.{json,log}
+#   depth    Flash geometry, LAYERS (default 32) layers under scan_layers=True, BATCHES (default 1, 8) at 4K
+#            context and PROMPTS (default none), as deep as one H200 holds   -> flash<LAYERS>_scan.{json,log}
+#            (benchmarks/marginal_cost.py turns it and a 4-layer run of the same cases into a cost per layer)
 #   matrix   Flash geometry, 4 layers: decode at BATCHES (default 1, 8, 32, 64, 128, 256) x CONTEXTS (default 4K),
 #            prefill PROMPTS (default 8K and 32K), numerics ACT_QUANT (default none) -> flash4_<act_quant>.{json,log}
 #   profile  Flash geometry, 4 layers: where a decode step's kernel time goes at batch 1, 32 and 64, and a prefill
@@ -46,7 +47,8 @@ for part in "$@"; do
         depth)  layers="${LAYERS:-32}"
                 # The weights take most of the GPU: let XLA's allocator have 95% of it, as for any model this deep.
                 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${BENCH_S:-420}" python3 -m dsv4_jax.bench \
-                    --preset flash --layers "$layers" --scan-layers --batches 1,8 --contexts 4096 --prompts none \
+                    --preset flash --layers "$layers" --scan-layers --batches "${BATCHES:-1,8}" --contexts 4096 \
+                    --prompts "${PROMPTS:-none}" \
                     --reference none --calls 5 --out "$OUT_DIR/flash${layers}_scan.json" 2>&1 | quiet \
                     | tee "$OUT_DIR/flash${layers}_scan.log" || status=1 ;;
         matrix) aq="${ACT_QUANT:-none}"
