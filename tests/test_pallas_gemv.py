@@ -301,19 +301,36 @@ def routed_prefill_case():
                                                       for nw in (4, 8)])
 def test_moe_tilings_gpu(routed_prefill_case, block_n, step_bytes, warps):
     """The MoE kernel with prefill-wide slots (128 columns) in each tiling: weight rows per tile, packed bytes per
-    row per K step (16: one MXFP4 scale block), warps; in both output layouts. The tiling that wrote non-finite
-    values is refused."""
+    row per K step (16: one MXFP4 scale block), warps. The tiling that wrote non-finite values is refused."""
     x, w, ids, ref = routed_prefill_case
+    fn = functools.partial(moe.moe_matmul, block_n=block_n, unroll=step_bytes // 16, num_warps=warps, slot_cols=128,
+                           split_k=1)
+    if warps == 8 and step_bytes == 32:
+        with pytest.raises(ValueError, match="gave wrong results"):
+            fn(x, w, ids)
+        return
+    y = np.asarray(jax.jit(lambda x, w, i: fn(x, w, i, jnp.float32))(x, w, ids), np.float64)
+    assert np.all(np.isfinite(y)), f"{np.sum(~np.isfinite(y))} non-finite outputs"
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_n,step_bytes,warps,slot_cols", [(128, 64, 8, 128), (64, 64, 4, 128), (64, 128, 4, 64),
+                                                                 (64, 128, 4, 16)])
+def test_moe_rows_out_gpu(routed_prefill_case, block_n, step_bytes, warps, slot_cols):
+    """The row-major output tiles (rows_out) in the tilings the dispatch picks for prefill (matmul_kernels.
+    _moe_schedule: MXFP4 with 128 weight rows on 8 warps, 64 rows on 4) and at 64 and 16 columns: equal to the
+    tiles as computed, bit for bit, and to the float32 reference."""
+    x, w, ids, ref = routed_prefill_case
+    outs = []
     for rows_out in (False, True):
         fn = functools.partial(moe.moe_matmul, block_n=block_n, unroll=step_bytes // 16, num_warps=warps,
-                               slot_cols=128, split_k=1, rows_out=rows_out)
-        if warps == 8 and step_bytes == 32:
-            with pytest.raises(ValueError, match="gave wrong results"):
-                fn(x, w, ids)
-            return
-        y = np.asarray(jax.jit(lambda x, w, i: fn(x, w, i, jnp.float32))(x, w, ids), np.float64)
-        assert np.all(np.isfinite(y)), f"{np.sum(~np.isfinite(y))} non-finite outputs (rows_out={rows_out})"
-        assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5, rows_out
+                               slot_cols=slot_cols, split_k=1, rows_out=rows_out)
+        outs.append(np.asarray(jax.jit(lambda x, w, i: fn(x, w, i, jnp.float32))(x, w, ids), np.float64))
+    assert np.all(np.isfinite(outs[1])), f"{np.sum(~np.isfinite(outs[1]))} non-finite outputs"
+    np.testing.assert_array_equal(outs[1], outs[0])
+    assert np.linalg.norm(outs[1] - ref) / np.linalg.norm(ref) < 1e-5
 
 
 @pytest.mark.gpu
