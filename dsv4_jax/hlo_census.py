@@ -210,8 +210,7 @@ def strided_gathers(hlo_text: str) -> list[dict]:
     apart, each costing a memory sector of its own (e.g. the rows of a [slots, N, columns] matmul output gathered
     back to row order). Per such gather: its op family, op_name, operand shape and layout, slice_sizes, and the
     bytes it uses against the bytes of the sectors it touches (an upper bound, no cache reuse)."""
-    computations, _ = parse(hlo_text)
-    shapes: dict[str, tuple[str, list[int], list[int] | None]] = {}
+    shapes: dict[tuple[str, str], tuple[str, list[int], list[int] | None]] = {}
     gathers = []
     current = None
     for line in hlo_text.splitlines():

@@ -17,8 +17,8 @@ A kernel applies where one exists for the call; every other call takes the refer
       (gate and up projections)            weights (pair_matmul)          and shape
     linear_pair, two FP8-block weights     ffi.gemv_concat (tiles of      as above, one K, N and N2 % 16 == 0
       of one K (attention wq_a and wkv)    both weights, one launch)
-    linear, FP8-block / MXFP4 / NVFP4      ffi.grouped_gemv, the rows in  opt-in (override matmul=kernel; not
-      weight (dense_slots_gemv)            slots of 8, one weight         timed yet): CUDA, 9-64 rows
+    linear, FP8-block / MXFP4 / NVFP4      ffi.grouped_gemv, the rows in  opt-in (override matmul=kernel; no
+      weight (dense_slots_gemv)            slots of 8, one weight         faster on an H100): CUDA, 9-64 rows
     linear, FP8-block weight               gemv.fp8_matmul                rows <= 256 (bf16) / 128 (fp32),
                                                                           N % 64 == 0
     linear, MXFP4 / NVFP4 weight           gemv.mxfp4_matmul / nvfp4_...  rows as above, N % 64 == 0, K % 32 == 0
@@ -158,12 +158,19 @@ def _is_quantized_matrix(weight, ndim: int) -> bool:
     return isinstance(weight, (Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight)) and len(weight.shape) == ndim
 
 
+def _opted_in(plan: KernelPlan) -> bool:
+    """Whether the plan takes the matmul kernels that are not the default because no GPU run has shown them faster
+    (dense_slots_gemv, moe_fp8, moe_matmul's rows_out): its override `matmul=kernel`, or the interpret plan
+    (tests)."""
+    return plan.interpret or plan.override("matmul") == "kernel"
+
+
 def _takes_dense_slots(x2: jax.Array, weight, plan: KernelPlan) -> bool:
-    """Whether rows x2 [R, K] times a 2-D quantized weight take dense_slots_gemv: opt-in (the plan's override
-    `matmul=kernel`; not timed on a GPU yet), CUDA with the ffi/ kernels, more rows than one ffi/ call takes and at
-    most MAX_DENSE_SLOT_ROWS."""
+    """Whether rows x2 [R, K] times a 2-D quantized weight take dense_slots_gemv: opted in (_opted_in; on an H100
+    it was no faster than the Pallas GEMV, docs/performance.md), CUDA with the ffi/ kernels, more rows than one ffi/
+    call takes and at most MAX_DENSE_SLOT_ROWS."""
     n, k = weight.shape[-2:]
-    return (plan.backend == "cuda" and plan.ffi and plan.override("matmul") == "kernel"
+    return (plan.backend == "cuda" and plan.ffi and _opted_in(plan)
             and ffi.max_rows(x2.dtype) < x2.shape[0] <= MAX_DENSE_SLOT_ROWS and _ffi_fits(1, x2.dtype, n, k))
 
 
@@ -227,8 +234,7 @@ def prefill_expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, real: j
     interpret plan takes it."""
     plan = _plan(ctx)
     backend = plan.backend
-    if (backend is None or not (plan.interpret or plan.override("matmul") == "kernel")
-            or activation_kind != "fp8" or xs.shape[0] <= MAX_SLOTTED_ROWS
+    if (backend is None or not _opted_in(plan) or activation_kind != "fp8" or xs.shape[0] <= MAX_SLOTTED_ROWS
             or not isinstance(weight, Mxfp4Weight) or weight.packed.ndim != 3
             or weight.shape[1] % 128 or weight.shape[2] % 128):
         return None
@@ -328,7 +334,8 @@ def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, ctx, real: jax.
     """Rows xs [R, K] each times its own expert of a stacked FP4 weight -> float32 [R, N], or None (reference).
     `real` [R] (None: all): rows whose output the caller zeroes, which the ffi/ path skips (routed_gemv)."""
     kernel = expert_kernel(xs.shape[0], xs.dtype, weight, ctx)
-    backend = _plan(ctx).backend
+    plan = _plan(ctx)
+    backend = plan.backend
     if kernel == "ffi":
         _record("grouped_linear", weight, backend, _ffi_routed_kernel(xs), ctx)
         return routed_gemv(xs, weight, row_experts, real)
@@ -337,11 +344,8 @@ def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, ctx, real: jax.
     if kernel is None:
         return None
     unroll = _fp4_unroll(weight, weight.shape[-1])
-    plan = _plan(ctx)
-    # row-major output tiles (moe_matmul's rows_out): opt-in on GPUs until timed, taken by the interpret plan
-    rows_out = plan.interpret or plan.override("matmul") == "kernel"
     return moe.moe_matmul(xs, weight, row_experts, jnp.float32, interpret=backend == "interpret",
-                          rows_out=rows_out, **_moe_schedule(xs, weight, unroll))
+                          rows_out=_opted_in(plan), **_moe_schedule(xs, weight, unroll))
 
 
 def _ffi_routed_kernel(xs: jax.Array) -> str:

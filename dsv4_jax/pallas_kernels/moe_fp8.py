@@ -176,29 +176,6 @@ def _make_decode_primitive():
 fp4_e4m3_decode_p = _make_decode_primitive()
 
 
-def _make_fp8_dot_acc_primitive():
-    """acc + a [M, 64] . b [N, 64]^T (e4m3 operands, float32 acc) as one FP8 wgmma chain: prefill.fp8_dot_nt_p
-    with an accumulator operand, so the low and high nibbles' dots of one 128-input block are one chain of
-    BK inputs (the bound its imprecise accumulation is allowed) before the promotion."""
-    from jax._src.pallas.triton import lowering as triton_lowering
-    from jaxlib.triton import dialect as tt
-
-    prim = jax_core.Primitive("dsv4_fp8_dot_nt_acc")
-
-    def _impl(a, b, acc):
-        return acc + jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-    prim.def_abstract_eval(lambda a, b, acc: jax_core.ShapedArray(acc.shape, jnp.float32))
-    prim.def_impl(_impl)
-    mlir.register_lowering(prim, mlir.lower_fun(_impl, multiple_results=False))
-    triton_lowering.register_lowering(prim)(
-        lambda ctx, a, b, acc: tt.dot(a, tt.trans(b, (1, 0)), acc, max_num_imprecise_acc=BK))
-    return prim
-
-
-fp8_dot_nt_acc_p = _make_fp8_dot_acc_primitive()
-
-
 TABLE_ENTRIES = 64         # shifts MIN_SHIFT .. MIN_SHIFT + 63 (those above 6 never occur): a power of two for Triton
 
 
@@ -237,11 +214,11 @@ def _kernel(se_ref, xe_ref, xo_ref, sx_ref, w_ref, s_ref, lo_ref, hi_ref, o_ref,
             lo, hi = lo.reshape(block_n, HALF), hi.reshape(block_n, HALF)
             xe, xo, sx = xe_ref[:, pl.ds(j * HALF, HALF)], xo_ref[:, pl.ds(j * HALF, HALF)], sx_ref[j, :]
             if weight_a:       # the decoded weight as the wgmma's A operand, from registers: [bn, bm]
-                part = fp8_dot_nt_acc_p.bind(lo, xe, jnp.zeros(acc.shape, jnp.float32))
-                part = fp8_dot_nt_acc_p.bind(hi, xo, part)
+                part = fp8_dot_nt_p.bind(lo, xe, jnp.zeros(acc.shape, jnp.float32))
+                part = fp8_dot_nt_p.bind(hi, xo, part)
                 return acc + (part * w_scale[:, None]) * sx[None, :]
-            part = fp8_dot_nt_acc_p.bind(xe, lo, jnp.zeros(acc.shape, jnp.float32))      # B operand: [bm, bn]
-            part = fp8_dot_nt_acc_p.bind(xo, hi, part)
+            part = fp8_dot_nt_p.bind(xe, lo, jnp.zeros(acc.shape, jnp.float32))      # B operand: [bm, bn]
+            part = fp8_dot_nt_p.bind(xo, hi, part)
             return acc + (part * sx[:, None]) * w_scale[None, :]
 
         shape = (block_n, block_m) if weight_a else (block_m, block_n)

@@ -40,7 +40,8 @@ BK = 128        # inputs per scale block and per K step
 
 
 def _make_fp8_dot_primitive():
-    """a [BM, BK] . b [BN, BK]^T -> float32 [BM, BN] as one FP8 wgmma chain. Pallas' own dot lowering leaves
+    """acc + a [BM, k] . b [BN, k]^T -> float32 [BM, BN] as one FP8 wgmma chain (k = BK, or dots chained through
+    `acc` whose k sum to BK: moe_fp8.py's low and high nibbles, 64 inputs each). Pallas' own dot lowering leaves
     tt.dot's maxNumImpreciseAcc at 0, and for e4m3 operands with a float32 result Triton then refuses Hopper's
     FP8 wgmma (whose accumulator keeps fewer bits than float32) and falls back to mma.sync on operands upcast to
     f16, at about a third of the FP8 rate. Here the product of one 128-wide K block is an exact-enough wgmma
@@ -48,23 +49,18 @@ def _make_fp8_dot_primitive():
     imprecise accumulation is bounded by BK. (Hopper's FP8 wgmma keeps ~14 significant bits in its accumulator,
     DeepSeek-V3 report 3.3.2: the kernel's result differs from exact float32 sums by ~1e-4 relative, measured.)"""
     from jax._src.pallas.triton import lowering as triton_lowering
-    from jax._src.lib.mlir import ir
     from jaxlib.triton import dialect as tt
 
     prim = jax_core.Primitive("dsv4_fp8_dot_nt")
 
-    def _impl(a, b):
-        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    def _impl(a, b, acc):
+        return acc + jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
-    prim.def_abstract_eval(lambda a, b: jax_core.ShapedArray((a.shape[0], b.shape[0]), jnp.float32))
+    prim.def_abstract_eval(lambda a, b, acc: jax_core.ShapedArray(acc.shape, jnp.float32))
     prim.def_impl(_impl)
     mlir.register_lowering(prim, mlir.lower_fun(_impl, multiple_results=False))
-
-    @triton_lowering.register_lowering(prim)
-    def _triton(ctx, a, b):
-        out_type = ir.RankedTensorType.get(ctx.avals_out[0].shape, ir.F32Type.get())
-        return tt.dot(a, tt.trans(b, (1, 0)), triton_lowering._zeros(out_type), max_num_imprecise_acc=BK)
-
+    triton_lowering.register_lowering(prim)(
+        lambda ctx, a, b, acc: tt.dot(a, tt.trans(b, (1, 0)), acc, max_num_imprecise_acc=BK))
     return prim
 
 
@@ -73,7 +69,8 @@ fp8_dot_nt_p = _make_fp8_dot_primitive()
 
 def _kernel(x_ref, sx_ref, w_ref, sw_ref, o_ref, *, n_steps, per_row_scales):
     def body(j, acc):
-        part = fp8_dot_nt_p.bind(x_ref[:, pl.ds(j * BK, BK)], w_ref[:, pl.ds(j * BK, BK)])   # [BM, BN] f32
+        part = fp8_dot_nt_p.bind(x_ref[:, pl.ds(j * BK, BK)], w_ref[:, pl.ds(j * BK, BK)],
+                                 jnp.zeros(acc.shape, jnp.float32))                      # [BM, BN] f32
         if per_row_scales:                                                # MXFP4 operand: a scale per row
             return acc + (part * sx_ref[j, :][:, None]) * sw_ref[j, :][None, :]
         # FP8-block operand: one scale for the whole tile, folded into the row scales (one FMA per element)
