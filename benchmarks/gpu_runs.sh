@@ -17,8 +17,8 @@
 #            chunk's (8,192 tokens), by op family (command buffers off, so every kernel carries its HLO op; traces
 #            under /tmp)                                                     -> flash4_profile.{json,log}
 #   prefill8k Flash geometry, 4 layers: an 8,192-token prompt in one 8,192-token chunk, a process per variant
-#            (VARIANTS, default all): xla (the default), indexer (indexer_scores=kernel), rows (matmul=kernel: the
-#            MoE kernel's row-major tiles), fp8 (act_quant fp8), fp8_w4a8 (fp8 and matmul=kernel: the W4A8 kernel)
+#            (VARIANTS, default all): xla (the default), indexer (indexer_scores=kernel), fp8 (act_quant fp8),
+#            fp8_w4a8 (fp8 and matmul=kernel: the W4A8 kernel)
 #                                                                          -> flash4_prefill8k_<variant>.{json,log}
 # Usage: bash benchmarks/gpu_runs.sh suite3 depth   (parts run in the order given)
 set -uo pipefail
@@ -62,9 +62,8 @@ for part in "$@"; do
                     --prefill-chunk "${PROFILE_CHUNK:-8192}" --out "$OUT_DIR/flash4_profile.json" 2>&1 | quiet \
                     | tee "$OUT_DIR/flash4_profile.log" || status=1 ;;
         prefill8k)
-                declare -A variants=([xla]=none: [indexer]=none:indexer_scores=kernel [rows]=none:matmul=kernel
-                                     [fp8]=fp8: [fp8_w4a8]=fp8:matmul=kernel)
-                for name in ${VARIANTS:-xla indexer rows fp8 fp8_w4a8}; do
+                declare -A variants=([xla]=none: [indexer]=none:indexer_scores=kernel [fp8]=fp8: [fp8_w4a8]=fp8:matmul=kernel)
+                for name in ${VARIANTS:-xla indexer fp8 fp8_w4a8}; do
                     [ -n "${variants[$name]:-}" ] || { echo "unknown prefill8k variant: $name" >&2; exit 2; }
                     IFS=: read -r aq override <<< "${variants[$name]}"
                     timeout "${BENCH_S:-110}" python3 -m dsv4_jax.bench --preset flash --layers 4 --batches 1 \

@@ -15,7 +15,7 @@ model sets: see FAMILY_OF_SCOPE), collectives by their opcode, and to the kind o
     hlo_census.strided_gathers(text)     # gathers that read one element per memory sector (layout waste)
 
 lists the gathers whose slices are not contiguous in memory, with the bytes they use and the sectors they touch: it
-found the MoE kernel's outputs read back about 8x (pallas_kernels/moe.py, rows_out).
+found the MoE kernel's outputs read back about 8x (pallas_kernels/moe.py now stores its tiles row-major).
 """
 
 from __future__ import annotations

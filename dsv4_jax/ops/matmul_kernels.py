@@ -29,8 +29,7 @@ A kernel applies where one exists for the call; every other call takes the refer
                                                                           out % 128 == 0 or 128 % out == 0
     grouped_linear (experts), FP4 weight   moe.moe_matmul                 N % 64 == 0, K % 32 == 0; slots of 16
                                                                           rows (decode) or up to 128 (prefill:
-                                                                          about the rows per expert); its tiles
-                                                                          stored row-major (rows_out) opt-in
+                                                                          about the rows per expert)
     grouped_linear (experts), MXFP4        moe_fp8.moe_fp8_matmul (FP8    opt-in (override matmul=kernel;
       weight, FP8 activations              tensor cores, W4A8)            slower than moe_matmul so far): more
                                                                           than MAX_SLOTTED_ROWS rows, N and K
@@ -160,7 +159,7 @@ def _is_quantized_matrix(weight, ndim: int) -> bool:
 
 def _opted_in(plan: KernelPlan) -> bool:
     """Whether the plan takes the matmul kernels that are not the default because no GPU run has shown them faster
-    (dense_slots_gemv, moe_fp8, moe_matmul's rows_out): its override `matmul=kernel`, or the interpret plan
+    (dense_slots_gemv, moe_fp8): its override `matmul=kernel`, or the interpret plan
     (tests)."""
     return plan.interpret or plan.override("matmul") == "kernel"
 
@@ -345,7 +344,7 @@ def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, ctx, real: jax.
         return None
     unroll = _fp4_unroll(weight, weight.shape[-1])
     return moe.moe_matmul(xs, weight, row_experts, jnp.float32, interpret=backend == "interpret",
-                          rows_out=_opted_in(plan), **_moe_schedule(xs, weight, unroll))
+                          **_moe_schedule(xs, weight, unroll))
 
 
 def _ffi_routed_kernel(xs: jax.Array) -> str:

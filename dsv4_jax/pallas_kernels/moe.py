@@ -56,7 +56,7 @@ def moe_schedule(expert_ids: jax.Array, capacity: int, n_slots: int | None = Non
     return slot_expert, slot_rows, slot_of_row, pos_of_row
 
 
-def _moe_kernel(se_ref, xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *, block_n, blocks_split, rows_out, **kw):
+def _moe_kernel(se_ref, xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *, block_n, blocks_split, **kw):
     tile, slot, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert = se_ref[slot]
 
@@ -64,12 +64,12 @@ def _moe_kernel(se_ref, xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *, block_n, block
     def _():
         acc = _fp4_tile_loop(xlo_ref, xhi_ref, w_ref, s_ref, block_n=block_n, w_index=(expert,),
                              row0=tile * block_n, blk0=split * blocks_split, **kw)       # [block_n, slot_cols]
-        o_ref[...] = acc.T if rows_out else acc
+        o_ref[...] = acc.T                 # stored row-major: the gather back to row order reads whole rows
 
 
 def moe_matmul(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=None, *, interpret: bool = False,
                block_n=None, unroll=None, split_k=None, num_warps: int = 4, num_stages: int = 3,
-               slot_cols: int = MP, rows_out: bool = False) -> jax.Array:
+               slot_cols: int = MP) -> jax.Array:
     """Row r of x_rows [R, K] times expert expert_ids[r] of w_stacked (Mxfp4Weight or Nvfp4Weight [E, N, K]),
     float32 accumulation -> [R, N] out_dtype (default x_rows.dtype). Any expert ids in [0, E); any R.
 
@@ -77,11 +77,11 @@ def moe_matmul(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=No
     64-128, so each decoded weight tile is reused by that many rows (bf16: that many rows per slot, float32:
     half, as hi + lo parts).
 
-    `rows_out`: the programs store their tiles transposed, as [slot, slot column, N], so the gather back to row
-    order reads each row's N outputs contiguously; without it the tiles are stored as computed, [slot, N, slot
-    column], and that gather reads a row's outputs slot_cols floats apart (for a prefill chunk's 128-column slots,
-    one 4-byte value per 32-byte memory sector: in the compiled 8K chunk, the fusions after the gate / up and the
-    down projections read ~8x their 1.5 GiB per layer). Opt-in until timed on a GPU (ops/matmul_kernels.py)."""
+    The programs store their tiles transposed, as [slot, slot column, N], so the gather back to row order reads
+    each row's N outputs contiguously. Stored as computed, [slot, N, slot column], that gather read a row's outputs
+    slot_cols floats apart (for a prefill chunk's 128-column slots one 4-byte value per 32-byte memory sector, ~8x
+    the 1.5 GiB per layer of an 8K chunk), and an 8K prompt in one chunk took 106.6 ms instead of 86.9 on an H200
+    (docs/performance.md, "The routed experts' outputs read back 8x")."""
     what = "moe_matmul"
     if not isinstance(w_stacked, (Mxfp4Weight, Nvfp4Weight)) or w_stacked.packed.ndim != 3:
         raise TypeError(f"{what}: w_stacked must be a stacked Mxfp4Weight / Nvfp4Weight [E, N, K]")
@@ -114,38 +114,31 @@ def moe_matmul(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=No
     w4 = w_stacked.packed.reshape(n_exp, n, blocks, bpb)
     scale = jax.lax.bitcast_convert_type(w_stacked.scale, jnp.uint8) if is_nv else w_stacked.scale
     kh_split, blocks_split = k // 2 // split_k, blocks // split_k
-    kernel = functools.partial(_moe_kernel, block_n=block_n, blocks_split=blocks_split, rows_out=rows_out,
+    kernel = functools.partial(_moe_kernel, block_n=block_n, blocks_split=blocks_split,
                                unroll=unroll, n_steps=blocks_split // unroll, bytes_per_block=bpb,
                                factor_fn=nv_factor_bits if is_nv else mx_factor_bits)
     # Grid: the N tiles of a slot are the fastest axis (CUDA launches blockIdx.x first), so the CTAs resident at
     # once work on a few slots and read each slot's activation tile (K x slot_cols) from L2 after its first tile;
     # slot-major order put hundreds of slots' tiles in flight at once, over L2's size, and re-read each from DRAM
     # once per N tile (Nsight Compute: 87% of DRAM bandwidth, docs/kernels.md).
-    out_tile = (slot_cols, block_n) if rows_out else (block_n, slot_cols)
     part = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((split_k, n_slots, *((slot_cols, n) if rows_out else (n, slot_cols))),
-                                       jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((split_k, n_slots, slot_cols, n), jnp.float32),
         grid=(n // block_n, n_slots, split_k),
         in_specs=[pl.BlockSpec((n_slots,), lambda i, q, s: (0,)),
                   pl.BlockSpec((None, kh_split, slot_cols), lambda i, q, s: (q, s, 0)),
                   pl.BlockSpec((None, kh_split, slot_cols), lambda i, q, s: (q, s, 0)),
                   pl.BlockSpec(w4.shape, lambda i, q, s: (0, 0, 0, 0)),
                   pl.BlockSpec(scale.shape, lambda i, q, s: (0, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, *out_tile), lambda i, q, s: (s, q, 0, i) if rows_out else (s, q, i, 0)),
+        out_specs=pl.BlockSpec((None, None, slot_cols, block_n), lambda i, q, s: (s, q, 0, i)),
         compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name="dsv4_moe_matmul",
     )(slot_expert, xlo, xhi, w4, scale)
-    y_slots = jnp.sum(part, axis=0)                # [S, slot_cols, N] or [S, N, slot_cols] (unused slots: garbage)
-    if rows_out:
-        y = y_slots[slot_of_row, pos_of_row]                         # [R, N]
-        if f32:
-            y = y + y_slots[slot_of_row, pos_of_row + capacity]
-    else:
-        y = y_slots[slot_of_row, :, pos_of_row]
-        if f32:
-            y = y + y_slots[slot_of_row, :, pos_of_row + capacity]
+    y_slots = jnp.sum(part, axis=0)                # [S, slot_cols, N] (unused slots: garbage)
+    y = y_slots[slot_of_row, pos_of_row]                             # [R, N]
+    if f32:
+        y = y + y_slots[slot_of_row, pos_of_row + capacity]
     y = y * jnp.float32(2.0 ** (NV_SHIFT if is_nv else MX_SHIFT))
     if is_nv:
         y = y * w_stacked.global_scale.astype(jnp.float32)[expert_ids][:, None]
