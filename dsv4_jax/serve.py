@@ -124,6 +124,7 @@ def _random_weights_model(args):
     settings = model_settings(args, args.max_batch)
     mesh = _mesh(args, None, cfg)
     _setup_compile_cache(args)
+    _status(f"making {args.random_weights}'s random weights")
     try:
         model = init_random(cfg, seed=0, mesh=mesh, settings=settings, tokenizer=tokenizer)
     except ValueError as err:
@@ -146,6 +147,7 @@ def build_model(args):
     mesh = _mesh(args, directory)
     _setup_compile_cache(args)
     progress = _LoadProgress()
+    _status(f"loading {directory}")
     try:
         model = load(directory, settings=settings, mesh=mesh, progress=progress)
     except (CheckpointError, OSError, ValueError) as err:
@@ -242,19 +244,26 @@ def warm_up(scheduler, context: int | None = None) -> None:
     sizes = sorted({c for c, b in prefill if b == first})
     lengths = [min(c, longest - 1) + 1 if cache.enabled else min(c, longest) for c in sizes]
     covered = set().union(*(_prompt_programs(model, n) for n in lengths))
-    log.info("warm-up: %d prefill and %d decode programs", len(prefill), len(decode))
+    _status(f"warm-up: compiling {len(prefill)} prefill and {len(decode)} decode programs (kept by the compilation "
+            f"cache for the next start; --no-warmup skips this)")
+    t0 = time.perf_counter()
     track = model.track_mtp or bool(k)
-    for size, bucket in prefill:
-        if (size, bucket) in covered:
-            continue
+    direct = [(size, bucket) for size, bucket in prefill if (size, bucket) not in covered]
+    for size, bucket in direct:
         end = bucket or model.max_seq_len            # a chunk whose tokens end here has this bucket
         start = max(0, end - size)
         state = model.init_state(1)
         # (the positions as a jitted op leaves them: committed to their sharding or not, else a program of its own)
         state = state.replace(positions=state.positions + start)
         model.prefill(np.zeros((1, size), np.int32), np.array([end - start]), state=state, track_mtp=track)
+    if direct:
+        _status(f"warm-up: {len(direct)} prefill programs of the larger context buckets in "
+                f"{time.perf_counter() - t0:.1f} s")
+        t0 = time.perf_counter()
     for bucket, logprobs, n_top in decode:
         scheduler.compile_decode(bucket or model.max_seq_len, logprobs, n_top)
+    _status(f"warm-up: {len(decode)} decode programs in {time.perf_counter() - t0:.1f} s")
+    t0 = time.perf_counter()
     vocab = model.config.vocab_size
     prompts = [[(i + 1 + 17 * j) % vocab for j in range(n)] for i, n in enumerate(lengths)]
     extension = (prompts[0] + [5 % vocab])[:longest]
@@ -275,6 +284,12 @@ def warm_up(scheduler, context: int | None = None) -> None:
     cache.clear()
     if failures:
         raise CLIError(f"warm-up request failed: {failures[0]}")
+    _status(f"warm-up: {len(requests)} requests (the other prefill programs) in {time.perf_counter() - t0:.1f} s")
+
+
+def _status(message: str) -> None:
+    """A line of the server's progress on stderr (loading and compiling can take minutes before it is ready)."""
+    print(f"dsv4_jax.serve: {message}", file=sys.stderr, flush=True)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -291,7 +306,9 @@ def serve(args) -> int:
 
     from .serving.app import create_app
     sock = listen(args.host, args.port)            # first: a port in use fails before minutes of loading
+    t0 = time.perf_counter()
     model, name = build_model(args)
+    _status(f"model {name!r} loaded in {time.perf_counter() - t0:.1f} s")
     scheduler = Scheduler(model, chunk=args.chunk, max_queue=args.max_queue,
                           speculative_tokens=args.speculative_tokens).start()
     t0 = time.perf_counter()
