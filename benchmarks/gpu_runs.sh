@@ -8,9 +8,11 @@
 #            (all but test_pallas_gemv.py took more than 540 s in one part, 2026-12-03)
 #   suite4   those of test_pallas_indexer.py, test_pallas_norm_rope.py, test_pallas_compressor.py,
 #            test_pallas_moe_decode.py                                         -> pytest_gpu_part4.log
-#   depth    Flash geometry, LAYERS (default 32) layers under scan_layers=True, BATCHES (default 1, 8) at 4K
-#            context and PROMPTS (default none), as deep as one H200 holds   -> flash<LAYERS>_scan.{json,log}
-#            (benchmarks/marginal_cost.py turns it and a 4-layer run of the same cases into a cost per layer)
+#   depth    Flash geometry, LAYERS (default 32) layers under scan_layers=True (SCAN=0: unrolled), BATCHES
+#            (default 1, 8) at 4K context and PROMPTS (default none), as deep as one H200 holds
+#                                                        -> flash<LAYERS>_scan.{json,log} (SCAN=0: _unrolled)
+#            (benchmarks/marginal_cost.py turns it and a 4-layer run of the same cases into a cost per layer; a
+#            scanned prefill copies each layer's expert weights per chunk, docs/performance.md "Depth")
 #   matrix   Flash geometry, 4 layers: decode at BATCHES (default 1, 8, 32, 64, 128, 256) x CONTEXTS (default 4K),
 #            prefill PROMPTS (default 8K and 32K), numerics ACT_QUANT (default none) -> flash4_<act_quant>.{json,log}
 #   profile  Flash geometry, 4 layers: where a decode step's kernel time goes at batch 1, 32 and 64, and a prefill
@@ -20,6 +22,9 @@
 #            (VARIANTS, default all): xla (the default), indexer (indexer_scores=kernel), fp8 (act_quant fp8),
 #            fp8_w4a8 (fp8 and matmul=kernel: the W4A8 kernel)
 #                                                                          -> flash4_prefill8k_<variant>.{json,log}
+#   chunks   Flash geometry, 4 layers: PROMPTS (default 8K and 32K) in chunks of each of CHUNKS (default 2048,
+#            4096, 8192), a process per chunk size, for the default chunk (docs/performance.md, "Prefill")
+#                                                                          -> flash4_chunk<N>.{json,log}
 # Usage: bash benchmarks/gpu_runs.sh suite3 depth   (parts run in the order given)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,12 +50,14 @@ for part in "$@"; do
         suite4) timeout "${SUITE_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 -rfE \
                     $GPU_TEST_FILES_4 2>&1 | tee "$OUT_DIR/pytest_gpu_part4.log" || status=1 ;;
         depth)  layers="${LAYERS:-32}"
+                if [ "${SCAN:-1}" = 0 ]; then scan=""; name="flash${layers}_unrolled"
+                else scan="--scan-layers"; name="flash${layers}_scan"; fi
                 # The weights take most of the GPU: let XLA's allocator have 95% of it, as for any model this deep.
                 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${BENCH_S:-420}" python3 -m dsv4_jax.bench \
-                    --preset flash --layers "$layers" --scan-layers --batches "${BATCHES:-1,8}" --contexts 4096 \
+                    --preset flash --layers "$layers" $scan --batches "${BATCHES:-1,8}" --contexts 4096 \
                     --prompts "${PROMPTS:-none}" \
-                    --reference none --calls 5 --out "$OUT_DIR/flash${layers}_scan.json" 2>&1 | quiet \
-                    | tee "$OUT_DIR/flash${layers}_scan.log" || status=1 ;;
+                    --reference none --calls 5 --out "$OUT_DIR/$name.json" 2>&1 | quiet \
+                    | tee "$OUT_DIR/$name.log" || status=1 ;;
         matrix) aq="${ACT_QUANT:-none}"
                 timeout "${BENCH_S:-420}" python3 -m dsv4_jax.bench --preset flash --layers 4 \
                     --batches "${BATCHES:-1,8,32,64,128,256}" --contexts "${CONTEXTS:-4096}" \
@@ -66,13 +73,19 @@ for part in "$@"; do
                 for name in ${VARIANTS:-xla indexer fp8 fp8_w4a8}; do
                     [ -n "${variants[$name]:-}" ] || { echo "unknown prefill8k variant: $name" >&2; exit 2; }
                     IFS=: read -r aq override <<< "${variants[$name]}"
-                    timeout "${BENCH_S:-110}" python3 -m dsv4_jax.bench --preset flash --layers 4 --batches 1 \
+                    timeout "${BENCH_S:-150}" python3 -m dsv4_jax.bench --preset flash --layers 4 --batches 1 \
                         --contexts 4096 --prompts 8192 --prefill-chunk 8192 --prefill-calls 2 --steps 2 --calls 1 \
                         --act-quant "$aq" ${override:+--kernel-override "$override"} --reference none \
                         --out "$OUT_DIR/flash4_prefill8k_$name.json" 2>&1 | quiet \
                         | tee "$OUT_DIR/flash4_prefill8k_$name.log" || status=1
                 done ;;
-        *) echo "unknown part: $part (expected suite1-4, depth, matrix, profile or prefill8k)" >&2; exit 2 ;;
+        chunks) for chunk in ${CHUNKS:-2048 4096 8192}; do
+                    timeout "${BENCH_S:-180}" python3 -m dsv4_jax.bench --preset flash --layers 4 --batches 1 \
+                        --contexts 4096 --prompts "${PROMPTS:-8192,32768}" --prefill-chunk "$chunk" --prefill-calls 2 \
+                        --steps 2 --calls 1 --reference none --out "$OUT_DIR/flash4_chunk$chunk.json" 2>&1 | quiet \
+                        | tee "$OUT_DIR/flash4_chunk$chunk.log" || status=1
+                done ;;
+        *) echo "unknown part: $part (expected suite1-4, depth, matrix, profile, prefill8k or chunks)" >&2; exit 2 ;;
     esac
 done
 exit $status
