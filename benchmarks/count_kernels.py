@@ -7,11 +7,13 @@ Needs jax's CUDA build in the environment (`pip install "jax[cuda13]==0.11.2"`; 
 for the ffi/ kernels (built for sm_90a). The decode step, a prefill chunk and a generation chunk are compiled for an
 H200 described by `h200_target_config.txtpb` (next to this script) with `kernels="auto"` planned for that device;
 each program's optimized HLO is counted by dsv4_jax.hlo_census: top-level kernels, launches per call (loop bodies
-times their trip counts), custom calls, while loops, collectives, compile time, and launches per layer kind and
-per op family. `--dispatch` also traces the decode step at batch 1, 8, 16, 32 and 64 and a verify step of 64 x 4
-rows (dsv4_jax.dispatch_census) and reports which path (kernel or reference dequantize-then-dot) each quantized
-matmul takes. `--device-memory-gib 256` compiles for an H200 with more memory: all of Flash does not fit 141 GiB,
-and XLA then adds rematerialized launches that a device holding its share of the model does not make.
+times their trip counts), custom calls, while loops, collectives, compile time, launches per layer kind and per op
+family, gathers that read one element per memory sector, and dynamic slices of 64 MiB or more copied out (e.g. a
+scanned layer's expert weights, per iteration). `--dispatch` also traces the decode step at batch 1, 8, 16, 32
+and 64 and a verify step of 64 x 4 rows (dsv4_jax.dispatch_census) and reports which path (kernel or reference
+dequantize-then-dot) each quantized matmul takes. `--device-memory-gib 256` compiles for an H200 with more memory:
+all of Flash does not fit 141 GiB, and XLA then adds rematerialized launches that a device holding its share of the
+model does not make.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, g
 
     from dsv4_jax import engine
     from dsv4_jax.generation import generate_chunk
-    from dsv4_jax.hlo_census import census, strided_gathers
+    from dsv4_jax.hlo_census import census, slice_copies, strided_gathers
 
     params, state, gen, halt, vec = abstract_inputs(cfg, batch, max_seq_len, device, scan_layers)
     programs = {
@@ -136,7 +138,13 @@ def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, g
         seconds = time.perf_counter() - t0
         text = compiled.as_text()
         strided = strided_gathers(text)
-        out[name] = {**census(text).as_dict(), "compile_s": seconds, "strided_gathers": strided}
+        copies = slice_copies(text)
+        out[name] = {**census(text).as_dict(), "compile_s": seconds, "strided_gathers": strided,
+                     "slice_copies": copies}
+        if copies:
+            print(f"{name}: {len(copies)} dynamic slices of >= 64 MiB copied out, "
+                  f"{sum(c['bytes'] for c in copies) / 2**20:.0f} MiB each time their computations run "
+                  f"(hlo_census.slice_copies)", flush=True)
         if strided:
             print(f"{name}: {len(strided)} strided gathers read {sum(g['bytes_used'] for g in strided) / 2**20:.0f} "
                   f"MiB as up to {sum(g['bytes_read'] for g in strided) / 2**20:.0f} MiB of memory sectors "

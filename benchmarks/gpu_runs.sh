@@ -69,7 +69,8 @@ for part in "$@"; do
                     --prefill-chunk "${PROFILE_CHUNK:-8192}" --out "$OUT_DIR/flash4_profile.json" 2>&1 | quiet \
                     | tee "$OUT_DIR/flash4_profile.log" || status=1 ;;
         prefill8k)
-                declare -A variants=([xla]=none: [indexer]=none:indexer_scores=kernel [fp8]=fp8: [fp8_w4a8]=fp8:matmul=kernel)
+                declare -A variants=([xla]=none: [indexer]=none:indexer_scores=kernel [fp8]=fp8:
+                                     [fp8_w4a8]=fp8:matmul=kernel)
                 for name in ${VARIANTS:-xla indexer fp8 fp8_w4a8}; do
                     [ -n "${variants[$name]:-}" ] || { echo "unknown prefill8k variant: $name" >&2; exit 2; }
                     IFS=: read -r aq override <<< "${variants[$name]}"

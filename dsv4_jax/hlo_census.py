@@ -16,6 +16,11 @@ model sets: see FAMILY_OF_SCOPE), collectives by their opcode, and to the kind o
 
 lists the gathers whose slices are not contiguous in memory, with the bytes they use and the sectors they touch: it
 found the MoE kernel's outputs read back about 8x (pallas_kernels/moe.py now stores its tiles row-major).
+
+    hlo_census.slice_copies(text)        # large dynamic slices written out as buffers of their own
+
+lists the slices a program copies instead of reading in place: it found a scanned prefill copying each layer's
+routed expert weights per iteration (docs/performance.md, "Depth").
 """
 
 from __future__ import annotations
@@ -253,4 +258,49 @@ def strided_gathers(hlo_text: str) -> list[dict]:
         found.append({"family": family(ins), "op_name": op_name, "operand": f"{dtype}{dims}",
                       "layout": layout, "slice_sizes": slice_sizes, "bytes_used": elements * item,
                       "bytes_read": elements * max(item, SECTOR_BYTES)})
+    return found
+
+
+def slice_copies(hlo_text: str, min_bytes: int = 64 * 2 ** 20) -> list[dict]:
+    """Dynamic slices of at least `min_bytes` that a program writes out as buffers of their own: a computation
+    (a fusion's, or the entry or a loop body) whose result is the slice, e.g. a scanned layer's weights taken out
+    of their stack before a kernel that cannot read them in place. (A slice XLA hands to a custom call in place
+    lies inside its `dynamic-slice-fusion`, whose result is the call's, and one that feeds arithmetic is fused
+    into it; neither is listed.) Per copy: its op_name, the stack's shape, the slice's shape and bytes."""
+    found = []
+    current, slices = None, {}
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current, slices = m.group("name"), {}
+            continue
+        m = _INSTRUCTION.match(line)
+        if not m or current is None:
+            continue
+        rest = m.group("rest")
+        opcode = _opcode(rest)
+        shape = _SHAPE.match(rest)
+        if opcode == "dynamic-slice" and shape:
+            operand = re.search(r"dynamic-slice\(%?([^\s,)]+)", rest)
+            slices[m.group("name")] = (shape, operand.group(1) if operand else "", rest)
+        root = line.lstrip().startswith("ROOT")
+        if root and opcode == "bitcast":
+            source = re.search(r"bitcast\(%?([^\s,)]+)\)", rest)
+            name = source.group(1) if source else ""
+        else:
+            name = m.group("name")
+        if not root or name not in slices:
+            continue
+        shape, operand, text = slices[name]
+        dims = [int(d) for d in shape.group("dims").split(",") if d]
+        size = _ITEM_BYTES.get(shape.group("dtype"), 4)
+        for d in dims:
+            size *= d
+        if size < min_bytes:
+            continue
+        op_name = re.search(r'op_name="([^"]*)"', text)
+        stack = re.search(rf"%?{re.escape(operand)}\s*=\s*(\S+)", hlo_text) if operand else None
+        found.append({"computation": current, "op_name": op_name.group(1) if op_name else "",
+                      "operand": re.sub(r"\{.*", "", stack.group(1)) if stack else operand,
+                      "slice": f"{shape.group('dtype')}{dims}", "bytes": size})
     return found

@@ -122,3 +122,39 @@ def test_moe_kernel_output_gather():
     text = _compiled_text(lambda x, w, i: moe.moe_matmul(x, w, i, jnp.float32, interpret=True, slot_cols=32,
                                                           split_k=1), x, w, ids)
     assert [g for g in hlo_census.strided_gathers(text) if 64 in g["slice_sizes"]] == []
+
+
+def test_slice_copies():
+    """A dynamic slice that is a computation's result is a copy (listed, with its bytes); one fused into arithmetic
+    is not; slices under the size floor are not; the GPU form (a loop fusion whose root is the slice, beside a
+    dynamic-slice-fusion that hands its slice to a custom call in place) is told apart."""
+    w, i = jnp.ones((4, 512, 1024), jnp.uint8), jnp.int32(1)
+    copied = hlo_census.slice_copies(_compiled_text(lambda w, i: jax.lax.dynamic_index_in_dim(w, i, False), w, i),
+                                     2 ** 19)
+    assert [(c["operand"], c["slice"], c["bytes"]) for c in copied] == [("u8[4,512,1024]", "u8[1, 512, 1024]", 2 ** 19)]
+    fused = _compiled_text(lambda w, i: jax.lax.dynamic_index_in_dim(w, i, False) + 1, w, i)
+    assert hlo_census.slice_copies(fused, 2 ** 19) == []
+    assert hlo_census.slice_copies(_compiled_text(lambda w, i: jax.lax.dynamic_index_in_dim(w, i, False), w, i),
+                                   2 ** 19 + 1) == []
+    gpu_text = """
+%fused_dynamic_slice.26.clone (param_0.1: u8[2,256,2048,2048], param_1.1: s32[]) -> u8[1,256,2048,2048] {
+  %param_0.1 = u8[2,256,2048,2048]{3,2,1,0} parameter(0)
+  %param_1.1 = s32[] parameter(1)
+  %constant_1 = s32[] constant(0)
+  ROOT %dynamic_slice.131 = u8[1,256,2048,2048]{3,2,1,0} dynamic-slice(%param_0.1, %param_1.1, %constant_1, %constant_1, %constant_1), dynamic_slice_sizes={1,256,2048,2048}, metadata={op_name="jit(prefill_chunk)/while/body/dynamic_slice"}
+}
+
+%dynamic-slice-fusion (p0: u8[2,256,4096,1024], p1: s32[], p3: bf16[305,8,2048]) -> f32[305,8,4096] {
+  %p3 = bf16[305,8,2048]{2,1,0} parameter(2)
+  %p0 = u8[2,256,4096,1024]{3,2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %constant_2 = s32[] constant(0)
+  %dynamic_slice.198 = u8[1,256,4096,1024]{3,2,1,0} dynamic-slice(%p0, %p1, %constant_2, %constant_2, %constant_2), dynamic_slice_sizes={1,256,4096,1024}
+  %bitcast.1248 = u8[256,4096,1024]{2,1,0} bitcast(%dynamic_slice.198)
+  ROOT %ffi_call.1 = f32[305,8,4096]{2,1,0} custom-call(%p3, %bitcast.1248), custom_call_target="dsv4_mxfp4_gemv"
+}
+"""
+    copies = hlo_census.slice_copies(gpu_text)
+    assert [(c["computation"], c["operand"], c["bytes"]) for c in copies] == [
+        ("fused_dynamic_slice.26.clone", "u8[2,256,2048,2048]", 2 ** 30)]
+    assert copies[0]["op_name"] == "jit(prefill_chunk)/while/body/dynamic_slice"
