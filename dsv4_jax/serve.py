@@ -37,7 +37,6 @@ PROG = "python -m dsv4_jax.serve"
 # and decode variant in it. Every further bucket multiplies them (each chunk size meets each bucket with the prefix
 # cache): at 1M positions all of them are ~135 programs, an hour of compiling for Flash.
 WARM_UP_CONTEXT = 4096
-log = logging.getLogger("dsv4_jax.serve")
 
 
 class _Parser(argparse.ArgumentParser):
