@@ -64,9 +64,15 @@ def _indexer_query(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.A
 
 
 def _scores(q: jax.Array, head_weights: jax.Array, keys: jax.Array) -> jax.Array:
-    """sum over heads of weight_h * ReLU(q_h . key): float32 [B, S, N] for keys [B, N, head_dim]."""
-    dots = jnp.einsum("bshd,bnd->bshn", q.astype(jnp.float32), keys.astype(jnp.float32))
-    return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(dots), head_weights)
+    """sum over heads of weight_h * ReLU(q_h . key): float32 [B, S, N] for keys [B, N, head_dim].
+
+    The dot products are of the stored values, accumulated in float32, as pallas_kernels/indexer.py computes them:
+    bf16 values on bf16 tensor cores (their products are exact in float32; this was a float32 dot, TF32 on a GPU
+    at default precision), float32 values at full precision. The weighted sum over heads is a float32 reduction,
+    not a dot: a float32 dot at default precision rounds its inputs to TF32 on a GPU."""
+    precision = jax.lax.Precision.HIGHEST if jnp.float32 in (q.dtype, keys.dtype) else None
+    dots = jnp.einsum("bshd,bnd->bshn", q, keys, preferred_element_type=jnp.float32, precision=precision)
+    return jnp.sum(jax.nn.relu(dots) * head_weights[..., None], axis=2)
 
 
 @jax.named_scope("indexer")
