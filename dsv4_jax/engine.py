@@ -27,9 +27,11 @@ from .state import DecodeState, init_state
 
 # Prompt tokens per prefill program, the default of load / Model / the command lines. A chunk routes its tokens to
 # the 256 experts of each layer and reads every expert's weights once, so longer chunks share that read among more
-# tokens: on an H200 (4 Flash layers, docs/performance.md) an 8K prompt takes 142 ms in 2,048-token chunks against
-# 257 ms in 512-token ones, for ~3 GB more compiled temporaries per device (benchmarks/plan_h200.py).
-PREFILL_CHUNK = 2048
+# tokens: on an H200 (4 Flash layers, docs/performance.md) an 8K prompt takes 115 ms in 4,096-token chunks, 142 ms
+# in 2,048-token ones and 257 ms in 512-token ones. Memory sets the limit: 4,096-token chunks need 4.70 GB of
+# compiled temporaries per device (4 Flash layers on 8 H200s at 1M tokens, benchmarks/plan_h200.py), what
+# 2,048-token chunks needed before the indexer's weighted sum stopped writing a transposed copy of its products.
+PREFILL_CHUNK = 4096
 
 
 def _run_chunk(params, cfg: ModelConfig, ctx: RunContext, state: DecodeState, tokens, n_valid,

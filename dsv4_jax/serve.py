@@ -35,7 +35,7 @@ from .tokenizer import Tokenizer
 PROG = "python -m dsv4_jax.serve"
 # Contexts whose every program the warm-up compiles: one context bucket (api.MIN_CONTEXT_BUCKET), each prompt length
 # and decode variant in it. Every further bucket multiplies them (each chunk size meets each bucket with the prefix
-# cache): at 1M positions all of them are ~135 programs, an hour of compiling for Flash.
+# cache): at 1M positions all of them are ~144 programs, an hour of compiling for Flash.
 WARM_UP_CONTEXT = 4096
 
 

@@ -11,6 +11,8 @@ against each block of keys (the heads summed on chip: no [B, S, heads, N] produc
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,7 +74,8 @@ def _scores(q: jax.Array, head_weights: jax.Array, keys: jax.Array) -> jax.Array
     not a dot: a float32 dot at default precision rounds its inputs to TF32 on a GPU."""
     precision = jax.lax.Precision.HIGHEST if jnp.float32 in (q.dtype, keys.dtype) else None
     dots = jnp.einsum("bshd,bnd->bshn", q, keys, preferred_element_type=jnp.float32, precision=precision)
-    return jnp.sum(jax.nn.relu(dots) * head_weights[..., None], axis=2)
+    terms = jax.nn.relu(dots) * head_weights[..., None]
+    return functools.reduce(jnp.add, [terms[:, :, h] for h in range(terms.shape[2])])
 
 
 @jax.named_scope("indexer")
