@@ -70,8 +70,10 @@ def _scores(q: jax.Array, head_weights: jax.Array, keys: jax.Array) -> jax.Array
 
     The dot products are of the stored values, accumulated in float32, as pallas_kernels/indexer.py computes them:
     bf16 values on bf16 tensor cores (their products are exact in float32; this was a float32 dot, TF32 on a GPU
-    at default precision), float32 values at full precision. The weighted sum over heads is a float32 reduction,
-    not a dot: a float32 dot at default precision rounds its inputs to TF32 on a GPU."""
+    at default precision), float32 values at full precision. The weighted sum over heads adds the heads' [B, S, N]
+    slices in float32: XLA fuses that with the ReLU, the weights and the caller's mask into one pass over the
+    products, where a second dot (TF32 on a GPU) or a reduction over the heads axis first wrote them transposed
+    (heads minor): 2 GiB more for a 2,048-token chunk against 4,096 entries (docs/performance.md)."""
     precision = jax.lax.Precision.HIGHEST if jnp.float32 in (q.dtype, keys.dtype) else None
     dots = jnp.einsum("bshd,bnd->bshn", q, keys, preferred_element_type=jnp.float32, precision=precision)
     terms = jax.nn.relu(dots) * head_weights[..., None]
