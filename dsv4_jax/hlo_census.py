@@ -209,6 +209,37 @@ _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 
 SECTOR_BYTES = 32          # the unit a GPU reads memory in: a gather of single elements reads a sector for each
 
 
+def _instruction_lines(hlo_text: str):
+    """(computation, instruction name, the text after 'name = ', whether it is the computation's ROOT) for every
+    instruction of every computation."""
+    current = None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group("name")
+            continue
+        m = _INSTRUCTION.match(line)
+        if m and current is not None:
+            yield current, m.group("name"), m.group("rest"), line.lstrip().startswith("ROOT")
+
+
+def _array_shape(rest: str) -> tuple[str, list[int], list[int] | None] | None:
+    """(dtype, dims, layout or None) of an instruction's array result from the text after 'name = '; None for a
+    tuple."""
+    shape = _SHAPE.match(rest)
+    if not shape:
+        return None
+    layout = [int(d) for d in shape.group("layout").split(",") if d] if shape.group("layout") else None
+    return shape.group("dtype"), [int(d) for d in shape.group("dims").split(",") if d], layout
+
+
+def _elements(dims: list[int]) -> int:
+    count = 1
+    for d in dims:
+        count *= d
+    return count
+
+
 def strided_gathers(hlo_text: str) -> list[dict]:
     """Gathers (at top level or inside fusions) whose slices are not contiguous in memory: each slice takes one
     element along the operand's minor-most dimension but several along another, so it reads elements that lie far
@@ -217,23 +248,12 @@ def strided_gathers(hlo_text: str) -> list[dict]:
     bytes it uses against the bytes of the sectors it touches (an upper bound, no cache reuse)."""
     shapes: dict[tuple[str, str], tuple[str, list[int], list[int] | None]] = {}
     gathers = []
-    current = None
-    for line in hlo_text.splitlines():
-        m = _COMPUTATION.match(line)
-        if m:
-            current = m.group("name")
-            continue
-        m = _INSTRUCTION.match(line)
-        if not m or current is None:
-            continue
-        rest = m.group("rest")
-        shape = _SHAPE.match(rest)
+    for computation, name, rest, _ in _instruction_lines(hlo_text):
+        shape = _array_shape(rest)
         if shape:
-            dims = [int(d) for d in shape.group("dims").split(",") if d]
-            layout = [int(d) for d in shape.group("layout").split(",") if d] if shape.group("layout") else None
-            shapes[(current, m.group("name"))] = (shape.group("dtype"), dims, layout)
+            shapes[(computation, name)] = shape
         if _opcode(rest) == "gather":
-            gathers.append((current, m.group("name"), rest))
+            gathers.append((computation, name, rest))
     found = []
     for computation, name, rest in gathers:
         operand = re.search(r"gather\(%?([^\s,)]+)", rest)
@@ -247,10 +267,8 @@ def strided_gathers(hlo_text: str) -> list[dict]:
         minor = layout[0] if layout else len(dims) - 1
         if dims[minor] == 1 or slice_sizes[minor] != 1 or max(slice_sizes) == 1:
             continue
-        out = _SHAPE.match(rest)
-        elements = 1
-        for d in ([int(d) for d in out.group("dims").split(",") if d] if out else []):
-            elements *= d
+        out = shapes.get((computation, name))
+        elements = _elements(out[1]) if out else 1
         item = _ITEM_BYTES.get(dtype, 4)
         op_name = re.search(r'op_name="([^"]*)"', rest)
         op_name = op_name.group(1) if op_name else ""
@@ -268,39 +286,30 @@ def slice_copies(hlo_text: str, min_bytes: int = 64 * 2 ** 20) -> list[dict]:
     lies inside its `dynamic-slice-fusion`, whose result is the call's, and one that feeds arithmetic is fused
     into it; neither is listed.) Per copy: its op_name, the stack's shape, the slice's shape and bytes."""
     found = []
-    current, slices = None, {}
-    for line in hlo_text.splitlines():
-        m = _COMPUTATION.match(line)
-        if m:
-            current, slices = m.group("name"), {}
-            continue
-        m = _INSTRUCTION.match(line)
-        if not m or current is None:
-            continue
-        rest = m.group("rest")
+    types: dict[tuple[str, str], str] = {}           # each instruction's result type as written, without layout
+    slices: dict[tuple[str, str], str] = {}          # the dynamic slices' text after 'name = '
+    for computation, name, rest, root in _instruction_lines(hlo_text):
+        types[(computation, name)] = re.sub(r"\{.*", "", rest.split(" ", 1)[0])
         opcode = _opcode(rest)
-        shape = _SHAPE.match(rest)
-        if opcode == "dynamic-slice" and shape:
-            operand = re.search(r"dynamic-slice\(%?([^\s,)]+)", rest)
-            slices[m.group("name")] = (shape, operand.group(1) if operand else "", rest)
-        root = line.lstrip().startswith("ROOT")
-        if root and opcode == "bitcast":
+        if opcode == "dynamic-slice":
+            slices[(computation, name)] = rest
+        if not root:
+            continue
+        if opcode == "bitcast":
             source = re.search(r"bitcast\(%?([^\s,)]+)\)", rest)
             name = source.group(1) if source else ""
-        else:
-            name = m.group("name")
-        if not root or name not in slices:
+        text = slices.get((computation, name))
+        shape = _array_shape(text) if text else None
+        if shape is None:
             continue
-        shape, operand, text = slices[name]
-        dims = [int(d) for d in shape.group("dims").split(",") if d]
-        size = _ITEM_BYTES.get(shape.group("dtype"), 4)
-        for d in dims:
-            size *= d
+        dtype, dims, _ = shape
+        size = _ITEM_BYTES.get(dtype, 4) * _elements(dims)
         if size < min_bytes:
             continue
         op_name = re.search(r'op_name="([^"]*)"', text)
-        stack = re.search(rf"%?{re.escape(operand)}\s*=\s*(\S+)", hlo_text) if operand else None
-        found.append({"computation": current, "op_name": op_name.group(1) if op_name else "",
-                      "operand": re.sub(r"\{.*", "", stack.group(1)) if stack else operand,
-                      "slice": f"{shape.group('dtype')}{dims}", "bytes": size})
+        operand = re.search(r"dynamic-slice\(%?([^\s,)]+)", text)
+        operand = operand.group(1) if operand else ""
+        found.append({"computation": computation, "op_name": op_name.group(1) if op_name else "",
+                      "operand": types.get((computation, operand), operand), "slice": f"{dtype}{dims}",
+                      "bytes": size})
     return found
