@@ -39,6 +39,14 @@ GPU_TEST_FILES_3="tests/test_pallas_quantize.py tests/test_pallas_gemv.py"
 GPU_TEST_FILES_4="tests/test_pallas_indexer.py tests/test_pallas_norm_rope.py tests/test_pallas_compressor.py \
 tests/test_pallas_moe_decode.py"
 quiet() { grep -v "Warning\|warn(\|return rule"; }
+# prefill NAME SECONDS PROMPTS CHUNK [bench options]: a 4-layer Flash prefill run -> flash4_NAME.{json,log}
+prefill() {
+    local name=$1 seconds=$2 prompts=$3 chunk=$4
+    shift 4
+    timeout "$seconds" python3 -m dsv4_jax.bench --preset flash --layers 4 --batches 1 --contexts 4096 \
+        --prompts "$prompts" --prefill-chunk "$chunk" --prefill-calls 2 --steps 2 --calls 1 --reference none "$@" \
+        --out "$OUT_DIR/flash4_$name.json" 2>&1 | quiet | tee "$OUT_DIR/flash4_$name.log" || status=1
+}
 for part in "$@"; do
     case "$part" in
         suite1) timeout "${SUITE_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 -rfE \
@@ -74,17 +82,11 @@ for part in "$@"; do
                 for name in ${VARIANTS:-xla indexer fp8 fp8_w4a8}; do
                     [ -n "${variants[$name]:-}" ] || { echo "unknown prefill8k variant: $name" >&2; exit 2; }
                     IFS=: read -r aq override <<< "${variants[$name]}"
-                    timeout "${BENCH_S:-150}" python3 -m dsv4_jax.bench --preset flash --layers 4 --batches 1 \
-                        --contexts 4096 --prompts 8192 --prefill-chunk 8192 --prefill-calls 2 --steps 2 --calls 1 \
-                        --act-quant "$aq" ${override:+--kernel-override "$override"} --reference none \
-                        --out "$OUT_DIR/flash4_prefill8k_$name.json" 2>&1 | quiet \
-                        | tee "$OUT_DIR/flash4_prefill8k_$name.log" || status=1
+                    prefill "prefill8k_$name" "${BENCH_S:-150}" 8192 8192 --act-quant "$aq" \
+                        ${override:+--kernel-override "$override"}
                 done ;;
         chunks) for chunk in ${CHUNKS:-2048 4096 8192}; do
-                    timeout "${BENCH_S:-180}" python3 -m dsv4_jax.bench --preset flash --layers 4 --batches 1 \
-                        --contexts 4096 --prompts "${PROMPTS:-8192,32768}" --prefill-chunk "$chunk" --prefill-calls 2 \
-                        --steps 2 --calls 1 --reference none --out "$OUT_DIR/flash4_chunk$chunk.json" 2>&1 | quiet \
-                        | tee "$OUT_DIR/flash4_chunk$chunk.log" || status=1
+                    prefill "chunk$chunk" "${BENCH_S:-180}" "${PROMPTS:-8192,32768}" "$chunk"
                 done ;;
         *) echo "unknown part: $part (expected suite1-4, depth, matrix, profile, prefill8k or chunks)" >&2; exit 2 ;;
     esac

@@ -30,6 +30,12 @@ def _load(path: str) -> dict:
     return result
 
 
+def _matched(shallow: dict, deep: dict, part: str, key) -> list[tuple[dict, dict]]:
+    """(shallow case, deep case) of `part` ("decode" or "prefill") for each case `key` finds in both results."""
+    deep_cases = {key(c): c for c in deep.get(part) or []}
+    return [(c, deep_cases[key(c)]) for c in shallow.get(part) or [] if key(c) in deep_cases]
+
+
 def marginal_costs(shallow: dict, deep: dict, project: int | None = None) -> dict:
     """Per-layer cost of each decode and prefill case present in both bench results (shallow has fewer layers)."""
     l0, l1 = shallow["model"]["layers"], deep["model"]["layers"]
@@ -37,11 +43,7 @@ def marginal_costs(shallow: dict, deep: dict, project: int | None = None) -> dic
         raise ValueError(f"the second result must have more layers than the first ({l1} <= {l0})")
     apart = l1 - l0
     rows = {"decode": [], "prefill": []}
-    deep_decode = {(d["batch"], d["context"]): d for d in deep.get("decode") or []}
-    for d in shallow.get("decode") or []:
-        other = deep_decode.get((d["batch"], d["context"]))
-        if other is None:
-            continue
+    for d, other in _matched(shallow, deep, "decode", lambda c: (c["batch"], c["context"])):
         per_layer = (other["ms_per_step"] - d["ms_per_step"]) / apart
         floor_per_layer = (other["floor_ms"] - d["floor_ms"]) / apart
         row = {"batch": d["batch"], "context": d["context"], "ms": [d["ms_per_step"], other["ms_per_step"]],
@@ -50,11 +52,7 @@ def marginal_costs(shallow: dict, deep: dict, project: int | None = None) -> dic
         if project:
             row["projected_ms"] = d["ms_per_step"] + (project - l0) * per_layer
         rows["decode"].append(row)
-    deep_prefill = {(p["prompt_tokens"], p["prefill_chunk"]): p for p in deep.get("prefill") or []}
-    for p in shallow.get("prefill") or []:
-        other = deep_prefill.get((p["prompt_tokens"], p["prefill_chunk"]))
-        if other is None:
-            continue
+    for p, other in _matched(shallow, deep, "prefill", lambda c: (c["prompt_tokens"], c["prefill_chunk"])):
         per_layer = (other["ttft_ms"] - p["ttft_ms"]) / apart
         row = {"prompt_tokens": p["prompt_tokens"], "prefill_chunk": p["prefill_chunk"],
                "ttft_ms": [p["ttft_ms"], other["ttft_ms"]], "ms_per_layer": per_layer}

@@ -226,8 +226,9 @@ def test_cuda_lowering():
     ]
     wide = sds((200, k), jnp.bfloat16)                                    # a verify step: two column tiles
     cases += [(gemv.fp8_matmul, (wide, cases[2][1][1])), (gemv.mxfp4_matmul, (wide, cases[0][1][1]))]
-    cases.append((functools.partial(moe.moe_matmul, slot_cols=64, split_k=1, block_n=64),     # prefill slots
-                  (sds((600, k), jnp.bfloat16), Mxfp4Weight(sds((8, n, k // 2), jnp.uint8), sds((8, n, k // 32), jnp.uint8)),
+    cases.append((functools.partial(moe.moe_matmul, slot_cols=64, split_k=1, block_n=64),      # prefill slots
+                  (sds((600, k), jnp.bfloat16),
+                   Mxfp4Weight(sds((8, n, k // 2), jnp.uint8), sds((8, n, k // 32), jnp.uint8)),
                    sds((600,), jnp.int32))))
     m, nb, kb = 512, n // 128, k // 128
     xq, wq = sds((m, k), jnp.float8_e4m3fn), sds((n, k), jnp.float8_e4m3fn)
@@ -311,15 +312,14 @@ def test_moe_tilings_gpu(routed_prefill_case, block_n, step_bytes, warps):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("block_n,step_bytes,warps,slot_cols", [(128, 64, 8, 128), (64, 64, 4, 128), (64, 128, 4, 64),
-                                                                 (64, 128, 4, 16)])
-def test_moe_dispatched_tilings_gpu(routed_prefill_case, block_n, step_bytes, warps, slot_cols):
-    """The tilings the dispatch picks for prefill (matmul_kernels._moe_schedule: MXFP4 with 128 weight rows on 8
-    warps, 64 rows on 4) and 64- and 16-column slots, against the float32 reference. (Before the tiles were stored
-    row-major, both layouts ran here on an H200 on 2026-12-06 and were equal bit for bit.)"""
+@pytest.mark.parametrize("slot_cols", [64, 16])
+def test_moe_slot_widths_gpu(routed_prefill_case, slot_cols):
+    """Slots narrower than test_moe_tilings_gpu's 128 columns (64: prefill chunks with fewer rows per expert; 16:
+    decode's) in a tiling the dispatch picks, against the float32 reference; the row-major output tiles transpose
+    a [64, slot_cols] tile. (Before the tiles were stored row-major, both layouts ran here and in the 128-column
+    tilings on an H200 on 2026-12-06 and were equal bit for bit.)"""
     x, w, ids, ref = routed_prefill_case
-    fn = functools.partial(moe.moe_matmul, block_n=block_n, unroll=step_bytes // 16, num_warps=warps,
-                           slot_cols=slot_cols, split_k=1)
+    fn = functools.partial(moe.moe_matmul, block_n=64, unroll=8, num_warps=4, slot_cols=slot_cols, split_k=1)
     y = np.asarray(jax.jit(lambda x, w, i: fn(x, w, i, jnp.float32))(x, w, ids), np.float64)
     assert np.all(np.isfinite(y)), f"{np.sum(~np.isfinite(y))} non-finite outputs"
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5

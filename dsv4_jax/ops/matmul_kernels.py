@@ -159,8 +159,7 @@ def _is_quantized_matrix(weight, ndim: int) -> bool:
 
 def _opted_in(plan: KernelPlan) -> bool:
     """Whether the plan takes the matmul kernels that are not the default because no GPU run has shown them faster
-    (dense_slots_gemv, moe_fp8): its override `matmul=kernel`, or the interpret plan
-    (tests)."""
+    (dense_slots_gemv, moe_fp8): its override `matmul=kernel`, or the interpret plan (tests)."""
     return plan.interpret or plan.override("matmul") == "kernel"
 
 
@@ -228,8 +227,8 @@ def prefill_expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, real: j
     rows that are not `real` (None: all are) read no weight and give zeros. None where another path applies: more
     routed rows than a decode or verify step has (MAX_SLOTTED_ROWS; those stream each weight once on the GEMVs),
     N and K multiples of 128, and on a GPU only where the plan opts in (`matmul=kernel`): on an H100 (2026-12-06)
-    it took 3.86 ms for an 8K chunk's experts_w1 where the bf16 MoE kernel on the same rows took 2.81 ms
-    (docs/performance.md; in the model the evidence is mixed), so FP8 activations keep that kernel by default. The
+    it took 3.86 ms for an 8K chunk's experts_w1 where the bf16 MoE kernel on the same rows took 2.81 ms, and an 8K
+    prompt 131.7 ms against 128.3 (docs/performance.md), so FP8 activations keep that kernel by default. The
     interpret plan takes it."""
     plan = _plan(ctx)
     backend = plan.backend
@@ -333,8 +332,7 @@ def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, ctx, real: jax.
     """Rows xs [R, K] each times its own expert of a stacked FP4 weight -> float32 [R, N], or None (reference).
     `real` [R] (None: all): rows whose output the caller zeroes, which the ffi/ path skips (routed_gemv)."""
     kernel = expert_kernel(xs.shape[0], xs.dtype, weight, ctx)
-    plan = _plan(ctx)
-    backend = plan.backend
+    backend = _plan(ctx).backend
     if kernel == "ffi":
         _record("grouped_linear", weight, backend, _ffi_routed_kernel(xs), ctx)
         return routed_gemv(xs, weight, row_experts, real)
