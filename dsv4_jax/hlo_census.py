@@ -199,8 +199,21 @@ def census(hlo_text: str) -> Census:
 
 def op_families(hlo_text: str) -> dict[str, str]:
     """Every instruction name of every computation -> its op family (to attribute profiler events by HLO op)."""
+    return {name: fam for name, (fam, _) in op_sites(hlo_text).items()}
+
+
+def op_sites(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """Every instruction name -> (its op family, its site): the model scope of its op_name without the program's
+    name, and the kind of its HLO instruction (e.g. "window_layer/attention/fp8_matmul/reduce_max input_reduce"),
+    so the same op of every layer of one kind shares a site."""
     computations, _ = parse(hlo_text)
-    return {ins.name: family(ins) for instructions in computations.values() for ins in instructions}
+    return {ins.name: (family(ins), _site(ins)) for instructions in computations.values() for ins in instructions}
+
+
+def _site(instruction: Instruction) -> str:
+    scope = instruction.op_name.split("/", 1)[1] if "/" in instruction.op_name else instruction.op_name
+    kind = re.sub(r"(_fusion)?(\.\d+)*$", "", instruction.name)          # input_reduce_fusion.8 -> input_reduce
+    return f"{scope} {kind}".strip()
 
 
 _SHAPE = re.compile(r"^(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[\d,]*)\](?:\{(?P<layout>[\d,]*))?")

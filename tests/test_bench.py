@@ -34,12 +34,18 @@ def test_tiny_smoke_run(tmp_path, capsys):
     assert profile["launches"]["launches_per_call"] > 0
     assert "fp4 matmul" in profile["by_family"] and "mhc" in profile["by_family"]
     assert sum(row["percent"] for row in profile["by_family"].values()) == pytest.approx(100.0)
+    sites = profile["top_sites"]                                        # the ops that take the most, by time
+    assert sites and [s["ms"] for s in sites] == sorted((s["ms"] for s in sites), reverse=True)
+    assert all(s["family"] in profile["by_family"] and s["kernels"] > 0 for s in sites)
+    assert any("routed_experts" in s["site"] for s in sites)
+    assert sum(s["percent"] for s in sites) <= 100.0 + 1e-9
     chunk = result["profile_prefill"]                                   # one 16-token chunk of one sequence
     assert chunk["chunk"] == 16 and chunk["launches"]["launches_per_call"] > 0
     assert {"fp4 matmul", "attention", "compressor"} <= set(chunk["by_family"])
     assert sum(row["percent"] for row in chunk["by_family"].values()) == pytest.approx(100.0)
     printed = capsys.readouterr().out
     assert "ms/step" in printed and "ttft ms" in printed and "one 16-token prefill chunk" in printed
+    assert "sites that take the most" in printed
 
     pytest.importorskip("matplotlib")
     assert main(["--replot", str(out), "--plot", str(figures)]) == 0

@@ -70,6 +70,15 @@ def test_op_families_name_every_instruction():
     assert families["x.1"] == "other"
 
 
+def test_op_sites_name_an_op_without_its_program_or_instance():
+    sites = hlo_census.op_sites(HLO.replace("%a = f32[4]{0} fusion(", "%input_reduce_fusion.8.1 = f32[4]{0} fusion(")
+                                .replace("fusion(%a)", "fusion(%input_reduce_fusion.8.1)"))
+    assert sites["input_reduce_fusion.8.1"] == ("fp8 matmul", "csa_layer/attention/fp8_matmul/dot_general input_reduce")
+    assert sites["b"] == ("fp8 matmul", "csa_layer/attention/fp8_matmul/ffi_call b")
+    assert sites["f1"] == ("mhc", "csa_layer/mhc/while/body/mul f1")
+    assert sites["x.1"] == ("other", "x x")                          # no program scope: the op_name as it is
+
+
 def test_an_hlo_text_without_entry_is_refused():
     with pytest.raises(ValueError, match="no ENTRY"):
         hlo_census.census("HloModule empty\n")

@@ -40,6 +40,7 @@ from . import cases, op_profile, probes
 from .plots import write_plots
 
 DEFAULT_PROBES = {"gpu": (1 << 30, 16384), "cpu": (64 << 20, 512)}   # bandwidth weight bytes, matmul n
+PRINTED_SITES = 15      # of the profile's top sites, the ones the printed table lists (the JSON has them all)
 
 
 def _ints(text: str) -> list[int]:
@@ -307,6 +308,10 @@ def tables(result: dict) -> str:
             if floor.get(fam):        # the bytes the family must read, and the rate its kernels read them at
                 line += f"  {floor[fam] / 1e6:9.1f} MB  {floor[fam] / row['ms'] / 1e6:7.0f} GB/s"
             lines.append(line)
+        if prof.get("top_sites"):       # absent in results written before the sites were recorded
+            lines.append(f"  the {PRINTED_SITES} sites that take the most (an op, summed over the layers of a kind):")
+            lines += [f"    {site['ms']:8.3f} ms {site['percent']:5.1f}% {site['kernels']:6.1f} kernels  "
+                      f"{site['family']:<20} {site['site']}" for site in prof["top_sites"][:PRINTED_SITES]]
     return "\n".join(lines)
 
 

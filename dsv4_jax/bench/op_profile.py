@@ -19,7 +19,10 @@ import os
 
 import jax
 
-from ..hlo_census import census, op_families
+from ..hlo_census import census, op_sites
+
+
+TOP_SITES = 40          # the sites (an op of the model in each layer of one kind) listed with their time
 
 
 def trace_steps(program, params, state, inputs: tuple, steps: int, directory: str):
@@ -46,13 +49,15 @@ def _trace_events(directory: str) -> list[dict]:
 
 def op_table(directory: str, hlo_text: str, steps: int) -> dict:
     """Per-family kernel time of one call (ms and % of the kernels' total) from the trace under `directory` and the
-    traced program's HLO text, and the program's launch census."""
+    traced program's HLO text, the TOP_SITES sites that take the most (hlo_census.op_sites: one op of the model,
+    summed over the layers of a kind, with its kernels per call), and the program's launch census."""
     module = hlo_text.split(None, 2)[1].rstrip(",")          # "HloModule jit_decode_step, ..."
     events = _trace_events(directory)
     device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                    and str(e.get("args", {}).get("name", "")).startswith("/device:")}
-    families = op_families(hlo_text)
+    sites = op_sites(hlo_text)
     per_family = collections.Counter()
+    per_site, site_kernels = collections.Counter(), collections.Counter()
     kernels = 0
     for e in events:
         args = e.get("args") or {}
@@ -64,12 +69,18 @@ def op_table(directory: str, hlo_text: str, steps: int) -> dict:
         if not device_pids and "hlo_op" not in args:
             continue
         op = args.get("hlo_op", e["name"])
-        per_family[families.get(op, "unattributed")] += e.get("dur", 0.0)
+        fam, site = sites.get(op, ("unattributed", op))
+        per_family[fam] += e.get("dur", 0.0)
+        per_site[(fam, site)] += e.get("dur", 0.0)
+        site_kernels[(fam, site)] += 1
         kernels += 1
     total_us = sum(per_family.values())
     if not total_us:
         raise RuntimeError(f"the trace under {directory} has no kernel events of module {module}")
     rows = {fam: {"ms": us / steps / 1e3, "percent": 100.0 * us / total_us}
             for fam, us in sorted(per_family.items(), key=lambda kv: -kv[1])}
+    top = [{"family": fam, "site": site, "ms": us / steps / 1e3, "percent": 100.0 * us / total_us,
+            "kernels": site_kernels[(fam, site)] / steps}
+           for (fam, site), us in per_site.most_common(TOP_SITES)]
     return {"kernel_ms_per_step": total_us / steps / 1e3, "kernels_traced_per_step": kernels / steps,
-            "by_family": rows, "launches": census(hlo_text).as_dict()}
+            "by_family": rows, "top_sites": top, "launches": census(hlo_text).as_dict()}
