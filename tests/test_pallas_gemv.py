@@ -130,6 +130,34 @@ def test_dense_interpret_wide(fmt, m, dtype):
     assert np.max(row_err) < 1e-4
 
 
+def test_f16_prescale_exponent():
+    """amax * 2^p lands in [2^13, 2^14) for every normal float32 magnitude a bf16 row can have (float64 check),
+    p is 0 for a zero row, and the clip holds at the extremes."""
+    rng = np.random.default_rng()
+    amax = np.concatenate([2.0 ** rng.uniform(-86, 86, 500), [2.0 ** -86, 1.0, 1.5, 2.0 ** 86]]).astype(np.float32)
+    p = np.asarray(gemv.f16_prescale_exponent(jnp.asarray(amax)), np.float64)
+    scaled = amax.astype(np.float64) * 2.0 ** p
+    assert np.all((scaled >= 2.0 ** 13) & (scaled < 2.0 ** 14))
+    extremes = gemv.f16_prescale_exponent(jnp.asarray([0.0, 2.0 ** -120, 2.0 ** 120], jnp.float32))
+    assert list(np.asarray(extremes)) == [0, 100, -100]
+
+
+def test_fp8_rows_of_any_magnitude_interpret():
+    """The FP8 kernel prescales each activation row by its own largest magnitude (in each program's K range): rows
+    from 2^-60 to 2^60 and a zero row, over two K splits, each within float32 rounding of float64 math; a shared
+    prescale would flush the small rows to zero or overflow f16 on the large ones."""
+    rng = np.random.default_rng()
+    n, k, m = 128, 512, 6
+    w = _fp8(rng, (n, k))
+    magnitudes = np.array([2.0 ** -60, 2.0 ** -20, 1.0, 0.0, 2.0 ** 20, 2.0 ** 60])[:, None]
+    x = jnp.asarray(rng.standard_normal((m, k)) * magnitudes, jnp.bfloat16)
+    y = np.asarray(gemv.fp8_matmul(x, w, jnp.float32, interpret=True, block_n=64, split_k=2), np.float64)
+    ref = np.asarray(x, np.float64) @ _dequant64(w).T
+    assert np.all(y[3] == 0.0)
+    for r in (0, 1, 2, 4, 5):
+        assert np.linalg.norm(y[r] - ref[r]) / np.linalg.norm(ref[r]) < 1e-5, r
+
+
 def test_split_is_capped_by_the_partials():
     """At 128 activation columns the split-K partials (split x N x 128 float32) would outgrow the weight: the split
     stays at what keeps them smaller; at 16 columns the GPU-filling split is unchanged."""

@@ -23,8 +23,9 @@ Kernel design (see docs/kernels.md for measurements):
     share a weight tile run together and the second reads it from L2.
   * grid = (column tiles, N / block_n, split_k): each program owns block_n output features and 1/split_k of K,
     loops over K in steps of `unroll` scale blocks; Triton software-pipelines the weight loads (cp.async,
-    num_stages deep). Split-K partials (float32 [split_k, N, columns]) are summed in the wrapper's epilogue
-    fusion; the split is capped so the partials stay smaller than the weight (`_split_cap`). From 64 columns the
+    num_stages deep). Each program stores its tile transposed, so the output is [split_k, rows, N], row-major as
+    the caller wants it; split-K partials are summed in the wrapper's epilogue fusion (one split: no pass at all),
+    and the split is capped so the partials stay smaller than the weight (`_split_cap`). From 64 columns the
     tiles hold 64 weight rows (the accumulator is block_n x columns float32 in registers).
   * FP4 decode (MXFP4 and NVFP4 share it): the packed tile is viewed [block_n, blocks, bytes_per_block] so the
     per-(row, block) scale broadcasts over the last axis. The PTX primitive takes 2 bytes (4 weights) and the
@@ -39,9 +40,12 @@ Kernel design (see docs/kernels.md for measurements):
     the byte); 2^32 is taken back in the epilogue so scales from 2^-99 to 2^33 stay exact in bf16.
     NVFP4's e4m3 block scale is converted exactly (e4m3 -> bf16) times 2^118; 2^8 and the fp32 global scale are
     applied in the epilogue.
-  * FP8: Triton's native e4m3 -> f16 convert (cvt.rn.f16x2.e4m3x2) feeds f16 wgmma; x is turned into f16 after
-    a per-row power-of-two prescale (bf16 values are exact in f16 in range; the prescale is undone in the
-    epilogue), and the 128x128 block scale multiplies each 128-wide K step's float32 partial product.
+  * FP8: Triton's native e4m3 -> f16 convert (cvt.rn.f16x2.e4m3x2) feeds f16 wgmma; the kernel reads the bf16
+    rows as they are and turns them into f16 after a per-row power-of-two prescale from their largest magnitude in
+    the program's K range (bf16 values are exact in f16 in range; the prescale is undone before the store), and
+    the 128x128 block scale multiplies each 128-wide K step's float32 partial product. So an FP8 matmul is one
+    launch (two with split-K): the prescale, the f16 copy of x transposed, and the transposed output were three
+    more XLA passes per matmul, 122 of the 291 launches of a 4-layer Flash decode step at batch 64 before.
 """
 
 from __future__ import annotations
@@ -186,11 +190,14 @@ def nvfp4_kernel_exact(w: Nvfp4Weight) -> jax.Array:
 
 
 # ---- kernels ----------------------------------------------------------------------------------------------------
-def _store_cols(o_ref, acc, m_valid):
-    """acc [block_n, columns] of this program's column tile (grid axis 0) -> o_ref, writing only the columns that
-    hold one of the first m_valid activation rows."""
-    cols = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 1) + pl.program_id(0) * acc.shape[1]
-    pltriton.store(o_ref, acc, mask=cols < m_valid)
+def _store_rows(o_ref, acc, m_valid):
+    """acc [block_n, columns] of this program's column tile (grid axis 0) -> o_ref [columns, block_n], transposed so
+    the output is [activation rows, N] as the caller wants it (stored as computed, XLA added a transposing pass over
+    the output after the kernel: a launch and, for wide N, more bytes than the weight's), writing only the rows
+    that are one of the first m_valid activation rows."""
+    out = acc.T
+    rows = jax.lax.broadcasted_iota(jnp.int32, out.shape, 0) + pl.program_id(0) * out.shape[0]
+    pltriton.store(o_ref, out, mask=rows < m_valid)
 
 
 def _fp4_tile_loop(xlo_ref, xhi_ref, w_ref, s_ref, *, block_n, unroll, n_steps, bytes_per_block, factor_fn,
@@ -218,20 +225,50 @@ def _fp4_tile_loop(xlo_ref, xhi_ref, w_ref, s_ref, *, block_n, unroll, n_steps, 
 
 
 def _fp4_kernel(xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *, m_valid, **kw):
-    _store_cols(o_ref, _fp4_tile_loop(xlo_ref, xhi_ref, w_ref, s_ref, **kw), m_valid)
+    _store_rows(o_ref, _fp4_tile_loop(xlo_ref, xhi_ref, w_ref, s_ref, **kw), m_valid)
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    """2^e as float32 for integer e in [-126, 127], from the exponent field."""
+    return jax.lax.bitcast_convert_type(((e + 127) << 23).astype(jnp.uint32), jnp.float32)
+
+
+def f16_prescale_exponent(amax: jax.Array) -> jax.Array:
+    """The power p with amax * 2^p in [2^13, 2^14) (0 for amax 0; clipped to [-100, 100]): bf16 values times 2^p
+    are exact f16 values down to amax * 2^-27 (below, f16 subnormals; their contribution is under float32 rounding).
+    From amax's exponent field, as the kernel computes it (no log2 on the GPU's special-function unit)."""
+    e = ((jax.lax.bitcast_convert_type(amax, jnp.uint32) >> 23) & 0xFF).astype(jnp.int32) - 127
+    return jnp.where(amax > 0, jnp.clip(13 - e, -100, 100), 0)
 
 
 def _fp8_kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, n_steps, m_valid):
+    """x_ref [columns, K range] bf16 activation rows, w_ref [block_n, K range] e4m3, s_ref [1, K range / 128] E8M0
+    -> o_ref [columns, block_n] float32.
+
+    The rows become the f16 operand of f16 tensor-core dots (Triton's native e4m3 -> f16 convert feeds the weight
+    side) after a power-of-two prescale per row, from the row's largest magnitude in this program's K range (one
+    pass over that slice of x, which is small and in L2, before the main loop). The prescale is undone on the
+    float32 sum: powers of two leave every product and sum bit for bit what they are without them, so the result
+    does not depend on the split."""
+    cols = x_ref.shape[0]
+
+    def row_amax(i, amax):
+        x = x_ref[:, pl.ds(i * FP8_BLOCK, FP8_BLOCK)].astype(jnp.float32)
+        return jnp.maximum(amax, jnp.max(jnp.abs(x), axis=1))
+
+    p = f16_prescale_exponent(jax.lax.fori_loop(0, n_steps, row_amax, jnp.zeros((cols,), jnp.float32)))
+    up = _pow2(p)
+
     def body(i, acc):
         w = w_ref[:, pl.ds(i * FP8_BLOCK, FP8_BLOCK)].astype(jnp.float16)          # [bn, 128]
-        x = x_ref[pl.ds(i * FP8_BLOCK, FP8_BLOCK), :]                                # [128, cols] f16
-        part = jnp.dot(w, x, preferred_element_type=jnp.float32)
+        x = (x_ref[:, pl.ds(i * FP8_BLOCK, FP8_BLOCK)].astype(jnp.float32) * up[:, None]).astype(jnp.float16)
+        part = jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         b = s_ref[0, i].astype(jnp.uint32)
         scale = jax.lax.bitcast_convert_type(b << 23, jnp.float32)                  # 2^(b-127)
         return acc + part * scale
 
-    acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((block_n, x_ref.shape[-1]), jnp.float32))
-    _store_cols(o_ref, acc, m_valid)
+    acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((block_n, cols), jnp.float32))
+    _store_rows(o_ref, acc * _pow2(-p)[None, :], m_valid)
 
 
 # ---- wrappers ---------------------------------------------------------------------------------------------------
@@ -275,6 +312,11 @@ def _split_cap(k_bytes_per_row: float, cols: int) -> int:
 
 def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
     return jnp.pad(a, ((0, rows - a.shape[0]), (0, 0)))
+
+
+def _sum_split(part: jax.Array, m: int) -> jax.Array:
+    """The first m rows of the split-K partials [split, rows, N] summed (one split: the rows themselves, no pass)."""
+    return part[0, :m] if part.shape[0] == 1 else jnp.sum(part[:, :m], axis=0)
 
 
 def _pick_split(n_tiles: int, k_steps: int, target_programs: int = 264, max_split: int | None = None) -> int:
@@ -348,18 +390,18 @@ def _fp4_matmul(x, w, *, shift, factor_fn, global_scale, out_dtype, interpret, b
                                n_steps=blocks_split // unroll, bytes_per_block=bpb, factor_fn=factor_fn)
     part = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((split_k, n, cols * col_tiles), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((split_k, cols * col_tiles, n), jnp.float32),
         grid=(col_tiles, n // block_n, split_k),
         in_specs=[pl.BlockSpec((kh_split, cols), lambda c, i, s: (s, c)),
                   pl.BlockSpec((kh_split, cols), lambda c, i, s: (s, c)),
                   pl.BlockSpec((block_n, blocks_split, bpb), lambda c, i, s: (i, s, 0)),
                   pl.BlockSpec((block_n, blocks_split), lambda c, i, s: (i, s))],
-        out_specs=pl.BlockSpec((None, block_n, cols), lambda c, i, s: (s, i, c)),
+        out_specs=pl.BlockSpec((None, cols, block_n), lambda c, i, s: (s, c, i)),
         compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name=f"dsv4_{what}",
     )(xlo, xhi, w3, w.scale)
-    y = jnp.sum(part[:, :, :m_used], axis=0).T * jnp.float32(2.0 ** shift)     # [m_used, N]
+    y = _sum_split(part, m_used) * jnp.float32(2.0 ** shift)                       # [m_used, N]
     if global_scale is not None:
         y = y * global_scale.astype(jnp.float32)
     return fold(y).astype(out_dtype or x.dtype)
@@ -384,15 +426,6 @@ def nvfp4_matmul(x: jax.Array, w: Nvfp4Weight, out_dtype=None, *, interpret: boo
                        num_warps=num_warps, num_stages=num_stages, what="nvfp4_matmul")
 
 
-def _f16_prescale(rows: jax.Array):
-    """Per-row power of two 2^p with max |row| * 2^p in [2^13, 2^14): bf16 values become exact f16 values
-    (anything below amax * 2^-27 would be an f16 subnormal; its contribution is under float32 rounding)."""
-    amax = jnp.max(jnp.abs(rows.astype(jnp.float32)), axis=-1, keepdims=True)
-    e = jnp.where(amax > 0, jnp.floor(jnp.log2(jnp.maximum(amax, 1e-30))), 0.0)
-    p = jnp.clip(13.0 - e, -100.0, 100.0)
-    return (rows.astype(jnp.float32) * jnp.exp2(p)).astype(jnp.float16), jnp.exp2(-p)
-
-
 def fp8_matmul(x: jax.Array, w: Fp8BlockWeight, out_dtype=None, *, interpret: bool = False, block_n=None,
                split_k=None, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
     """x [M, K] @ dequant(W [N, K])^T for an FP8 weight with 128x128 E8M0 block scales -> [M, N] out_dtype."""
@@ -406,7 +439,6 @@ def fp8_matmul(x: jax.Array, w: Fp8BlockWeight, out_dtype=None, *, interpret: bo
         raise ValueError(f"{what}: scale shape {w.scale.shape} does not match weight [{n}, {k}]")
     rows, m_used, fold = _activation_columns(x, what)
     cols, col_tiles = activation_tiling(m_used)
-    x16, unscale = _f16_prescale(_pad_rows(rows, cols * col_tiles))
     block_n = block_n or _default_block_n(n, cols)
     if FP8_BLOCK % block_n or n % block_n:
         raise ValueError(f"{what}: block_n={block_n} must divide 128 and N={n}")
@@ -417,18 +449,17 @@ def fp8_matmul(x: jax.Array, w: Fp8BlockWeight, out_dtype=None, *, interpret: bo
     kernel = functools.partial(_fp8_kernel, block_n=block_n, n_steps=steps // split_k, m_valid=m_used)
     part = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((split_k, n, cols * col_tiles), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((split_k, cols * col_tiles, n), jnp.float32),
         grid=(col_tiles, n // block_n, split_k),
-        in_specs=[pl.BlockSpec((k_split, cols), lambda c, i, s: (s, c)),
+        in_specs=[pl.BlockSpec((cols, k_split), lambda c, i, s: (c, s)),
                   pl.BlockSpec((block_n, k_split), lambda c, i, s: (i, s)),
                   pl.BlockSpec((1, steps // split_k), lambda c, i, s: (i // tiles_per_block, s))],
-        out_specs=pl.BlockSpec((None, block_n, cols), lambda c, i, s: (s, i, c)),
+        out_specs=pl.BlockSpec((None, cols, block_n), lambda c, i, s: (s, c, i)),
         compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name=f"dsv4_{what}",
-    )(x16.T, w.weight, w.scale)
-    y = jnp.sum(part[:, :, :m_used], axis=0).T * unscale[:m_used]
-    return fold(y).astype(out_dtype or x.dtype)
+    )(_pad_rows(rows, cols * col_tiles), w.weight, w.scale)
+    return fold(_sum_split(part, m_used)).astype(out_dtype or x.dtype)
 
 
 def quantized_matmul(x: jax.Array, w, out_dtype=None, *, interpret: bool = False) -> jax.Array:
