@@ -20,7 +20,7 @@ from dsv4_jax.state import init_state
 @pytest.mark.parametrize("n_entries", [100, 96])           # a partial last block, and whole blocks
 def test_blocked_top_k_picks_what_one_top_k_picks(monkeypatch, n_entries):
     monkeypatch.setattr(attention, "INDEXER_BLOCK", 16)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(n_entries)
     B, S, H, D, k = 2, 9, 3, 8, 6
     q = jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.float32)
     keys = rng.standard_normal((B, n_entries, D)).astype(np.float32)
@@ -41,7 +41,10 @@ def test_blocked_top_k_picks_what_one_top_k_picks(monkeypatch, n_entries):
     assert (np.isfinite(np.asarray(got_scores)) == valid).all()
     assert not valid.all() and valid.any(), "the positions must leave some queries with fewer than k visible"
     np.testing.assert_array_equal(np.asarray(got_idx)[valid], want_idx[valid])
-    np.testing.assert_allclose(np.asarray(got_scores)[valid], want_scores[valid], rtol=1e-5)
+    # float32 dots of 8 terms can cancel to a small score, so the bound is on the terms' size, not the score's
+    term_scale = np.einsum("bshd,bnd->bsn", np.abs(np.asarray(q, np.float64)), np.abs(np.asarray(keys, np.float64)))
+    np.testing.assert_allclose(np.asarray(got_scores)[valid], want_scores[valid], rtol=1e-5,
+                               atol=1e-6 * term_scale.max())
 
 
 def test_indexer_block_grows_while_the_scores_stay_bounded():
