@@ -8,8 +8,9 @@ for the ffi/ kernels (built for sm_90a). The decode step, a prefill chunk and a 
 H200 described by `h200_target_config.txtpb` (next to this script) with `kernels="auto"` planned for that device;
 each program's optimized HLO is counted by dsv4_jax.hlo_census: top-level kernels, launches per call (loop bodies
 times their trip counts), custom calls, while loops, collectives, compile time, launches per layer kind and per op
-family, gathers that read one element per memory sector, and dynamic slices of 64 MiB or more copied out (e.g. a
-scanned layer's expert weights, per iteration). `--dispatch` also traces the decode step at batch 1, 8, 16, 32
+family, the bytes of the kernels' operands and results by family and by site (an upper bound on what they move),
+gathers that read one element per memory sector, and dynamic slices of 64 MiB or more copied out (e.g. a scanned
+layer's expert weights, per iteration). `--dispatch` also traces the decode step at batch 1, 8, 16, 32
 and 64 and a verify step of 64 x 4 rows (dsv4_jax.dispatch_census) and reports which path (kernel or reference
 dequantize-then-dot) each quantized matmul takes. `--device-memory-gib 256` compiles for an H200 with more memory:
 all of Flash does not fit 141 GiB, and XLA then adds rematerialized launches that a device holding its share of the
@@ -116,7 +117,7 @@ def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, g
 
     from dsv4_jax import engine
     from dsv4_jax.generation import generate_chunk
-    from dsv4_jax.hlo_census import census, slice_copies, strided_gathers
+    from dsv4_jax.hlo_census import census, kernel_bytes, slice_copies, strided_gathers
 
     params, state, gen, halt, vec = abstract_inputs(cfg, batch, max_seq_len, device, scan_layers)
     programs = {
@@ -139,8 +140,9 @@ def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, g
         text = compiled.as_text()
         strided = strided_gathers(text)
         copies = slice_copies(text)
+        traffic = kernel_bytes(text)
         out[name] = {**census(text).as_dict(), "compile_s": seconds, "strided_gathers": strided,
-                     "slice_copies": copies}
+                     "slice_copies": copies, "kernel_bytes": traffic}
         if copies:
             print(f"{name}: {len(copies)} dynamic slices of >= 64 MiB copied out, "
                   f"{sum(c['bytes'] for c in copies) / 2**20:.0f} MiB each time their computations run "
@@ -151,7 +153,8 @@ def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, g
                   f"(hlo_census.strided_gathers)", flush=True)
         print(f"{name}: {out[name]['launches_per_call']} launches per call ({out[name]['top_level_kernels']} "
               f"top-level kernels, {out[name]['while_loops']} while loops, {out[name]['custom_calls']} custom "
-              f"calls), compiled in {seconds:.1f} s", flush=True)
+              f"calls), their operands and results {traffic['total'] / 2**30:.2f} GiB (hlo_census.kernel_bytes), "
+              f"compiled in {seconds:.1f} s", flush=True)
     return out
 
 

@@ -21,6 +21,11 @@ found the MoE kernel's outputs read back about 8x (pallas_kernels/moe.py now sto
 
 lists the slices a program copies instead of reading in place: it found a scanned prefill copying each layer's
 routed expert weights per iteration (docs/performance.md, "Depth").
+
+    hlo_census.kernel_bytes(text)        # what the kernels read and write, by family and by site (an upper bound)
+
+compares two versions of a program compiled for a GPU that is not there: it found the mHC sites' stream mix
+written out and read back in float32.
 """
 
 from __future__ import annotations
@@ -326,3 +331,76 @@ def slice_copies(hlo_text: str, min_bytes: int = 64 * 2 ** 20) -> list[dict]:
                       "operand": types.get((computation, operand), operand), "slice": f"{dtype}{dims}",
                       "bytes": size})
     return found
+
+
+def _type_bytes(type_text: str) -> int:
+    """Bytes of every array in an instruction's result type (a tuple: all of its arrays)."""
+    total = 0
+    for dtype, dims in re.findall(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]", type_text):
+        if dtype in _ITEM_BYTES:
+            total += _ITEM_BYTES[dtype] * _elements([int(d) for d in dims.split(",") if d])
+    return total
+
+
+def _operands(rest: str, opcode: str) -> list[str]:
+    """The operand names of an instruction, from the parenthesised list after its opcode."""
+    start = rest.find(opcode + "(")
+    if start < 0:
+        return []
+    i, depth = start + len(opcode), 0
+    for j in range(i, len(rest)):
+        depth += rest[j] == "("
+        depth -= rest[j] == ")"
+        if depth == 0:
+            return re.findall(r"%([^\s,)]+)", rest[i:j + 1])
+    return []
+
+
+def kernel_bytes(hlo_text: str, top: int = 20) -> dict:
+    """What the kernels of a compiled program read and write, in bytes, from the sizes of their operands and results
+    (an upper bound on each kernel's traffic: a gather or a dynamic slice may read part of an operand, and a kernel
+    may find some of its input in L2). Loop bodies count once per iteration, as in `census`; an in-place
+    dynamic-update-slice (a fusion of one) counts its update, not the buffer it writes into. Returns {"total",
+    "by_family": {family: bytes}, "top_sites": the `top` sites (as `op_sites` names them, instances of one layer
+    kind merged) with the most bytes: {"site", "family", "kernels", "bytes"}}. Compiled for a compile-only GPU, it
+    compares two versions of a program without running either (docs/performance.md: the mHC sites' mix written
+    out in float32)."""
+    computations, entry = parse(hlo_text)
+    types: dict[tuple[str, str], str] = {}
+    operands: dict[tuple[str, str], list[str]] = {}
+    for computation, name, rest, _ in _instruction_lines(hlo_text):
+        types[(computation, name)] = rest.split(" ", 1)[0] if not rest.startswith("(") else rest[:rest.find(")") + 1]
+        operands[(computation, name)] = _operands(rest, _opcode(rest))
+    by_family: collections.Counter = collections.Counter()
+    sites: dict[str, list] = {}
+
+    def walk(computation: str, multiplier: int):
+        for ins in computations.get(computation, []):
+            if ins.opcode == "while":
+                trips = ins.trip_count or 1
+                walk(ins.callees["body"][0], multiplier * trips)
+                walk(ins.callees["condition"][0], multiplier * (trips + 1))
+            elif ins.opcode == "call":
+                walk(ins.callees["to_apply"][0], multiplier)
+            elif ins.opcode == "conditional":
+                for branch in ins.callees["branches"]:
+                    walk(branch, multiplier)
+            elif is_kernel(ins):
+                names = operands[(computation, ins.name)]
+                in_place = re.search(r"dynamic[-_]update[-_]slice", ins.name) is not None
+                size = sum(_type_bytes(types.get((computation, n), "")) for n in (names[1:] if in_place else names))
+                if not in_place:
+                    size += _type_bytes(types[(computation, ins.name)])
+                size *= multiplier
+                fam = family(ins)
+                by_family[fam] += size
+                site = re.sub(r"^(window|csa|hca|mtp)_layer/", "<layer>/", _site(ins))
+                entry_ = sites.setdefault(site, [fam, 0, 0])
+                entry_[1] += multiplier
+                entry_[2] += size
+
+    walk(entry, 1)
+    ranked = sorted(sites.items(), key=lambda item: -item[1][2])[:top]
+    return {"total": sum(by_family.values()),
+            "by_family": {f: by_family[f] for f in FAMILIES if by_family[f]},
+            "top_sites": [{"site": s, "family": f, "kernels": k, "bytes": b} for s, (f, k, b) in ranked]}

@@ -167,3 +167,27 @@ def test_slice_copies():
     assert [(c["computation"], c["operand"], c["bytes"]) for c in copies] == [
         ("fused_dynamic_slice.26.clone", "u8[2,256,2048,2048]", 2 ** 30)]
     assert copies[0]["op_name"] == "jit(prefill_chunk)/while/body/dynamic_slice"
+
+
+def test_kernel_bytes_of_a_known_module():
+    """Operands and results of every launch, loop bodies once per iteration (all arrays f32[4], 16 bytes; the
+    loop's counter s32[], 4; its condition reads the (s32[], f32[4]) tuple, 20, and writes a pred, 1)."""
+    b = hlo_census.kernel_bytes(HLO)
+    # a, b: 2 x (16 + 16); the all-reduce 32; the copy 32; r 32; body 7 x (32 + 8); condition 8 x 21
+    assert b["by_family"] == {"fp8 matmul": 64, "attention": 32, "mhc": 7 * 40 + 8 * 21, "norm/rope": 32,
+                              "collectives": 32}
+    assert b["total"] == sum(b["by_family"].values())
+    assert b["top_sites"][0] == {"site": "<layer>/mhc/while/body/mul f1", "family": "mhc", "kernels": 7,
+                                 "bytes": 7 * 32}
+
+
+def test_kernel_bytes_of_an_in_place_update_count_the_update():
+    """A compiled in-place dynamic_update_slice of 4 floats into 1,024 counts the update and its index, not the
+    buffer; the same update out of place (the buffer is not donated, so XLA copies it) counts the copy."""
+    def update(buf, x, i):
+        return jax.lax.dynamic_update_slice(buf, x, (i,))
+    args = (jnp.ones((1024,)), jnp.ones((4,)), jnp.int32(3))
+    text = jax.jit(update, donate_argnums=0).lower(*args).compile().as_text()
+    assert hlo_census.kernel_bytes(text)["total"] <= 16 + 4 + 8
+    copied = _compiled_text(update, *args)
+    assert hlo_census.kernel_bytes(copied)["total"] >= 2 * 4096
