@@ -43,3 +43,26 @@ def test_decode_step_launches_stay_within_limits():
     per_layer = {kind: counts["by_layer_kind"].get(kind, 0) / n for kind, n in layers.items()}
     assert all(per_layer[kind] <= LIMITS_PER_LAYER[kind] for kind in layers), per_layer
     assert counts["launches_per_call"] <= LIMIT_STEP, counts
+
+
+def test_hc_post_is_one_pass_over_the_streams():
+    """mHC's hc_post for a 2,048-token prefill chunk at Flash width, compiled for an H200: its kernels read the
+    streams and y and write the mixed streams once, in the streams' dtype (as an einsum, XLA wrote the float32 mix
+    out and read it back: about three times these bytes)."""
+    count_kernels, device = _h200()
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dsv4_jax import hlo_census, presets
+    from dsv4_jax.ops.mhc_site import hc_post
+
+    cfg = presets.flash()
+    rows, n, dim = 2048, cfg.hc_mult, cfg.dim
+    mesh = jax.sharding.Mesh([device], ("x",))
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+    args = (spec((1, rows, dim), jnp.float32), spec((1, rows, n, dim), jnp.bfloat16), spec((1, rows, n), jnp.float32),
+            spec((1, rows, n, n), jnp.float32))
+    with jax.default_matmul_precision("default"):
+        text = jax.jit(hc_post).trace(*args).lower().compile().as_text()
+    one_pass = 2 * rows * n * dim * 2 + rows * dim * 4          # the streams read and written, y read
+    assert hlo_census.kernel_bytes(text)["total"] < 1.2 * one_pass
