@@ -210,6 +210,52 @@ def test_moe_prefill_slots_interpret():
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_moe_swiglu_interpret(fmt):
+    """The gate and up projections, the clamped SwiGLU and the routing weight in one kernel: against float64 (rows
+    in random order, activations scaled so that a part of both projections is clamped), and bit for bit what
+    moe_matmul's two outputs and the SwiGLU after them give on the same tiling."""
+    rng = np.random.default_rng(7)
+    n_exp, n, k, rows, limit = 4, 128, 256, 300, 7.0
+    make = _mxfp4 if fmt == "mxfp4" else _nvfp4
+    wg, wu = make(rng, (n_exp, n, k)), make(rng, (n_exp, n, k))
+    ids = jnp.asarray(rng.integers(0, n_exp, rows), jnp.int32)
+    dense_g, dense_u = _dequant64(wg)[np.asarray(ids)], _dequant64(wu)[np.asarray(ids)]
+    x64 = rng.standard_normal((rows, k))
+    scale = 8.0 / np.median(np.abs(np.einsum("rk,rnk->rn", x64, dense_g)))     # |gate| around the limit
+    x = jnp.asarray(x64 * scale, jnp.bfloat16)
+    rw = jnp.asarray(rng.uniform(0.1, 2.0, rows), jnp.float32)
+    h = moe.moe_swiglu_matmul(x, wg, wu, ids, rw, limit, slot_cols=64, interpret=True)
+    assert h.shape == (rows, n) and h.dtype == jnp.bfloat16
+    xr = np.asarray(x.astype(jnp.float32), np.float64)
+    g = np.minimum(np.einsum("rk,rnk->rn", xr, dense_g), limit)
+    u = np.clip(np.einsum("rk,rnk->rn", xr, dense_u), -limit, limit)
+    assert 0.1 < np.mean(g == limit) < 0.9 and 0.1 < np.mean(np.abs(u) == limit) < 0.9
+    ref = g / (1 + np.exp(-g)) * u * np.asarray(rw, np.float64)[:, None]
+    got = np.asarray(h.astype(jnp.float32), np.float64)
+    assert np.all(np.isfinite(got))
+    assert np.abs(got - ref).max() <= 2 ** -8 * np.abs(ref).max()                  # bf16 rounding of the result
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-3
+    tiles = dict(slot_cols=64, split_k=1, block_n=64, interpret=True)
+    gate = moe.moe_matmul(x, wg, ids, jnp.float32, **tiles)
+    up = moe.moe_matmul(x, wu, ids, jnp.float32, **tiles)
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    composed = (gate * jax.nn.sigmoid(gate) * up * rw[:, None]).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(h), np.asarray(composed))
+
+
+def test_moe_swiglu_bad_input_is_refused():
+    rng = np.random.default_rng(8)
+    wg, wu = _mxfp4(rng, (2, 64, 256)), _mxfp4(rng, (2, 64, 256))
+    x, ids, rw = _x(rng, 4, 256, jnp.bfloat16), jnp.asarray([0, 1, 1, 0], jnp.int32), jnp.ones((4,), jnp.float32)
+    with pytest.raises(ValueError, match="takes bfloat16 rows"):
+        moe.moe_swiglu_matmul(x.astype(jnp.float32), wg, wu, ids, rw, 7.0, interpret=True)
+    with pytest.raises(ValueError, match="share a format and a shape"):
+        moe.moe_swiglu_matmul(x, wg, _nvfp4(rng, (2, 64, 256)), ids, rw, 7.0, interpret=True)
+    with pytest.raises(ValueError, match=r"row_weights \[R\] expected"):
+        moe.moe_swiglu_matmul(x, wg, wu, ids, rw[:3], 7.0, interpret=True)
+
+
 def test_tiling_that_failed_on_the_gpu_is_refused():
     rng = np.random.default_rng()
     w = _mxfp4(rng, (2, 128, 256))
@@ -258,6 +304,9 @@ def test_cuda_lowering():
                   (sds((600, k), jnp.bfloat16),
                    Mxfp4Weight(sds((8, n, k // 2), jnp.uint8), sds((8, n, k // 32), jnp.uint8)),
                    sds((600,), jnp.int32))))
+    stacked = Mxfp4Weight(sds((8, n, k // 2), jnp.uint8), sds((8, n, k // 32), jnp.uint8))
+    cases.append((functools.partial(moe.moe_swiglu_matmul, limit=10.0, slot_cols=128, unroll=4, num_warps=8),
+                  (sds((1600, k), jnp.bfloat16), stacked, stacked, sds((1600,), jnp.int32), sds((1600,), jnp.float32))))
     m, nb, kb = 512, n // 128, k // 128
     xq, wq = sds((m, k), jnp.float8_e4m3fn), sds((n, k), jnp.float8_e4m3fn)
     cases += [(prefill.fp8_block_matmul, (xq, sds((m, kb), jnp.float32), wq, sds((nb, kb), jnp.float32))),

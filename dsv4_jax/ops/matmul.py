@@ -257,6 +257,23 @@ def grouped_linear_pair(x: jax.Array, w_a, w_b, group_sizes: jax.Array | None, o
 
 
 @_scoped_by_format
+def grouped_swiglu(x: jax.Array, w_gate, w_up, row_groups: jax.Array, row_weights: jax.Array, limit: float,
+                   out_dtype=None, *, ctx) -> jax.Array | None:
+    """SiLU(min(gate, limit)) * clamp(up, -limit, limit) * row_weights[:, None] in float32, rounded to out_dtype
+    (default x's), where (gate, up) = grouped_linear_pair(x, w_gate, w_up, None, float32, row_groups=row_groups),
+    in one kernel that writes no float32 gate or up (matmul_kernels.routed_swiglu); None where that kernel does not
+    apply (the caller then makes the pair and the SwiGLU itself)."""
+    groups, real = _row_groups(x, w_gate, None, row_groups, "grouped_swiglu")
+    _check_grouped_weight(x, w_up, "grouped_swiglu")
+    h = matmul_kernels.routed_swiglu(x, w_gate, w_up, groups, real, row_weights, limit,
+                                     activation_quantizer(w_gate, ctx.act_quant), ctx)
+    if h is None:
+        return None
+    _tap_quantization(x, w_gate, ctx, groups)
+    return h.astype(out_dtype or x.dtype)
+
+
+@_scoped_by_format
 def grouped_linear_joined(x: jax.Array, w_a, w_b, out_dtype=None, *, ctx, row_groups: jax.Array) -> jax.Array:
     """grouped_linear_pair's two outputs side by side, [m, out_a + out_b], as its kernel writes them (for a consumer
     that is a kernel of its own: linear_joined), for rows in any order whose groups `row_groups` are all one of

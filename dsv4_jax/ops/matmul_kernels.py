@@ -241,6 +241,35 @@ def prefill_expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, real: j
     return moe_fp8.moe_fp8_matmul(xq, sx, weight, row_experts, real, interpret=backend == "interpret")
 
 
+def routed_swiglu(xs: jax.Array, w_gate, w_up, row_experts: jax.Array, real: jax.Array | None,
+                  row_weights: jax.Array, limit: float, activation_kind: str, ctx) -> jax.Array | None:
+    """The routed experts' hidden rows [R, N] in xs.dtype: SiLU(min(gate, limit)) * clamp(up, -limit, limit) *
+    row_weights of rows xs [R, K] each times its own expert of the stacked FP4 gate and up weights [E, N, K], in
+    one launch of pallas_kernels/moe.moe_swiglu_matmul, which writes no float32 projection out; rows that are not
+    `real` (None: all are) give zeros. None where another path applies: the rows of a prefill chunk (more than a
+    decode or verify step has, MAX_SLOTTED_ROWS), bfloat16 rows without activation quantization, both weights one
+    FP4 format and shape with N % 64 == 0, and on a GPU only where the plan opts in (`matmul=kernel`): not yet
+    timed. The interpret plan takes it."""
+    plan = _plan(ctx)
+    backend = plan.backend
+    if (backend is None or not _opted_in(plan) or activation_kind != "none" or xs.shape[0] <= MAX_SLOTTED_ROWS
+            or xs.dtype != jnp.bfloat16 or not isinstance(w_gate, (Mxfp4Weight, Nvfp4Weight))
+            or type(w_gate) is not type(w_up) or w_gate.packed.ndim != 3 or w_gate.packed.shape != w_up.packed.shape
+            or w_gate.shape[1] % 64):
+        return None
+    unroll = _fp4_unroll(w_gate, w_gate.shape[-1])
+    if unroll is None:
+        return None
+    _record("grouped_linear pair", w_gate, backend, "moe_swiglu", ctx)
+    tiles = _moe_schedule(xs, w_gate, unroll)          # the prefill slots and K step of moe_matmul for these rows
+    weights = row_weights if real is None else jnp.where(real, row_weights, 0.0)
+    # 64 weight rows per tile, as each program holds the gate's and the up projection's accumulators; 8 warps for
+    # 128-column slots keep the two [64, 128] float32 accumulators at 64 registers a thread
+    return moe.moe_swiglu_matmul(xs, w_gate, w_up, row_experts, weights, limit, xs.dtype,
+                                 interpret=backend == "interpret", block_n=64, unroll=tiles["unroll"],
+                                 num_warps=8 if tiles["slot_cols"] == 128 else 4, slot_cols=tiles["slot_cols"])
+
+
 def _split_groups(w, groups: int):
     """A [G * out, in] weight as G stacked [out, in] weights of its own format, or None if its scale blocks do
     not split along the groups."""

@@ -143,3 +143,91 @@ def moe_matmul(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=No
     if is_nv:
         y = y * w_stacked.global_scale.astype(jnp.float32)[expert_ids][:, None]
     return y.astype(out_dtype or x_rows.dtype)
+
+
+def _moe_swiglu_kernel(se_ref, fg_ref, fu_ref, rw_ref, xlo_ref, xhi_ref, wg_ref, sg_ref, wu_ref, su_ref, o_ref, *,
+                       block_n, limit, **kw):
+    tile, slot = pl.program_id(0), pl.program_id(1)
+    expert = se_ref[slot]
+
+    @pl.when(expert >= 0)
+    def _():
+        def projection(w_ref, s_ref, f_ref):       # [block_n, slot_cols] float32, scaled as moe_matmul returns it
+            acc = _fp4_tile_loop(xlo_ref, xhi_ref, w_ref, s_ref, block_n=block_n, w_index=(expert,),
+                                 row0=tile * block_n, **kw)
+            return acc * f_ref[slot]
+        gate = jnp.minimum(projection(wg_ref, sg_ref, fg_ref), limit)           # as ops/moe_ffn.clamped_swiglu
+        up = jnp.clip(projection(wu_ref, su_ref, fu_ref), -limit, limit)
+        h = gate * jax.nn.sigmoid(gate) * up * rw_ref[0, :][None, :]             # [block_n, slot_cols]
+        o_ref[...] = h.T.astype(o_ref.dtype)
+
+
+def moe_swiglu_matmul(x_rows: jax.Array, w_gate, w_up, expert_ids: jax.Array, row_weights: jax.Array,
+                      limit: float, out_dtype=jnp.bfloat16, *, interpret: bool = False, block_n: int = 64,
+                      unroll=None, num_warps: int = 4, num_stages: int = 3, slot_cols: int = 128) -> jax.Array:
+    """The routed experts' hidden rows in one launch: row r of x_rows [R, K] (bfloat16) times expert expert_ids[r]
+    of the gate and of the up projection (stacked FP4 [E, N, K] of one format), then
+    SiLU(min(gate, limit)) * clamp(up, -limit, limit) * row_weights[r] in float32 (ops/moe_ffn.clamped_swiglu
+    times the routing weight), rounded to out_dtype -> [R, N]. Expert ids in [0, E).
+
+    It computes what two moe_matmul calls and the SwiGLU after them compute, without their float32 outputs: each
+    program decodes a tile of both weights for its slot's rows and writes the hidden values. So a prefill chunk's
+    gate and up projections write 2 bytes per hidden value of a slot instead of 8 that the SwiGLU then gathered
+    back (for an 8,192-token chunk of Flash, 1.3 GiB of float32 a layer). Slots as moe_matmul's prefill schedule
+    and no split-K (the SwiGLU needs whole sums); 64-row weight tiles by default, as each program holds two
+    accumulators. Triton backend, as moe_matmul (its tile loop and FP4 decode). Opt-in (ops/moe_ffn.py): not yet
+    timed on a GPU."""
+    what = "moe_swiglu_matmul"
+    for w in (w_gate, w_up):
+        if not isinstance(w, (Mxfp4Weight, Nvfp4Weight)) or w.packed.ndim != 3:
+            raise TypeError(f"{what}: the weights must be stacked Mxfp4Weight / Nvfp4Weight [E, N, K]")
+    if type(w_gate) is not type(w_up) or w_gate.packed.shape != w_up.packed.shape:
+        raise ValueError(f"{what}: the gate and up weights must share a format and a shape, got "
+                         f"{type(w_gate).__name__} {w_gate.packed.shape} and {type(w_up).__name__} {w_up.packed.shape}")
+    if x_rows.ndim != 2 or expert_ids.shape != x_rows.shape[:1] or row_weights.shape != x_rows.shape[:1]:
+        raise ValueError(f"{what}: x_rows [R, K], expert_ids [R] and row_weights [R] expected, got {x_rows.shape}, "
+                         f"{expert_ids.shape}, {row_weights.shape}")
+    if x_rows.dtype != jnp.bfloat16:
+        raise ValueError(f"{what}: takes bfloat16 rows, got {x_rows.dtype} (moe_matmul takes float32 ones)")
+    if slot_cols % MP:
+        raise ValueError(f"{what}: slot_cols must be a multiple of {MP}, got {slot_cols}")
+    n_exp = w_gate.packed.shape[0]
+    n, k, block = _check_fp4(w_gate, what)
+    if x_rows.shape[-1] != k:
+        raise ValueError(f"{what}: x has {x_rows.shape[-1]} features, weight expects {k}")
+    is_nv = isinstance(w_gate, Nvfp4Weight)
+    r = x_rows.shape[0]
+    n_slots = slot_bound(r, slot_cols, n_exp)
+    slot_expert, slot_rows, slot_of_row, pos_of_row = moe_schedule(expert_ids, slot_cols, n_slots)
+    xs = jnp.concatenate([x_rows, jnp.zeros((1, k), x_rows.dtype)], axis=0)[slot_rows]      # [S, slot_cols, K]
+    xlo = jnp.swapaxes(xs[:, :, 0::2], 1, 2)                                                 # [S, K/2, slot_cols]
+    xhi = jnp.swapaxes(xs[:, :, 1::2], 1, 2)
+    slot_weights = jnp.concatenate([row_weights.astype(jnp.float32), jnp.zeros((1,), jnp.float32)])[slot_rows]
+    # each projection's factor per slot, applied to its sums before the SwiGLU as moe_matmul applies it to its
+    # output: 2^shift (exact) times the slot's expert's NVFP4 global scale
+    used = jnp.maximum(slot_expert, 0)
+    shift = jnp.float32(2.0 ** (NV_SHIFT if is_nv else MX_SHIFT))
+    fg, fu = (shift * w.global_scale.astype(jnp.float32)[used] if is_nv else jnp.full((n_slots,), shift)
+              for w in (w_gate, w_up))
+    block_n, unroll, _, bpb, blocks = _fp4_config(n, k, block, block_n, unroll, 1, num_warps, num_stages)
+    wg, wu = (w.packed.reshape(n_exp, n, blocks, bpb) for w in (w_gate, w_up))
+    sg, su = (jax.lax.bitcast_convert_type(w.scale, jnp.uint8) if is_nv else w.scale for w in (w_gate, w_up))
+    kernel = functools.partial(_moe_swiglu_kernel, block_n=block_n, limit=float(limit), unroll=unroll,
+                               n_steps=blocks // unroll, bytes_per_block=bpb,
+                               factor_fn=nv_factor_bits if is_nv else mx_factor_bits)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, q: (0,) * a.ndim)
+    h_slots = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n_slots, slot_cols, n), out_dtype),
+        grid=(n // block_n, n_slots),                   # N tiles fastest, as moe_matmul (its comment says why)
+        in_specs=[whole(slot_expert), whole(fg), whole(fu),
+                  pl.BlockSpec((1, slot_cols), lambda i, q: (q, 0)),
+                  pl.BlockSpec((None, k // 2, slot_cols), lambda i, q: (q, 0, 0)),
+                  pl.BlockSpec((None, k // 2, slot_cols), lambda i, q: (q, 0, 0)),
+                  whole(wg), whole(sg), whole(wu), whole(su)],
+        out_specs=pl.BlockSpec((None, slot_cols, block_n), lambda i, q: (q, 0, i)),
+        compiler_params=_params(num_warps, num_stages),
+        interpret=interpret,
+        name="dsv4_moe_swiglu_matmul",
+    )(slot_expert, fg, fu, slot_weights, xlo, xhi, wg, sg, wu, su)
+    return h_slots[slot_of_row, pos_of_row]                                                  # [R, N]
