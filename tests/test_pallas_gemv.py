@@ -354,6 +354,33 @@ def test_moe_gpu(fmt):
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_moe_swiglu_gpu(fmt):
+    """Flash's expert width (2,048 x 4,096) over 16 experts and 4,096 routed rows on the tiling the dispatch
+    picks (128-column slots, 64-row tiles, 8 warps): equal to moe_matmul's two outputs and the SwiGLU after them
+    within bf16 rounding (the kernel's sigmoid is Triton's, the composition's XLA's)."""
+    rng = np.random.default_rng(21)
+    n_exp, n, k, rows, limit = 16, 2048, 4096, 4096, 10.0
+    make = _mxfp4 if fmt == "mxfp4" else _nvfp4
+    wg, wu = make(rng, (n_exp, n, k)), make(rng, (n_exp, n, k))
+    ids = jnp.asarray(rng.integers(0, n_exp, rows), jnp.int32)
+    x = _x(rng, rows, k, jnp.bfloat16) * (0.001 if fmt == "mxfp4" else 0.01)          # a part clamped
+    rw = jnp.asarray(rng.uniform(0.1, 1.0, rows), jnp.float32)
+    unroll = 4 if fmt == "mxfp4" else 8                                  # 128-input K steps, as the dispatch
+    h = jax.jit(lambda x, g, u, i, r: moe.moe_swiglu_matmul(x, g, u, i, r, limit, slot_cols=128, unroll=unroll,
+                                                            num_warps=8))(x, wg, wu, ids, rw)
+    tiles = dict(slot_cols=128, split_k=1, block_n=64, unroll=unroll)
+    gate = jax.jit(lambda x, w, i: moe.moe_matmul(x, w, i, jnp.float32, **tiles))(x, wg, ids)
+    up = jax.jit(lambda x, w, i: moe.moe_matmul(x, w, i, jnp.float32, **tiles))(x, wu, ids)
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    want = np.asarray(gate * jax.nn.sigmoid(gate) * up * rw[:, None], np.float64)
+    got = np.asarray(h.astype(jnp.float32), np.float64)
+    assert np.all(np.isfinite(got)) and np.mean(np.abs(want) > 0) > 0.5
+    assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max()
+
+
 @pytest.fixture(scope="module")
 def routed_prefill_case():
     """16 MXFP4 experts 2048 x 4096 and 6144 routed rows sorted by expert (a shape on which a faulty tiling wrote
