@@ -251,22 +251,17 @@ def routed_swiglu(xs: jax.Array, w_gate, w_up, row_experts: jax.Array, real: jax
     FP4 format and shape with N % 64 == 0, and on a GPU only where the plan opts in (`matmul=kernel`): not yet
     timed. The interpret plan takes it."""
     plan = _plan(ctx)
-    backend = plan.backend
-    if (backend is None or not _opted_in(plan) or activation_kind != "none" or xs.shape[0] <= MAX_SLOTTED_ROWS
-            or xs.dtype != jnp.bfloat16 or not isinstance(w_gate, (Mxfp4Weight, Nvfp4Weight))
-            or type(w_gate) is not type(w_up) or w_gate.packed.ndim != 3 or w_gate.packed.shape != w_up.packed.shape
-            or w_gate.shape[1] % 64):
+    if (not _opted_in(plan) or activation_kind != "none" or xs.shape[0] <= MAX_SLOTTED_ROWS
+            or xs.dtype != jnp.bfloat16 or type(w_gate) is not type(w_up) or w_gate.shape != w_up.shape
+            or expert_kernel(xs.shape[0], xs.dtype, w_gate, ctx) != "pallas"):      # (its geometry: moe_matmul's)
         return None
-    unroll = _fp4_unroll(w_gate, w_gate.shape[-1])
-    if unroll is None:
-        return None
-    _record("grouped_linear pair", w_gate, backend, "moe_swiglu", ctx)
-    tiles = _moe_schedule(xs, w_gate, unroll)          # the prefill slots and K step of moe_matmul for these rows
+    _record("grouped_linear pair", w_gate, plan.backend, "moe_swiglu", ctx)
+    tiles = _moe_schedule(xs, w_gate, _fp4_unroll(w_gate, w_gate.shape[-1]))    # moe_matmul's slots and K step
     weights = row_weights if real is None else jnp.where(real, row_weights, 0.0)
     # 64 weight rows per tile, as each program holds the gate's and the up projection's accumulators; 8 warps for
     # 128-column slots keep the two [64, 128] float32 accumulators at 64 registers a thread
     return moe.moe_swiglu_matmul(xs, w_gate, w_up, row_experts, weights, limit, xs.dtype,
-                                 interpret=backend == "interpret", block_n=64, unroll=tiles["unroll"],
+                                 interpret=plan.backend == "interpret", block_n=64, unroll=tiles["unroll"],
                                  num_warps=8 if tiles["slot_cols"] == 128 else 4, slot_cols=tiles["slot_cols"])
 
 

@@ -56,6 +56,34 @@ def moe_schedule(expert_ids: jax.Array, capacity: int, n_slots: int | None = Non
     return slot_expert, slot_rows, slot_of_row, pos_of_row
 
 
+def _check_stacked(w, x_rows: jax.Array, slot_cols: int, what: str) -> tuple[int, int, int, int]:
+    """(E, N, K, FP4 block) of a stacked FP4 weight [E, N, K] that rows x_rows [R, K] can multiply in slots of
+    slot_cols columns; a clear error otherwise."""
+    if not isinstance(w, (Mxfp4Weight, Nvfp4Weight)) or w.packed.ndim != 3:
+        raise TypeError(f"{what}: a weight must be a stacked Mxfp4Weight / Nvfp4Weight [E, N, K], got {type(w).__name__}")
+    n, k, block = _check_fp4(w, what)
+    if x_rows.shape[-1] != k:
+        raise ValueError(f"{what}: x has {x_rows.shape[-1]} features, weight expects {k}")
+    if slot_cols % MP:
+        raise ValueError(f"{what}: slot_cols must be a multiple of {MP}, got {slot_cols}")
+    return w.packed.shape[0], n, k, block
+
+
+def _slotted(x_rows: jax.Array, expert_ids: jax.Array, capacity: int, n_experts: int):
+    """(moe_schedule's (slot_expert, slot_rows, slot_of_row, pos_of_row) over slot_bound's slots, the rows gathered
+    into their slots [S, capacity, K], zeros where a slot is not full)."""
+    n_slots = slot_bound(x_rows.shape[0], capacity, n_experts)
+    schedule = moe_schedule(expert_ids, capacity, n_slots)
+    x_pad = jnp.concatenate([x_rows, jnp.zeros((1, x_rows.shape[1]), x_rows.dtype)], axis=0)
+    return schedule, x_pad[schedule[1]]
+
+
+def _even_odd_columns(xs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Slotted rows [S, cols, K] -> their even and odd inputs [S, K/2, cols], the operands of the FP4 tile loop
+    (gemv._fp4_tile_loop: a packed byte holds inputs 2i and 2i + 1)."""
+    return jnp.swapaxes(xs[:, :, 0::2], 1, 2), jnp.swapaxes(xs[:, :, 1::2], 1, 2)
+
+
 def _moe_kernel(se_ref, xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *, block_n, blocks_split, **kw):
     tile, slot, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert = se_ref[slot]
@@ -83,31 +111,20 @@ def moe_matmul(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=No
     the 1.5 GiB per layer of an 8K chunk), and an 8K prompt in one chunk took 106.6 ms instead of 86.9 on an H200
     (docs/performance.md, "The routed experts' outputs read back 8x")."""
     what = "moe_matmul"
-    if not isinstance(w_stacked, (Mxfp4Weight, Nvfp4Weight)) or w_stacked.packed.ndim != 3:
-        raise TypeError(f"{what}: w_stacked must be a stacked Mxfp4Weight / Nvfp4Weight [E, N, K]")
     if x_rows.ndim != 2 or expert_ids.shape != x_rows.shape[:1]:
         raise ValueError(f"{what}: x_rows [R, K] and expert_ids [R] expected, got {x_rows.shape}, {expert_ids.shape}")
-    n_exp = w_stacked.packed.shape[0]
-    n, k, block = _check_fp4(w_stacked, what)
-    if x_rows.shape[-1] != k:
-        raise ValueError(f"{what}: x has {x_rows.shape[-1]} features, weight expects {k}")
+    n_exp, n, k, block = _check_stacked(w_stacked, x_rows, slot_cols, what)
     is_nv = isinstance(w_stacked, Nvfp4Weight)
     f32 = x_rows.dtype == jnp.float32
-    if slot_cols % MP:
-        raise ValueError(f"{what}: slot_cols must be a multiple of {MP}, got {slot_cols}")
     capacity = slot_cols // 2 if f32 else slot_cols
-    r = x_rows.shape[0]
-    n_slots = slot_bound(r, capacity, n_exp)
-    slot_expert, slot_rows, slot_of_row, pos_of_row = moe_schedule(expert_ids, capacity, n_slots)
-    x_pad = jnp.concatenate([x_rows, jnp.zeros((1, k), x_rows.dtype)], axis=0)
-    xs = x_pad[slot_rows]                                            # [S, capacity, K]
+    (slot_expert, slot_rows, slot_of_row, pos_of_row), xs = _slotted(x_rows, expert_ids, capacity, n_exp)
     if f32:
         hi, lo = split_f32(xs)
         xs = jnp.concatenate([hi, lo], axis=1)                       # [S, slot_cols, K]
     else:
         xs = xs.astype(jnp.bfloat16)
-    xlo = jnp.swapaxes(xs[:, :, 0::2], 1, 2)                         # [S, K/2, slot_cols]
-    xhi = jnp.swapaxes(xs[:, :, 1::2], 1, 2)
+    xlo, xhi = _even_odd_columns(xs)
+    n_slots = slot_expert.shape[0]
 
     block_n, unroll, split_k, bpb, blocks = _fp4_config(n, k, block, block_n, unroll, split_k, num_warps,
                                                         num_stages)
@@ -178,30 +195,20 @@ def moe_swiglu_matmul(x_rows: jax.Array, w_gate, w_up, expert_ids: jax.Array, ro
     accumulators. Triton backend, as moe_matmul (its tile loop and FP4 decode). Opt-in (ops/moe_ffn.py): not yet
     timed on a GPU."""
     what = "moe_swiglu_matmul"
-    for w in (w_gate, w_up):
-        if not isinstance(w, (Mxfp4Weight, Nvfp4Weight)) or w.packed.ndim != 3:
-            raise TypeError(f"{what}: the weights must be stacked Mxfp4Weight / Nvfp4Weight [E, N, K]")
-    if type(w_gate) is not type(w_up) or w_gate.packed.shape != w_up.packed.shape:
-        raise ValueError(f"{what}: the gate and up weights must share a format and a shape, got "
-                         f"{type(w_gate).__name__} {w_gate.packed.shape} and {type(w_up).__name__} {w_up.packed.shape}")
     if x_rows.ndim != 2 or expert_ids.shape != x_rows.shape[:1] or row_weights.shape != x_rows.shape[:1]:
         raise ValueError(f"{what}: x_rows [R, K], expert_ids [R] and row_weights [R] expected, got {x_rows.shape}, "
                          f"{expert_ids.shape}, {row_weights.shape}")
+    n_exp, n, k, block = _check_stacked(w_gate, x_rows, slot_cols, what)
+    _check_stacked(w_up, x_rows, slot_cols, what)
+    if type(w_gate) is not type(w_up) or w_gate.packed.shape != w_up.packed.shape:
+        raise ValueError(f"{what}: the gate and up weights must share a format and a shape, got "
+                         f"{type(w_gate).__name__} {w_gate.packed.shape} and {type(w_up).__name__} {w_up.packed.shape}")
     if x_rows.dtype != jnp.bfloat16:
         raise ValueError(f"{what}: takes bfloat16 rows, got {x_rows.dtype} (moe_matmul takes float32 ones)")
-    if slot_cols % MP:
-        raise ValueError(f"{what}: slot_cols must be a multiple of {MP}, got {slot_cols}")
-    n_exp = w_gate.packed.shape[0]
-    n, k, block = _check_fp4(w_gate, what)
-    if x_rows.shape[-1] != k:
-        raise ValueError(f"{what}: x has {x_rows.shape[-1]} features, weight expects {k}")
     is_nv = isinstance(w_gate, Nvfp4Weight)
-    r = x_rows.shape[0]
-    n_slots = slot_bound(r, slot_cols, n_exp)
-    slot_expert, slot_rows, slot_of_row, pos_of_row = moe_schedule(expert_ids, slot_cols, n_slots)
-    xs = jnp.concatenate([x_rows, jnp.zeros((1, k), x_rows.dtype)], axis=0)[slot_rows]      # [S, slot_cols, K]
-    xlo = jnp.swapaxes(xs[:, :, 0::2], 1, 2)                                                 # [S, K/2, slot_cols]
-    xhi = jnp.swapaxes(xs[:, :, 1::2], 1, 2)
+    (slot_expert, slot_rows, slot_of_row, pos_of_row), xs = _slotted(x_rows, expert_ids, slot_cols, n_exp)
+    xlo, xhi = _even_odd_columns(xs)
+    n_slots = slot_expert.shape[0]
     slot_weights = jnp.concatenate([row_weights.astype(jnp.float32), jnp.zeros((1,), jnp.float32)])[slot_rows]
     # each projection's factor per slot, applied to its sums before the SwiGLU as moe_matmul applies it to its
     # output: 2^shift (exact) times the slot's expert's NVFP4 global scale
