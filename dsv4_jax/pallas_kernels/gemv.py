@@ -63,6 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..numerics.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, Nvfp4Weight, split_f32
+from .tiles import pow2
 
 MP = 16                 # activation rows per tensor-core dot at least (Triton's minimum dot width)
 MAX_COLS = 128          # activation columns per program; more rows take several column tiles
@@ -229,11 +230,6 @@ def _fp4_kernel(xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *, m_valid, **kw):
     _store_rows(o_ref, _fp4_tile_loop(xlo_ref, xhi_ref, w_ref, s_ref, **kw), m_valid)
 
 
-def _pow2(e: jax.Array) -> jax.Array:
-    """2^e as float32 for integer e in [-126, 127], from the exponent field."""
-    return jax.lax.bitcast_convert_type(((e + 127) << 23).astype(jnp.uint32), jnp.float32)
-
-
 def f16_prescale_exponent(amax: jax.Array) -> jax.Array:
     """The power p with amax * 2^p in [2^13, 2^14) (0 for amax 0; clipped to [-100, 100]): bf16 values times 2^p
     are exact f16 values down to amax * 2^-27 (below, f16 subnormals; their contribution is under float32 rounding).
@@ -258,7 +254,7 @@ def _fp8_kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, n_steps, m_valid):
         return jnp.maximum(amax, jnp.max(jnp.abs(x), axis=1))
 
     p = f16_prescale_exponent(jax.lax.fori_loop(0, n_steps, row_amax, jnp.zeros((cols,), jnp.float32)))
-    up = _pow2(p)
+    up = pow2(p)
 
     def body(i, acc):
         w = w_ref[:, pl.ds(i * FP8_BLOCK, FP8_BLOCK)].astype(jnp.float16)          # [bn, 128]
@@ -269,7 +265,7 @@ def _fp8_kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, n_steps, m_valid):
         return acc + part * scale
 
     acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((block_n, cols), jnp.float32))
-    _store_rows(o_ref, acc * _pow2(-p)[None, :], m_valid)
+    _store_rows(o_ref, acc * pow2(-p)[None, :], m_valid)
 
 
 # ---- wrappers ---------------------------------------------------------------------------------------------------

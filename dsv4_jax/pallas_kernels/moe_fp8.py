@@ -188,7 +188,7 @@ def shift_tables() -> tuple[jax.Array, jax.Array]:
 def _block_tables(scale_bytes: jax.Array, lo_ref, hi_ref) -> tuple[jax.Array, jax.Array, jax.Array]:
     """E8M0 bytes [bn, 4] of one 128-input block -> (the 32-blocks' magnitude tables, two uint32 [bn, 4], for
     shifts e - r + 6, at least MIN_SHIFT, looked up in shift_tables' refs; the block's weight scale 2^(r - 133)
-    float32 [bn], at least 2^-126 as prefill._pow2 clips it)."""
+    float32 [bn], at least 2^-126 as tiles.pow2 clips it)."""
     e = scale_bytes.astype(jnp.int32)
     r = jnp.max(e, axis=1)
     entry = jnp.maximum(e - r[:, None] + 6, MIN_SHIFT) - MIN_SHIFT

@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..numerics.formats import E2M1_VALUES, Fp8BlockWeight, Mxfp4Weight, e8m0_to_float, unpack_fp4_codes
+from .tiles import pow2
 
 BK = 128        # inputs per scale block and per K step
 
@@ -128,12 +129,6 @@ def fp8_block_matmul(xq: jax.Array, sx: jax.Array, wq: jax.Array, sw: jax.Array,
     return y[:m]
 
 
-def _pow2(p: jax.Array) -> jax.Array:
-    """2^p for integer p, exact on every backend: the E8M0 decode of p + 127, p clipped to the normal range
-    (where the callers' values are either exact or far below anything that matters)."""
-    return e8m0_to_float(jnp.clip(p + 127, 1, 254))
-
-
 def fp8_weight_operand(w: Fp8BlockWeight):
     """(e4m3 [N, K], block scales f32 [ceil(N/128), K/128]) of a 2-D FP8-block weight (no copy of the bytes)."""
     return w.weight, e8m0_to_float(w.scale)
@@ -146,5 +141,5 @@ def mxfp4_weight_operand(w: Mxfp4Weight):
     values = jnp.asarray(E2M1_VALUES)[unpack_fp4_codes(w.packed).astype(jnp.int32)].reshape(n, k // 32, 32)
     e = w.scale.astype(jnp.int32).reshape(n, k // BK, BK // 32)
     r = jnp.max(e, axis=-1, keepdims=True)                                  # [N, K/128, 1]
-    wq = (values * _pow2(e - r + 6).reshape(n, k // 32, 1)).reshape(n, k).astype(jnp.float8_e4m3fn)
-    return wq, _pow2(r[..., 0] - 127 - 6)
+    wq = (values * pow2(e - r + 6).reshape(n, k // 32, 1)).reshape(n, k).astype(jnp.float8_e4m3fn)
+    return wq, pow2(r[..., 0] - 127 - 6)
