@@ -166,35 +166,40 @@ def is_kernel(instruction: Instruction) -> bool:
     return op not in _NOT_KERNELS and not op.endswith("-done")
 
 
+def _walk(computations: dict[str, list[Instruction]], name: str, multiplier: int = 1, in_loop: bool = False):
+    """(computation, instruction, runs per call, inside a loop) for every kernel and every `while` reachable from
+    computation `name`: a loop body runs once per iteration (once where XLA does not know the trip count), its
+    condition once more, and every branch of a conditional is counted (an upper bound)."""
+    for ins in computations.get(name, []):
+        if ins.opcode == "while":
+            yield name, ins, multiplier, in_loop
+            trips = ins.trip_count or 1
+            yield from _walk(computations, ins.callees["body"][0], multiplier * trips, True)
+            yield from _walk(computations, ins.callees["condition"][0], multiplier * (trips + 1), True)
+        elif ins.opcode == "call":
+            yield from _walk(computations, ins.callees["to_apply"][0], multiplier, in_loop)
+        elif ins.opcode == "conditional":
+            for branch in ins.callees["branches"]:
+                yield from _walk(computations, branch, multiplier, in_loop)
+        elif is_kernel(ins):
+            yield name, ins, multiplier, in_loop
+
+
 def census(hlo_text: str) -> Census:
     computations, entry = parse(hlo_text)
     by_family = collections.Counter()
     by_layer = collections.Counter()
     totals = collections.Counter()
-
-    def walk(name: str, multiplier: int, in_loop: bool):
-        for ins in computations.get(name, []):
-            if ins.opcode == "while":
-                totals["while_loops"] += 1
-                trips = ins.trip_count
-                if trips is None:
-                    totals["unknown_trip_counts"] += 1
-                    trips = 1
-                walk(ins.callees["body"][0], multiplier * trips, True)
-                walk(ins.callees["condition"][0], multiplier * (trips + 1), True)
-            elif ins.opcode == "call":
-                walk(ins.callees["to_apply"][0], multiplier, in_loop)
-            elif ins.opcode == "conditional":
-                for branch in ins.callees["branches"]:      # an upper bound: every branch counted
-                    walk(branch, multiplier, in_loop)
-            elif is_kernel(ins):
-                totals["launches"] += multiplier
-                totals["top_level"] += 0 if in_loop else 1
-                totals["custom_calls"] += multiplier if ins.opcode == "custom-call" else 0
-                by_family[family(ins)] += multiplier
-                by_layer[layer_of(ins)] += multiplier
-
-    walk(entry, 1, False)
+    for _, ins, multiplier, in_loop in _walk(computations, entry):
+        if ins.opcode == "while":
+            totals["while_loops"] += 1
+            totals["unknown_trip_counts"] += ins.trip_count is None
+            continue
+        totals["launches"] += multiplier
+        totals["top_level"] += 0 if in_loop else 1
+        totals["custom_calls"] += multiplier if ins.opcode == "custom-call" else 0
+        by_family[family(ins)] += multiplier
+        by_layer[layer_of(ins)] += multiplier
     return Census(top_level_kernels=totals["top_level"], launches_per_call=totals["launches"],
                   custom_calls=totals["custom_calls"], while_loops=totals["while_loops"],
                   collectives=by_family["collectives"], by_family={f: by_family[f] for f in FAMILIES if by_family[f]},
@@ -374,32 +379,21 @@ def kernel_bytes(hlo_text: str, top: int = 20) -> dict:
     by_family: collections.Counter = collections.Counter()
     sites: dict[str, list] = {}
 
-    def walk(computation: str, multiplier: int):
-        for ins in computations.get(computation, []):
-            if ins.opcode == "while":
-                trips = ins.trip_count or 1
-                walk(ins.callees["body"][0], multiplier * trips)
-                walk(ins.callees["condition"][0], multiplier * (trips + 1))
-            elif ins.opcode == "call":
-                walk(ins.callees["to_apply"][0], multiplier)
-            elif ins.opcode == "conditional":
-                for branch in ins.callees["branches"]:
-                    walk(branch, multiplier)
-            elif is_kernel(ins):
-                names = operands[(computation, ins.name)]
-                in_place = re.search(r"dynamic[-_]update[-_]slice", ins.name) is not None
-                size = sum(_type_bytes(types.get((computation, n), "")) for n in (names[1:] if in_place else names))
-                if not in_place:
-                    size += _type_bytes(types[(computation, ins.name)])
-                size *= multiplier
-                fam = family(ins)
-                by_family[fam] += size
-                site = re.sub(r"^(window|csa|hca|mtp)_layer/", "<layer>/", _site(ins))
-                entry_ = sites.setdefault(site, [fam, 0, 0])
-                entry_[1] += multiplier
-                entry_[2] += size
-
-    walk(entry, 1)
+    for computation, ins, multiplier, _ in _walk(computations, entry):
+        if ins.opcode == "while":
+            continue
+        names = operands[(computation, ins.name)]
+        in_place = re.search(r"dynamic[-_]update[-_]slice", ins.name) is not None
+        size = sum(_type_bytes(types.get((computation, n), "")) for n in (names[1:] if in_place else names))
+        if not in_place:
+            size += _type_bytes(types[(computation, ins.name)])
+        size *= multiplier
+        fam = family(ins)
+        by_family[fam] += size
+        site = re.sub(r"^(window|csa|hca|mtp)_layer/", "<layer>/", _site(ins))
+        entry_ = sites.setdefault(site, [fam, 0, 0])
+        entry_[1] += multiplier
+        entry_[2] += size
     ranked = sorted(sites.items(), key=lambda item: -item[1][2])[:top]
     return {"total": sum(by_family.values()),
             "by_family": {f: by_family[f] for f in FAMILIES if by_family[f]},
