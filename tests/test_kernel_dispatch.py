@@ -610,44 +610,52 @@ def test_activation_quantization_takes_the_quantize_kernels():
         assert _rel(got, linear(x, w, jnp.float32, ctx=_ctx("reference", mode))) < 1e-5
 
 
-def test_prefill_gate_and_up_in_one_kernel_with_the_swiglu():
-    """A prefill chunk's routed rows (more than MAX_SLOTTED_ROWS) in any order, bf16 without activation
-    quantization: grouped_swiglu runs the one kernel with the SwiGLU (pallas_kernels/moe.moe_swiglu_matmul) on the
-    interpret plan and equals the reference's two projections and SwiGLU within bf16 rounding; rows of no expert
-    (ids == E) give zeros. FP8 activations and fewer rows keep the pair; on a GPU plan only matmul=kernel takes it."""
-    from dsv4_jax.ops import grouped_swiglu
+def test_prefill_routed_experts_in_two_kernels():
+    """A prefill chunk's picks (more than MAX_SLOTTED_ROWS), bf16 without activation quantization: routed_ffn runs
+    the gate / up kernel with the SwiGLU and the down kernel on one slot schedule (pallas_kernels/moe.moe_ffn) on
+    the interpret plan and equals the reference's projections, SwiGLU and weighted sum within bf16 rounding of the
+    hidden values; picks of no expert (ids == E) add nothing. FP8 activations and fewer picks take the other
+    paths; on a GPU plan only matmul=kernel takes it."""
+    from dsv4_jax.ops import routed_ffn
     from dsv4_jax.ops.moe_ffn import clamped_swiglu
 
     rng = np.random.default_rng(11)
-    n_exp, n, k, rows, limit = 4, 64, 256, 1600, 10.0
-    assert rows > matmul_kernels.MAX_SLOTTED_ROWS
+    n_exp, n, k, tokens, top_k, limit = 4, 64, 256, 400, 4, 10.0
+    assert tokens * top_k > matmul_kernels.MAX_SLOTTED_ROWS
     wg, wu = _weight(rng, "mxfp4", (n_exp, n, k)), _weight(rng, "mxfp4", (n_exp, n, k))
-    ids = rng.integers(0, n_exp + 1, rows).astype(np.int32)             # n_exp: no expert (another device's)
-    x = jnp.asarray(rng.standard_normal((rows, k)) * 0.05, jnp.bfloat16)
-    rw = jnp.asarray(rng.uniform(0.1, 1.0, rows), jnp.float32)
+    wd = _weight(rng, "mxfp4", (n_exp, k, n))
+    ids = rng.integers(0, n_exp + 1, (tokens, top_k)).astype(np.int32)      # n_exp: no expert (another device's)
+    ids[3] = n_exp
+    x = jnp.asarray(rng.standard_normal((tokens, k)) * 0.05, jnp.bfloat16)
+    rw = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, top_k)), jnp.float32)
     with choice.record_dispatch("matmul") as rec:
-        h = grouped_swiglu(x, wg, wu, jnp.asarray(ids), rw, limit, ctx=INTERPRET)
-    assert [r[3:5] for r in rec] == [("interpret", "moe_swiglu")]
-    gate, up = grouped_linear_pair(x, wg, wu, None, jnp.float32, ctx=REFERENCE, row_groups=jnp.asarray(ids))
-    want = np.asarray(clamped_swiglu(gate, up, limit) * rw[:, None], np.float64)
-    got = np.asarray(h.astype(jnp.float32), np.float64)
-    assert np.all(got[ids == n_exp] == 0) and np.all(np.isfinite(got))
-    assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max()
-    assert np.mean(np.abs(want) > 0) > 0.5
-    assert grouped_swiglu(x, wg, wu, jnp.asarray(ids), rw, limit, ctx=_ctx("interpret", "fp8")) is None
-    assert grouped_swiglu(x[:1000], wg, wu, jnp.asarray(ids[:1000]), rw[:1000], limit, ctx=INTERPRET) is None
+        y = routed_ffn(x, wg, wu, wd, jnp.asarray(ids), rw, limit, ctx=INTERPRET)
+    assert [r[3:5] for r in rec] == [("interpret", "moe_swiglu"), ("interpret", "moe_slots")]
+    flat = jnp.asarray(ids.reshape(-1))
+    xs = jnp.repeat(x, top_k, axis=0)
+    gate, up = grouped_linear_pair(xs, wg, wu, None, jnp.float32, ctx=REFERENCE, row_groups=flat)
+    h = (clamped_swiglu(gate, up, limit) * rw.reshape(-1)[:, None]).astype(jnp.bfloat16)
+    down = grouped_linear(h, wd, None, jnp.float32, ctx=REFERENCE, row_groups=flat)
+    want = np.asarray(down.reshape(tokens, top_k, -1).sum(axis=1), np.float64)
+    got = np.asarray(y, np.float64)
+    assert np.all(got[3] == 0) and np.all(np.isfinite(got)) and np.abs(want[3]).max() == 0
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3
+    assert routed_ffn(x, wg, wu, wd, jnp.asarray(ids), rw, limit, ctx=_ctx("interpret", "fp8")) is None
+    assert routed_ffn(x[:300], wg, wu, wd, jnp.asarray(ids[:300]), rw[:300], limit, ctx=INTERPRET) is None
+    with pytest.raises(ValueError, match=r"routed_ffn: row_groups and row_weights \[T, K\] expected"):
+        routed_ffn(x, wg, wu, wd, jnp.asarray(ids), rw[:, :2], limit, ctx=INTERPRET)
     for override, taken in (((), False), ((("matmul", "kernel"),), True)):
         plan = KernelPlan("pallas", "pallas", overrides=override)
         with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
-            out = jax.eval_shape(lambda x, r: grouped_swiglu(x, wg, wu, jnp.asarray(ids), r, limit,
-                                                             ctx=RunContext.create(kernels=plan)), x, rw)
+            out = jax.eval_shape(lambda x, r: routed_ffn(x, wg, wu, wd, jnp.asarray(ids), r, limit,
+                                                         ctx=RunContext.create(kernels=plan)), x, rw)
         assert (out is not None) == taken, override
 
 
-def test_routed_experts_of_a_prefill_chunk_take_the_swiglu_kernel():
-    """The tiny model's routed experts over a prefill chunk of 800 tokens (1,600 routed rows, some of them to no
-    expert): on the interpret plan the gate, up and SwiGLU run as one kernel and the layer's output equals the
-    reference plan's within bf16 rounding of the hidden rows."""
+def test_routed_experts_of_a_prefill_chunk_take_the_two_kernels():
+    """The tiny model's routed experts over a prefill chunk of 800 tokens (1,600 picks, some of them of no expert):
+    on the interpret plan they run on moe_ffn's two kernels and the layer's output equals the reference plan's
+    within bf16 rounding of the hidden rows."""
     from dsv4_jax import presets
     from dsv4_jax.ops.moe_ffn import routed_experts
     from dsv4_jax.params import init_params
@@ -663,7 +671,7 @@ def test_routed_experts_of_a_prefill_chunk_take_the_swiglu_kernel():
                                  np.float64)
     with choice.record_dispatch("matmul") as rec:
         got = run(INTERPRET.in_phase("prefill"))
-    assert "moe_swiglu" in {r[4] for r in rec}
+    assert {"moe_swiglu", "moe_slots"} <= {r[4] for r in rec}
     want = run(REFERENCE.in_phase("prefill"))
     assert np.all(np.isfinite(got)) and np.abs(want).max() > 0
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2

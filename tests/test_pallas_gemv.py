@@ -210,50 +210,92 @@ def test_moe_prefill_slots_interpret():
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
 
 
+def _routed_ffn64(x, wg, wu, wd, ids, rw, limit) -> np.ndarray:
+    """float64 routed experts of tokens x [T, D]: sum over the picks ids [T, K] (-1: none) of rw times
+    W_down h, h = SiLU(min(gate, limit)) * clamp(up, -limit, limit), from the dequantized weights (exact)."""
+    g64, u64, d64 = _dequant64(wg), _dequant64(wu), _dequant64(wd)
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    ids, rw = np.asarray(ids), np.asarray(rw, np.float64)
+    out = np.zeros((x.shape[0], d64.shape[1]))
+    for e in range(g64.shape[0]):
+        t, k = np.nonzero(ids == e)
+        gate = np.minimum(x64[t] @ g64[e].T, limit)
+        up = np.clip(x64[t] @ u64[e].T, -limit, limit)
+        h = gate / (1 + np.exp(-gate)) * up * rw[t, k][:, None]
+        np.add.at(out, t, h @ d64[e].T)
+    return out
+
+
+def _routed_case(rng, make, n_exp=4, n=256, d=256, tokens=150, top_k=3):
+    wg, wu, wd = make(rng, (n_exp, n, d)), make(rng, (n_exp, n, d)), make(rng, (n_exp, d, n))
+    ids = rng.integers(0, n_exp, (tokens, top_k)).astype(np.int32)
+    ids[5] = -1                                          # a token of no expert (padding)
+    ids[7, 1] = -1                                       # a pick of another device's expert
+    rw = jnp.asarray(rng.uniform(0.1, 2.0, (tokens, top_k)), jnp.float32)
+    return wg, wu, wd, jnp.asarray(ids), rw
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_moe_swiglu_interpret(fmt):
-    """The gate and up projections, the clamped SwiGLU and the routing weight in one kernel: against float64 (rows
-    in random order, activations scaled so that a part of both projections is clamped), and bit for bit what
-    moe_matmul's two outputs and the SwiGLU after them give on the same tiling."""
+def test_moe_ffn_interpret(fmt):
+    """The routed experts of a chunk in the two kernels on one schedule (the hidden values never leave the slot
+    layout): against float64 (activations scaled so that a part of both projections is clamped, picks of no
+    expert adding nothing), and bit for bit what moe_matmul's gate and up outputs, the SwiGLU after them, and
+    moe_matmul's down projection of the bf16 hidden rows give on the same tiling."""
     rng = np.random.default_rng(7)
-    n_exp, n, k, rows, limit = 4, 128, 256, 300, 7.0
+    limit = 7.0
     make = _mxfp4 if fmt == "mxfp4" else _nvfp4
-    wg, wu = make(rng, (n_exp, n, k)), make(rng, (n_exp, n, k))
-    ids = jnp.asarray(rng.integers(0, n_exp, rows), jnp.int32)
-    dense_g, dense_u = _dequant64(wg)[np.asarray(ids)], _dequant64(wu)[np.asarray(ids)]
-    x64 = rng.standard_normal((rows, k))
-    scale = 8.0 / np.median(np.abs(np.einsum("rk,rnk->rn", x64, dense_g)))     # |gate| around the limit
-    x = jnp.asarray(x64 * scale, jnp.bfloat16)
-    rw = jnp.asarray(rng.uniform(0.1, 2.0, rows), jnp.float32)
-    h = moe.moe_swiglu_matmul(x, wg, wu, ids, rw, limit, slot_cols=64, interpret=True)
-    assert h.shape == (rows, n) and h.dtype == jnp.bfloat16
+    wg, wu, wd, ids, rw = _routed_case(rng, make)
+    x64 = rng.standard_normal((ids.shape[0], wg.shape[2]))
+    gate64 = np.einsum("tk,enk->ten", x64, _dequant64(wg))
+    x = jnp.asarray(x64 * 8.0 / np.median(np.abs(gate64)), jnp.bfloat16)      # |gate| around the limit
+    y = moe.moe_ffn(x, wg, wu, wd, ids, rw, limit, slot_cols=64, interpret=True)
+    assert y.shape == (ids.shape[0], wd.shape[1]) and y.dtype == jnp.float32
+    got = np.asarray(y, np.float64)
+    assert np.all(np.isfinite(got)) and np.all(got[5] == 0.0)
+    ref = _routed_ffn64(x, wg, wu, wd, ids, rw, limit)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 5e-3                # bf16 hidden values
     xr = np.asarray(x.astype(jnp.float32), np.float64)
-    g = np.minimum(np.einsum("rk,rnk->rn", xr, dense_g), limit)
-    u = np.clip(np.einsum("rk,rnk->rn", xr, dense_u), -limit, limit)
-    assert 0.1 < np.mean(g == limit) < 0.9 and 0.1 < np.mean(np.abs(u) == limit) < 0.9
-    ref = g / (1 + np.exp(-g)) * u * np.asarray(rw, np.float64)[:, None]
-    got = np.asarray(h.astype(jnp.float32), np.float64)
-    assert np.all(np.isfinite(got))
-    assert np.abs(got - ref).max() <= 2 ** -8 * np.abs(ref).max()                  # bf16 rounding of the result
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-3
+    g = np.minimum(np.einsum("tk,enk->ten", xr, _dequant64(wg)), limit)
+    assert 0.1 < np.mean(g == limit) < 0.9
+    # the composition of the one-projection kernel on the same slots
+    flat = jnp.maximum(ids, 0).reshape(-1)
+    xs = jnp.repeat(x, ids.shape[1], axis=0)
     tiles = dict(slot_cols=64, split_k=1, block_n=64, interpret=True)
-    gate = moe.moe_matmul(x, wg, ids, jnp.float32, **tiles)
-    up = moe.moe_matmul(x, wu, ids, jnp.float32, **tiles)
-    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-    composed = (gate * jax.nn.sigmoid(gate) * up * rw[:, None]).astype(jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(h), np.asarray(composed))
+    gate = jnp.minimum(moe.moe_matmul(xs, wg, flat, jnp.float32, **tiles), limit)
+    up = jnp.clip(moe.moe_matmul(xs, wu, flat, jnp.float32, **tiles), -limit, limit)
+    h = (gate * jax.nn.sigmoid(gate) * up * rw.reshape(-1)[:, None]).astype(jnp.bfloat16)
+    down = moe.moe_matmul(h, wd, flat, jnp.float32, **tiles)
+    composed = jnp.where((ids >= 0).reshape(-1, 1), down, 0.0).reshape(*ids.shape, -1).sum(axis=1)
+    np.testing.assert_array_equal(got, np.asarray(composed, np.float64))
 
 
-def test_moe_swiglu_bad_input_is_refused():
+def test_moe_ffn_picks_are_not_mixed_up():
+    """Mutations the float64 check must catch: two tokens' picks swapped, or one routing weight changed."""
+    rng = np.random.default_rng(9)
+    wg, wu, wd, ids, rw = _routed_case(rng, _mxfp4, tokens=40)
+    x = _x(rng, ids.shape[0], wg.shape[2], jnp.bfloat16) * 0.02
+    ref = _routed_ffn64(x, wg, wu, wd, ids, rw, 7.0)
+    run = lambda i, w: np.asarray(moe.moe_ffn(x, wg, wu, wd, i, w, 7.0, slot_cols=16, interpret=True), np.float64)
+    err = lambda y: np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    assert err(run(ids, rw)) < 5e-3
+    swapped = ids.at[jnp.asarray([0, 1])].set(ids[jnp.asarray([1, 0])])
+    assert not np.array_equal(np.asarray(swapped), np.asarray(ids))
+    assert err(run(swapped, rw)) > 0.05
+    assert err(run(ids, rw.at[3, 0].multiply(3.0))) > 1e-2
+
+
+def test_moe_ffn_bad_input_is_refused():
     rng = np.random.default_rng(8)
-    wg, wu = _mxfp4(rng, (2, 64, 256)), _mxfp4(rng, (2, 64, 256))
-    x, ids, rw = _x(rng, 4, 256, jnp.bfloat16), jnp.asarray([0, 1, 1, 0], jnp.int32), jnp.ones((4,), jnp.float32)
-    with pytest.raises(ValueError, match="takes bfloat16 rows"):
-        moe.moe_swiglu_matmul(x.astype(jnp.float32), wg, wu, ids, rw, 7.0, interpret=True)
+    wg, wu, wd, ids, rw = _routed_case(rng, _mxfp4, tokens=8)
+    x = _x(rng, 8, 256, jnp.bfloat16)
+    with pytest.raises(ValueError, match="takes bfloat16 tokens"):
+        moe.moe_ffn(x.astype(jnp.float32), wg, wu, wd, ids, rw, 7.0, interpret=True)
     with pytest.raises(ValueError, match="share a format and a shape"):
-        moe.moe_swiglu_matmul(x, wg, _nvfp4(rng, (2, 64, 256)), ids, rw, 7.0, interpret=True)
-    with pytest.raises(ValueError, match=r"row_weights \[R\] expected"):
-        moe.moe_swiglu_matmul(x, wg, wu, ids, rw[:3], 7.0, interpret=True)
+        moe.moe_ffn(x, wg, _nvfp4(rng, (4, 256, 256)), wd, ids, rw, 7.0, interpret=True)
+    with pytest.raises(ValueError, match="down weight must be a stacked FP4 weight"):
+        moe.moe_ffn(x, wg, wu, wg.packed, ids, rw, 7.0, interpret=True)
+    with pytest.raises(ValueError, match=r"row_weights \[T, K\] expected"):
+        moe.moe_ffn(x, wg, wu, wd, ids, rw[:3], 7.0, interpret=True)
 
 
 def test_tiling_that_failed_on_the_gpu_is_refused():
@@ -305,8 +347,10 @@ def test_cuda_lowering():
                    Mxfp4Weight(sds((8, n, k // 2), jnp.uint8), sds((8, n, k // 32), jnp.uint8)),
                    sds((600,), jnp.int32))))
     stacked = Mxfp4Weight(sds((8, n, k // 2), jnp.uint8), sds((8, n, k // 32), jnp.uint8))
-    cases.append((functools.partial(moe.moe_swiglu_matmul, limit=10.0, slot_cols=128, unroll=4, num_warps=8),
-                  (sds((1600, k), jnp.bfloat16), stacked, stacked, sds((1600,), jnp.int32), sds((1600,), jnp.float32))))
+    down = Mxfp4Weight(sds((8, k, n // 2), jnp.uint8), sds((8, k, n // 32), jnp.uint8))
+    cases.append((functools.partial(moe.moe_ffn, limit=10.0, slot_cols=128, up_tiles=dict(unroll=4, num_warps=8)),
+                  (sds((400, k), jnp.bfloat16), stacked, stacked, down, sds((400, 4), jnp.int32),
+                   sds((400, 4), jnp.float32))))
     m, nb, kb = 512, n // 128, k // 128
     xq, wq = sds((m, k), jnp.float8_e4m3fn), sds((n, k), jnp.float8_e4m3fn)
     cases += [(prefill.fp8_block_matmul, (xq, sds((m, kb), jnp.float32), wq, sds((nb, kb), jnp.float32))),
@@ -357,28 +401,38 @@ def test_moe_gpu(fmt):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_moe_swiglu_gpu(fmt):
-    """Flash's expert width (2,048 x 4,096) over 16 experts and 4,096 routed rows on the tiling the dispatch
-    picks (128-column slots, 64-row tiles, 8 warps): equal to moe_matmul's two outputs and the SwiGLU after them
-    within bf16 rounding (the kernel's sigmoid is Triton's, the composition's XLA's)."""
+def test_moe_ffn_gpu(fmt):
+    """Flash's expert shapes (gate and up 2,048 x 4,096, down 4,096 x 2,048) over 16 experts and 1,024 tokens of 6
+    picks on the tiling the dispatch picks (128-column slots; 64-row tiles on 8 warps for gate and up, moe_matmul's
+    prefill tiling for the down projection): against float64 within bf16 rounding of the hidden values, and
+    against moe_matmul's gate, up and down outputs with the SwiGLU between them (the kernel's sigmoid is Triton's,
+    the composition's XLA's, so the hidden values may differ by a bf16 rounding)."""
     rng = np.random.default_rng(21)
-    n_exp, n, k, rows, limit = 16, 2048, 4096, 4096, 10.0
+    n_exp, n, d, tokens, top_k, limit = 16, 2048, 4096, 1024, 6, 10.0
     make = _mxfp4 if fmt == "mxfp4" else _nvfp4
-    wg, wu = make(rng, (n_exp, n, k)), make(rng, (n_exp, n, k))
-    ids = jnp.asarray(rng.integers(0, n_exp, rows), jnp.int32)
-    x = _x(rng, rows, k, jnp.bfloat16) * (0.001 if fmt == "mxfp4" else 0.01)          # a part clamped
-    rw = jnp.asarray(rng.uniform(0.1, 1.0, rows), jnp.float32)
+    wg, wu, wd = make(rng, (n_exp, n, d)), make(rng, (n_exp, n, d)), make(rng, (n_exp, d, n))
+    ids = np.stack([rng.choice(n_exp, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    ids[:7] = -1                                                         # padding tokens
+    ids, rw = jnp.asarray(ids), jnp.asarray(rng.uniform(0.1, 1.0, (tokens, top_k)), jnp.float32)
+    x = _x(rng, tokens, d, jnp.bfloat16) * (0.001 if fmt == "mxfp4" else 0.01)          # a part clamped
     unroll = 4 if fmt == "mxfp4" else 8                                  # 128-input K steps, as the dispatch
-    h = jax.jit(lambda x, g, u, i, r: moe.moe_swiglu_matmul(x, g, u, i, r, limit, slot_cols=128, unroll=unroll,
-                                                            num_warps=8))(x, wg, wu, ids, rw)
+    down_tiles = (dict(block_n=128, unroll=4, num_warps=8) if fmt == "mxfp4" else dict(block_n=64, unroll=8))
+    y = jax.jit(lambda x, g, u, w, i, r: moe.moe_ffn(x, g, u, w, i, r, limit, slot_cols=128,
+                                                      up_tiles=dict(unroll=unroll, num_warps=8),
+                                                      down_tiles=down_tiles))(x, wg, wu, wd, ids, rw)
+    got = np.asarray(y, np.float64)
+    assert np.all(np.isfinite(got)) and np.all(got[:7] == 0.0)
+    ref = _routed_ffn64(x, wg, wu, wd, ids, rw, limit)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 5e-3
+    flat = jnp.maximum(ids, 0).reshape(-1)
+    xs = jnp.repeat(x, top_k, axis=0)
     tiles = dict(slot_cols=128, split_k=1, block_n=64, unroll=unroll)
-    gate = jax.jit(lambda x, w, i: moe.moe_matmul(x, w, i, jnp.float32, **tiles))(x, wg, ids)
-    up = jax.jit(lambda x, w, i: moe.moe_matmul(x, w, i, jnp.float32, **tiles))(x, wu, ids)
-    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-    want = np.asarray(gate * jax.nn.sigmoid(gate) * up * rw[:, None], np.float64)
-    got = np.asarray(h.astype(jnp.float32), np.float64)
-    assert np.all(np.isfinite(got)) and np.mean(np.abs(want) > 0) > 0.5
-    assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max()
+    mm = jax.jit(lambda x, w, i: moe.moe_matmul(x, w, i, jnp.float32, **tiles))
+    gate, up = jnp.minimum(mm(xs, wg, flat), limit), jnp.clip(mm(xs, wu, flat), -limit, limit)
+    h = (gate * jax.nn.sigmoid(gate) * up * rw.reshape(-1)[:, None]).astype(jnp.bfloat16)
+    down = jnp.where((ids >= 0).reshape(-1, 1), mm(h, wd, flat), 0.0).reshape(tokens, top_k, -1).sum(axis=1)
+    want = np.asarray(down, np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3
 
 
 @pytest.fixture(scope="module")

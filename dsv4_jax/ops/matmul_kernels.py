@@ -241,28 +241,36 @@ def prefill_expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, real: j
     return moe_fp8.moe_fp8_matmul(xq, sx, weight, row_experts, real, interpret=backend == "interpret")
 
 
-def routed_swiglu(xs: jax.Array, w_gate, w_up, row_experts: jax.Array, real: jax.Array | None,
-                  row_weights: jax.Array, limit: float, activation_kind: str, ctx) -> jax.Array | None:
-    """The routed experts' hidden rows [R, N] in xs.dtype: SiLU(min(gate, limit)) * clamp(up, -limit, limit) *
-    row_weights of rows xs [R, K] each times its own expert of the stacked FP4 gate and up weights [E, N, K], in
-    one launch of pallas_kernels/moe.moe_swiglu_matmul, which writes no float32 projection out; rows that are not
-    `real` (None: all are) give zeros. None where another path applies: the rows of a prefill chunk (more than a
-    decode or verify step has, MAX_SLOTTED_ROWS), bfloat16 rows without activation quantization, both weights one
-    FP4 format and shape with N % 64 == 0, and on a GPU only where the plan opts in (`matmul=kernel`): not yet
-    timed. The interpret plan takes it."""
+def routed_ffn(x: jax.Array, w_gate, w_up, w_down, experts: jax.Array, row_weights: jax.Array, limit: float,
+               activation_kind: str, ctx) -> jax.Array | None:
+    """The routed experts of tokens x [T, D] in two launches of pallas_kernels/moe.moe_ffn: float32 [T, D], the sum
+    over each token's picks experts [T, K] (-1: no expert) of row_weights times the expert's down projection of
+    SiLU(min(gate, limit)) * clamp(up, -limit, limit) (the hidden values rounded to x.dtype, as the layer rounds
+    them). The gate / up kernel writes no float32 projection and its hidden values go to the down kernel in the
+    slot layout both read, so no [T x K, N] or [T x K, D] copy of the rows in pick order is made. None where another
+    path applies: the picks of a prefill chunk (more than a decode or verify step has, MAX_SLOTTED_ROWS), bfloat16
+    tokens without activation quantization, gate and up one FP4 format and shape, all three weights on the MoE
+    kernel (expert_kernel), and on a GPU only where the plan opts in (`matmul=kernel`): not yet timed. The
+    interpret plan takes it."""
     plan = _plan(ctx)
-    if (not _opted_in(plan) or activation_kind != "none" or xs.shape[0] <= MAX_SLOTTED_ROWS
-            or xs.dtype != jnp.bfloat16 or type(w_gate) is not type(w_up) or w_gate.shape != w_up.shape
-            or expert_kernel(xs.shape[0], xs.dtype, w_gate, ctx) != "pallas"):      # (its geometry: moe_matmul's)
+    picks = experts.size
+    if (not _opted_in(plan) or activation_kind != "none" or picks <= MAX_SLOTTED_ROWS
+            or x.dtype != jnp.bfloat16 or type(w_gate) is not type(w_up) or w_gate.shape != w_up.shape
+            or any(expert_kernel(picks, x.dtype, w, ctx) != "pallas" for w in (w_gate, w_down))):
+        return None
+    gate_tiles = _moe_schedule(picks, x.dtype, w_gate, _fp4_unroll(w_gate, w_gate.shape[-1]))
+    down_tiles = _moe_schedule(picks, x.dtype, w_down, _fp4_unroll(w_down, w_down.shape[-1]))
+    slot_cols = down_tiles.pop("slot_cols")
+    if gate_tiles["slot_cols"] != slot_cols:
         return None
     _record("grouped_linear pair", w_gate, plan.backend, "moe_swiglu", ctx)
-    tiles = _moe_schedule(xs, w_gate, _fp4_unroll(w_gate, w_gate.shape[-1]))    # moe_matmul's slots and K step
-    weights = row_weights if real is None else jnp.where(real, row_weights, 0.0)
-    # 64 weight rows per tile, as each program holds the gate's and the up projection's accumulators; 8 warps for
-    # 128-column slots keep the two [64, 128] float32 accumulators at 64 registers a thread
-    return moe.moe_swiglu_matmul(xs, w_gate, w_up, row_experts, weights, limit, xs.dtype,
-                                 interpret=plan.backend == "interpret", block_n=64, unroll=tiles["unroll"],
-                                 num_warps=8 if tiles["slot_cols"] == 128 else 4, slot_cols=tiles["slot_cols"])
+    _record("grouped_linear", w_down, plan.backend, "moe_slots", ctx)
+    # the gate / up kernel: moe_matmul's K step, 64 weight rows per tile, as each program holds the gate's and the
+    # up projection's accumulators; 8 warps for 128-column slots keep the two [64, 128] float32 accumulators at 64
+    # registers a thread. The down kernel: moe_matmul's prefill tiling.
+    up_tiles = dict(block_n=64, unroll=gate_tiles["unroll"], num_warps=8 if slot_cols == 128 else 4)
+    return moe.moe_ffn(x, w_gate, w_up, w_down, experts, row_weights, limit, interpret=plan.backend == "interpret",
+                       slot_cols=slot_cols, up_tiles=up_tiles, down_tiles=down_tiles)
 
 
 def _split_groups(w, groups: int):
@@ -366,7 +374,7 @@ def expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, ctx, real: jax.
         return None
     unroll = _fp4_unroll(weight, weight.shape[-1])
     return moe.moe_matmul(xs, weight, row_experts, jnp.float32, interpret=backend == "interpret",
-                          **_moe_schedule(xs, weight, unroll))
+                          **_moe_schedule(xs.shape[0], xs.dtype, weight, unroll))
 
 
 def _ffi_routed_kernel(xs: jax.Array) -> str:
@@ -399,7 +407,7 @@ def pair_matmul(x2: jax.Array, w_a, w_b, ctx, routed: bool):
     return lambda xq, row_experts: ffi.gemv(xq, (w_a, w_b), jnp.float32)
 
 
-def _moe_schedule(xs: jax.Array, weight, unroll: int) -> dict:
+def _moe_schedule(rows: int, dtype, weight, unroll: int) -> dict:
     """moe_matmul's tiling. Decode (<= MAX_MOE_ROWS rows): the kernel's defaults (16-column slots, split-K,
     `unroll` scale blocks per K step). Prefill: slots about as wide as the rows an expert gets on average (16..128
     columns), each decoded weight tile reused that often, and no split-K (the slots fill the GPU). At 128 columns
@@ -408,10 +416,10 @@ def _moe_schedule(xs: jax.Array, weight, unroll: int) -> dict:
     over 64 rows, 4 warps, 256 inputs; two runs) and of 64 rows on 4 warps for NVFP4 (1.15x, one run; its
     128-row tile gained nothing). Only measured configurations are chosen: 128-row tiles with 64-input K steps gave
     wrong results on the H200 (Triton lowering; docs/kernels.md)."""
-    rows, (n_experts, n, _) = xs.shape[0], weight.shape
+    n_experts, n, _ = weight.shape
     if rows <= MAX_MOE_ROWS:
         return dict(unroll=unroll)
-    cols_per_row = 2 if xs.dtype == jnp.float32 else 1
+    cols_per_row = 2 if dtype == jnp.float32 else 1
     want = cols_per_row * -(-rows // n_experts)
     cols = 16
     while cols < min(want, 128):

@@ -19,8 +19,8 @@ from ..numerics import dequantize
 from ..pallas_kernels import moe_decode
 from ..sharding import DATA, EXPERT, expert_devices, split_along, splits_shared_expert
 from . import choice, layer_stats, matmul_kernels
-from .matmul import (grouped_linear, grouped_linear_joined, grouped_linear_pair, grouped_swiglu, linear, linear_joined,
-                     linear_pair)
+from .matmul import (grouped_linear, grouped_linear_joined, grouped_linear_pair, linear, linear_joined, linear_pair,
+                     routed_ffn)
 
 
 class MoeParts(NamedTuple):
@@ -81,14 +81,15 @@ def _grouped_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: j
     n_tokens, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
     w1, w3, w2 = (params[p]["weight"] for p in ("w1", "w3", "w2"))
+    y = routed_ffn(x, w1, w3, w2, expert_ids, weights, cfg.swiglu_limit, ctx=ctx)      # a prefill chunk's kernels
+    if y is not None:
+        return y
     if all(matmul_kernels.expert_kernel(n_tokens * k, x.dtype, w, ctx) for w in (w1, w2)):
         # Kernels that take each row's own expert: the rows stay in token order (no sort, no scatter; at decode
         # that is five launches fewer per layer) and each token's K outputs are summed in place.
         xs = jnp.broadcast_to(x[:, None, :], (n_tokens, k, x.shape[-1])).reshape(n_tokens * k, -1)
-        h = grouped_swiglu(xs, w1, w3, flat_ids, weights.reshape(-1), cfg.swiglu_limit, x.dtype, ctx=ctx)
-        if h is None:
-            gate, up = grouped_linear_pair(xs, w1, w3, None, jnp.float32, ctx=ctx, row_groups=flat_ids)
-            h = (clamped_swiglu(gate, up, cfg.swiglu_limit) * weights.reshape(-1)[:, None]).astype(x.dtype)
+        gate, up = grouped_linear_pair(xs, w1, w3, None, jnp.float32, ctx=ctx, row_groups=flat_ids)
+        h = (clamped_swiglu(gate, up, cfg.swiglu_limit) * weights.reshape(-1)[:, None]).astype(x.dtype)
         y = grouped_linear(h, w2, None, jnp.float32, ctx=ctx, row_groups=flat_ids)
         return jnp.sum(y.reshape(n_tokens, k, -1), axis=1)
     order = jnp.argsort(flat_ids, stable=True)

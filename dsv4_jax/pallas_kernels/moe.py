@@ -13,6 +13,12 @@ ceil(R / capacity) + min(R, E)); the programs of unused slots exit at once.
 Kernel: the FP4 GEMV of gemv.py (Pallas Triton, same nibble decode and tensor-core dots, see its docstring) with
 a leading grid axis over slots; each program reads its slot's expert id and indexes the stacked weight
 [E, N, K/block, bytes] at it. Oracle: dsv4_jax.numerics.grouped_linear on rows sorted by expert.
+
+    moe_ffn(x [T, D], w_gate, w_up [E, N, D], w_down [E, D, N], expert_ids [T, K], row_weights [T, K]) -> [T, D]
+
+The routed experts of a prefill chunk on one schedule: a kernel for the gate and up projections and the SwiGLU
+that writes its hidden values in the down projection's slot layout, then moe_matmul's kernel for the down
+projection; the tokens are gathered into the slots and the outputs back to the tokens by one XLA fusion each.
 """
 
 from __future__ import annotations
@@ -56,32 +62,49 @@ def moe_schedule(expert_ids: jax.Array, capacity: int, n_slots: int | None = Non
     return slot_expert, slot_rows, slot_of_row, pos_of_row
 
 
-def _check_stacked(w, x_rows: jax.Array, slot_cols: int, what: str) -> tuple[int, int, int, int]:
-    """(E, N, K, FP4 block) of a stacked FP4 weight [E, N, K] that rows x_rows [R, K] can multiply in slots of
-    slot_cols columns; a clear error otherwise."""
+def _check_stacked(w, x: jax.Array, features: int, slot_cols: int, what: str) -> tuple[int, int, int, int]:
+    """(E, N, K, FP4 block) of a stacked FP4 weight [E, N, K] that an operand x of `features` inputs can multiply in
+    slots of slot_cols columns; a clear error otherwise."""
     if not isinstance(w, (Mxfp4Weight, Nvfp4Weight)) or w.packed.ndim != 3:
         raise TypeError(f"{what}: a weight must be a stacked Mxfp4Weight / Nvfp4Weight [E, N, K], got {type(w).__name__}")
     n, k, block = _check_fp4(w, what)
-    if x_rows.shape[-1] != k:
-        raise ValueError(f"{what}: x has {x_rows.shape[-1]} features, weight expects {k}")
+    if features != k:
+        raise ValueError(f"{what}: x has {features} features, weight expects {k}")
     if slot_cols % MP:
         raise ValueError(f"{what}: slot_cols must be a multiple of {MP}, got {slot_cols}")
     return w.packed.shape[0], n, k, block
 
 
-def _slotted(x_rows: jax.Array, expert_ids: jax.Array, capacity: int, n_experts: int):
-    """(moe_schedule's (slot_expert, slot_rows, slot_of_row, pos_of_row) over slot_bound's slots, the rows gathered
-    into their slots [S, capacity, K], zeros where a slot is not full)."""
-    n_slots = slot_bound(x_rows.shape[0], capacity, n_experts)
-    schedule = moe_schedule(expert_ids, capacity, n_slots)
-    x_pad = jnp.concatenate([x_rows, jnp.zeros((1, x_rows.shape[1]), x_rows.dtype)], axis=0)
-    return schedule, x_pad[schedule[1]]
+def _paired(x_slots: jax.Array) -> jax.Array:
+    """Rows gathered into slots [S, cols, K] -> the kernels' operand [S, K/2, 2 * cols]: row j holds the slot's
+    inputs 2j in columns 0 .. cols and 2j + 1 in cols .. 2 cols (a packed FP4 byte holds the weights of inputs 2i
+    and 2i + 1, gemv._fp4_tile_loop). One transpose; the kernels read the two halves as two operands (_operand_specs),
+    so no even / odd copies are made."""
+    s, cols, k = x_slots.shape
+    return jnp.swapaxes(x_slots, 1, 2).reshape(s, k // 2, 2 * cols)
 
 
-def _even_odd_columns(xs: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Slotted rows [S, cols, K] -> their even and odd inputs [S, K/2, cols], the operands of the FP4 tile loop
-    (gemv._fp4_tile_loop: a packed byte holds inputs 2i and 2i + 1)."""
-    return jnp.swapaxes(xs[:, :, 0::2], 1, 2), jnp.swapaxes(xs[:, :, 1::2], 1, 2)
+def _operand_specs(k_half: int, cols: int, index):
+    """The BlockSpecs of a paired operand's even half and odd half ([S, K/2, 2 cols], _paired), as two operands:
+    `index` maps the grid to (slot, K block); the odd half is the next block of `cols` columns."""
+    shape = (None, k_half, cols)
+    return [pl.BlockSpec(shape, lambda *g: (*index(*g), 0)), pl.BlockSpec(shape, lambda *g: (*index(*g), 1))]
+
+
+def _output_factor(w, experts: jax.Array) -> jax.Array:
+    """What each row's sums are multiplied by to give the products [R] float32: 2^shift (the decode's exact
+    prescale, gemv.py) and, for NVFP4, the row's expert's global scale (experts: valid indices)."""
+    shift = jnp.float32(2.0 ** (NV_SHIFT if isinstance(w, Nvfp4Weight) else MX_SHIFT))
+    if isinstance(w, Nvfp4Weight):
+        return shift * w.global_scale.astype(jnp.float32)[experts]
+    return jnp.full(experts.shape, shift)
+
+
+def _fp4_operands(w, blocks: int, bpb: int):
+    """A stacked FP4 weight's packed bytes [E, N, K blocks, bytes per block] and scales as the kernels read them."""
+    n_exp, n = w.packed.shape[:2]
+    scale = jax.lax.bitcast_convert_type(w.scale, jnp.uint8) if isinstance(w, Nvfp4Weight) else w.scale
+    return w.packed.reshape(n_exp, n, blocks, bpb), scale
 
 
 def _moe_kernel(se_ref, xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *, block_n, blocks_split, **kw):
@@ -95,6 +118,46 @@ def _moe_kernel(se_ref, xlo_ref, xhi_ref, w_ref, s_ref, o_ref, *, block_n, block
         o_ref[...] = acc.T                 # stored row-major: the gather back to row order reads whole rows
 
 
+def _slot_sums(slot_expert: jax.Array, x_paired: jax.Array, w, *, interpret, block_n, unroll, split_k, num_warps,
+               num_stages) -> jax.Array:
+    """The FP4 sums of each slot's columns x_paired [S, K/2, 2 cols] (_paired) times its expert slot_expert[s] of w
+    [E, N, K] (-1: the slot is skipped and its output left unwritten) -> float32 [S, cols, N], before
+    _output_factor.
+
+    The programs store their tiles transposed, as [slot, slot column, N], so the gather back to row order reads
+    each row's N outputs contiguously. Stored as computed, [slot, N, slot column], that gather read a row's outputs
+    slot_cols floats apart (for a prefill chunk's 128-column slots one 4-byte value per 32-byte memory sector, ~8x
+    the 1.5 GiB per layer of an 8K chunk), and an 8K prompt in one chunk took 106.6 ms instead of 86.9 on an H200
+    (docs/performance.md, "The routed experts' outputs read back 8x")."""
+    n_exp, n, k, block = _check_stacked(w, x_paired, 2 * x_paired.shape[1], x_paired.shape[-1] // 2, "moe_matmul")
+    n_slots, cols = x_paired.shape[0], x_paired.shape[-1] // 2
+    block_n, unroll, split_k, bpb, blocks = _fp4_config(n, k, block, block_n, unroll, split_k, num_warps,
+                                                        num_stages)
+    w4, scale = _fp4_operands(w, blocks, bpb)
+    kh_split, blocks_split = k // 2 // split_k, blocks // split_k
+    kernel = functools.partial(_moe_kernel, block_n=block_n, blocks_split=blocks_split,
+                               unroll=unroll, n_steps=blocks_split // unroll, bytes_per_block=bpb,
+                               factor_fn=nv_factor_bits if isinstance(w, Nvfp4Weight) else mx_factor_bits)
+    # Grid: the N tiles of a slot are the fastest axis (CUDA launches blockIdx.x first), so the CTAs resident at
+    # once work on a few slots and read each slot's activation tile (K x slot_cols) from L2 after its first tile;
+    # slot-major order put hundreds of slots' tiles in flight at once, over L2's size, and re-read each from DRAM
+    # once per N tile (Nsight Compute: 87% of DRAM bandwidth, docs/kernels.md).
+    part = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((split_k, n_slots, cols, n), jnp.float32),
+        grid=(n // block_n, n_slots, split_k),
+        in_specs=[pl.BlockSpec((n_slots,), lambda i, q, s: (0,)),
+                  *_operand_specs(kh_split, cols, lambda i, q, s: (q, s)),
+                  pl.BlockSpec(w4.shape, lambda i, q, s: (0, 0, 0, 0)),
+                  pl.BlockSpec(scale.shape, lambda i, q, s: (0, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, cols, block_n), lambda i, q, s: (s, q, 0, i)),
+        compiler_params=_params(num_warps, num_stages),
+        interpret=interpret,
+        name="dsv4_moe_matmul",
+    )(slot_expert, x_paired, x_paired, w4, scale)
+    return jnp.sum(part, axis=0)                   # [S, cols, N] (unused slots: garbage)
+
+
 def moe_matmul(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=None, *, interpret: bool = False,
                block_n=None, unroll=None, split_k=None, num_warps: int = 4, num_stages: int = 3,
                slot_cols: int = MP) -> jax.Array:
@@ -103,63 +166,27 @@ def moe_matmul(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=No
 
     `slot_cols` is the tensor-core dot width per slot: MP (16) for decode; for prefill (many rows per expert)
     64-128, so each decoded weight tile is reused by that many rows (bf16: that many rows per slot, float32:
-    half, as hi + lo parts).
-
-    The programs store their tiles transposed, as [slot, slot column, N], so the gather back to row order reads
-    each row's N outputs contiguously. Stored as computed, [slot, N, slot column], that gather read a row's outputs
-    slot_cols floats apart (for a prefill chunk's 128-column slots one 4-byte value per 32-byte memory sector, ~8x
-    the 1.5 GiB per layer of an 8K chunk), and an 8K prompt in one chunk took 106.6 ms instead of 86.9 on an H200
-    (docs/performance.md, "The routed experts' outputs read back 8x")."""
+    half, as hi + lo parts)."""
     what = "moe_matmul"
     if x_rows.ndim != 2 or expert_ids.shape != x_rows.shape[:1]:
         raise ValueError(f"{what}: x_rows [R, K] and expert_ids [R] expected, got {x_rows.shape}, {expert_ids.shape}")
-    n_exp, n, k, block = _check_stacked(w_stacked, x_rows, slot_cols, what)
-    is_nv = isinstance(w_stacked, Nvfp4Weight)
+    n_exp = _check_stacked(w_stacked, x_rows, x_rows.shape[1], slot_cols, what)[0]
     f32 = x_rows.dtype == jnp.float32
     capacity = slot_cols // 2 if f32 else slot_cols
-    (slot_expert, slot_rows, slot_of_row, pos_of_row), xs = _slotted(x_rows, expert_ids, capacity, n_exp)
+    n_slots = slot_bound(x_rows.shape[0], capacity, n_exp)
+    slot_expert, slot_rows, slot_of_row, pos_of_row = moe_schedule(expert_ids, capacity, n_slots)
+    xs = jnp.concatenate([x_rows, jnp.zeros((1, x_rows.shape[1]), x_rows.dtype)], axis=0)[slot_rows]
     if f32:
         hi, lo = split_f32(xs)
         xs = jnp.concatenate([hi, lo], axis=1)                       # [S, slot_cols, K]
     else:
         xs = xs.astype(jnp.bfloat16)
-    xlo, xhi = _even_odd_columns(xs)
-    n_slots = slot_expert.shape[0]
-
-    block_n, unroll, split_k, bpb, blocks = _fp4_config(n, k, block, block_n, unroll, split_k, num_warps,
-                                                        num_stages)
-    w4 = w_stacked.packed.reshape(n_exp, n, blocks, bpb)
-    scale = jax.lax.bitcast_convert_type(w_stacked.scale, jnp.uint8) if is_nv else w_stacked.scale
-    kh_split, blocks_split = k // 2 // split_k, blocks // split_k
-    kernel = functools.partial(_moe_kernel, block_n=block_n, blocks_split=blocks_split,
-                               unroll=unroll, n_steps=blocks_split // unroll, bytes_per_block=bpb,
-                               factor_fn=nv_factor_bits if is_nv else mx_factor_bits)
-    # Grid: the N tiles of a slot are the fastest axis (CUDA launches blockIdx.x first), so the CTAs resident at
-    # once work on a few slots and read each slot's activation tile (K x slot_cols) from L2 after its first tile;
-    # slot-major order put hundreds of slots' tiles in flight at once, over L2's size, and re-read each from DRAM
-    # once per N tile (Nsight Compute: 87% of DRAM bandwidth, docs/kernels.md).
-    part = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((split_k, n_slots, slot_cols, n), jnp.float32),
-        grid=(n // block_n, n_slots, split_k),
-        in_specs=[pl.BlockSpec((n_slots,), lambda i, q, s: (0,)),
-                  pl.BlockSpec((None, kh_split, slot_cols), lambda i, q, s: (q, s, 0)),
-                  pl.BlockSpec((None, kh_split, slot_cols), lambda i, q, s: (q, s, 0)),
-                  pl.BlockSpec(w4.shape, lambda i, q, s: (0, 0, 0, 0)),
-                  pl.BlockSpec(scale.shape, lambda i, q, s: (0, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, slot_cols, block_n), lambda i, q, s: (s, q, 0, i)),
-        compiler_params=_params(num_warps, num_stages),
-        interpret=interpret,
-        name="dsv4_moe_matmul",
-    )(slot_expert, xlo, xhi, w4, scale)
-    y_slots = jnp.sum(part, axis=0)                # [S, slot_cols, N] (unused slots: garbage)
+    y_slots = _slot_sums(slot_expert, _paired(xs), w_stacked, interpret=interpret, block_n=block_n, unroll=unroll,
+                         split_k=split_k, num_warps=num_warps, num_stages=num_stages)
     y = y_slots[slot_of_row, pos_of_row]                             # [R, N]
     if f32:
         y = y + y_slots[slot_of_row, pos_of_row + capacity]
-    y = y * jnp.float32(2.0 ** (NV_SHIFT if is_nv else MX_SHIFT))
-    if is_nv:
-        y = y * w_stacked.global_scale.astype(jnp.float32)[expert_ids][:, None]
-    return y.astype(out_dtype or x_rows.dtype)
+    return (y * _output_factor(w_stacked, expert_ids)[:, None]).astype(out_dtype or x_rows.dtype)
 
 
 def _moe_swiglu_kernel(se_ref, fg_ref, fu_ref, rw_ref, xlo_ref, xhi_ref, wg_ref, sg_ref, wu_ref, su_ref, o_ref, *,
@@ -169,72 +196,97 @@ def _moe_swiglu_kernel(se_ref, fg_ref, fu_ref, rw_ref, xlo_ref, xhi_ref, wg_ref,
 
     @pl.when(expert >= 0)
     def _():
-        def projection(w_ref, s_ref, f_ref):       # [block_n, slot_cols] float32, scaled as moe_matmul returns it
+        def projection(w_ref, s_ref, f_ref):       # [block_n, slot_cols] float32, scaled as moe_matmul's output
             acc = _fp4_tile_loop(xlo_ref, xhi_ref, w_ref, s_ref, block_n=block_n, w_index=(expert,),
                                  row0=tile * block_n, **kw)
             return acc * f_ref[slot]
         gate = jnp.minimum(projection(wg_ref, sg_ref, fg_ref), limit)           # as ops/moe_ffn.clamped_swiglu
         up = jnp.clip(projection(wu_ref, su_ref, fu_ref), -limit, limit)
         h = gate * jax.nn.sigmoid(gate) * up * rw_ref[0, :][None, :]             # [block_n, slot_cols]
-        o_ref[...] = h.T.astype(o_ref.dtype)
+        o_ref[...] = h.astype(o_ref.dtype)          # [hidden unit, slot column]: the down projection's operand
 
 
-def moe_swiglu_matmul(x_rows: jax.Array, w_gate, w_up, expert_ids: jax.Array, row_weights: jax.Array,
-                      limit: float, out_dtype=jnp.bfloat16, *, interpret: bool = False, block_n: int = 64,
-                      unroll=None, num_warps: int = 4, num_stages: int = 3, slot_cols: int = 128) -> jax.Array:
-    """The routed experts' hidden rows in one launch: row r of x_rows [R, K] (bfloat16) times expert expert_ids[r]
-    of the gate and of the up projection (stacked FP4 [E, N, K] of one format), then
-    SiLU(min(gate, limit)) * clamp(up, -limit, limit) * row_weights[r] in float32 (ops/moe_ffn.clamped_swiglu
-    times the routing weight), rounded to out_dtype -> [R, N]. Expert ids in [0, E).
-
-    It computes what two moe_matmul calls and the SwiGLU after them compute, without their float32 outputs: each
-    program decodes a tile of both weights for its slot's rows and writes the hidden values. So a prefill chunk's
-    gate and up projections write 2 bytes per hidden value of a slot instead of 8 that the SwiGLU then gathered
-    back (for an 8,192-token chunk of Flash, 1.3 GiB of float32 a layer). Slots as moe_matmul's prefill schedule
-    and no split-K (the SwiGLU needs whole sums); 64-row weight tiles by default, as each program holds two
-    accumulators. Triton backend, as moe_matmul (its tile loop and FP4 decode). Opt-in (ops/moe_ffn.py): not yet
-    timed on a GPU."""
-    what = "moe_swiglu_matmul"
-    if x_rows.ndim != 2 or expert_ids.shape != x_rows.shape[:1] or row_weights.shape != x_rows.shape[:1]:
-        raise ValueError(f"{what}: x_rows [R, K], expert_ids [R] and row_weights [R] expected, got {x_rows.shape}, "
-                         f"{expert_ids.shape}, {row_weights.shape}")
-    n_exp, n, k, block = _check_stacked(w_gate, x_rows, slot_cols, what)
-    _check_stacked(w_up, x_rows, slot_cols, what)
-    if type(w_gate) is not type(w_up) or w_gate.packed.shape != w_up.packed.shape:
-        raise ValueError(f"{what}: the gate and up weights must share a format and a shape, got "
-                         f"{type(w_gate).__name__} {w_gate.packed.shape} and {type(w_up).__name__} {w_up.packed.shape}")
-    if x_rows.dtype != jnp.bfloat16:
-        raise ValueError(f"{what}: takes bfloat16 rows, got {x_rows.dtype} (moe_matmul takes float32 ones)")
+def _swiglu_slots(slot_expert: jax.Array, slot_weights: jax.Array, x_paired: jax.Array, w_gate, w_up,
+                  limit: float, *, interpret, block_n, unroll, num_warps, num_stages) -> jax.Array:
+    """The hidden values of each slot's columns x_paired [S, K/2, 2 cols] (_paired) for its expert:
+    SiLU(min(gate, limit)) * clamp(up, -limit, limit) * slot_weights [S, cols] in float32, rounded to bf16 ->
+    [S, N, cols], i.e. already the down projection's operand once paired (a free reshape). Slots of expert -1 are
+    skipped and left unwritten."""
+    n_slots, cols = x_paired.shape[0], x_paired.shape[-1] // 2
+    n_exp, n, k, block = _check_stacked(w_gate, x_paired, 2 * x_paired.shape[1], cols, "moe_ffn")
     is_nv = isinstance(w_gate, Nvfp4Weight)
-    (slot_expert, slot_rows, slot_of_row, pos_of_row), xs = _slotted(x_rows, expert_ids, slot_cols, n_exp)
-    xlo, xhi = _even_odd_columns(xs)
-    n_slots = slot_expert.shape[0]
-    slot_weights = jnp.concatenate([row_weights.astype(jnp.float32), jnp.zeros((1,), jnp.float32)])[slot_rows]
-    # each projection's factor per slot, applied to its sums before the SwiGLU as moe_matmul applies it to its
-    # output: 2^shift (exact) times the slot's expert's NVFP4 global scale
     used = jnp.maximum(slot_expert, 0)
-    shift = jnp.float32(2.0 ** (NV_SHIFT if is_nv else MX_SHIFT))
-    fg, fu = (shift * w.global_scale.astype(jnp.float32)[used] if is_nv else jnp.full((n_slots,), shift)
-              for w in (w_gate, w_up))
+    fg, fu = (_output_factor(w, used) for w in (w_gate, w_up))      # applied to the sums before the SwiGLU
     block_n, unroll, _, bpb, blocks = _fp4_config(n, k, block, block_n, unroll, 1, num_warps, num_stages)
-    wg, wu = (w.packed.reshape(n_exp, n, blocks, bpb) for w in (w_gate, w_up))
-    sg, su = (jax.lax.bitcast_convert_type(w.scale, jnp.uint8) if is_nv else w.scale for w in (w_gate, w_up))
+    (wg, sg), (wu, su) = (_fp4_operands(w, blocks, bpb) for w in (w_gate, w_up))
     kernel = functools.partial(_moe_swiglu_kernel, block_n=block_n, limit=float(limit), unroll=unroll,
                                n_steps=blocks // unroll, bytes_per_block=bpb,
                                factor_fn=nv_factor_bits if is_nv else mx_factor_bits)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, q: (0,) * a.ndim)
-    h_slots = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((n_slots, slot_cols, n), out_dtype),
-        grid=(n // block_n, n_slots),                   # N tiles fastest, as moe_matmul (its comment says why)
+        out_shape=jax.ShapeDtypeStruct((n_slots, n, cols), jnp.bfloat16),
+        grid=(n // block_n, n_slots),                   # N tiles fastest, as _slot_sums (its comment says why)
         in_specs=[whole(slot_expert), whole(fg), whole(fu),
-                  pl.BlockSpec((1, slot_cols), lambda i, q: (q, 0)),
-                  pl.BlockSpec((None, k // 2, slot_cols), lambda i, q: (q, 0, 0)),
-                  pl.BlockSpec((None, k // 2, slot_cols), lambda i, q: (q, 0, 0)),
+                  pl.BlockSpec((1, cols), lambda i, q: (q, 0)),
+                  *_operand_specs(k // 2, cols, lambda i, q: (q, 0)),
                   whole(wg), whole(sg), whole(wu), whole(su)],
-        out_specs=pl.BlockSpec((None, slot_cols, block_n), lambda i, q: (q, 0, i)),
+        out_specs=pl.BlockSpec((None, block_n, cols), lambda i, q: (q, i, 0)),
         compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name="dsv4_moe_swiglu_matmul",
-    )(slot_expert, fg, fu, slot_weights, xlo, xhi, wg, sg, wu, su)
-    return h_slots[slot_of_row, pos_of_row]                                                  # [R, N]
+    )(slot_expert, fg, fu, slot_weights, x_paired, x_paired, wg, sg, wu, su)
+
+
+def moe_ffn(x: jax.Array, w_gate, w_up, w_down, expert_ids: jax.Array, row_weights: jax.Array, limit: float, *,
+            interpret: bool = False, slot_cols: int = 128, up_tiles: dict | None = None,
+            down_tiles: dict | None = None) -> jax.Array:
+    """The routed experts of a prefill chunk in two launches: for tokens x [T, D] (bfloat16) and their K picks
+    expert_ids [T, K] (-1: no expert, a pick that adds nothing) with routing weights row_weights [T, K],
+    sum over k of row_weights[t, k] * W_down[e] h, h = SiLU(min(gate, limit)) * clamp(up, -limit, limit) rounded
+    to bf16, (gate, up) = (W_gate[e] x_t, W_up[e] x_t), e = expert_ids[t, k] -> float32 [T, D]. Stacked FP4
+    weights: gate and up [E, N, D] of one format, down [E, D, N].
+
+    The picks are grouped by expert into slots of `slot_cols` (moe_schedule, one schedule for both launches):
+    - dispatch: the tokens are gathered straight into the first kernel's operand (one transposing gather, no
+      [T x K, D] copy of the rows in pick order);
+    - the first kernel decodes a tile of the gate and of the up weight for its slot's columns and writes the
+      SwiGLU's bf16 result in the layout the second kernel reads ([slot, hidden unit, column]), so the hidden
+      rows are never put back in pick order and gathered again;
+    - the second kernel (the down projection, moe_matmul's) writes float32 [slot, column, D], and the combine
+      gathers each token's K rows from it, scales and sums them (one fusion).
+    Bit for bit what moe_matmul's gate and up outputs, the SwiGLU after them and moe_matmul's down projection of
+    the bf16 hidden rows give on the same tiling (interpret mode, tests/test_pallas_gemv.py). Tiles: `up_tiles`
+    and `down_tiles` (block_n, unroll, num_warps, num_stages; the down side also split_k) default to 64-row tiles
+    on 4 warps. Triton backend, as moe_matmul (its tile loop and FP4 decode)."""
+    what = "moe_ffn"
+    if x.ndim != 2 or expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0] or row_weights.shape != expert_ids.shape:
+        raise ValueError(f"{what}: x [T, D], expert_ids [T, K] and row_weights [T, K] expected, got {x.shape}, "
+                         f"{expert_ids.shape}, {row_weights.shape}")
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"{what}: takes bfloat16 tokens, got {x.dtype}")
+    n_exp, n, d, _ = _check_stacked(w_gate, x, x.shape[1], slot_cols, what)
+    _check_stacked(w_up, x, x.shape[1], slot_cols, what)
+    if type(w_gate) is not type(w_up) or w_gate.packed.shape != w_up.packed.shape:
+        raise ValueError(f"{what}: the gate and up weights must share a format and a shape, got "
+                         f"{type(w_gate).__name__} {w_gate.packed.shape} and {type(w_up).__name__} {w_up.packed.shape}")
+    if not isinstance(w_down, (Mxfp4Weight, Nvfp4Weight)) or tuple(w_down.shape) != (n_exp, d, n):
+        raise ValueError(f"{what}: the down weight must be a stacked FP4 weight [{n_exp}, {d}, {n}], got "
+                         f"{type(w_down).__name__} {getattr(w_down, 'shape', None)}")
+    up_tiles = dict(dict(block_n=64, unroll=None, num_warps=4, num_stages=3), **(up_tiles or {}))
+    down_tiles = dict(dict(block_n=64, unroll=None, split_k=1, num_warps=4, num_stages=3), **(down_tiles or {}))
+    t, top_k = expert_ids.shape
+    picks = expert_ids.reshape(-1).astype(jnp.int32)
+    n_slots = slot_bound(t * top_k, slot_cols, n_exp + 1)        # + 1: the picks of no expert (-1), skipped
+    slot_expert, slot_rows, slot_of_row, pos_of_row = moe_schedule(picks, slot_cols, n_slots)
+    x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])
+    x_paired = _paired(x_pad[slot_rows // top_k])               # dispatch: padding (pick t K) -> token t, zeros
+    slot_weights = jnp.concatenate([row_weights.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
+    h = _swiglu_slots(slot_expert, slot_weights[slot_rows], x_paired, w_gate, w_up, limit, interpret=interpret,
+                      **up_tiles)                                                        # [S, N, cols]
+    y_slots = _slot_sums(slot_expert, h.reshape(n_slots, n // 2, 2 * slot_cols), w_down, interpret=interpret,
+                         **down_tiles)                                                   # [S, cols, D]
+    real = picks >= 0
+    y = y_slots[slot_of_row, pos_of_row] * _output_factor(w_down, jnp.maximum(picks, 0))[:, None]
+    y = jnp.where(real[:, None], y, 0.0)                # (skipped slots were never written)
+    return jnp.sum(y.reshape(t, top_k, d), axis=1)
