@@ -365,7 +365,8 @@ def kernel_bytes(hlo_text: str, top: int = 20) -> dict:
     """What the kernels of a compiled program read and write, in bytes, from the sizes of their operands and results
     (an upper bound on each kernel's traffic: a gather or a dynamic slice may read part of an operand, and a kernel
     may find some of its input in L2). Loop bodies count once per iteration, as in `census`; an in-place
-    dynamic-update-slice (a fusion of one) counts its update, not the buffer it writes into. Returns {"total",
+    dynamic-update-slice (a fusion of one) counts its update, not the buffer it writes into; an operand passed to
+    one kernel twice (e.g. two halves of one array as two Pallas operands) counts once. Returns {"total",
     "by_family": {family: bytes}, "top_sites": the `top` sites (as `op_sites` names them, instances of one layer
     kind merged) with the most bytes: {"site", "family", "kernels", "bytes"}}. Compiled for a compile-only GPU, it
     compares two versions of a program without running either (docs/performance.md: the mHC sites' mix written
@@ -384,7 +385,8 @@ def kernel_bytes(hlo_text: str, top: int = 20) -> dict:
             continue
         names = operands[(computation, ins.name)]
         in_place = re.search(r"dynamic[-_]update[-_]slice", ins.name) is not None
-        size = sum(_type_bytes(types.get((computation, n), "")) for n in (names[1:] if in_place else names))
+        read = dict.fromkeys(names[1:] if in_place else names)         # an array passed twice is read once
+        size = sum(_type_bytes(types.get((computation, n), "")) for n in read)
         if not in_place:
             size += _type_bytes(types[(computation, ins.name)])
         size *= multiplier

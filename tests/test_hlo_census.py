@@ -181,6 +181,20 @@ def test_kernel_bytes_of_a_known_module():
                                  "bytes": 7 * 32}
 
 
+def test_kernel_bytes_count_an_operand_passed_twice_once():
+    """A custom call given one array as two operands (the MoE kernels read its two halves) reads it once: 64 + 8
+    bytes in, 16 out, not 64 + 64 + 8 + 16."""
+    text = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: f32[16], s: s32[2]) -> f32[4] {
+  %x = f32[16]{0} parameter(0)
+  %s = s32[2]{0} parameter(1)
+  ROOT %k = f32[4]{0} custom-call(%s, %x, %x), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/routed_experts/fp4_matmul/pallas_call"}
+}
+"""
+    assert hlo_census.kernel_bytes(text)["total"] == 64 + 8 + 16
+
+
 def test_kernel_bytes_of_an_in_place_update_count_the_update():
     """A compiled in-place dynamic_update_slice of 4 floats into 1,024 counts the update and its index, not the
     buffer; the same update out of place (the buffer is not donated, so XLA copies it) counts the copy."""
