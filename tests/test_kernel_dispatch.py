@@ -206,7 +206,7 @@ def test_grouped_linear_prefill_rows_take_wide_slots(fmt, dtype, n):
     sizes = np.array([70, 0, 41, 29])                                     # 140 rows > MAX_MOE_ROWS
     x = jnp.asarray(rng.standard_normal((sizes.sum(), k)), dtype)
     unroll = matmul_kernels._fp4_unroll(w, k)
-    tiling = matmul_kernels._moe_schedule(x, w, unroll)
+    tiling = matmul_kernels._moe_schedule(x.shape[0], x.dtype, w, unroll)
     assert tiling["slot_cols"] == (64 if dtype == jnp.bfloat16 else 128)
     assert tiling["block_n"] == (128 if n == 128 else 64)
     assert tiling["unroll"] * (32 if fmt == "mxfp4" else 16) == (128 if dtype == jnp.float32 else 256)
@@ -475,7 +475,7 @@ def test_grouped_linear_prefill_wide_slots_gpu(fmt, n):
     sizes[3] = 0                                                          # an expert no row chose
     m = int(sizes.sum()) + 5
     x = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.uniform(-3, 3, (m, 1))), jnp.bfloat16)
-    tiling = matmul_kernels._moe_schedule(x, w, matmul_kernels._fp4_unroll(w, k))
+    tiling = matmul_kernels._moe_schedule(x.shape[0], x.dtype, w, matmul_kernels._fp4_unroll(w, k))
     assert tiling["block_n"] == (128 if n % 128 == 0 and fmt == "mxfp4" else 64)
     with choice.record_dispatch("matmul") as rec:
         y = jax.jit(lambda x, w, s: grouped_linear(x, w, s, jnp.float32, ctx=_ctx("pallas")))(
