@@ -36,6 +36,35 @@ def _float64_rows(x, weight, rope):
     return np.stack([R.apply_rope(want[r], 1.0, angles[r]) for r in range(len(want))])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_apply_rope_matches_float64(dtype, inverse):
+    """The jnp RoPE on queries [B, S, heads, 512] with one position per token (broadcast over the heads): the
+    leading 448 dims exactly x (-0.0 and 1e30 included), each rotated pair against float64 at the float32 angle,
+    within float32 arithmetic and one rounding to dtype; the inverse undoes it."""
+    rng = np.random.default_rng(5)
+    inv_freq = rope_inv_freq(presets.named("flash"), 4)
+    x = rng.standard_normal((2, 9, 3, 512)) * rng.uniform(0.1, 10.0, (2, 9, 3, 1))
+    x[0, 0, 0, :4] = [-0.0, 1e30, -1e30, 0.0]
+    x = jnp.asarray(x, dtype)
+    positions = rng.integers(0, 1 << 20, (2, 9)).astype(np.int32)
+    got = np.asarray(apply_rope(x, jnp.asarray(positions)[..., None], inv_freq, inverse).astype(jnp.float32))
+    x32 = np.asarray(x.astype(jnp.float32))
+    np.testing.assert_array_equal(got[..., :448].view(np.uint32), x32[..., :448].view(np.uint32))
+    angles = (positions.astype(np.float32)[..., None] * inv_freq).astype(np.float64)           # [2, 9, 32]
+    cos, sin = np.cos(angles)[:, :, None], np.sin(angles)[:, :, None] * (-1 if inverse else 1)
+    even, odd = x32[..., 448::2].astype(np.float64), x32[..., 449::2].astype(np.float64)
+    want = np.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(even.shape[:-1] + (64,))
+    # float32 arithmetic (XLA's cos and sin within a few ulps, two products, a sum) bounded by the terms' size,
+    # then one rounding to dtype
+    terms = np.repeat(np.abs(even) + np.abs(odd), 2, axis=-1)
+    rounding = 2.0 ** -8 if dtype == jnp.bfloat16 else 2.0 ** -24
+    assert np.all(np.abs(got[..., 448:] - want) <= rounding * np.abs(want) + 2.0 ** -20 * terms)
+    back = apply_rope(apply_rope(x.astype(jnp.float32), jnp.asarray(positions)[..., None], inv_freq, inverse),
+                      jnp.asarray(positions)[..., None], inv_freq, not inverse)
+    np.testing.assert_allclose(np.asarray(back)[..., 448:], x32[..., 448:], rtol=1e-5, atol=1e-5 * np.abs(x32).max())
+
+
 @pytest.mark.parametrize("dim, rope_dim", [(1024, None), (1536, None), (512, 64), (96, 32)])
 def test_float32_rows_match_float64(dim, rope_dim):
     """Float32: the norm (and RoPE at each row's position) against float64, every row checked; positions up to 1M,
