@@ -112,7 +112,7 @@ def kernel_overrides(args) -> list[str]:
 
 
 def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, gen_chunk: int, device,
-                   names=PROGRAMS, scan_layers: bool = False) -> dict:
+                   names=PROGRAMS, scan_layers: bool = False, hlo_dir: str | None = None) -> dict:
     import jax.numpy as jnp
 
     from dsv4_jax import engine
@@ -138,6 +138,10 @@ def count_programs(cfg, ctx, batch: int, max_seq_len: int, prefill_chunk: int, g
             compiled = trace().lower().compile()
         seconds = time.perf_counter() - t0
         text = compiled.as_text()
+        if hlo_dir:                     # for hlo_census by hand, e.g. kernel_bytes(text, top=500) for every site
+            os.makedirs(hlo_dir, exist_ok=True)
+            with open(os.path.join(hlo_dir, f"{name}.hlo.txt"), "w") as f:
+                f.write(text)
         strided = strided_gathers(text)
         copies = slice_copies(text)
         traffic = kernel_bytes(text)
@@ -192,6 +196,7 @@ def main(argv=None) -> int:
                         "launches a model that fits its devices (sharded) does not make; e.g. 256")
     add_kernel_override_options(p)
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--hlo-dir", metavar="DIR", help="also write each compiled program's HLO text, DIR/<program>.hlo.txt")
     args = p.parse_args(argv)
     names = [] if args.programs == "none" else [n for n in args.programs.split(",") if n]
     if (not names and args.programs != "none") or set(names) - set(PROGRAMS):
@@ -212,7 +217,7 @@ def main(argv=None) -> int:
               "kernels": args.kernels, "scan_layers": args.scan_layers, "kernel_backend": ctx.kernels.backend,
               "ffi": ctx.kernels.ffi,
               "programs": count_programs(cfg, ctx, args.batch, args.max_seq_len, args.prefill_chunk, args.gen_chunk,
-                                         device, names, args.scan_layers)}
+                                         device, names, args.scan_layers, args.hlo_dir)}
     if args.dispatch:
         result["dispatch"] = dispatch_table(cfg, ctx, args.max_seq_len, device)
     if names:
