@@ -611,45 +611,55 @@ def test_activation_quantization_takes_the_quantize_kernels():
 
 
 def test_prefill_routed_experts_in_two_kernels():
-    """A prefill chunk's picks (more than MAX_SLOTTED_ROWS), bf16 without activation quantization: routed_ffn runs
-    the gate / up kernel with the SwiGLU and the down kernel on one slot schedule (pallas_kernels/moe.moe_ffn) on
-    the interpret plan and equals the reference's projections, SwiGLU and weighted sum within bf16 rounding of the
-    hidden values; picks of no expert (ids == E) add nothing. FP8 activations and fewer picks take the other
-    paths; on a GPU plan only matmul=kernel takes it."""
-    from dsv4_jax.ops import routed_ffn
-    from dsv4_jax.ops.moe_ffn import clamped_swiglu
+    """A prefill chunk's picks (more than MAX_SLOTTED_ROWS), bf16 without activation quantization: routed_experts
+    runs the gate / up kernel with the SwiGLU and the down kernel on one slot schedule (pallas_kernels/moe.moe_ffn)
+    on the interpret plan and equals the reference's projections, SwiGLU and weighted sum within bf16 rounding of
+    the hidden values; picks of no expert (ids == E) add nothing. FP8 activations, fewer picks and the
+    moe_ffn=reference override take the grouped matmuls; on a GPU plan only moe_ffn=kernel takes it (matmul=kernel,
+    the other opt-in matmul kernels' switch, does not)."""
+    import dataclasses
+
+    from dsv4_jax import presets
+    from dsv4_jax.ops.moe_ffn import clamped_swiglu, routed_experts
 
     rng = np.random.default_rng(11)
     n_exp, n, k, tokens, top_k, limit = 4, 64, 256, 400, 4, 10.0
     assert tokens * top_k > matmul_kernels.MAX_SLOTTED_ROWS
+    cfg = dataclasses.replace(presets.tiny(), n_routed_experts=n_exp, swiglu_limit=limit)
     wg, wu = _weight(rng, "mxfp4", (n_exp, n, k)), _weight(rng, "mxfp4", (n_exp, n, k))
     wd = _weight(rng, "mxfp4", (n_exp, k, n))
+    experts = {"w1": {"weight": wg}, "w3": {"weight": wu}, "w2": {"weight": wd}}
     ids = rng.integers(0, n_exp + 1, (tokens, top_k)).astype(np.int32)      # n_exp: no expert (another device's)
     ids[3] = n_exp
+    ids = jnp.asarray(ids)
     x = jnp.asarray(rng.standard_normal((tokens, k)) * 0.05, jnp.bfloat16)
     rw = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, top_k)), jnp.float32)
-    with choice.record_dispatch("matmul") as rec:
-        y = routed_ffn(x, wg, wu, wd, jnp.asarray(ids), rw, limit, ctx=INTERPRET)
-    assert [r[3:5] for r in rec] == [("interpret", "moe_swiglu"), ("interpret", "moe_slots")]
-    flat = jnp.asarray(ids.reshape(-1))
+
+    def run(ctx, n_tokens=tokens):
+        with choice.record_dispatch() as rec:
+            y = routed_experts(experts, cfg, x[:n_tokens], ids[:n_tokens], rw[:n_tokens], ctx)
+        return np.asarray(y, np.float64), [(r.op, r.path, r.kernel) for r in rec]
+
+    got, rec = run(INTERPRET)
+    assert rec == [("moe_ffn", "interpret", "moe_ffn_slots"), ("matmul", "interpret", "moe_swiglu"),
+                   ("matmul", "interpret", "moe_slots")]
+    flat = ids.reshape(-1)
     xs = jnp.repeat(x, top_k, axis=0)
     gate, up = grouped_linear_pair(xs, wg, wu, None, jnp.float32, ctx=REFERENCE, row_groups=flat)
     h = (clamped_swiglu(gate, up, limit) * rw.reshape(-1)[:, None]).astype(jnp.bfloat16)
     down = grouped_linear(h, wd, None, jnp.float32, ctx=REFERENCE, row_groups=flat)
     want = np.asarray(down.reshape(tokens, top_k, -1).sum(axis=1), np.float64)
-    got = np.asarray(y, np.float64)
     assert np.all(got[3] == 0) and np.all(np.isfinite(got)) and np.abs(want[3]).max() == 0
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3
-    assert routed_ffn(x, wg, wu, wd, jnp.asarray(ids), rw, limit, ctx=_ctx("interpret", "fp8")) is None
-    assert routed_ffn(x[:300], wg, wu, wd, jnp.asarray(ids[:300]), rw[:300], limit, ctx=INTERPRET) is None
-    with pytest.raises(ValueError, match=r"routed_ffn: row_groups and row_weights \[T, K\] expected"):
-        routed_ffn(x, wg, wu, wd, jnp.asarray(ids), rw[:, :2], limit, ctx=INTERPRET)
-    for override, taken in (((), False), ((("matmul", "kernel"),), True)):
-        plan = KernelPlan("pallas", "pallas", overrides=override)
-        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
-            out = jax.eval_shape(lambda x, r: routed_ffn(x, wg, wu, wd, jnp.asarray(ids), r, limit,
-                                                         ctx=RunContext.create(kernels=plan)), x, rw)
-        assert (out is not None) == taken, override
+    for ctx, n_tokens in ((_ctx("interpret", "fp8"), tokens), (INTERPRET, 300),
+                          (RunContext.create(kernels="interpret", kernel_overrides=["moe_ffn=reference"]), tokens)):
+        assert "moe_swiglu" not in {kernel for *_, kernel in run(ctx, n_tokens)[1]}
+    for override, taken in (([], False), (["matmul=kernel"], False), (["moe_ffn=kernel"], True)):
+        ctx = RunContext.create(kernels=KernelPlan("pallas", "pallas"), kernel_overrides=override)
+        with choice.record_dispatch("moe_ffn") as rec, \
+                jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
+            jax.eval_shape(lambda x, r: routed_experts(experts, cfg, x, ids, r, ctx), x, rw)
+        assert [(r.path != "reference") for r in rec] == [taken], override
 
 
 def test_routed_experts_of_a_prefill_chunk_take_the_two_kernels():

@@ -257,27 +257,6 @@ def grouped_linear_pair(x: jax.Array, w_a, w_b, group_sizes: jax.Array | None, o
 
 
 @_scoped_by_format
-def routed_ffn(x: jax.Array, w_gate, w_up, w_down, row_groups: jax.Array, row_weights: jax.Array, limit: float, *,
-               ctx) -> jax.Array | None:
-    """float32 [T, D]: for tokens x [T, D] and their picks row_groups [T, K] (a group >= G, e.g. an expert of another
-    device, adds nothing) with weights row_weights [T, K], the sum over k of row_weights[t, k] times
-    grouped_linear(h, w_down) of h = (SiLU(min(gate, limit)) * clamp(up, -limit, limit)) rounded to x.dtype,
-    (gate, up) = grouped_linear_pair(x_t, w_gate, w_up) of group row_groups[t, k], in the kernels of
-    matmul_kernels.routed_ffn (no copy of the rows in pick order); None where they do not apply (the caller then
-    makes the projections itself). They apply without activation quantization only, so there is no quantization
-    for ctx.stats to tap."""
-    for w in (w_gate, w_up):
-        _check_grouped_weight(x, w, "routed_ffn")
-    check_weight(w_down, "routed_ffn weight")
-    if row_groups.shape != row_weights.shape or row_groups.shape[:1] != x.shape[:1] or row_groups.ndim != 2:
-        raise ValueError(f"routed_ffn: row_groups and row_weights [T, K] expected for x {x.shape}, got "
-                         f"{row_groups.shape}, {row_weights.shape}")
-    picks = jnp.where(row_groups < w_gate.shape[0], row_groups, -1)
-    return matmul_kernels.routed_ffn(x, w_gate, w_up, w_down, picks, row_weights, limit,
-                                     activation_quantizer(w_gate, ctx.act_quant), ctx)
-
-
-@_scoped_by_format
 def grouped_linear_joined(x: jax.Array, w_a, w_b, out_dtype=None, *, ctx, row_groups: jax.Array) -> jax.Array:
     """grouped_linear_pair's two outputs side by side, [m, out_a + out_b], as its kernel writes them (for a consumer
     that is a kernel of its own: linear_joined), for rows in any order whose groups `row_groups` are all one of

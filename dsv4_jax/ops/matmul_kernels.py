@@ -34,6 +34,9 @@ A kernel applies where one exists for the call; every other call takes the refer
       weight, FP8 activations              tensor cores, W4A8)            slower than moe_matmul so far): more
                                                                           than MAX_SLOTTED_ROWS rows, N and K
                                                                           % 128 == 0
+    the routed experts of a prefill       moe.moe_ffn (gate / up with    op moe_ffn, opt-in (override
+      chunk, FP4, bf16 rows (routed_ffn)   the SwiGLU, then down, one     moe_ffn=kernel; not yet timed): more
+                                           slot schedule)                 than MAX_SLOTTED_ROWS picks
     bf16 / fp32 weights, larger batches    XLA dot (reference)            -
 
 Activation quantization (act_quant fp8 / nvfp4) is an op of its own (ops/act_quantize.py): the Pallas quantize
@@ -241,35 +244,43 @@ def prefill_expert_matmul(xs: jax.Array, weight, row_experts: jax.Array, real: j
     return moe_fp8.moe_fp8_matmul(xq, sx, weight, row_experts, real, interpret=backend == "interpret")
 
 
-def routed_ffn(x: jax.Array, w_gate, w_up, w_down, experts: jax.Array, row_weights: jax.Array, limit: float,
-               activation_kind: str, ctx) -> jax.Array | None:
-    """The routed experts of tokens x [T, D] in two launches of pallas_kernels/moe.moe_ffn: float32 [T, D], the sum
-    over each token's picks experts [T, K] (-1: no expert) of row_weights times the expert's down projection of
-    SiLU(min(gate, limit)) * clamp(up, -limit, limit) (the hidden values rounded to x.dtype, as the layer rounds
-    them). The gate / up kernel writes no float32 projection and its hidden values go to the down kernel in the
-    slot layout both read, so no [T x K, N] or [T x K, D] copy of the rows in pick order is made. None where another
-    path applies: the picks of a prefill chunk (more than a decode or verify step has, MAX_SLOTTED_ROWS), bfloat16
-    tokens without activation quantization, gate and up one FP4 format and shape, all three weights on the MoE
-    kernel (expert_kernel), and on a GPU only where the plan opts in (`matmul=kernel`): not yet timed. The
-    interpret plan takes it."""
-    plan = _plan(ctx)
-    picks = experts.size
-    if (not _opted_in(plan) or activation_kind != "none" or picks <= MAX_SLOTTED_ROWS
-            or x.dtype != jnp.bfloat16 or type(w_gate) is not type(w_up) or w_gate.shape != w_up.shape
-            or any(expert_kernel(picks, x.dtype, w, ctx) != "pallas" for w in (w_gate, w_down))):
-        return None
-    gate_tiles = _moe_schedule(picks, x.dtype, w_gate, _fp4_unroll(w_gate, w_gate.shape[-1]))
-    down_tiles = _moe_schedule(picks, x.dtype, w_down, _fp4_unroll(w_down, w_down.shape[-1]))
+def routed_ffn_fits(x: jax.Array, w_gate, w_up, w_down, n_picks: int, activation_kind: str, ctx) -> bool:
+    """Whether moe.moe_ffn takes the routed experts of tokens x [T, D] with n_picks picks (routed_ffn): the picks of
+    a prefill chunk (more than a decode or verify step has, MAX_SLOTTED_ROWS), bfloat16 tokens without activation
+    quantization, gate and up one FP4 format and shape, all three weights on the MoE kernel (expert_kernel) and one
+    slot width for both kernels."""
+    if (activation_kind != "none" or n_picks <= MAX_SLOTTED_ROWS or x.dtype != jnp.bfloat16
+            or type(w_gate) is not type(w_up) or w_gate.shape != w_up.shape
+            or any(expert_kernel(n_picks, x.dtype, w, ctx) != "pallas" for w in (w_gate, w_down))):
+        return False
+    return _routed_ffn_tiles(n_picks, x.dtype, w_gate, w_down) is not None
+
+
+def _routed_ffn_tiles(n_picks: int, dtype, w_gate, w_down) -> tuple[int, dict, dict] | None:
+    """(slot width, the gate / up kernel's tiles, the down kernel's tiles), None if the two want other slot widths.
+    The down kernel: moe_matmul's prefill tiling (_moe_schedule). The gate / up kernel: moe_matmul's K step, 64
+    weight rows per tile, as each program holds the gate's and the up projection's accumulators; 8 warps for
+    128-column slots keep the two [64, 128] float32 accumulators at 64 registers a thread."""
+    gate_tiles = _moe_schedule(n_picks, dtype, w_gate, _fp4_unroll(w_gate, w_gate.shape[-1]))
+    down_tiles = _moe_schedule(n_picks, dtype, w_down, _fp4_unroll(w_down, w_down.shape[-1]))
     slot_cols = down_tiles.pop("slot_cols")
     if gate_tiles["slot_cols"] != slot_cols:
         return None
+    return slot_cols, dict(block_n=64, unroll=gate_tiles["unroll"], num_warps=8 if slot_cols == 128 else 4), down_tiles
+
+
+def routed_ffn(x: jax.Array, w_gate, w_up, w_down, picks: jax.Array, row_weights: jax.Array, limit: float,
+               ctx) -> jax.Array:
+    """The routed experts of tokens x [T, D] in two launches of pallas_kernels/moe.moe_ffn, where routed_ffn_fits:
+    float32 [T, D], the sum over each token's picks [T, K] (-1: no expert) of row_weights times the expert's down
+    projection of SiLU(min(gate, limit)) * clamp(up, -limit, limit) (the hidden values rounded to x.dtype, as the
+    layer rounds them). The gate / up kernel writes no float32 projection and its hidden values go to the down
+    kernel in the slot layout both read, so no [T x K, N] or [T x K, D] copy of the rows in pick order is made."""
+    plan = _plan(ctx)
+    slot_cols, up_tiles, down_tiles = _routed_ffn_tiles(picks.size, x.dtype, w_gate, w_down)
     _record("grouped_linear pair", w_gate, plan.backend, "moe_swiglu", ctx)
     _record("grouped_linear", w_down, plan.backend, "moe_slots", ctx)
-    # the gate / up kernel: moe_matmul's K step, 64 weight rows per tile, as each program holds the gate's and the
-    # up projection's accumulators; 8 warps for 128-column slots keep the two [64, 128] float32 accumulators at 64
-    # registers a thread. The down kernel: moe_matmul's prefill tiling.
-    up_tiles = dict(block_n=64, unroll=gate_tiles["unroll"], num_warps=8 if slot_cols == 128 else 4)
-    return moe.moe_ffn(x, w_gate, w_up, w_down, experts, row_weights, limit, interpret=plan.backend == "interpret",
+    return moe.moe_ffn(x, w_gate, w_up, w_down, picks, row_weights, limit, interpret=plan.backend == "interpret",
                        slot_cols=slot_cols, up_tiles=up_tiles, down_tiles=down_tiles)
 
 

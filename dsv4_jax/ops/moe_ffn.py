@@ -19,8 +19,8 @@ from ..numerics import dequantize
 from ..pallas_kernels import moe_decode
 from ..sharding import DATA, EXPERT, expert_devices, split_along, splits_shared_expert
 from . import choice, layer_stats, matmul_kernels
-from .matmul import (grouped_linear, grouped_linear_joined, grouped_linear_pair, linear, linear_joined, linear_pair,
-                     routed_ffn)
+from .matmul import (activation_quantizer, grouped_linear, grouped_linear_joined, grouped_linear_pair, linear,
+                     linear_joined, linear_pair)
 
 
 class MoeParts(NamedTuple):
@@ -73,6 +73,28 @@ def shared_expert(params: dict, cfg: ModelConfig, x: jax.Array, ctx) -> jax.Arra
     return linear(h.astype(x.dtype), params["w2"]["weight"], jnp.float32, ctx=ctx)
 
 
+# A prefill chunk's routed experts on pallas_kernels/moe.moe_ffn (gate / up with the SwiGLU, then the down
+# projection, on one slot schedule): opt-in (`--kernel-override moe_ffn=kernel`) until a GPU has timed it.
+PREFILL_FFN_KERNELS = choice.Kernel("moe_ffn", "moe_ffn_slots", frozenset({"prefill"}), on_gpu_by_default=False)
+
+
+def _routed_on_prefill_kernels(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax.Array,
+                               weights: jax.Array, n_groups: int, ctx) -> jax.Array | None:
+    """_grouped_experts on moe_ffn's two kernels where the plan takes them (PREFILL_FFN_KERNELS; the geometry:
+    matmul_kernels.routed_ffn_fits), else None. They run without activation quantization only, so ctx.stats has
+    no quantization to tap."""
+    w1, w3, w2 = (params[p]["weight"] for p in ("w1", "w3", "w2"))
+    if expert_ids.size <= matmul_kernels.MAX_SLOTTED_ROWS:           # a decode or verify step: not asked
+        return None
+    fits = matmul_kernels.routed_ffn_fits(x, w1, w3, w2, expert_ids.size,
+                                          activation_quantizer(w1, ctx.act_quant), ctx)
+    if not choice.takes_kernel(PREFILL_FFN_KERNELS, ctx, fits):
+        return None
+    picks = jnp.where(expert_ids < n_groups, expert_ids, -1)            # n_groups: no expert of this device's
+    with jax.named_scope("fp4_matmul"):
+        return matmul_kernels.routed_ffn(x, w1, w3, w2, picks, weights, cfg.swiglu_limit, ctx)
+
+
 def _grouped_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                      n_groups: int, ctx):
     """The routed rows of x [T, D] grouped by expert for one grouped matmul per projection; expert_ids [T, K] in
@@ -81,7 +103,7 @@ def _grouped_experts(params: dict, cfg: ModelConfig, x: jax.Array, expert_ids: j
     n_tokens, k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
     w1, w3, w2 = (params[p]["weight"] for p in ("w1", "w3", "w2"))
-    y = routed_ffn(x, w1, w3, w2, expert_ids, weights, cfg.swiglu_limit, ctx=ctx)      # a prefill chunk's kernels
+    y = _routed_on_prefill_kernels(params, cfg, x, expert_ids, weights, n_groups, ctx)
     if y is not None:
         return y
     if all(matmul_kernels.expert_kernel(n_tokens * k, x.dtype, w, ctx) for w in (w1, w2)):
