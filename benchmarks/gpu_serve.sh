@@ -3,7 +3,8 @@
 # `python -m dsv4_jax.serve --random-weights flash:LAYERS` (DeepSeek-V4-Flash's first LAYERS layers, default 4, random
 # weights in the stored formats) with MAX_BATCH rows (default 128), then scripts/load_test.py at CLIENTS concurrent
 # streams (default 1,8,32,64,128) with PROMPT_TOKENS-token prompts (default 1024) and MAX_TOKENS new tokens (default
-# 256), SECONDS per client count (default 40).                        -> serve.log, load_flash<LAYERS>.{json,log}
+# 256), SECONDS_EACH per client count (default 40). SERVE_ARGS: more server options (e.g. "--admit-batch 8").
+#                                                                     -> serve.log, load_flash<LAYERS>.{json,log}
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-./out}"
@@ -12,7 +13,7 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 layers="${LAYERS:-4}"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT_DIR/gpu.txt"
 python3 -m dsv4_jax.serve --random-weights "flash:$layers" --port 8000 --max-batch "${MAX_BATCH:-128}" \
-    --max-seq-len "${MAX_SEQ_LEN:-2048}" --chunk "${CHUNK:-8}" > "$OUT_DIR/serve.log" 2>&1 &
+    --max-seq-len "${MAX_SEQ_LEN:-2048}" --chunk "${CHUNK:-8}" ${SERVE_ARGS:-} > "$OUT_DIR/serve.log" 2>&1 &
 server=$!
 for _ in $(seq 600); do
     grep -q "ready on" "$OUT_DIR/serve.log" && break

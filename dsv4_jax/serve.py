@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows of the shared decode batch: requests generated at once (default 8)")
     s.add_argument("--chunk", type=_int_at_least(1), default=8, metavar="N",
                    help="decode steps between the points where requests join and leave (default 8)")
+    s.add_argument("--admit-batch", type=_int_at_least(1), default=1, metavar="N",
+                   help="prefill up to N waiting requests together (a power of two; 1: each alone; default 1): the "
+                        "weights are read once for the group, and the warm-up compiles the prefill programs of "
+                        "batch 2, 4, ... N too")
+    s.add_argument("--admit-tokens", type=_int_at_least(1), default=8192, metavar="N",
+                   help="a group's rows (a power of two) times its longest prompt stay within N tokens (default "
+                        "8192)")
     s.add_argument("--max-queue", type=_int_at_least(0), default=256, metavar="N",
                    help="requests that may wait for a row; more get 429 (default 256)")
     s.add_argument("--speculative-tokens", type=_int_at_least(0, 17), default=0, metavar="K",
@@ -280,10 +287,60 @@ def warm_up(scheduler, context: int | None = None) -> None:
                 done.set()
         scheduler.submit([Request(prompt_ids=prompt, max_tokens=max_tokens, on_event=on_event, logprobs=logprobs)])
         done.wait()
+    groups = _warm_up_groups(scheduler, prefill, track)
     cache.clear()
-    if failures:
-        raise CLIError(f"warm-up request failed: {failures[0]}")
+    if failures or groups:
+        raise CLIError(f"warm-up request failed: {(failures + groups)[0]}")
     _status(f"warm-up: {len(requests)} requests (the other prefill programs) in {time.perf_counter() - t0:.1f} s")
+
+
+def _submit_and_wait(scheduler, prompts: list[list[int]], first_logprobs: int | None = None) -> list[str]:
+    """Submit requests of one new token each at once (so the loop may admit them as one group), the first asking
+    for `first_logprobs`; wait for all. Returns the failures' messages."""
+    failures, left = [], [len(prompts)]
+    done = threading.Event()
+
+    def on_event(event):
+        if isinstance(event, Failed):
+            failures.append(event.message)
+        if isinstance(event, (Finished, Failed)):
+            left[0] -= 1
+            if not left[0]:
+                done.set()
+    scheduler.submit([Request(prompt_ids=p, max_tokens=1, on_event=on_event, logprobs=first_logprobs if i == 0 else None)
+                      for i, p in enumerate(prompts)])
+    done.wait()
+    return failures
+
+
+def _warm_up_groups(scheduler, prefill: list, track: bool) -> list[str]:
+    """With --admit-batch N > 1, the programs of requests prefilled together, for each batch b = 2, 4, ... N:
+    every prefill program of warm_up_programs that a group of b can meet (chunks up to its rows' share of
+    --admit-tokens), directly on a fresh b-row state, then a group of b two-token prompts through the loop and a
+    group extending them by a token, one asking for logprobs (admission of a b-row prefill with and without the top
+    logprobs, the prefix cache's copies). Returns failures."""
+    model = scheduler.model
+    failures = []
+    b = 2
+    while b <= scheduler.admit_batch:
+        t0 = time.perf_counter()
+        cap = 1 << (max(1, scheduler.admit_tokens // b) - 1).bit_length()     # a group's longest prompt, rounded up
+        direct = [(size, bucket) for size, bucket in prefill if size <= cap]
+        for size, bucket in direct:
+            end = bucket or model.max_seq_len
+            start = max(0, end - size)
+            state = model.init_state(b)
+            state = state.replace(positions=state.positions + start)
+            model.prefill(np.zeros((b, size), np.int32), np.full((b,), end - start), state=state, track_mtp=track)
+        vocab = model.config.vocab_size
+        prompts = [[(1000 * b + 7 * i) % vocab, 3 % vocab] for i in range(b)]
+        failures += _submit_and_wait(scheduler, prompts)
+        failures += _submit_and_wait(scheduler, [p + [4 % vocab] for p in prompts],
+                                     None if scheduler.speculative_tokens else MAX_TOP_LOGPROBS)
+        _status(f"warm-up: {len(direct)} prefill programs and admission of {b} requests together in "
+                f"{time.perf_counter() - t0:.1f} s")
+        b *= 2
+    return failures
 
 
 def _status(message: str) -> None:
@@ -304,12 +361,16 @@ def serve(args) -> int:
     import uvicorn
 
     from .serving.app import create_app
+    if args.admit_batch & (args.admit_batch - 1) or args.admit_batch > args.max_batch:
+        raise CLIError(f"--admit-batch {args.admit_batch}: must be a power of two at most --max-batch "
+                       f"{args.max_batch}", EXIT_USAGE)
     sock = listen(args.host, args.port)            # first: a port in use fails before minutes of loading
     t0 = time.perf_counter()
     model, name = build_model(args)
     _status(f"model {name!r} loaded in {time.perf_counter() - t0:.1f} s")
     scheduler = Scheduler(model, chunk=args.chunk, max_queue=args.max_queue,
-                          speculative_tokens=args.speculative_tokens).start()
+                          speculative_tokens=args.speculative_tokens, admit_batch=args.admit_batch,
+                          admit_tokens=args.admit_tokens).start()
     t0 = time.perf_counter()
     if not args.no_warmup:
         warm_up(scheduler, args.warm_up_context)

@@ -31,6 +31,7 @@ from held_out_prompts import HELD_OUT_PROMPTS
 
 PROMPT_ID_LIMIT = 4096        # --prompt-tokens ids: within the official vocabulary and the packaged tokenizer's
 LOOP_STATS = ("chunks", "busy_s", "chunk_wait_s", "admit_s", "dispatch_s")   # dsv4_jax.serving.scheduler's, /health
+ADMISSION_STATS = ("admitted", "admit_calls")      # requests admitted, prefill calls that admitted them (--admit-batch)
 
 
 def loop_stats(url: str) -> dict | None:
@@ -39,7 +40,9 @@ def loop_stats(url: str) -> dict | None:
         stats = httpx.get(url.removesuffix("/v1") + "/health", timeout=30).json().get("stats", {})
     except (httpx.HTTPError, ValueError):
         return None
-    return {k: stats[k] for k in LOOP_STATS} if all(k in stats for k in LOOP_STATS) else None
+    if not all(k in stats for k in LOOP_STATS):
+        return None
+    return {k: stats[k] for k in LOOP_STATS + ADMISSION_STATS if k in stats}
 
 
 def loop_shares(before: dict | None, after: dict | None, wall: float) -> dict:
@@ -50,9 +53,13 @@ def loop_shares(before: dict | None, after: dict | None, wall: float) -> dict:
         return {}
     d = {k: after[k] - before[k] for k in LOOP_STATS}
     host = d["busy_s"] - d["chunk_wait_s"] - d["admit_s"] - d["dispatch_s"]
-    return {"chunks": d["chunks"], "chunk_wait_share": d["chunk_wait_s"] / wall,
-            "dispatch_share": d["dispatch_s"] / wall, "admit_share": d["admit_s"] / wall, "host_share": host / wall,
-            "host_ms_per_chunk": 1e3 * host / d["chunks"] if d["chunks"] else None}
+    shares = {"chunks": d["chunks"], "chunk_wait_share": d["chunk_wait_s"] / wall,
+              "dispatch_share": d["dispatch_s"] / wall, "admit_share": d["admit_s"] / wall, "host_share": host / wall,
+              "host_ms_per_chunk": 1e3 * host / d["chunks"] if d["chunks"] else None}
+    if all(k in before and k in after for k in ADMISSION_STATS):
+        calls = after["admit_calls"] - before["admit_calls"]
+        shares["requests_per_admit_call"] = (after["admitted"] - before["admitted"]) / calls if calls else None
+    return shares
 
 
 def one_request(client: httpx.Client, url: str, model: str, prompt: str, args) -> dict:

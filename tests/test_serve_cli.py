@@ -27,6 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--max-seq-len", "100000000", "--port", "0"], 2, "exceeds the model's max_position_embeddings"),
     (["--random-weights", "flash:99", "--port", "0"], 2, "layers must be an integer in [1, 43]"),
     (["--random-weights", "tiny", "--checkpoint", "x", "--port", "0"], 2, "exclude each other"),
+    (["--admit-batch", "3", "--port", "0"], 2, "--admit-batch 3: must be a power of two at most --max-batch 8"),
 ])
 def test_bad_arguments_are_one_line(capsys, argv, code, message):
     assert serve.main(argv) == code
@@ -120,6 +121,49 @@ def test_warm_up_compiles_what_a_first_client_would_wait_for(prefix_cache):
         submit([(long_prompt[:-1] + [7, 8, 9, 10, 11, 12], 3, 0)])    # the prefix cache has all but 6 tokens
         assert dones[-1].wait(120)
         assert programs() == (len(prefill), len(decode))
+    finally:
+        scheduler.stop()
+
+
+def test_warm_up_compiles_the_programs_of_requests_admitted_together():
+    """--admit-batch 2 (and the prefix cache): after the warm-up, pairs of requests submitted at once (admitted as
+    groups of two, prompts of every chunk size, some continuing a cached prefix, some with logprobs) compile no
+    prefill, admission or prefix-cache program."""
+    import threading
+
+    import jax
+
+    from dsv4_jax import engine, prefix_cache
+    from dsv4_jax.serving import slots
+    from dsv4_jax.serving.scheduler import Finished, Request, Scheduler
+    jax.clear_caches()
+    args = serve.build_parser().parse_args(["--random-weights", "tiny:1", "--dtype", "float32", "--max-batch", "2",
+                                            "--max-seq-len", "1024", "--prefill-chunk", "64", "--admit-batch", "2",
+                                            "--admit-tokens", "512"])
+    model, _ = serve.build_model(args)
+    scheduler = Scheduler(model, chunk=4, max_queue=32, admit_batch=2, admit_tokens=512).start()
+
+    def programs():
+        jitted = [engine.prefill_chunk, slots.admit] + [getattr(prefix_cache, name) for name in dir(prefix_cache)
+                                                        if hasattr(getattr(prefix_cache, name), "_cache_size")]
+        return [f._cache_size() for f in jitted]
+    try:
+        serve.warm_up(scheduler)
+        before = programs()
+        calls_before = scheduler.stats["admit_calls"]
+        rng = np.random.default_rng(1)
+        lengths = (1, 2, 3, 5, 9, 17, 33, 65, 100, 129, 200)
+        prompts = [rng.integers(1, 4096, n).tolist() for n in lengths]
+        pairs = [(prompts[i], prompts[i + 1]) for i in range(0, len(prompts) - 1, 2)]
+        pairs.append((prompts[-1] + [5, 6], prompts[-2] + [7]))            # both continue a cached prefix
+        for i, pair in enumerate(pairs):
+            dones = [threading.Event() for _ in pair]
+            scheduler.submit([Request(prompt_ids=p, max_tokens=3, logprobs=5 if i % 2 and j == 0 else None,
+                                      on_event=lambda e, done=done: isinstance(e, Finished) and done.set())
+                              for j, (p, done) in enumerate(zip(pair, dones))])
+            assert all(done.wait(120) for done in dones)
+        assert scheduler.stats["admit_calls"] - calls_before == len(pairs)          # each pair one prefill call
+        assert programs() == before
     finally:
         scheduler.stop()
 

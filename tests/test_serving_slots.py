@@ -86,6 +86,35 @@ def test_greedy_rows_joining_and_leaving_match_generate(model):
     assert scheduler.stats["admitted"] == len(prompts) + 1
 
 
+def test_requests_admitted_in_groups_match_generate(model):
+    """admit_batch 4: seven requests submitted at once are prefilled in groups (padded to 1, 2 or 4 rows) and each
+    still produces what Model.generate produces for it alone; a token budget of two rows of the longest prompt
+    splits the groups further; a bad admit_batch is refused."""
+    rng = np.random.default_rng(13)
+    prompts = _prompts(model, 7, rng)
+    budgets = [int(b) for b in rng.integers(3, 20, len(prompts))]
+    expected = [model.generate([p], max_new_tokens=b).tokens[0] for p, b in zip(prompts, budgets)]
+    eos = model.config.eos_token_id
+    longest = max(len(p) for p in prompts)
+    for admit_tokens, most_per_call in ((4096, 4), (2 * longest, 2)):
+        scheduler = Scheduler(model, chunk=4, admit_batch=4, admit_tokens=admit_tokens)
+        calls = []
+        admit = scheduler._admit
+        scheduler._admit = lambda group, free: calls.append(len(group)) or admit(group, free)
+        scheduler.start()
+        try:
+            got = run_requests(scheduler, [Request(prompt_ids=p, max_tokens=b, on_event=None, stop_token_ids=[eos])
+                                           for p, b in zip(prompts, budgets)])
+        finally:
+            scheduler.stop()
+        assert [tokens for tokens, _ in got] == expected
+        assert sum(calls) == scheduler.stats["admitted"] == len(prompts)
+        assert scheduler.stats["admit_calls"] == len(calls) < len(prompts) and max(calls) == most_per_call, calls
+    for bad in (3, 2 * ROWS):
+        with pytest.raises(ValueError, match="admit_batch must be a power of two"):
+            Scheduler(model, admit_batch=bad)
+
+
 def test_seeded_request_samples_the_same_in_any_row(model):
     rng = np.random.default_rng(5)
     prompt, *others = _prompts(model, 4, rng)

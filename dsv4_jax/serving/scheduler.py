@@ -2,7 +2,8 @@
 
 Each turn of the loop it
 1. frees the rows of requests that ended on the host (a stop string, a client that went away);
-2. admits waiting requests into free rows (each is prefilled alone, then written into its row: `slots.admit`);
+2. admits waiting requests into free rows (prefilled alone, or with `admit_batch` > 1 up to that many together, then
+   each written into its row: `slots.admit`);
 3. starts the next chunk of the whole batch (`generation.generate_chunk`, `chunk` steps, speculative or not);
 4. reads the tokens of the chunk before it, which ran while the host handled the previous turn, and hands each
    request its tokens and text through its `on_event` callback.
@@ -32,6 +33,11 @@ from . import slots as device
 log = logging.getLogger("dsv4_jax.serve")
 
 MAX_STOP_TOKENS = 8          # stop token ids per request, EOS included
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
 
 
 class QueueFull(Exception):
@@ -133,7 +139,18 @@ class Scheduler:
     """Continuous batching over `model` (a dsv4_jax Model; its max_batch rows are the slots)."""
 
     def __init__(self, model, *, chunk: int = 8, max_queue: int = 256, speculative_tokens: int = 0,
-                 idle_wait_s: float = 0.05):
+                 idle_wait_s: float = 0.05, admit_batch: int = 1, admit_tokens: int = 8192):
+        """`admit_batch` (a power of two, at most the model's max_batch): how many waiting requests may be prefilled
+        in one call (one state of that many rows, padded to a power of two with one-token rows, so the prefill
+        programs are those of batch 1, 2, 4, ... admit_batch), each weight then read once for all of them instead
+        of once per request; a group takes the queue's requests in order while its rows times its longest prompt
+        stay within `admit_tokens` (a long prompt is not padded up to by short ones), one group per turn of the
+        loop while other rows are generating (their next chunk waits for it). 1: each request alone."""
+        if admit_batch < 1 or admit_batch & (admit_batch - 1) or admit_batch > model.max_batch:
+            raise ValueError(f"admit_batch must be a power of two in [1, max_batch={model.max_batch}], got "
+                             f"{admit_batch}")
+        if admit_tokens < 1:
+            raise ValueError(f"admit_tokens must be positive, got {admit_tokens}")
         if model.tokenizer is None:
             raise ValueError("the server needs a tokenizer: the checkpoint directory has no tokenizer.json")
         if speculative_tokens and not model.config.n_mtp_layers:
@@ -144,6 +161,8 @@ class Scheduler:
         self.chunk = chunk
         self.max_queue = max_queue
         self.idle_wait_s = idle_wait_s
+        self.admit_batch = admit_batch
+        self.admit_tokens = admit_tokens
         self.rows = model.max_batch
         self._slots = device.init_slots(model.init_state(), MAX_STOP_TOKENS)
         self._owners: list[_Live | None] = [None] * self.rows
@@ -162,8 +181,9 @@ class Scheduler:
         # reads the chunk's while-loop condition on the host after each step. The rest of busy_s is the host's own
         # work between chunks (reading tokens, detokenizing, stop strings, events), which the device overlaps with
         # the chunk in flight.
-        self.stats = {"admitted": 0, "chunks": 0, "cancelled": 0, "verify_steps": 0, "accepted_drafts": 0,
-                      "busy_s": 0.0, "chunk_wait_s": 0.0, "admit_s": 0.0, "dispatch_s": 0.0}
+        # admitted: requests; admit_calls: the prefill calls that admitted them (fewer with admit_batch > 1).
+        self.stats = {"admitted": 0, "admit_calls": 0, "chunks": 0, "cancelled": 0, "verify_steps": 0,
+                      "accepted_drafts": 0, "busy_s": 0.0, "chunk_wait_s": 0.0, "admit_s": 0.0, "dispatch_s": 0.0}
 
     # ---- called from any thread ------------------------------------------------------------------------------
     def start(self) -> "Scheduler":
@@ -252,48 +272,74 @@ class Scheduler:
             req.on_event(Failed(message))
 
     def _admit_waiting(self) -> list:
-        """Prefill waiting requests into free rows; returns their first-token reads."""
+        """Prefill waiting requests into free rows; returns their first-token reads. Alone (admit_batch 1): every
+        waiting request that has a row. In groups: one group while other rows are generating, so that their next
+        chunk waits for one prefill call only; all that have rows while none is."""
         reads = []
         while True:
             free = [s for s, o in enumerate(self._owners) if o is None]
-            if not free:
+            generating = len(free) < self.rows
+            group = self._next_group(len(free))
+            if not group:
                 return reads
-            with self._lock:
-                if not self._waiting:
-                    return reads
-                req = self._waiting.popleft()
-            if req.cancelled:
-                continue
             try:
-                reads.append(self._admit(req, free[0]))
+                reads += self._admit(group, free)
             except Exception as err:
                 log.exception("admitting a request failed")
-                req.on_event(Failed(f"internal error: {err}"))
+                for req in group:
+                    req.on_event(Failed(f"internal error: {err}"))
+            if self.admit_batch > 1 and generating:
+                return reads
 
-    def _admit(self, req: Request, slot: int):
+    def _next_group(self, n_free: int) -> list[Request]:
+        """The next requests to prefill together, in queue order (cancelled ones dropped): at most n_free and
+        admit_batch of them, while the group's rows (a power of two) times its longest prompt stay within
+        admit_tokens (the first always goes)."""
+        group: list[Request] = []
+        with self._lock:
+            while self._waiting and len(group) < min(n_free, self.admit_batch):
+                req = self._waiting[0]
+                if req.cancelled:
+                    self._waiting.popleft()
+                    continue
+                longest = max(len(r.prompt_ids) for r in group + [req])
+                if group and _pow2(len(group) + 1) * longest > self.admit_tokens:
+                    break
+                group.append(self._waiting.popleft())
+        return group
+
+    def _admit(self, group: list[Request], free: list[int]) -> list:
+        """Prefill `group` in one call (its rows padded to a power of two with one-token prompts, whose rows are
+        dropped) and write each request into a free row; returns their first-token reads."""
         model = self.model
+        prompts = [req.prompt_ids for req in group]
+        prompts += [prompts[0][:1]] * (_pow2(len(prompts)) - len(prompts))
         # from the longest prefix an earlier request left in the prefix cache (prefix_cache.py), if any
-        logits, row_state, cached = model.prefill_prompts([req.prompt_ids],
+        logits, prefilled, cached = model.prefill_prompts(prompts,
                                                           track_mtp=model.track_mtp or bool(self.speculative_tokens))
-        req.cached_tokens = cached[0]
-        stops = np.full((1, MAX_STOP_TOKENS), -1, np.int32)
-        stops[0, :len(req.stop_token_ids)] = req.stop_token_ids
-        row = Sampling(temperature=jnp.full((1,), req.temperature, jnp.float32),
-                       top_k=jnp.full((1,), req.top_k, jnp.int32), top_p=jnp.full((1,), req.top_p, jnp.float32),
-                       max_new_tokens=jnp.full((1,), req.max_tokens, jnp.int32), stop_tokens=jnp.asarray(stops),
-                       key=jnp.zeros((1, 2), jnp.uint32))
-        seed = np.array([(req.seed >> 32) & 0xFFFFFFFF, req.seed & 0xFFFFFFFF], np.uint32)
-        n_top = device.MAX_TOP_LOGPROBS if req.logprobs else 0
-        self._slots, out = device.admit(self._slots, row_state, logits, jnp.int32(slot), jnp.asarray(seed),
-                                        jnp.int32(req.choice), row, n_top=n_top)
-        live = _Live(req, self.tokenizer, slot)
-        self._owners[slot] = live
-        self._fed[slot] = len(req.prompt_ids) + 1
-        self.stats["admitted"] += 1
-        token, logprob, top_ids, top_logprobs = out                 # one row, one step
-        first = ChunkOut(token[:, None], logprob[:, None], top_ids[:, None], top_logprobs[:, None],
-                         jnp.zeros((1,), jnp.int32), jnp.zeros((1, 0), jnp.int32))
-        return [(0, live)], first
+        self.stats["admit_calls"] += 1
+        reads = []
+        for i, (req, slot) in enumerate(zip(group, free)):
+            req.cached_tokens = cached[i]
+            stops = np.full((1, MAX_STOP_TOKENS), -1, np.int32)
+            stops[0, :len(req.stop_token_ids)] = req.stop_token_ids
+            row = Sampling(temperature=jnp.full((1,), req.temperature, jnp.float32),
+                           top_k=jnp.full((1,), req.top_k, jnp.int32), top_p=jnp.full((1,), req.top_p, jnp.float32),
+                           max_new_tokens=jnp.full((1,), req.max_tokens, jnp.int32), stop_tokens=jnp.asarray(stops),
+                           key=jnp.zeros((1, 2), jnp.uint32))
+            seed = np.array([(req.seed >> 32) & 0xFFFFFFFF, req.seed & 0xFFFFFFFF], np.uint32)
+            n_top = device.MAX_TOP_LOGPROBS if req.logprobs else 0
+            self._slots, out = device.admit(self._slots, prefilled, logits, jnp.int32(i), jnp.int32(slot),
+                                            jnp.asarray(seed), jnp.int32(req.choice), row, n_top=n_top)
+            live = _Live(req, self.tokenizer, slot)
+            self._owners[slot] = live
+            self._fed[slot] = len(req.prompt_ids) + 1
+            self.stats["admitted"] += 1
+            token, logprob, top_ids, top_logprobs = out                 # one row, one step
+            first = ChunkOut(token[:, None], logprob[:, None], top_ids[:, None], top_logprobs[:, None],
+                             jnp.zeros((1,), jnp.int32), jnp.zeros((1, 0), jnp.int32))
+            reads.append(([(0, live)], first))
+        return reads
 
     def _keep_completion(self, live: _Live) -> None:
         """Keep a finished request's row in the prefix cache (the next turn of its conversation may extend its

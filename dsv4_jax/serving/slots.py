@@ -1,7 +1,7 @@
 """The device side of continuous batching: one static decode batch of `max_batch` rows ("slots").
 
-A request is prefilled alone (a batch-1 state, `Model.prefill`) and `admit` writes that state into a free row of the
-shared one (an engine.GenerationState) with `dynamic_update_slice`, samples the request's first token and sets the
+Requests are prefilled alone or a few together (a state of their own, `Model.prefill_prompts`) and `admit` writes
+one row of that state into a free row of the shared one (an engine.GenerationState) with `dynamic_update_slice`, samples the request's first token and sets the
 row's own sampling parameters, stop tokens and random key. The shared loop, `generation.generate_chunk`, then runs
 up to `chunk` steps of the whole batch in one `lax.while_loop`; rows that are done (or free) stay frozen. Nothing
 here depends on how many rows there are or which row a request has: every shape is static, so requests join and
@@ -55,16 +55,17 @@ def put_state_row(state: DecodeState, row: DecodeState, slot: jax.Array) -> Deco
 
 
 @functools.partial(jax.jit, static_argnames=("n_top",), donate_argnames=("slots",))
-def admit(slots: GenerationState, row_state: DecodeState, logits: jax.Array, slot: jax.Array, seed: jax.Array,
-          choice: jax.Array, row: Sampling, *, n_top: int):
-    """Write a prefilled request into row `slot`: its state (batch 1), its sampling `row` (each field [1], key
+def admit(slots: GenerationState, prefilled: DecodeState, logits: jax.Array, row: jax.Array, slot: jax.Array,
+          seed: jax.Array, choice: jax.Array, sampling: Sampling, *, n_top: int):
+    """Write row `row` of a prefilled batch (the state `prefilled` and its logits [B, V]; a request prefilled
+    alone is B = 1, row 0) into row `slot` of the shared batch: its state, its `sampling` (each field [1], key
     ignored), and its key made from `seed` (uint32 [2]: high and low words) and `choice` (sampling.row_key).
-    Samples the first token from the prefill `logits` [1, V]. Returns (slots, (token [1], logprob [1], top ids
+    Samples the first token from the row's prefill logits. Returns (slots, (token [1], logprob [1], top ids
     [1, n], top logprobs [1, n]))."""
-    row = row.replace(key=row_key(seed, choice)[None])
-    token, done, logprobs = first_tokens(logits, row, n_top)
-    slots = GenerationState(decode=put_state_row(slots.decode, row_state, slot),
+    sampling = sampling.replace(key=row_key(seed, choice)[None])
+    token, done, logprobs = first_tokens(jax.lax.dynamic_slice_in_dim(logits, row, 1), sampling, n_top)
+    slots = GenerationState(decode=copy_row(slots.decode, prefilled, row, slot),
                             last_token=_put(slots.last_token, token, slot, 0),
                             generated=_put(slots.generated, jnp.ones((1,), jnp.int32), slot, 0),
-                            done=_put(slots.done, done, slot, 0), sampling=_put_tree(slots.sampling, row, slot))
+                            done=_put(slots.done, done, slot, 0), sampling=_put_tree(slots.sampling, sampling, slot))
     return slots, (token, *logprobs)
