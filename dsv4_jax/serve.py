@@ -307,8 +307,8 @@ def _submit_and_wait(scheduler, prompts: list[list[int]], first_logprobs: int | 
             left[0] -= 1
             if not left[0]:
                 done.set()
-    scheduler.submit([Request(prompt_ids=p, max_tokens=1, on_event=on_event, logprobs=first_logprobs if i == 0 else None)
-                      for i, p in enumerate(prompts)])
+    scheduler.submit([Request(prompt_ids=p, max_tokens=1, on_event=on_event,
+                              logprobs=first_logprobs if i == 0 else None) for i, p in enumerate(prompts)])
     done.wait()
     return failures
 
@@ -324,7 +324,8 @@ def _warm_up_groups(scheduler, prefill: list, track: bool) -> list[str]:
     b = 2
     while b <= scheduler.admit_batch:
         t0 = time.perf_counter()
-        cap = 1 << (max(1, scheduler.admit_tokens // b) - 1).bit_length()     # a group's longest prompt, rounded up
+        # the chunk a group's longest prompt (at most its rows' share of --admit-tokens) runs in
+        cap = prefill_chunk_size(max(1, scheduler.admit_tokens // b), model.prefill_chunk)
         direct = [(size, bucket) for size, bucket in prefill if size <= cap]
         for size, bucket in direct:
             end = bucket or model.max_seq_len

@@ -14,7 +14,7 @@ from dsv4_jax.config import load_hf_config
 from dsv4_jax.layer_scan import StackedLayers, unstack_layers
 from dsv4_jax.serving import slots as device
 from dsv4_jax.serving.scheduler import Request, Scheduler
-from dsv4_jax.state import init_state
+from dsv4_jax.state import copy_row, init_state
 from serving_runs import run_requests
 
 ROWS = 4
@@ -41,13 +41,13 @@ def _per_layer(state):
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
-def test_put_state_row_changes_that_row_only(scan_layers):
+def test_copy_row_changes_that_row_only(scan_layers):
     cfg = load_hf_config(dsv4_jax.DEFAULT_MODEL_DIR)
     rng = np.random.default_rng(7)
     big = _random_like(init_state(cfg, ROWS, 256, jnp.float32, scan_layers=scan_layers), rng)
     row = _random_like(init_state(cfg, 1, 256, jnp.float32, scan_layers=scan_layers), rng)
     assert isinstance(big.layers, StackedLayers) == scan_layers
-    out = jax.jit(device.put_state_row)(big, row, jnp.int32(2))
+    out = jax.jit(copy_row)(big, row, jnp.int32(0), jnp.int32(2))          # what slots.admit writes a row with
     leaves = [jax.tree.leaves(_per_layer(s)) for s in (big, row, out)]
     assert len(leaves[0]) == len(leaves[2]) > 10
     for before, new, after in zip(*leaves):

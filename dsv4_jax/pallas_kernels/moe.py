@@ -62,8 +62,8 @@ def moe_schedule(expert_ids: jax.Array, capacity: int, n_slots: int | None = Non
     return slot_expert, slot_rows, slot_of_row, pos_of_row
 
 
-def _check_stacked(w, x: jax.Array, features: int, slot_cols: int, what: str) -> tuple[int, int, int, int]:
-    """(E, N, K, FP4 block) of a stacked FP4 weight [E, N, K] that an operand x of `features` inputs can multiply in
+def _check_stacked(w, features: int, slot_cols: int, what: str) -> tuple[int, int, int, int]:
+    """(E, N, K, FP4 block) of a stacked FP4 weight [E, N, K] that an operand of `features` inputs can multiply in
     slots of slot_cols columns; a clear error otherwise."""
     if not isinstance(w, (Mxfp4Weight, Nvfp4Weight)) or w.packed.ndim != 3:
         raise TypeError(f"{what}: a weight must be a stacked Mxfp4Weight / Nvfp4Weight [E, N, K], got {type(w).__name__}")
@@ -129,7 +129,7 @@ def _slot_sums(slot_expert: jax.Array, x_paired: jax.Array, w, *, interpret, blo
     slot_cols floats apart (for a prefill chunk's 128-column slots one 4-byte value per 32-byte memory sector, ~8x
     the 1.5 GiB per layer of an 8K chunk), and an 8K prompt in one chunk took 106.6 ms instead of 86.9 on an H200
     (docs/performance.md, "The routed experts' outputs read back 8x")."""
-    n_exp, n, k, block = _check_stacked(w, x_paired, 2 * x_paired.shape[1], x_paired.shape[-1] // 2, "moe_matmul")
+    n_exp, n, k, block = _check_stacked(w, 2 * x_paired.shape[1], x_paired.shape[-1] // 2, "moe_matmul")
     n_slots, cols = x_paired.shape[0], x_paired.shape[-1] // 2
     block_n, unroll, split_k, bpb, blocks = _fp4_config(n, k, block, block_n, unroll, split_k, num_warps,
                                                         num_stages)
@@ -170,7 +170,7 @@ def moe_matmul(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=No
     what = "moe_matmul"
     if x_rows.ndim != 2 or expert_ids.shape != x_rows.shape[:1]:
         raise ValueError(f"{what}: x_rows [R, K] and expert_ids [R] expected, got {x_rows.shape}, {expert_ids.shape}")
-    n_exp = _check_stacked(w_stacked, x_rows, x_rows.shape[1], slot_cols, what)[0]
+    n_exp = _check_stacked(w_stacked, x_rows.shape[1], slot_cols, what)[0]
     f32 = x_rows.dtype == jnp.float32
     capacity = slot_cols // 2 if f32 else slot_cols
     n_slots = slot_bound(x_rows.shape[0], capacity, n_exp)
@@ -213,7 +213,7 @@ def _swiglu_slots(slot_expert: jax.Array, slot_weights: jax.Array, x_paired: jax
     [S, N, cols], i.e. already the down projection's operand once paired (a free reshape). Slots of expert -1 are
     skipped and left unwritten."""
     n_slots, cols = x_paired.shape[0], x_paired.shape[-1] // 2
-    n_exp, n, k, block = _check_stacked(w_gate, x_paired, 2 * x_paired.shape[1], cols, "moe_ffn")
+    n_exp, n, k, block = _check_stacked(w_gate, 2 * x_paired.shape[1], cols, "moe_ffn")
     is_nv = isinstance(w_gate, Nvfp4Weight)
     used = jnp.maximum(slot_expert, 0)
     fg, fu = (_output_factor(w, used) for w in (w_gate, w_up))      # applied to the sums before the SwiGLU
@@ -260,13 +260,14 @@ def moe_ffn(x: jax.Array, w_gate, w_up, w_down, expert_ids: jax.Array, row_weigh
     and `down_tiles` (block_n, unroll, num_warps, num_stages; the down side also split_k) default to 64-row tiles
     on 4 warps. Triton backend, as moe_matmul (its tile loop and FP4 decode)."""
     what = "moe_ffn"
-    if x.ndim != 2 or expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0] or row_weights.shape != expert_ids.shape:
+    if (x.ndim != 2 or expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]
+            or row_weights.shape != expert_ids.shape):
         raise ValueError(f"{what}: x [T, D], expert_ids [T, K] and row_weights [T, K] expected, got {x.shape}, "
                          f"{expert_ids.shape}, {row_weights.shape}")
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"{what}: takes bfloat16 tokens, got {x.dtype}")
-    n_exp, n, d, _ = _check_stacked(w_gate, x, x.shape[1], slot_cols, what)
-    _check_stacked(w_up, x, x.shape[1], slot_cols, what)
+    n_exp, n, d, _ = _check_stacked(w_gate, x.shape[1], slot_cols, what)
+    _check_stacked(w_up, x.shape[1], slot_cols, what)
     if type(w_gate) is not type(w_up) or w_gate.packed.shape != w_up.packed.shape:
         raise ValueError(f"{what}: the gate and up weights must share a format and a shape, got "
                          f"{type(w_gate).__name__} {w_gate.packed.shape} and {type(w_up).__name__} {w_up.packed.shape}")

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..api import batch_bucket
 from ..generation import ChunkOut, generate_chunk
 from ..sampling import Sampling
 from ..text import TextStream
@@ -33,11 +34,6 @@ from . import slots as device
 log = logging.getLogger("dsv4_jax.serve")
 
 MAX_STOP_TOKENS = 8          # stop token ids per request, EOS included
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n (n >= 1)."""
-    return 1 << (n - 1).bit_length()
 
 
 class QueueFull(Exception):
@@ -303,7 +299,7 @@ class Scheduler:
                     self._waiting.popleft()
                     continue
                 longest = max(len(r.prompt_ids) for r in group + [req])
-                if group and _pow2(len(group) + 1) * longest > self.admit_tokens:
+                if group and batch_bucket(len(group) + 1, self.admit_batch) * longest > self.admit_tokens:
                     break
                 group.append(self._waiting.popleft())
         return group
@@ -313,7 +309,7 @@ class Scheduler:
         dropped) and write each request into a free row; returns their first-token reads."""
         model = self.model
         prompts = [req.prompt_ids for req in group]
-        prompts += [prompts[0][:1]] * (_pow2(len(prompts)) - len(prompts))
+        prompts += [prompts[0][:1]] * (batch_bucket(len(prompts), self.admit_batch) - len(prompts))
         # from the longest prefix an earlier request left in the prefix cache (prefix_cache.py), if any
         logits, prefilled, cached = model.prefill_prompts(prompts,
                                                           track_mtp=model.track_mtp or bool(self.speculative_tokens))

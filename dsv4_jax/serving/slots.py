@@ -1,11 +1,11 @@
 """The device side of continuous batching: one static decode batch of `max_batch` rows ("slots").
 
 Requests are prefilled alone or a few together (a state of their own, `Model.prefill_prompts`) and `admit` writes
-one row of that state into a free row of the shared one (an engine.GenerationState) with `dynamic_update_slice`, samples the request's first token and sets the
-row's own sampling parameters, stop tokens and random key. The shared loop, `generation.generate_chunk`, then runs
-up to `chunk` steps of the whole batch in one `lax.while_loop`; rows that are done (or free) stay frozen. Nothing
-here depends on how many rows there are or which row a request has: every shape is static, so requests join and
-leave without recompiling.
+one row of that state into a free row of the shared one (an engine.GenerationState) with `dynamic_update_slice`,
+samples the request's first token and sets the row's own sampling parameters, stop tokens and random key. The
+shared loop, `generation.generate_chunk`, then runs up to `chunk` steps of the whole batch in one
+`lax.while_loop`; rows that are done (or free) stay frozen. Nothing here depends on how many rows there are or
+which row a request has: every shape is static, so requests join and leave without recompiling.
 
 Random numbers: a request's key is threefry's key of its 64-bit seed, folded with the choice index (OpenAI `n`),
 and its i-th generated token is drawn with that key folded with i. A seeded request therefore samples the same
@@ -46,12 +46,6 @@ def _put(big: jax.Array, small: jax.Array, slot: jax.Array, axis: int) -> jax.Ar
 
 def _put_tree(big, small, slot, axis: int = 0):
     return jax.tree.map(lambda b, s: _put(b, s, slot, axis), big, small)
-
-
-def put_state_row(state: DecodeState, row: DecodeState, slot: jax.Array) -> DecodeState:
-    """`state` with row `slot` replaced by the batch-1 state `row` (every buffer: caches, rings, compressor
-    pending tokens, MTP streams, position; state.copy_row)."""
-    return copy_row(state, row, jnp.int32(0), slot)
 
 
 @functools.partial(jax.jit, static_argnames=("n_top",), donate_argnames=("slots",))
