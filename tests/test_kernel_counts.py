@@ -66,3 +66,36 @@ def test_hc_post_is_one_pass_over_the_streams():
         text = jax.jit(hc_post).trace(*args).lower().compile().as_text()
     one_pass = 2 * rows * n * dim * 2 + rows * dim * 4          # the streams read and written, y read
     assert hlo_census.kernel_bytes(text)["total"] < 1.2 * one_pass
+
+
+def test_a_prefill_mhc_site_runs_its_sinkhorn_in_one_kernel():
+    """One mHC site (mhc_site.pre_norm with the previous sub-layer's hc_post) of a 2,048-token prefill chunk at
+    Flash width on the GPU plan, compiled for an H200: the site's jnp path with its Sinkhorn on
+    pallas_kernels/sinkhorn.py was 9 launches when counted (2026-12-07); with mhc_site=reference (XLA's own unrolled
+    Sinkhorn, which from ~2,048 rows XLA splits into about three kernels per iteration) 43."""
+    count_kernels, device = _h200()
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dsv4_jax import hlo_census, presets
+    from dsv4_jax.ops import mhc_site
+    from dsv4_jax.run_context import RunContext
+
+    cfg = presets.flash()
+    rows, n, dim = 2048, cfg.hc_mult, cfg.dim
+    mesh = jax.sharding.Mesh([device], ("x",))
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+    args = (spec((1, rows, n, dim), jnp.bfloat16), spec((n * (n + 2), n * dim), jnp.float32),
+            spec((n * (n + 2),), jnp.float32), spec((3,), jnp.float32), spec((dim,), jnp.bfloat16),
+            spec((1, rows, dim), jnp.bfloat16), spec((1, rows, n), jnp.float32), spec((1, rows, n, n), jnp.float32))
+    counts = {}
+    for overrides in ({}, {"mhc_site": "reference"}):
+        ctx = RunContext.create(kernels="auto", device=device, kernel_overrides=overrides).in_phase("prefill")
+
+        def site(X, fn, base, scale, weight, y, post, comb):
+            return mhc_site.pre_norm(X, fn, base, scale, weight, cfg, ctx, post_mix=(y, post, comb))
+
+        with count_kernels._pallas_target(device), jax.default_matmul_precision("default"):
+            text = jax.jit(site).trace(*args).lower().compile().as_text()
+        counts[bool(overrides)] = hlo_census.census(text).launches_per_call
+    assert counts[False] <= 10 and counts[True] > 30, counts

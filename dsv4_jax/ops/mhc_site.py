@@ -6,11 +6,13 @@ The residual stream is `hc_mult` parallel streams X [..., n, D]. Before a sub-la
 (nearly doubly stochastic) matrix C, consumed transposed: X'_k = post_k y + sum_j C[j, k] X_j. All coefficient
 math is float32. The functions below are the op's pure-jnp reference; `pre_norm` chooses between it and the two
 Pallas launches of pallas_kernels/mhc.py (ops/choice.py): one row per program in a decode or verify step, 16-32 rows
-per program against each chunk of the mixing matrix in a prefill chunk.
+per program against each chunk of the mixing matrix in a prefill chunk. Where the site stays on the jnp path its
+Sinkhorn may still take the one-launch kernel of pallas_kernels/sinkhorn.py (SINKHORN_KERNEL).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 
 from ..config import ModelConfig
 from ..pallas_kernels import mhc
+from ..pallas_kernels import sinkhorn as sinkhorn_rows
 from . import choice
 from .moe_ffn import MoeParts
 from .norm_rope import rms_norm
@@ -46,9 +49,10 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float, unroll: bool = False) ->
 
 @jax.named_scope("mhc")
 def hc_pre(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: ModelConfig,
-           unroll_sinkhorn: bool = False):
+           unroll_sinkhorn: bool = False, sinkhorn_kernel=None):
     """Collapse the streams X [..., n, D] for a sub-layer. Returns (u [..., D] in X.dtype, post [..., n], comb).
-    `unroll_sinkhorn`: see `sinkhorn` (unrolled on GPU plans)."""
+    `unroll_sinkhorn`: see `sinkhorn` (unrolled on GPU plans); `sinkhorn_kernel`: a function of the logits that
+    takes the Sinkhorn's place (pallas_kernels/sinkhorn.py, as pre_norm chooses)."""
     n = cfg.hc_mult
     m = mix_logits(X, fn, cfg.norm_eps)
     base = base.astype(jnp.float32)
@@ -56,7 +60,10 @@ def hc_pre(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: 
     pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + cfg.hc_eps
     post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb_logits = (m[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*m.shape[:-1], n, n)
-    comb = sinkhorn(comb_logits, cfg.hc_sinkhorn_iters, cfg.hc_eps, unroll_sinkhorn)
+    if sinkhorn_kernel is not None:
+        comb = sinkhorn_kernel(comb_logits)
+    else:
+        comb = sinkhorn(comb_logits, cfg.hc_sinkhorn_iters, cfg.hc_eps, unroll_sinkhorn)
     u = jnp.einsum("...n,...nd->...d", pre, X.astype(jnp.float32))
     return u.astype(X.dtype), post, comb
 
@@ -83,6 +90,11 @@ MHC_KERNELS = choice.Kernel("mhc_site", "mhc")
 # 4% slower than XLA's path (one call each, docs/performance.md); the interpret plan takes it (tests).
 MHC_PREFILL_KERNELS = choice.Kernel("mhc_site", "mhc_prefill", phases=frozenset({"prefill"}), on_gpu_by_default=False)
 PREFILL_MIN_ROWS = 16        # a prefill program's dots need 16 rows (Triton's smallest dot); fewer: the reference
+# The Sinkhorn alone, where the site runs on XLA's path (a prefill chunk unless mhc_site=kernel; a step of more rows
+# than mhc.MAX_ROWS): one launch instead of the ~29 XLA's GPU backend splits it into from ~2,048 rows (compiled for an
+# H200; pallas_kernels/sinkhorn.py). Taken by default: it does the same float32 arithmetic on the same 64 bytes a row
+# in one launch, so it cannot be the slower path by more than one launch's cost (its time is not measured yet).
+SINKHORN_KERNEL = choice.Kernel("mhc_site", "mhc_sinkhorn", phases=frozenset({"prefill", "decode", "verify"}))
 
 
 def _kernel_schedule(X: jax.Array, fn: jax.Array, cfg: ModelConfig, ctx) -> int | None:
@@ -113,5 +125,10 @@ def pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, nor
                                     rows_per_program=schedule, interpret=ctx.kernels.interpret)
     if post_mix is not None:
         X = hc_post(post_mix[0], X, post_mix[1], post_mix[2])
-    u, post, comb = hc_pre(X, fn, base, scale, cfg, unroll_sinkhorn=ctx.kernels.on_gpu)
+    rows = math.prod(X.shape[:-2])
+    kernel = None
+    if choice.takes_kernel(SINKHORN_KERNEL, ctx, sinkhorn_rows.takes(rows, cfg.hc_mult)):
+        kernel = functools.partial(sinkhorn_rows.sinkhorn_rows, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps,
+                                   interpret=ctx.kernels.interpret)
+    u, post, comb = hc_pre(X, fn, base, scale, cfg, unroll_sinkhorn=ctx.kernels.on_gpu, sinkhorn_kernel=kernel)
     return rms_norm(u, norm_weight, cfg.norm_eps), post, comb, X
