@@ -92,8 +92,8 @@ MHC_PREFILL_KERNELS = choice.Kernel("mhc_site", "mhc_prefill", phases=frozenset(
 PREFILL_MIN_ROWS = 16        # a prefill program's dots need 16 rows (Triton's smallest dot); fewer: the reference
 # The Sinkhorn alone, where the site runs on XLA's path (a prefill chunk unless mhc_site=kernel; a step of more rows
 # than mhc.MAX_ROWS): one launch instead of the ~29 XLA's GPU backend splits it into from ~2,048 rows (compiled for an
-# H200; pallas_kernels/sinkhorn.py). Taken by default: it does the same float32 arithmetic on the same 64 bytes a row
-# in one launch, so it cannot be the slower path by more than one launch's cost (its time is not measured yet).
+# H200; pallas_kernels/sinkhorn.py). Taken by default although its time is not measured yet: it does the same float32
+# arithmetic on the same 64 bytes a row in one launch instead of ~29 (if a GPU shows it slower: on_gpu_by_default=False).
 SINKHORN_KERNEL = choice.Kernel("mhc_site", "mhc_sinkhorn", phases=frozenset({"prefill", "decode", "verify"}))
 
 
