@@ -320,6 +320,27 @@ def test_moe_schedule():
     assert np.sum(np.asarray(slot_rows) < 7) == 7
 
 
+@pytest.mark.parametrize("rows, experts, capacity", [(7, 4, 2), (192, 256, 8), (384, 256, 8), (1536, 256, 8),
+                                                      (100, 3, 16), (64, 8, 1)])
+def test_compared_schedule_equals_the_sorted_one(rows, experts, capacity):
+    """moe_schedule's two constructions (pairwise comparisons for a step's rows, a stable sort beyond) give the same
+    four arrays, element for element, on random experts with rows of no expert (-1) among them; and the schedule is
+    one: every row sits in a slot of its expert, each slot holds rows of one expert in increasing index."""
+    rng = np.random.default_rng(rows + experts)
+    ids = jnp.asarray(rng.integers(-1, experts, rows), jnp.int32)
+    n_slots = moe.slot_bound(rows, capacity, experts + 1)
+    compared = moe._compared_schedule(ids, capacity, n_slots)
+    sorted_ = moe._sorted_schedule(ids, capacity, n_slots)
+    for a, b in zip(compared, sorted_):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    slot_expert, slot_rows, slot_of_row, pos_of_row = (np.asarray(a) for a in compared)
+    ids = np.asarray(ids)
+    assert np.array_equal(slot_expert[slot_of_row], ids)
+    assert np.array_equal(slot_rows[slot_of_row, pos_of_row], np.arange(rows))
+    held = slot_rows[slot_rows < rows].tolist()
+    assert sorted(held) == list(range(rows))
+
+
 # ---- CUDA lowering on CPU -------------------------------------------------------------------------------------
 def _lower_for_h200(f, *args):
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)

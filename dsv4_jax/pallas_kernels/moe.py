@@ -40,13 +40,27 @@ def slot_bound(rows: int, capacity: int, n_experts: int) -> int:
     return min(rows, -(-rows // capacity) + min(rows, n_experts))
 
 
+COMPARED_ELEMENTS = 1 << 23   # up to this many (slot position, row) pairs moe_schedule compares rows pairwise
+
+
 def moe_schedule(expert_ids: jax.Array, capacity: int, n_slots: int | None = None):
     """expert_ids [R] -> (slot_expert [S] int32, -1 for unused slots; slot_rows [S, capacity] int32, R for padding;
     slot_of_row [R], pos_of_row [R]), S = n_slots (default R; must be >= the slots needed, see slot_bound).
-    Rows of one expert fill consecutive slots of `capacity` rows."""
-    r = expert_ids.shape[0]
-    n_slots = r if n_slots is None else n_slots
+    Rows of one expert fill consecutive slots of `capacity` rows, experts in increasing id (-1 first), rows in
+    increasing index: the order of a stable sort by expert. While S x capacity x R is at most COMPARED_ELEMENTS (a
+    decode or verify step: 1,536 rows at batch 256 are 5.5M) the schedule comes from pairwise comparisons
+    (_compared_schedule: a few fused passes, where the sort, its running maximum and sum and four scatters were ~8
+    small launches a layer); beyond, from the sort (_sorted_schedule: a prefill chunk's tens of thousands of rows)."""
+    n_slots = expert_ids.shape[0] if n_slots is None else n_slots
     ids = expert_ids.astype(jnp.int32)
+    if n_slots * capacity * ids.shape[0] <= COMPARED_ELEMENTS:
+        return _compared_schedule(ids, capacity, n_slots)
+    return _sorted_schedule(ids, capacity, n_slots)
+
+
+def _sorted_schedule(ids: jax.Array, capacity: int, n_slots: int):
+    """moe_schedule's result from a stable sort of the rows by expert."""
+    r = ids.shape[0]
     order = jnp.argsort(ids, stable=True).astype(jnp.int32)
     sorted_ids = ids[order]
     idx = jnp.arange(r, dtype=jnp.int32)
@@ -59,6 +73,27 @@ def moe_schedule(expert_ids: jax.Array, capacity: int, n_slots: int | None = Non
     slot_rows = jnp.full((n_slots, capacity), r, jnp.int32).at[slot, pos % capacity].set(order)
     slot_of_row = jnp.zeros((r,), jnp.int32).at[order].set(slot)
     pos_of_row = jnp.zeros((r,), jnp.int32).at[order].set(pos % capacity)
+    return slot_expert, slot_rows, slot_of_row, pos_of_row
+
+
+def _compared_schedule(ids: jax.Array, capacity: int, n_slots: int):
+    """moe_schedule's result from pairwise comparisons of the rows (no sort, no scatter)."""
+    r = ids.shape[0]
+    idx = jnp.arange(r, dtype=jnp.int32)
+    same = ids[:, None] == ids[None, :]                                                  # [R, R]
+    rank = jnp.sum(same & (idx[None, :] < idx[:, None]), axis=1, dtype=jnp.int32)      # earlier rows of its expert
+    count = jnp.sum(same, axis=1, dtype=jnp.int32)                                      # rows of its expert
+    # the slots before a row's expert: ceil(count / capacity) for every expert of a smaller id, carried by that
+    # expert's first row (rank 0) so that a sum over the rows counts each expert once
+    slots_of_expert = jnp.where(rank == 0, (count + capacity - 1) // capacity, 0)
+    first_slot = jnp.sum(jnp.where(ids[None, :] < ids[:, None], slots_of_expert[None, :], 0), axis=1, dtype=jnp.int32)
+    slot_of_row = first_slot + rank // capacity
+    pos_of_row = rank % capacity
+    slot = jnp.arange(n_slots, dtype=jnp.int32)
+    owner = (slot_of_row[None, :] == slot[:, None])                                      # [S, R]
+    slot_expert = jnp.max(jnp.where(owner, ids[None, :], -1), axis=1)          # -1: an unused slot (or the -1 rows')
+    held = owner[:, None, :] & (pos_of_row[None, None, :] == jnp.arange(capacity, dtype=jnp.int32)[None, :, None])
+    slot_rows = jnp.min(jnp.where(held, idx[None, None, :], r), axis=2)                 # [S, capacity], R: padding
     return slot_expert, slot_rows, slot_of_row, pos_of_row
 
 
