@@ -6,7 +6,8 @@
 # run. NEW_ARGS (benchmark options, e.g. "--kernel-override attention_core=kernel") and NEW_ENV (environment
 # assignments) apply to this tree's side only, so an opt-in switch is compared with BASELINE_DIR=. (this tree
 # without it). COMMON_ARGS (e.g. "--act-quant fp8") apply to both sides. Results: $OUT (or ./out)/pytest_ab.log,
-# flash4_new.{json,log}, flash4_baseline.{json,log}.
+# flash4_new.{json,log}, flash4_baseline.{json,log}. BENCH_S (default 300) limits each side's benchmark: a process's
+# first prefill of a chunk size compiles for ~100 s on an H100 (2026-12-07), so with PROMPTS each side needs ~300 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-./out}"
@@ -18,7 +19,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --f
 PYTHONPATH=. timeout "${TEST_S:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider \
     ${TESTS:-tests/test_pallas_mhc.py} 2>&1 | tee "$OUT_DIR/pytest_ab.log" || status=1
 bench() {   # tree, name, environment assignments, benchmark options
-    (cd "$1" && env ${3:-} PYTHONPATH=. timeout "${BENCH_S:-200}" python3 -m dsv4_jax.bench --preset flash --layers 4 \
+    (cd "$1" && env ${3:-} PYTHONPATH=. timeout "${BENCH_S:-300}" python3 -m dsv4_jax.bench --preset flash --layers 4 \
         ${COMMON_ARGS:-} ${4:-} --reference none --batches "${BATCHES:-1,8,32}" --contexts "${CONTEXTS:-4096}" --prompts "${PROMPTS:-1024}" \
         --out "$OUT_DIR/$2.json") 2>&1 | grep -v "Warning\|warn(" | tee "$OUT_DIR/$2.log" || status=1
 }
