@@ -106,19 +106,12 @@ def test_model_prefill_with_the_sinkhorn_kernel_equals_the_reference():
     """The tiny preset at D = 96 (a width the site kernels do not take, so the site runs its jnp path), float32: a
     32-token prompt prefilled on the interpret plan, every other op on the reference, takes the Sinkhorn kernel at
     every site and gives the reference plan's logits."""
-    import dsv4_jax
+    from one_op_prefill import one_op_prefill
 
     cfg = dataclasses.replace(presets.tiny(), dim=96)
-    others = [f"{op}=reference" for op in choice.OPS if op != "mhc_site"]
-    kw = dict(dtype="float32", max_seq_len=256, simulate_quant=False)
-    reference = dsv4_jax.init_random(cfg, seed=4, kernels="reference", **kw)
-    with_kernel = dsv4_jax.init_random(cfg, seed=4, kernels="interpret", kernel_overrides=others, **kw)
-    prompt = np.random.default_rng(7).integers(0, cfg.vocab_size, (1, 32)).astype(np.int32)
-    with choice.record_dispatch("mhc_site") as choices:
-        got, _ = with_kernel.prefill(prompt)
-    want, _ = reference.prefill(prompt)
+    prefill = one_op_prefill(cfg, "mhc_site", seed=4, max_seq_len=256)
+    err, choices = prefill(np.random.default_rng(7).integers(0, cfg.vocab_size, (1, 32)).astype(np.int32))
     assert {c.kernel for c in choices if c.phase == "prefill" and c.path != "reference"} == {"mhc_sinkhorn"}
-    err = np.abs(np.asarray(got) - np.asarray(want)).max() / np.abs(np.asarray(want)).max()
     assert err < 1e-5, err
 
 
