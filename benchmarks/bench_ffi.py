@@ -68,6 +68,10 @@ def main():
                     help="only the gate + up projections (routed MXFP4 / NVFP4, shared FP8): one launch or two")
     ap.add_argument("--concat-only", action="store_true",
                     help="only the attention's wq_a + wkv (FP8, one K): two launches or one ffi.gemv_concat")
+    ap.add_argument("--slotted-only", default="",
+                    help="only the routed experts of decode steps of these batches (e.g. 32,64,128,256) as "
+                         "routed_gemv runs them from 22 tokens on: rows grouped by expert into 8-row slots")
+    ap.add_argument("--slotted-format", default="mxfp4", choices=("mxfp4", "nvfp4"))
     args = ap.parse_args()
     t0 = time.time()
     results = []
@@ -77,6 +81,10 @@ def main():
     key = jax.random.key(0)
     if args.gate_up_only or args.concat_only:
         (run_gate_up if args.gate_up_only else run_concat)(args, key, emit, t0)
+        summary(results)
+        return
+    if args.slotted_only:
+        run_slotted(args, key, emit, t0)
         summary(results)
         return
     schedules = [int(s) for s in args.schedules.split(",")]
@@ -246,6 +254,78 @@ def run_gate_up(args, key, emit, t0):
                           gbps=(2 * per_weight + x.size * 2) / t[0] / 1e3, speedup_vs_bf16=base[0] / t[0],
                           kernel_speedup_vs_bf16=base_k / kt if kt and base_k else None))
         del w1, w3, sets
+
+
+# Schedules compiled for the slotted routed calls (gemv_kernel.cuh, compiled_for): a pair (gate + up) runs
+# PAIR_SCHEDULES, one FP4 weight (down) those below, the staged ones (P = 4) included.
+SLOTTED_PAIR_SCHEDULES = (811, 411, 11)
+SLOTTED_SINGLE_SCHEDULES = (811, 411, 11, 814, 43811, 83411, 4011, 24011, 4811, 24811)
+SLOTTED_GEOMETRY = dict(experts=256, top_k=6, inter=2048, hidden=4096)      # DeepSeek-V4-Flash's routed experts
+
+
+def run_slotted(args, key, emit, t0):
+    """The routed experts of a decode step of B tokens as matmul_kernels.routed_gemv runs them from 22 tokens on:
+    B x 6 rows (each token 6 distinct experts of 256, uniform) grouped by expert into slots of up to 8 rows
+    (moe.moe_schedule, slot_bound slots), the rows gathered into [slots, 8, K], one ffi.grouped_gemv launch per
+    projection (gate + up as a pair [256, 2 x 2048, 4096], down [256, 4096, 2048]) and each row's output taken
+    back; every compiled schedule of each, and the whole routed_gemv (its schedule included) at the default.
+    GB/s: the bytes of the experts the step touches, each read once, over the wall time per call; the expert sets
+    rotate between calls so that no call finds another's experts in L2. Each case is checked first against XLA's
+    float32 einsum of the first 48 rows with their dequantized experts."""
+    from dsv4_jax.ops.matmul_kernels import routed_gemv
+    n_exp, top_k, inter, hidden = (SLOTTED_GEOMETRY[k] for k in ("experts", "top_k", "inter", "hidden"))
+    copies, checked = 24, 48
+    fmt = args.slotted_format
+    w1, w3 = (make_weight(jax.random.fold_in(key, 300 + i), fmt, (n_exp, inter, hidden)) for i in range(2))
+    w2 = make_weight(jax.random.fold_in(key, 302), fmt, (n_exp, hidden, inter))
+    capacity = ffi.max_rows(jnp.bfloat16)
+    projections = [("gate_up", (w1, w3), hidden, SLOTTED_PAIR_SCHEDULES),
+                   ("down", w2, inter, SLOTTED_SINGLE_SCHEDULES)]
+    for batch in [int(v) for v in args.slotted_only.split(",")]:
+        ids = routed_expert_ids(batch, batch, n_exp, top_k)
+        rows, touched = len(ids), len(set(ids.tolist()))
+        n_slots = moe.slot_bound(rows, capacity, n_exp + 1)
+        id_sets = [jnp.asarray((ids + 7 * j) % n_exp, jnp.int32) for j in range(copies)]
+        schedules = [jax.jit(moe.moe_schedule, static_argnums=(1, 2))(i, capacity, n_slots) for i in id_sets]
+        for name, weights, k, swept in projections:
+            if time.time() - t0 > args.budget_s:
+                print("budget reached", flush=True)
+                return
+            x = jax.random.normal(jax.random.fold_in(key, 9000 + batch), (rows, k), jnp.float32).astype(jnp.bfloat16)
+            stacked = weights if isinstance(weights, tuple) else (weights,)
+            dequantized = [jax.tree_util.tree_map(lambda a: a[id_sets[0][:checked]], w).dequantize(jnp.float32)
+                           for w in stacked]
+            ref = jnp.concatenate([jnp.einsum("rk,rnk->rn", x[:checked].astype(jnp.float32), d)
+                                   for d in dequantized], -1)
+            del dequantized
+            wb = touched * sum(weight_bytes(jax.tree_util.tree_map(lambda a: a[0], w)) for w in stacked)
+            sets = [(weights, sched) for sched in schedules]
+
+            def slotted(x, ws, s):
+                weights, (slot_expert, slot_rows, slot_of_row, pos_of_row) = ws
+                x3 = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[slot_rows]
+                y3 = ffi.grouped_gemv(x3, weights, slot_expert, jnp.float32, schedule=s)
+                return y3[slot_of_row, pos_of_row]
+
+            whole = [(weights, i) for i in id_sets]
+            cases = [("routed_gemv", ffi.routed_schedule(weights),
+                      lambda x, wi: routed_gemv(x, wi[0], wi[1]), whole)] + [
+                ("slotted", s, functools.partial(slotted, s=s), sets) for s in swept]
+            for impl, sched, fn, operands in cases:
+                try:
+                    err = rel_err(jax.jit(fn)(x, operands[0])[:checked], ref)
+                    if err > 1e-4:
+                        raise RuntimeError(f"wrong result: rel. err {err:.3g}")
+                    t = time_calls(fn, operands, x, 20, repeats=3)
+                    kt = profiled_kernel_us(fn, x, operands)
+                except Exception as e:  # noqa: BLE001
+                    emit(dict(name=f"slotted_{name}", m=batch, fmt=fmt, impl=impl, schedule=sched,
+                              error=f"{type(e).__name__}: {e}"[:300]))
+                    continue
+                emit(dict(name=f"slotted_{name}", m=batch, rows=rows, slots=n_slots, experts=touched,
+                          n=ref.shape[-1], k=k, fmt=fmt, impl=impl, schedule=sched, us=t[0], kernel_us=kt,
+                          rel_err=err, gbps=wb / t[0] / 1e3,
+                          kernel_gbps=wb / kt / 1e3 if kt else None))
 
 
 def run_concat(args, key, emit, t0):
