@@ -64,8 +64,11 @@ def test_the_declared_phase_decides_not_the_row_count():
         engine.decode_step.trace(params, state, rows, cfg=CFG, ctx=ctx, max_seq_len=512)
     fused = ("mhc_site", "norm_rope", "attention_core", "compressor_step", "moe_ffn")
     assert {c.phase for c in prefill} == {"prefill"} and {c.phase for c in decode} == {"decode"}
-    assert {c.path for c in prefill if c.op in fused} == {"reference"}
+    # (the attention core's prefill kernel serves prefill chunks of any length, one token included)
+    assert {c.path for c in prefill if c.op in fused and c.kernel != "prefill_attention"} == {"reference"}
+    assert {c.kernel for c in prefill if c.op == "attention_core" and c.path == "interpret"} == {"prefill_attention"}
     assert {c.path for c in decode if c.op in fused} == {"interpret"}
+    assert {c.kernel for c in decode if c.op == "attention_core"} == {"decode_attention"}
 
 
 def test_gpu_plans_take_the_opt_in_kernel_only_when_switched_on():

@@ -33,7 +33,7 @@ def _numpy_attention(q, ring, chunk, start, sink, scale, compressed=None, picks=
                 pos = max((p for p in range(int(start[b])) if p % WINDOW == slot), default=-1)
                 if pos >= 0 and t - pos < WINDOW:
                     keys.append(ring[b, slot])
-            keys += [chunk[b, i] for i in range(s + 1)]
+            keys += [chunk[b, i] for i in range(s + 1) if s - i < WINDOW]      # the chunk's keys in the window
             if ratio == 4:
                 keys += [comp[b, j] for j in picks[b, s] if 0 <= j < (t + 1) // 4]    # picks it can see
             elif ratio > 0:
@@ -324,6 +324,65 @@ def test_cuda_lowering_at_flash_geometry(ratio, query, batch, seq):
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
         text = jax.jit(fn).trace(*args, **extra).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == (2 if batch * seq * 2 <= kernel.MAX_SPLITS else 1)
+
+
+# ---- a prefill chunk (more than MAX_ROWS tokens per sequence) ----------------------------------------------------
+@pytest.mark.parametrize("layout", ["plain", "compact"])
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_prefill_chunk_matches_float64(ratio, layout):
+    """200 tokens per sequence (past the 128-token window and not a whole number of 64-key blocks), one sequence
+    from position 0 (an empty ring) and one from a ring that has wrapped: each token reads the ring only while the
+    window reaches back past the chunk's start, the chunk's keys within the window, and the picked / visible
+    entries. A path that let a token see the chunk's keys beyond its window, skipped the ring for the chunk's first
+    tokens, or read past the chunk would fail here."""
+    rng = np.random.default_rng(40 + ratio)
+    starts = [0, 300] if ratio != 128 else [5, 4500]
+    args = _inputs(rng, 2, 200, 16, 128, 160, ratio, starts)
+    stored = None
+    if layout == "compact":
+        args, stored = _compact(args, jnp.float32, 64)
+    got = np.asarray(_run(args, 128 ** -0.5, ratio, jnp.float32, stored), np.float64)
+    want = _numpy_attention(*args[:5], 128 ** -0.5, *args[5:], ratio=ratio)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_prefill_chunk_refuses_the_key_prologue():
+    q = jnp.zeros((1, kernel.MAX_ROWS + 1, 16, 128))
+    with pytest.raises(ValueError, match="kv_prologue takes up to 16 tokens per sequence, got 17"):
+        kernel.decode_attention(q, jnp.zeros((1, WINDOW, 128)), jnp.zeros((1, 17, 128)), jnp.zeros((1,), jnp.int32),
+                                jnp.zeros((16,)), scale=1.0, rope=(np.ones(32, np.float32), 1e-6),
+                                kv_prologue=(jnp.ones((128,)), False), interpret=True)
+
+
+@pytest.mark.slow
+def test_model_prefill_takes_the_kernel_and_equals_the_jnp_path():
+    """The tiny preset's layers with 16 heads of 128 dims, float32, a 600-token prompt in 256-token chunks (the
+    later chunks start with a ring; the last is 88 tokens) on the interpret plan with only the attention core on
+    its kernel, against the reference plan: every layer's attention (window, CSA with the indexer's picks, HCA)
+    takes the prefill kernel and the logits agree."""
+    from dsv4_jax import presets
+    from one_op_prefill import one_op_prefill
+
+    cfg = presets.tiny().replace(n_heads=16, head_dim=128, rope_head_dim=64, index_head_dim=128)
+    prefill = one_op_prefill(cfg, "attention_core", seed=5, max_seq_len=1024, prefill_chunk=256)
+    err, choices = prefill(np.random.default_rng(9).integers(0, cfg.vocab_size, (1, 600)).astype(np.int32))
+    taken = {(c.kernel, c.path) for c in choices if c.phase == "prefill"}
+    assert taken == {("prefill_attention", "interpret")}, taken
+    assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_cuda_lowering_of_a_prefill_chunk_at_flash_geometry(ratio):
+    """An 8,192-token chunk at Flash geometry, the query ready (as the model passes it): one Triton kernel (one
+    program per token and head block; no splits to merge)."""
+    args, extra = _flash_shapes(1, 8192, ratio)
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    fn = lambda q, r, c, s, k, **e: kernel.decode_attention(q, r, c, s, k, scale=512 ** -0.5, ratio=ratio,  # noqa: E731
+                                                            rope=(np.ones(32, np.float32), 1e-6), query_ready=True,
+                                                            **e)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+        text = jax.jit(fn).trace(*args, **extra).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
 
 
 # ---- on the GPU -----------------------------------------------------------------------------------------------

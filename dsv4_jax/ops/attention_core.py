@@ -25,6 +25,12 @@ from .norm_rope import apply_rope
 # ready query 25.7 / 27.2 us against 20.1 / 16.0, the 4-layer Flash step 1.170 against 1.128 ms (2026-12-05,
 # docs/bench/h200_2026-12-05_bench_decode_attention.json, h200_2026-12-05_query_ready_flash4_*.json).
 DECODE_KERNEL = choice.Kernel("attention_core", "decode_attention", on_gpu_by_default=False)
+# The same kernel for a prefill chunk: a program per (token, 16 heads) walks the keys it can see (the window's 1-3
+# blocks, the picks or visible entries) instead of XLA's path, which writes the window's float32 logits and values,
+# a [tokens, k, head_dim] copy of a CSA layer's picked entries, and the float32 output before its inverse RoPE (about
+# 9 GiB of an 8,192-token chunk's kernel traffic per layer). Opt-in: not timed yet.
+PREFILL_KERNEL = choice.Kernel("attention_core", "prefill_attention", phases=frozenset({"prefill"}),
+                               on_gpu_by_default=False)
 
 
 def ring_positions(start: jax.Array, window: int, slots: jax.Array | None = None) -> jax.Array:
@@ -183,9 +189,13 @@ def attend(q: jax.Array, ring, kv: jax.Array, start: jax.Array, positions: jax.A
     decode kernel takes q and kv only as the norm_rope op's kernel makes them (normalised, rotated, rounded)."""
     seq = q.shape[1]
     scale = cfg.head_dim ** -0.5
-    fits = norm_rope.takes_kernel(cfg, ctx) and decode_attention.takes(seq, cfg.n_heads, cfg.head_dim,
-                                                                       cfg.window_size, cfg.rope_head_dim)
-    if choice.takes_kernel(DECODE_KERNEL, ctx, fits):
+    if ctx.phase == "prefill":          # the query and keys from XLA's fusions: normalised, rotated, rounded too
+        on_kernel = choice.takes_kernel(PREFILL_KERNEL, ctx, decode_attention.supported(
+            cfg.n_heads, cfg.head_dim, cfg.window_size, cfg.rope_head_dim) and q.dtype == kv.dtype)
+    else:
+        on_kernel = choice.takes_kernel(DECODE_KERNEL, ctx, norm_rope.takes_kernel(cfg, ctx) and decode_attention.takes(
+            seq, cfg.n_heads, cfg.head_dim, cfg.window_size, cfg.rope_head_dim))
+    if on_kernel:
         # the window, the compressed entries, the softmax and the inverse RoPE in one launch (two with the splits'
         # merge), reading only the entries attended (the whole compressed buffer is passed: a slice would be a
         # copy; the kernel stops at the visible entries)

@@ -8,7 +8,9 @@ What the pure-jnp path of layers/attention.py does in ~12 XLA kernels per layer 
 logits, three maxima, the sink, two sums, the value products and, for CSA, a gather of the picked entries into a
 [B, S, k, head_dim] copy). Here programs per (token, 16 query heads, split) walk their keys 64 at a time:
   - the window ring (the 128 positions before the chunk; slot = position mod 128), masked by position;
-  - the chunk's own keys up to the token (decode: itself; a speculative verify: the earlier drafts too);
+  - the chunk's own keys up to the token (decode: itself; a speculative verify: the earlier drafts too; a prefill
+    chunk: those within the window, in the 1-3 blocks of 64 that hold them; its tokens past the first `window`
+    read no ring block);
   - CSA (ratio 4): the indexer's picks, each row read from the compressed cache by its index (-1: no pick), so only
     the picked entries are read;
   - HCA (other ratios): the compressed entries the token can see (j < (t + 1) // ratio); the loop stops there, so
@@ -64,8 +66,8 @@ BLOCK_KEYS = 64      # keys per step of the online softmax
 COLUMNS = 64         # key columns per dot: the compact layout's scale block (kv_cache.KV_BLOCK)
 MAX_SPLITS = 16      # programs a token's keys may be spread over per head block (fewer as rows grow)
 NUM_WARPS, NUM_STAGES = 8, 2   # Triton's schedule of both launches
-MAX_ROWS = 16        # tokens per sequence the model sends here (decode, speculative verify); prefill chunks keep
-                     # the jnp path, whose matmuls share each key across the chunk's tokens
+MAX_ROWS = 16        # tokens per sequence of a decode or verify step: the chunk's keys in one block; a longer
+                     # (prefill) chunk walks the 64-key blocks of its window, one program per token and head block
 
 
 def supported(n_heads: int, head_dim: int, window: int, rope_dim: int | None = None) -> bool:
@@ -77,7 +79,8 @@ def supported(n_heads: int, head_dim: int, window: int, rope_dim: int | None = N
 
 
 def takes(seq: int, n_heads: int, head_dim: int, window: int, rope_dim: int | None = None) -> bool:
-    """Whether the model runs a call of `seq` tokens per sequence on this kernel."""
+    """Whether the model runs a decode or verify step of `seq` tokens per sequence on this kernel (a prefill
+    chunk of any length: `supported`)."""
     return seq <= MAX_ROWS and supported(n_heads, head_dim, window, rope_dim)
 
 
@@ -188,27 +191,37 @@ def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: i
         keys = _load_keys(ring_refs, pl.ds(j * BLOCK_KEYS, BLOCK_KEYS), blocks, dtype)
         return attend(carry, keys, (key_pos >= 0) & (t - key_pos < window))
     ring_first, ring_count = own_blocks(0, n_ring)
+    if seq > MAX_ROWS:         # a prefill chunk's tokens past the window's first see no ring key
+        ring_count = jnp.where(s < window, ring_count, 0)
     carry = jax.lax.fori_loop(0, ring_count, ring_block, carry)
 
-    # The chunk's own keys up to this token (rows past the chunk are clamped and masked).
-    chunk_keys = max(16, 1 << (seq - 1).bit_length())
-    i = jax.lax.iota(jnp.int32, chunk_keys)
-    chunk_rows = jnp.minimum(i, seq - 1)
-    keys = _load_keys((chunk_ref,), chunk_rows, blocks, dtype)
-    if kv_prologue:     # wkv's output -> rms_norm(kv_norm) -> RoPE at each row's position -> FP8 fake quant
-        kv32 = [k.astype(_F32) for k in keys]
-        r = jax.lax.rsqrt(sum(jnp.sum(k * k, axis=1) for k in kv32) / sum(w for _, w in blocks) + norm_eps)
-        keys = [(k * r[:, None] * kv_weight_ref[pl.ds(first, width)].astype(_F32)[None, :]).astype(dtype)
-                for k, (first, width) in zip(kv32, blocks)]
-        keys[-1] = _rotate(keys[-1].astype(_F32), start + chunk_rows, freq_ref[...], inverse=False).astype(dtype)
-        if kv_fake_quant:
-            keys[:-1] = [fp8_fake_quant(k.astype(_F32)).astype(dtype) for k in keys[:-1]]
+    if seq > MAX_ROWS:         # a prefill chunk: the chunk's keys within the window, a block of them at a time
+        def chunk_block(b, carry):
+            i = b * BLOCK_KEYS + slot_in_block
+            keys = _load_keys((chunk_ref,), jnp.minimum(i, seq - 1), blocks, dtype)   # rows past it clamped
+            return attend(carry, keys, (i <= s) & (s - i < window))
+        carry = jax.lax.fori_loop(jnp.maximum(s - window + 1, 0) // BLOCK_KEYS, s // BLOCK_KEYS + 1, chunk_block,
+                                  carry)
+    else:
+        # The chunk's own keys up to this token (rows past the chunk are clamped and masked).
+        chunk_keys = max(16, 1 << (seq - 1).bit_length())
+        i = jax.lax.iota(jnp.int32, chunk_keys)
+        chunk_rows = jnp.minimum(i, seq - 1)
+        keys = _load_keys((chunk_ref,), chunk_rows, blocks, dtype)
+        if kv_prologue:     # wkv's output -> rms_norm(kv_norm) -> RoPE at each row's position -> FP8 fake quant
+            kv32 = [k.astype(_F32) for k in keys]
+            r = jax.lax.rsqrt(sum(jnp.sum(k * k, axis=1) for k in kv32) / sum(w for _, w in blocks) + norm_eps)
+            keys = [(k * r[:, None] * kv_weight_ref[pl.ds(first, width)].astype(_F32)[None, :]).astype(dtype)
+                    for k, (first, width) in zip(kv32, blocks)]
+            keys[-1] = _rotate(keys[-1].astype(_F32), start + chunk_rows, freq_ref[...], inverse=False).astype(dtype)
+            if kv_fake_quant:
+                keys[:-1] = [fp8_fake_quant(k.astype(_F32)).astype(dtype) for k in keys[:-1]]
 
-        @pl.when((s == 0) & (pl.program_id(1) == 0) & first_split)     # one program per sequence writes them
-        def _():
-            for k, (first, width) in zip(keys, blocks):
-                kv_out_ref[chunk_rows, pl.ds(first, width)] = k
-    carry = attend(carry, keys, (i <= s) & (i * 0 + split == n_ring % n_splits))
+            @pl.when((s == 0) & (pl.program_id(1) == 0) & first_split)     # one program per sequence writes them
+            def _():
+                for k, (first, width) in zip(keys, blocks):
+                    kv_out_ref[chunk_rows, pl.ds(first, width)] = k
+        carry = attend(carry, keys, (i <= s) & (i * 0 + split == n_ring % n_splits))
 
     if ratio == 4:
         def pick_block(i, carry):
@@ -308,6 +321,8 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
     `rope`); returns (output, the keys [B, S, D]) for the window ring's write."""
     batch, seq, n_heads, head_dim = q.shape
     dtype = chunk_kv.dtype
+    if kv_prologue is not None and seq > MAX_ROWS:
+        raise ValueError(f"decode_attention: kv_prologue takes up to {MAX_ROWS} tokens per sequence, got {seq}")
     compact = isinstance(ring, dict)
     rope_dim = ring["rope"].shape[-1] if compact else None
     if kv_prologue is not None and rope is None:
@@ -338,7 +353,8 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
                          f"got {[str(a.dtype) for a in plain]}")
     rows = batch * seq
     n_entries = jax.tree.leaves(compressed)[0].shape[1] if ratio > 0 else 0
-    n_splits = max(1, MAX_SPLITS // rows)   # spread a token's keys over more programs where the batch is small
+    # spread a token's keys over more programs where the batch is small (a prefill chunk's tokens: one program each)
+    n_splits = max(1, MAX_SPLITS // rows) if seq <= MAX_ROWS else 1
     per_token = lambda r, h, j: (r, h, 0)            # noqa: E731
     per_sequence = lambda r, h, j: (r // seq, 0, 0)  # noqa: E731
     whole = lambda a: pl.BlockSpec((None, *a.shape[1:]), per_sequence)   # noqa: E731  one sequence's rows
