@@ -3,6 +3,7 @@ attention at Flash geometry (64 heads of 512, window 128; CSA: 512 picks of 1,02
 one token, and sweep the kernel's schedule (heads per program, keys per step, splits, warps, stages).
 
     python benchmarks/bench_decode_attention.py --out decode_attention.json
+    python benchmarks/bench_decode_attention.py --prefill 8192 --out prefill_attention.json   # a prefill chunk
 
 Each case runs 50 times chained in one jitted program (each call's query depends on the previous output, so
 the calls cannot overlap), on the attached GPU; the table gives microseconds per call. XLA's path is what the
@@ -40,6 +41,56 @@ def inputs(ratio: int, batch: int = 1):
     return dict(q=jnp.asarray(rng.standard_normal((batch, 1, 64, 512)), jnp.float32), ring=bf(batch, 128, 512),
                 kv=bf(batch, 1, 512), start=start, sink=jnp.asarray(rng.standard_normal(64), jnp.float32),
                 compressed=bf(batch, n_entries, 512), picks=picks if ratio == 4 else None)
+
+
+def prefill_inputs(ratio: int, tokens: int):
+    """One layer's inputs for a prefill chunk of `tokens` tokens at Flash geometry, the second chunk of a prompt
+    (positions tokens .. 2 tokens - 1: the ring full, CSA's 512 picks per token among its visible entries): the
+    query normalised and rotated in bf16, as XLA's fusions hand it to the attention core."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    bf = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16)   # noqa: E731
+    n_entries = 2 * tokens // ratio if ratio else 0
+    picks = None
+    if ratio == 4:
+        visible = (tokens + np.arange(tokens) + 1) // 4
+        picks = np.full((tokens, 512), -1, np.int32)          # (fewer visible than 512: -1, none, after them)
+        for i, v in enumerate(visible):
+            picks[i, :min(v, 512)] = rng.choice(v, min(v, 512), replace=False)
+        picks = picks[None]
+        picks = jnp.asarray(picks)
+    return dict(q=bf(1, tokens, 64, 512), ring=bf(1, 128, 512), kv=bf(1, tokens, 512),
+                start=jnp.full((1,), tokens, jnp.int32), sink=jnp.asarray(rng.standard_normal(64), jnp.float32),
+                compressed=bf(1, n_entries, 512) if ratio else None, picks=picks)
+
+
+def xla_prefill_path(q, ring, kv, start, sink, compressed, picks, *, ratio):
+    """What the model runs for a prefill chunk without the kernel: attention_core._attend (the window in blocks of
+    128 queries, the picked or visible entries) and the inverse RoPE."""
+    import jax.numpy as jnp
+
+    from dsv4_jax.numerics.kv_cache import PlainEntries
+    from dsv4_jax.ops import attention_core as attention
+    from dsv4_jax.ops.norm_rope import apply_rope
+
+    positions = start[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
+    sel = None if picks is None else (picks, (picks >= 0) & (picks < (positions[:, :, None] + 1) // 4))
+    out = attention._attend(q, PlainEntries(ring), kv, start, positions, sink, 512 ** -0.5, 128, ratio,
+                            None if compressed is None else PlainEntries(compressed), sel)
+    return apply_rope(out, positions[:, :, None], _inv_freq(), inverse=True)
+
+
+def kernel_prefill_path(q, ring, kv, start, sink, compressed, picks, *, ratio):
+    """The kernel on a prefill chunk as ops/attention_core.py calls it (query ready, inverse RoPE in the kernel);
+    in interpret mode without a GPU (a check of this script, not a timing)."""
+    import jax
+
+    from dsv4_jax.pallas_kernels import decode_attention as da
+    return da.decode_attention(q, ring, kv, start, sink, scale=512 ** -0.5, compressed=compressed, picks=picks,
+                               ratio=ratio, rope=(_inv_freq(), 1e-6), query_ready=True,
+                               interpret=jax.default_backend() != "gpu")
 
 
 def _inv_freq():
@@ -90,15 +141,15 @@ def kernel_without_rope(q, ring, kv, start, sink, compressed, picks, *, ratio):
                                compressed=compressed, picks=picks, ratio=ratio)
 
 
-def _timed(fn, args) -> float:
-    """Microseconds per call of fn, from ITERS calls chained in one program (unrolled: a loop on the GPU would add
+def _timed(fn, args, iters: int = ITERS) -> float:
+    """Microseconds per call of fn, from `iters` calls chained in one program (unrolled: a loop on the GPU would add
     its per-iteration condition check to every call), best of three runs."""
     import jax
     import jax.numpy as jnp
 
     def chain(q, *rest):
-        for _ in range(ITERS):
-            q = q + fn(q, *rest).astype(jnp.float32) * 1e-30
+        for _ in range(iters):
+            q = (q + fn(q, *rest).astype(jnp.float32) * 1e-30).astype(q.dtype)
         return q
 
     run = jax.jit(chain)
@@ -107,8 +158,49 @@ def _timed(fn, args) -> float:
     for _ in range(3):
         t0 = time.perf_counter()
         jax.block_until_ready(run(*args))
-        best = min(best, (time.perf_counter() - t0) / ITERS * 1e6)
+        best = min(best, (time.perf_counter() - t0) / iters * 1e6)
     return best
+
+
+PREFILL_ITERS = 5
+
+
+def sweep_prefill(tokens: int, heads: list[int], warps: list[int], stages: list[int]) -> list[dict]:
+    """A prefill chunk of `tokens` tokens per layer kind: XLA's path, then the kernel at each (heads per program,
+    warps, stages); the kernel's output checked against XLA's first (bf16: within 2e-2 of the largest value)."""
+    import functools
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dsv4_jax.pallas_kernels import decode_attention as da
+
+    rows = []
+    for ratio in (0, 4, 128):
+        x = prefill_inputs(ratio, tokens)
+        args_ = (x["q"], x["ring"], x["kv"], x["start"], x["sink"], x["compressed"], x["picks"])
+        want = np.asarray(xla_prefill_path(*args_, ratio=ratio).astype(jnp.float32))
+        rows.append({"ratio": ratio, "tokens": tokens, "path": "xla",
+                     "us": _timed(functools.partial(xla_prefill_path, ratio=ratio), args_, PREFILL_ITERS)})
+        print(rows[-1], flush=True)
+        defaults = (da.BLOCK_HEADS, da.NUM_WARPS, da.NUM_STAGES)
+        for block_heads, num_warps, num_stages in itertools.product(heads, warps, stages):
+            da.BLOCK_HEADS, da.NUM_WARPS, da.NUM_STAGES = block_heads, num_warps, num_stages
+            row = {"ratio": ratio, "tokens": tokens, "path": "kernel", "block_heads": block_heads,
+                   "num_warps": num_warps, "num_stages": num_stages}
+            try:
+                got = np.asarray(kernel_prefill_path(*args_, ratio=ratio).astype(jnp.float32))
+                row["max_diff"] = float(np.abs(got - want).max() / np.abs(want).max())
+                if not row["max_diff"] < 2e-2:
+                    raise RuntimeError(f"differs from XLA's path: {row['max_diff']:.3g} of the largest value")
+                row["us"] = _timed(functools.partial(kernel_prefill_path, ratio=ratio), args_, PREFILL_ITERS)
+            except Exception as err:       # a schedule Triton cannot compile (registers, shared memory), or wrong
+                row["us"] = None
+                row["error"] = str(err).splitlines()[0][:200]
+            rows.append(row)
+            print(rows[-1], flush=True)
+        da.BLOCK_HEADS, da.NUM_WARPS, da.NUM_STAGES = defaults
+    return rows
 
 
 def main(argv=None) -> int:
@@ -118,8 +210,22 @@ def main(argv=None) -> int:
     p.add_argument("--splits", default="1,4,8,16", help="MAX_SPLITS values to sweep")
     p.add_argument("--warps", default="4,8", help="warps per program to sweep")
     p.add_argument("--stages", default="2", help="Triton pipeline stages to sweep")
+    p.add_argument("--prefill", type=int, metavar="TOKENS",
+                   help="a prefill chunk of TOKENS tokens instead of a decode token (sweeps --heads, --warps, "
+                        "--stages)")
+    p.add_argument("--heads", default="16,32,64", help="query heads per program to sweep (--prefill)")
     args = p.parse_args(argv)
     ints = lambda text: [int(v) for v in text.split(",")]   # noqa: E731
+    if args.prefill:
+        rows = sweep_prefill(args.prefill, ints(args.heads), ints(args.warps), ints(args.stages))
+        print(f"\n{'ratio':>5} {'path':>6} {'heads':>5} {'warps':>5} {'stages':>6} {'ms':>8}")
+        for r in rows:
+            print(f"{r['ratio']:>5} {r['path']:>6} {r.get('block_heads', ''):>5} {r.get('num_warps', ''):>5} "
+                  f"{r.get('num_stages', ''):>6} {'-' if r['us'] is None else format(r['us'] / 1e3, '.3f'):>8}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"iters": PREFILL_ITERS, "rows": rows}, f, indent=1)
+        return 0
     import functools
 
     from dsv4_jax.pallas_kernels import decode_attention as da
