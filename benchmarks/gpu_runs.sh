@@ -19,9 +19,14 @@
 #            chunk's (8,192 tokens), by op family (command buffers off, so every kernel carries its HLO op; traces
 #            under /tmp)                                                     -> flash4_profile.{json,log}
 #   prefill8k Flash geometry, 4 layers: an 8,192-token prompt in one 8,192-token chunk, a process per variant
-#            (VARIANTS, default all): xla (the default), indexer (indexer_scores=kernel), fp8 (act_quant fp8),
-#            fp8_w4a8 (fp8 and matmul=kernel: the W4A8 kernel)
+#            (VARIANTS, default the first four): xla (the default), indexer (indexer_scores=kernel), fp8 (act_quant
+#            fp8), fp8_w4a8 (fp8 and matmul=kernel: the W4A8 kernel); also mhc_xla (mhc_site=reference: the
+#            Sinkhorn on XLA's path), attention (attention_core=kernel: the attention core's prefill kernel)
 #                                                                          -> flash4_prefill8k_<variant>.{json,log}
+#   kernels  one layer's kernels alone, Flash geometry: the attention core of an 8,192-token prefill chunk (XLA's
+#            path against the kernel's prefill schedules, benchmarks/bench_decode_attention.py --prefill) and the
+#            routed experts of decode steps of 32-256 tokens in 8-row slots (every compiled ffi/ schedule,
+#            benchmarks/bench_ffi.py --slotted-only)       -> prefill_attention.{json,log}, ffi_slotted.{json,log}
 #   chunks   Flash geometry, 4 layers: PROMPTS (default 8K and 32K) in chunks of each of CHUNKS (default 2048,
 #            4096, 8192), a process per chunk size, for the default chunk (docs/performance.md, "Prefill")
 #                                                                          -> flash4_chunk<N>.{json,log}
@@ -78,17 +83,24 @@ for part in "$@"; do
                     | tee "$OUT_DIR/flash4_profile.log" || status=1 ;;
         prefill8k)
                 declare -A variants=([xla]=none: [indexer]=none:indexer_scores=kernel [fp8]=fp8:
-                                     [fp8_w4a8]=fp8:matmul=kernel)
+                                     [fp8_w4a8]=fp8:matmul=kernel [mhc_xla]=none:mhc_site=reference
+                                     [attention]=none:attention_core=kernel)
                 for name in ${VARIANTS:-xla indexer fp8 fp8_w4a8}; do
                     [ -n "${variants[$name]:-}" ] || { echo "unknown prefill8k variant: $name" >&2; exit 2; }
                     IFS=: read -r aq override <<< "${variants[$name]}"
                     prefill "prefill8k_$name" "${BENCH_S:-150}" 8192 8192 --act-quant "$aq" \
                         ${override:+--kernel-override "$override"}
                 done ;;
+        kernels) timeout "${KERNEL_S:-240}" python3 benchmarks/bench_decode_attention.py --prefill 8192 \
+                     --out "$OUT_DIR/prefill_attention.json" 2>&1 | quiet | tee "$OUT_DIR/prefill_attention.log" || status=1
+                 timeout "${KERNEL_S:-240}" python3 benchmarks/bench_ffi.py --slotted-only 32,64,128,256 \
+                     --budget-s $(( ${KERNEL_S:-240} - 60 )) --out "$OUT_DIR/ffi_slotted.json" 2>&1 | quiet \
+                     | tee "$OUT_DIR/ffi_slotted.log" || status=1 ;;
         chunks) for chunk in ${CHUNKS:-2048 4096 8192}; do
                     prefill "chunk$chunk" "${BENCH_S:-180}" "${PROMPTS:-8192,32768}" "$chunk"
                 done ;;
-        *) echo "unknown part: $part (expected suite1-4, depth, matrix, profile, prefill8k or chunks)" >&2; exit 2 ;;
+        *) echo "unknown part: $part (expected suite1-4, depth, matrix, profile, prefill8k, kernels or chunks)" >&2
+           exit 2 ;;
     esac
 done
 exit $status
