@@ -91,7 +91,7 @@ for part in "$@"; do
                     prefill "prefill8k_$name" "${BENCH_S:-150}" 8192 8192 --act-quant "$aq" \
                         ${override:+--kernel-override "$override"}
                 done ;;
-        kernels) timeout "${KERNEL_S:-240}" python3 benchmarks/bench_decode_attention.py --prefill 8192 \
+        kernels) timeout "${KERNEL_S:-240}" python3 benchmarks/bench_decode_attention.py --prefill 8192 --warps 8,16 \
                      --out "$OUT_DIR/prefill_attention.json" 2>&1 | quiet | tee "$OUT_DIR/prefill_attention.log" || status=1
                  timeout "${KERNEL_S:-240}" python3 benchmarks/bench_ffi.py --slotted-only 32,64,128,256 \
                      --budget-s $(( ${KERNEL_S:-240} - 60 )) --out "$OUT_DIR/ffi_slotted.json" 2>&1 | quiet \
