@@ -183,9 +183,9 @@ def sweep_prefill(tokens: int, heads: list[int], warps: list[int], stages: list[
         rows.append({"ratio": ratio, "tokens": tokens, "path": "xla",
                      "us": _timed(functools.partial(xla_prefill_path, ratio=ratio), args_, PREFILL_ITERS)})
         print(rows[-1], flush=True)
-        defaults = (da.BLOCK_HEADS, da.NUM_WARPS, da.NUM_STAGES)
+        defaults = (da.PREFILL_BLOCK_HEADS, da.PREFILL_NUM_WARPS, da.NUM_STAGES)
         for block_heads, num_warps, num_stages in itertools.product(heads, warps, stages):
-            da.BLOCK_HEADS, da.NUM_WARPS, da.NUM_STAGES = block_heads, num_warps, num_stages
+            da.PREFILL_BLOCK_HEADS, da.PREFILL_NUM_WARPS, da.NUM_STAGES = block_heads, num_warps, num_stages
             row = {"ratio": ratio, "tokens": tokens, "path": "kernel", "block_heads": block_heads,
                    "num_warps": num_warps, "num_stages": num_stages}
             try:
@@ -199,7 +199,7 @@ def sweep_prefill(tokens: int, heads: list[int], warps: list[int], stages: list[
                 row["error"] = str(err).splitlines()[0][:200]
             rows.append(row)
             print(rows[-1], flush=True)
-        da.BLOCK_HEADS, da.NUM_WARPS, da.NUM_STAGES = defaults
+        da.PREFILL_BLOCK_HEADS, da.PREFILL_NUM_WARPS, da.NUM_STAGES = defaults
     return rows
 
 

@@ -327,17 +327,18 @@ def test_cuda_lowering_at_flash_geometry(ratio, query, batch, seq):
 
 
 # ---- a prefill chunk (more than MAX_ROWS tokens per sequence) ----------------------------------------------------
-@pytest.mark.parametrize("layout", ["plain", "compact"])
+@pytest.mark.parametrize("layout, heads", [("plain", 16), ("compact", 16), ("plain", 32)])
 @pytest.mark.parametrize("ratio", [0, 4, 128])
-def test_prefill_chunk_matches_float64(ratio, layout):
+def test_prefill_chunk_matches_float64(ratio, layout, heads, monkeypatch):
     """200 tokens per sequence (past the 128-token window and not a whole number of 64-key blocks), one sequence
     from position 0 (an empty ring) and one from a ring that has wrapped: each token reads the ring only while the
     window reaches back past the chunk's start, the chunk's keys within the window, and the picked / visible
     entries. A path that let a token see the chunk's keys beyond its window, skipped the ring for the chunk's first
-    tokens, or read past the chunk would fail here."""
+    tokens, or read past the chunk would fail here. heads 32: a program of 32 heads (PREFILL_BLOCK_HEADS)."""
+    monkeypatch.setattr(kernel, "PREFILL_BLOCK_HEADS", heads)
     rng = np.random.default_rng(40 + ratio)
     starts = [0, 300] if ratio != 128 else [5, 4500]
-    args = _inputs(rng, 2, 200, 16, 128, 160, ratio, starts)
+    args = _inputs(rng, 2, 200, heads, 128, 160, ratio, starts)
     stored = None
     if layout == "compact":
         args, stored = _compact(args, jnp.float32, 64)

@@ -66,6 +66,9 @@ BLOCK_KEYS = 64      # keys per step of the online softmax
 COLUMNS = 64         # key columns per dot: the compact layout's scale block (kv_cache.KV_BLOCK)
 MAX_SPLITS = 16      # programs a token's keys may be spread over per head block (fewer as rows grow)
 NUM_WARPS, NUM_STAGES = 8, 2   # Triton's schedule of both launches
+# A prefill chunk's schedule (more than MAX_ROWS tokens per sequence): heads per program (a divisor of the model's
+# heads; more heads share each key block a program loads) and warps. Not measured yet: the decode schedule's.
+PREFILL_BLOCK_HEADS, PREFILL_NUM_WARPS = 16, 8
 MAX_ROWS = 16        # tokens per sequence of a decode or verify step: the chunk's keys in one block; a longer
                      # (prefill) chunk walks the 64-key blocks of its window, one program per token and head block
 
@@ -323,6 +326,8 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
     dtype = chunk_kv.dtype
     if kv_prologue is not None and seq > MAX_ROWS:
         raise ValueError(f"decode_attention: kv_prologue takes up to {MAX_ROWS} tokens per sequence, got {seq}")
+    prefill = seq > MAX_ROWS
+    block_heads = PREFILL_BLOCK_HEADS if prefill and n_heads % PREFILL_BLOCK_HEADS == 0 else BLOCK_HEADS
     compact = isinstance(ring, dict)
     rope_dim = ring["rope"].shape[-1] if compact else None
     if kv_prologue is not None and rope is None:
@@ -354,13 +359,13 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
     rows = batch * seq
     n_entries = jax.tree.leaves(compressed)[0].shape[1] if ratio > 0 else 0
     # spread a token's keys over more programs where the batch is small (a prefill chunk's tokens: one program each)
-    n_splits = max(1, MAX_SPLITS // rows) if seq <= MAX_ROWS else 1
+    n_splits = 1 if prefill else max(1, MAX_SPLITS // rows)
     per_token = lambda r, h, j: (r, h, 0)            # noqa: E731
     per_sequence = lambda r, h, j: (r // seq, 0, 0)  # noqa: E731
     whole = lambda a: pl.BlockSpec((None, *a.shape[1:]), per_sequence)   # noqa: E731  one sequence's rows
     ring_parts = _parts(ring)
     start_spec = pl.BlockSpec((batch,), lambda r, h, j: (0,))
-    in_specs = [start_spec, pl.BlockSpec((BLOCK_HEADS,), lambda r, h, j: (h,))]
+    in_specs = [start_spec, pl.BlockSpec((block_heads,), lambda r, h, j: (h,))]
     args = [start.astype(jnp.int32), sink.astype(_F32)]
     freq = None
     if rope is not None:                          # each pair's frequency for both of its columns
@@ -368,12 +373,12 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
         in_specs.append(pl.BlockSpec((rope_dim,), lambda r, h, j: (0,)))
         args.append(freq)
     if n_splits > 1:                              # each split's running max, denominator and output
-        out_specs = [pl.BlockSpec((None, None, BLOCK_HEADS), lambda r, h, j: (r, j, h))] * 2 + [
-            pl.BlockSpec((None, None, BLOCK_HEADS, head_dim), lambda r, h, j: (r, j, h, 0))]
+        out_specs = [pl.BlockSpec((None, None, block_heads), lambda r, h, j: (r, j, h))] * 2 + [
+            pl.BlockSpec((None, None, block_heads, head_dim), lambda r, h, j: (r, j, h, 0))]
         out_shape = [jax.ShapeDtypeStruct((rows, n_splits, n_heads), _F32)] * 2 + [
             jax.ShapeDtypeStruct((rows, n_splits, n_heads, head_dim), _F32)]
     else:
-        out_specs = [pl.BlockSpec((None, BLOCK_HEADS, head_dim), per_token)]
+        out_specs = [pl.BlockSpec((None, block_heads, head_dim), per_token)]
         out_shape = [jax.ShapeDtypeStruct((rows, n_heads, head_dim), dtype)]
     if kv_prologue is not None:
         kv_weight, kv_fake_quant = kv_prologue
@@ -381,7 +386,7 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
         args.append(kv_weight)
         out_specs.append(whole(chunk_kv))
         out_shape.append(jax.ShapeDtypeStruct(chunk_kv.shape, dtype))
-    in_specs += ([pl.BlockSpec((None, BLOCK_HEADS, head_dim), per_token)]
+    in_specs += ([pl.BlockSpec((None, block_heads, head_dim), per_token)]
                  + [whole(a) for a in ring_parts] + [whole(chunk_kv)])
     args += [q.reshape(rows, n_heads, head_dim), *ring_parts, chunk_kv]
     comp_parts = _parts(compressed) if ratio > 0 else []
@@ -401,23 +406,24 @@ def decode_attention(q: jax.Array, ring, chunk_kv: jax.Array, start: jax.Array, 
                                comp_parts=len(comp_parts), dtype=dtype, norm_eps=None if rope is None else norm_eps,
                                kv_fake_quant=None if kv_prologue is None else bool(kv_fake_quant),
                                n_splits=n_splits, query_ready=query_ready)
-    params = pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    params = pltriton.CompilerParams(num_warps=PREFILL_NUM_WARPS if prefill else NUM_WARPS,
+                                     num_stages=NUM_STAGES)
     outs = pl.pallas_call(
-        kernel, grid=(rows, n_heads // BLOCK_HEADS, n_splits), in_specs=in_specs, out_specs=out_specs,
+        kernel, grid=(rows, n_heads // block_heads, n_splits), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, name="decode_attention", compiler_params=params)(*args)
     kv = outs[-1] if kv_prologue is not None else None
     if n_splits > 1:     # programs per (token, head block, block of columns): the splits' states are read once
         width = COLUMNS if rope is None else min(COLUMNS, rope_dim)
         merge = functools.partial(_merge_kernel, seq=seq, width=width, nope=head_dim - (rope_dim or 0), dtype=dtype,
                                   fused_rope=rope is not None)
-        part_spec = pl.BlockSpec((None, n_splits, BLOCK_HEADS), lambda r, h, c: (r, 0, h))
+        part_spec = pl.BlockSpec((None, n_splits, block_heads), lambda r, h, c: (r, 0, h))
         merge_specs = ([pl.BlockSpec((batch,), lambda r, h, c: (0,))]
                        + ([pl.BlockSpec((rope_dim,), lambda r, h, c: (0,))] if rope is not None else [])
                        + [part_spec, part_spec,
-                          pl.BlockSpec((None, n_splits, BLOCK_HEADS, width), lambda r, h, c: (r, 0, h, c))])
+                          pl.BlockSpec((None, n_splits, block_heads, width), lambda r, h, c: (r, 0, h, c))])
         out = pl.pallas_call(
-            merge, grid=(rows, n_heads // BLOCK_HEADS, head_dim // width), in_specs=merge_specs,
-            out_specs=pl.BlockSpec((None, BLOCK_HEADS, width), lambda r, h, c: (r, h, c)),
+            merge, grid=(rows, n_heads // block_heads, head_dim // width), in_specs=merge_specs,
+            out_specs=pl.BlockSpec((None, block_heads, width), lambda r, h, c: (r, h, c)),
             out_shape=jax.ShapeDtypeStruct((rows, n_heads, head_dim), dtype), interpret=interpret,
             name="decode_attention_merge", compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(
                 start.astype(jnp.int32), *([freq] if rope is not None else []), *outs[:3])
