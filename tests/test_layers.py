@@ -27,7 +27,7 @@ from dsv4_jax.layers.chunk import Chunk
 from dsv4_jax.numerics.kv_cache import PlainEntries
 from dsv4_jax.ops.compressor_step import compressor_update, init_compressor_state
 from dsv4_jax.layers.hyper import hc_head
-from dsv4_jax.ops.mhc_site import hc_post, hc_pre
+from dsv4_jax.ops.mhc_site import hc_post, hc_pre, sinkhorn
 from dsv4_jax.ops.moe_ffn import clamped_swiglu, moe, route
 from dsv4_jax.ops.norm_rope import apply_rope, rope_inv_freq
 from dsv4_jax.numerics.fake_quant import fp4_fake_quant, fp8_fake_quant, hadamard, round_to_e2m1
@@ -305,7 +305,8 @@ def test_hc_pre_post(tiny, sharpen, unroll):
     w = R.sub(weights, f"layers.{CSA}.")
     fn = (w["hc_attn_fn"] * sharpen).astype(np.float32)
     base, scale = w["hc_attn_base"], w["hc_attn_scale"]
-    u, post, comb = jax.jit(functools.partial(hc_pre, cfg=cfg, unroll_sinkhorn=unroll))(
+    normalise = functools.partial(sinkhorn, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, unroll=unroll)
+    u, post, comb = jax.jit(functools.partial(hc_pre, cfg=cfg, normalise=normalise))(
         jnp.asarray(X), jnp.asarray(fn), params["layers"][CSA]["hc_attn_base"], params["layers"][CSA]["hc_attn_scale"])
     ru, rpost, rcomb = R.hc_pre(X.astype(np.float64), fn.astype(np.float64), base, scale, cfg)
     assert_close(post, rpost, 1e-6, 1e-5, "hc_pre post = 2 sigmoid(.) (atol 1e-6 rtol 1e-5)")

@@ -48,11 +48,10 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float, unroll: bool = False) ->
 
 
 @jax.named_scope("mhc")
-def hc_pre(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: ModelConfig,
-           unroll_sinkhorn: bool = False, sinkhorn_kernel=None):
+def hc_pre(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: ModelConfig, normalise=None):
     """Collapse the streams X [..., n, D] for a sub-layer. Returns (u [..., D] in X.dtype, post [..., n], comb).
-    `unroll_sinkhorn`: see `sinkhorn` (unrolled on GPU plans); `sinkhorn_kernel`: a function of the logits that
-    takes the Sinkhorn's place (pallas_kernels/sinkhorn.py, as pre_norm chooses)."""
+    `normalise`: the Sinkhorn as a function of the logits [..., n, n] (pre_norm's choice: `sinkhorn` unrolled on GPU
+    plans, or pallas_kernels/sinkhorn.py); None: `sinkhorn` as a loop."""
     n = cfg.hc_mult
     m = mix_logits(X, fn, cfg.norm_eps)
     base = base.astype(jnp.float32)
@@ -60,10 +59,9 @@ def hc_pre(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, cfg: 
     pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + cfg.hc_eps
     post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb_logits = (m[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*m.shape[:-1], n, n)
-    if sinkhorn_kernel is not None:
-        comb = sinkhorn_kernel(comb_logits)
-    else:
-        comb = sinkhorn(comb_logits, cfg.hc_sinkhorn_iters, cfg.hc_eps, unroll_sinkhorn)
+    if normalise is None:
+        normalise = functools.partial(sinkhorn, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps)
+    comb = normalise(comb_logits)
     u = jnp.einsum("...n,...nd->...d", pre, X.astype(jnp.float32))
     return u.astype(X.dtype), post, comb
 
@@ -126,9 +124,11 @@ def pre_norm(X: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, nor
     if post_mix is not None:
         X = hc_post(post_mix[0], X, post_mix[1], post_mix[2])
     rows = math.prod(X.shape[:-2])
-    kernel = None
     if choice.takes_kernel(SINKHORN_KERNEL, ctx, sinkhorn_rows.takes(rows, cfg.hc_mult)):
-        kernel = functools.partial(sinkhorn_rows.sinkhorn_rows, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps,
-                                   interpret=ctx.kernels.interpret)
-    u, post, comb = hc_pre(X, fn, base, scale, cfg, unroll_sinkhorn=ctx.kernels.on_gpu, sinkhorn_kernel=kernel)
+        normalise = functools.partial(sinkhorn_rows.sinkhorn_rows, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps,
+                                      interpret=ctx.kernels.interpret)
+    else:
+        normalise = functools.partial(sinkhorn, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps,
+                                      unroll=ctx.kernels.on_gpu)
+    u, post, comb = hc_pre(X, fn, base, scale, cfg, normalise)
     return rms_norm(u, norm_weight, cfg.norm_eps), post, comb, X
