@@ -129,8 +129,11 @@ def queries(params: dict, cfg: ModelConfig, q_latent: jax.Array, positions: jax.
                                        in_dtype=q_latent.dtype, rope=(positions, inv_freq),
                                        interpret=ctx.kernels.interpret)
     q = linear(q_latent, params["wq_b"]["weight"], ctx=ctx).reshape(batch, seq, cfg.n_heads, cfg.head_dim)
-    q = rms_norm(q, None, cfg.norm_eps)
-    return apply_rope(q, positions[:, :, None], inv_freq)
+    q32 = q.astype(jnp.float32)
+    # rms_norm's arithmetic with its per-head factor kept apart (a barrier), so that XLA scales, rounds and rotates
+    # the queries in one pass over them, not a normalising pass and a rotating pass
+    factor = jax.lax.optimization_barrier(jax.lax.rsqrt(jnp.mean(q32 * q32, axis=-1, keepdims=True) + cfg.norm_eps))
+    return apply_rope((q32 * factor).astype(q.dtype), positions[:, :, None], inv_freq)
 
 
 def indexer_queries(wq_b, cfg: ModelConfig, q_latent: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
