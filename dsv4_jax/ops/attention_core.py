@@ -25,10 +25,11 @@ from .norm_rope import apply_rope
 # ready query 25.7 / 27.2 us against 20.1 / 16.0, the 4-layer Flash step 1.170 against 1.128 ms (2026-12-05,
 # docs/bench/h200_2026-12-05_bench_decode_attention.json, h200_2026-12-05_query_ready_flash4_*.json).
 DECODE_KERNEL = choice.Kernel("attention_core", "decode_attention", on_gpu_by_default=False)
-# The same kernel for a prefill chunk: a program per (token, 16 heads) walks the keys it can see (the window's 1-3
-# blocks, the picks or visible entries) instead of XLA's path, which writes the window's float32 logits and values,
-# a [tokens, k, head_dim] copy of a CSA layer's picked entries, and the float32 output before its inverse RoPE (about
-# 9 GiB of an 8,192-token chunk's kernel traffic per layer). Opt-in: not timed yet.
+# The same kernel for a prefill chunk: a program per (token, PREFILL_BLOCK_HEADS heads) walks the keys it can see
+# (the window's 1-3 blocks, the picks or visible entries) instead of XLA's path, which writes the window's float32
+# logits and values, a [tokens, k, head_dim] copy of a CSA layer's picked entries and the float32 output before its
+# inverse RoPE (about 10 GiB of an 8,192-token chunk's kernel traffic per layer, compiled for an H200; kernels.md).
+# Opt-in: not timed yet.
 PREFILL_KERNEL = choice.Kernel("attention_core", "prefill_attention", phases=frozenset({"prefill"}),
                                on_gpu_by_default=False)
 

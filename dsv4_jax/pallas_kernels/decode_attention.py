@@ -6,11 +6,12 @@ sink in one online softmax, reading only the keys a token can attend to.
 
 What the pure-jnp path of layers/attention.py does in ~12 XLA kernels per layer on the GPU (the window and compressed
 logits, three maxima, the sink, two sums, the value products and, for CSA, a gather of the picked entries into a
-[B, S, k, head_dim] copy). Here programs per (token, 16 query heads, split) walk their keys 64 at a time:
+[B, S, k, head_dim] copy). Here programs per (token, 16 query heads, split) walk their keys 64 at a time (a
+prefill chunk: per token and PREFILL_BLOCK_HEADS heads, no splits):
   - the window ring (the 128 positions before the chunk; slot = position mod 128), masked by position;
   - the chunk's own keys up to the token (decode: itself; a speculative verify: the earlier drafts too; a prefill
-    chunk: those within the window, in the 1-3 blocks of 64 that hold them; its tokens past the first `window`
-    read no ring block);
+    chunk: those within the window, in the 1-3 blocks of 64 that hold them; from its `window`-th token on, no
+    ring block);
   - CSA (ratio 4): the indexer's picks, each row read from the compressed cache by its index (-1: no pick), so only
     the picked entries are read;
   - HCA (other ratios): the compressed entries the token can see (j < (t + 1) // ratio); the loop stops there, so
@@ -194,7 +195,7 @@ def _kernel(*refs, seq: int, window: int, ratio: int, n_entries: int, n_picks: i
         keys = _load_keys(ring_refs, pl.ds(j * BLOCK_KEYS, BLOCK_KEYS), blocks, dtype)
         return attend(carry, keys, (key_pos >= 0) & (t - key_pos < window))
     ring_first, ring_count = own_blocks(0, n_ring)
-    if seq > MAX_ROWS:         # a prefill chunk's tokens past the window's first see no ring key
+    if seq > MAX_ROWS:         # from a prefill chunk's `window`-th token on, every ring key is too old
         ring_count = jnp.where(s < window, ring_count, 0)
     carry = jax.lax.fori_loop(0, ring_count, ring_block, carry)
 
