@@ -165,9 +165,10 @@ def _timed(fn, args, iters: int = ITERS) -> float:
 PREFILL_ITERS = 3     # chained calls per timed program (XLA compiles each unrolled copy of its path)
 
 
-def sweep_prefill(tokens: int, heads: list[int], warps: list[int], stages: list[int]) -> list[dict]:
+def sweep_prefill(tokens: int, heads: list[int], warps: list[int], stages: list[int], out: str | None) -> list[dict]:
     """A prefill chunk of `tokens` tokens per layer kind: XLA's path, then the kernel at each (heads per program,
-    warps, stages); the kernel's output checked against XLA's first (bf16: within 2e-2 of the largest value)."""
+    warps, stages); the kernel's output checked against XLA's first (bf16: within 2e-2 of the largest value). The
+    rows so far go to `out` after each case (a run stopped by its time limit keeps them)."""
     import functools
 
     import jax
@@ -177,13 +178,20 @@ def sweep_prefill(tokens: int, heads: list[int], warps: list[int], stages: list[
     from dsv4_jax.pallas_kernels import decode_attention as da
 
     rows = []
+
+    def emit(row):
+        rows.append(row)
+        print(row, flush=True)
+        if out:
+            with open(out, "w") as f:
+                json.dump({"iters": PREFILL_ITERS, "rows": rows}, f, indent=1)
+
     for ratio in (4, 0, 128):              # CSA first: the layer kind the kernel should help most
         x = prefill_inputs(ratio, tokens)
         args_ = (x["q"], x["ring"], x["kv"], x["start"], x["sink"], x["compressed"], x["picks"])
         want = np.asarray(jax.jit(functools.partial(xla_prefill_path, ratio=ratio))(*args_).astype(jnp.float32))
-        rows.append({"ratio": ratio, "tokens": tokens, "path": "xla",
-                     "us": _timed(functools.partial(xla_prefill_path, ratio=ratio), args_, PREFILL_ITERS)})
-        print(rows[-1], flush=True)
+        emit({"ratio": ratio, "tokens": tokens, "path": "xla",
+              "us": _timed(functools.partial(xla_prefill_path, ratio=ratio), args_, PREFILL_ITERS)})
         defaults = (da.PREFILL_BLOCK_HEADS, da.PREFILL_NUM_WARPS, da.NUM_STAGES)
         for block_heads, num_warps, num_stages in itertools.product(heads, warps, stages):
             da.PREFILL_BLOCK_HEADS, da.PREFILL_NUM_WARPS, da.NUM_STAGES = block_heads, num_warps, num_stages
@@ -199,8 +207,7 @@ def sweep_prefill(tokens: int, heads: list[int], warps: list[int], stages: list[
             except Exception as err:       # a schedule Triton cannot compile (registers, shared memory), or wrong
                 row["us"] = None
                 row["error"] = str(err).splitlines()[0][:200]
-            rows.append(row)
-            print(rows[-1], flush=True)
+            emit(row)
         da.PREFILL_BLOCK_HEADS, da.PREFILL_NUM_WARPS, da.NUM_STAGES = defaults
     return rows
 
@@ -219,14 +226,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     ints = lambda text: [int(v) for v in text.split(",")]   # noqa: E731
     if args.prefill:
-        rows = sweep_prefill(args.prefill, ints(args.heads), ints(args.warps), ints(args.stages))
+        rows = sweep_prefill(args.prefill, ints(args.heads), ints(args.warps), ints(args.stages), args.out)
         print(f"\n{'ratio':>5} {'path':>6} {'heads':>5} {'warps':>5} {'stages':>6} {'ms':>8}")
         for r in rows:
             print(f"{r['ratio']:>5} {r['path']:>6} {r.get('block_heads', ''):>5} {r.get('num_warps', ''):>5} "
                   f"{r.get('num_stages', ''):>6} {'-' if r['us'] is None else format(r['us'] / 1e3, '.3f'):>8}")
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"iters": PREFILL_ITERS, "rows": rows}, f, indent=1)
         return 0
     import functools
 
