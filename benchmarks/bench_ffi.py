@@ -266,27 +266,31 @@ SLOTTED_GEOMETRY = dict(experts=256, top_k=6, inter=2048, hidden=4096)      # De
 def run_slotted(args, key, emit, t0):
     """The routed experts of a decode step of B tokens as matmul_kernels.routed_gemv runs them from 22 tokens on:
     B x 6 rows (each token 6 distinct experts of 256, uniform) grouped by expert into slots of up to 8 rows
-    (moe.moe_schedule, slot_bound slots), the rows gathered into [slots, 8, K], one ffi.grouped_gemv launch per
-    projection (gate + up as a pair [256, 2 x 2048, 4096], down [256, 4096, 2048]) and each row's output taken
-    back; every compiled schedule of each, and the whole routed_gemv (its schedule included) at the default.
+    (moe.moe_schedule), the rows gathered into [slots, 8, K], one ffi.grouped_gemv launch per projection (gate + up
+    as a pair [256, 2 x 2048, 4096], down [256, 4096, 2048]) and each row's output taken back: routed_gemv itself,
+    at its default schedule and with its grouped_gemv pinned to each other compiled schedule.
     GB/s: the bytes of the experts the step touches, each read once, over the wall time per call; the expert sets
     rotate between calls so that no call finds another's experts in L2. Each case is checked first against XLA's
     float32 einsum of the first 48 rows with their dequantized experts."""
-    from dsv4_jax.ops.matmul_kernels import routed_gemv
+    from dsv4_jax.ops.matmul_kernels import MAX_MOE_ROWS, routed_gemv
     n_exp, top_k, inter, hidden = (SLOTTED_GEOMETRY[k] for k in ("experts", "top_k", "inter", "hidden"))
     copies, checked = 24, 48
     fmt = args.slotted_format
     w1, w3 = (make_weight(jax.random.fold_in(key, 300 + i), fmt, (n_exp, inter, hidden)) for i in range(2))
     w2 = make_weight(jax.random.fold_in(key, 302), fmt, (n_exp, hidden, inter))
-    capacity = ffi.max_rows(jnp.bfloat16)
     projections = [("gate_up", (w1, w3), hidden, SLOTTED_PAIR_SCHEDULES),
                    ("down", w2, inter, SLOTTED_SINGLE_SCHEDULES)]
+
+    def pinned(s):       # ffi.grouped_gemv at schedule s, whichever schedule routed_gemv asks for
+        return lambda x3, w, experts, out_dtype, *, schedule: ffi.grouped_gemv(x3, w, experts, out_dtype, schedule=s)
+
     for batch in [int(v) for v in args.slotted_only.split(",")]:
         ids = routed_expert_ids(batch, batch, n_exp, top_k)
         rows, touched = len(ids), len(set(ids.tolist()))
-        n_slots = moe.slot_bound(rows, capacity, n_exp + 1)
+        if rows <= MAX_MOE_ROWS:
+            raise SystemExit(f"--slotted-only: batch {batch} has {rows} routed rows; routed_gemv groups rows by "
+                             f"expert only beyond {MAX_MOE_ROWS} (from {MAX_MOE_ROWS // top_k + 1} tokens)")
         id_sets = [jnp.asarray((ids + 7 * j) % n_exp, jnp.int32) for j in range(copies)]
-        schedules = [jax.jit(moe.moe_schedule, static_argnums=(1, 2))(i, capacity, n_slots) for i in id_sets]
         for name, weights, k, swept in projections:
             if time.time() - t0 > args.budget_s:
                 print("budget reached", flush=True)
@@ -299,19 +303,11 @@ def run_slotted(args, key, emit, t0):
                                    for d in dequantized], -1)
             del dequantized
             wb = touched * sum(weight_bytes(jax.tree_util.tree_map(lambda a: a[0], w)) for w in stacked)
-            sets = [(weights, sched) for sched in schedules]
-
-            def slotted(x, ws, s):
-                weights, (slot_expert, slot_rows, slot_of_row, pos_of_row) = ws
-                x3 = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[slot_rows]
-                y3 = ffi.grouped_gemv(x3, weights, slot_expert, jnp.float32, schedule=s)
-                return y3[slot_of_row, pos_of_row]
-
-            whole = [(weights, i) for i in id_sets]
-            cases = [("routed_gemv", ffi.routed_schedule(weights),
-                      lambda x, wi: routed_gemv(x, wi[0], wi[1]), whole)] + [
-                ("slotted", s, functools.partial(slotted, s=s), sets) for s in swept]
-            for impl, sched, fn, operands in cases:
+            operands = [(weights, i) for i in id_sets]
+            cases = [("routed_gemv", ffi.routed_schedule(weights), lambda x, wi: routed_gemv(x, wi[0], wi[1]))] + [
+                ("slotted", s, lambda x, wi, s=s: routed_gemv(x, wi[0], wi[1], grouped_gemv=pinned(s)))
+                for s in swept]
+            for impl, sched, fn in cases:
                 try:
                     err = rel_err(jax.jit(fn)(x, operands[0])[:checked], ref)
                     if err > 1e-4:
@@ -322,10 +318,9 @@ def run_slotted(args, key, emit, t0):
                     emit(dict(name=f"slotted_{name}", m=batch, fmt=fmt, impl=impl, schedule=sched,
                               error=f"{type(e).__name__}: {e}"[:300]))
                     continue
-                emit(dict(name=f"slotted_{name}", m=batch, rows=rows, slots=n_slots, experts=touched,
-                          n=ref.shape[-1], k=k, fmt=fmt, impl=impl, schedule=sched, us=t[0], kernel_us=kt,
-                          rel_err=err, gbps=wb / t[0] / 1e3,
-                          kernel_gbps=wb / kt / 1e3 if kt else None))
+                emit(dict(name=f"slotted_{name}", m=batch, rows=rows, experts=touched, n=ref.shape[-1], k=k,
+                          fmt=fmt, impl=impl, schedule=sched, us=t[0], kernel_us=kt, rel_err=err,
+                          gbps=wb / t[0] / 1e3, kernel_gbps=wb / kt / 1e3 if kt else None))
 
 
 def run_concat(args, key, emit, t0):
