@@ -59,8 +59,7 @@ def prefill_inputs(ratio: int, tokens: int):
         picks = np.full((tokens, 512), -1, np.int32)          # (fewer visible than 512: -1, none, after them)
         for i, v in enumerate(visible):
             picks[i, :min(v, 512)] = rng.choice(v, min(v, 512), replace=False)
-        picks = picks[None]
-        picks = jnp.asarray(picks)
+        picks = jnp.asarray(picks[None])
     return dict(q=bf(1, tokens, 64, 512), ring=bf(1, 128, 512), kv=bf(1, tokens, 512),
                 start=jnp.full((1,), tokens, jnp.int32), sink=jnp.asarray(rng.standard_normal(64), jnp.float32),
                 compressed=bf(1, n_entries, 512) if ratio else None, picks=picks)
