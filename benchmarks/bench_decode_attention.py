@@ -183,7 +183,8 @@ def sweep_prefill(tokens: int, heads: list[int], warps: list[int], stages: list[
         print(row, flush=True)
         if out:
             with open(out, "w") as f:
-                json.dump({"iters": PREFILL_ITERS, "rows": rows}, f, indent=1)
+                json.dump({"device": jax.devices()[0].device_kind, "argv": sys.argv[1:], "iters": PREFILL_ITERS,
+                           "rows": rows}, f, indent=1)
 
     for ratio in (4, 0, 128):              # CSA first: the layer kind the kernel should help most
         x = prefill_inputs(ratio, tokens)
@@ -233,6 +234,8 @@ def main(argv=None) -> int:
         return 0
     import functools
 
+    import jax
+
     from dsv4_jax.pallas_kernels import decode_attention as da
 
     rows = []
@@ -268,7 +271,8 @@ def main(argv=None) -> int:
               f"{'-' if r['us'] is None else format(r['us'], '.1f'):>8}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"iters": ITERS, "rows": rows}, f, indent=1)
+            json.dump({"device": jax.devices()[0].device_kind, "argv": sys.argv[1:], "iters": ITERS, "rows": rows},
+                      f, indent=1)
     return 0
 
 

@@ -75,7 +75,7 @@ def main():
     args = ap.parse_args()
     t0 = time.time()
     results = []
-    emit = recorder(args.out, results)
+    emit = recorder(args.out, results, {"device": jax.devices()[0].device_kind, "argv": sys.argv[1:]})
 
     faulthandler.dump_traceback_later(args.budget_s + 150, exit=True)       # a stuck case shows where it stuck
     key = jax.random.key(0)

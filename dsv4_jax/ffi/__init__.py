@@ -34,6 +34,11 @@ ROUTED_SCHEDULE = 411
 # benchmarks/bench_ffi.py --gate-up-only (6 of 256 experts, M = 1 and 8): MXFP4 811 5-6% faster than 411, NVFP4 411
 # 3-5% faster than 811 (docs/kernels.md).
 ROUTED_PAIR_SCHEDULE = {Mxfp4Weight: 811, Nvfp4Weight: 411}
+# Routed calls whose slots each hold up to MAX_ROWS rows of one expert (ops/matmul_kernels.routed_gemv at 22-256
+# decode tokens: 136-400 slots): 411 for a pair too. Measured on an H100 (benchmarks/bench_ffi.py --slotted-only
+# 32,64,128,256, MXFP4, docs/bench/h100_2026-12-07_ffi_slotted.json): the gate + up pair 10-13% faster than 811
+# at 32, 64 and 128 tokens (2,500 against 2,250 GB/s), down on 411 already the fastest of the ten schedules.
+SLOTTED_SCHEDULE = 411
 _TARGETS = {Mxfp4Weight: ("fp4_gemv.cu", "dsv4_mxfp4_gemv", "DSV4Mxfp4Gemv"),
             Nvfp4Weight: ("fp4_gemv.cu", "dsv4_nvfp4_gemv", "DSV4Nvfp4Gemv"),
             Fp8BlockWeight: ("fp8_gemv.cu", "dsv4_fp8_gemv", "DSV4Fp8Gemv")}
@@ -222,8 +227,10 @@ def moe_gemv(x_rows: jax.Array, w_stacked, expert_ids: jax.Array, out_dtype=None
                         schedule=schedule or routed_schedule(w_stacked))[:, 0]
 
 
-def routed_schedule(w_stacked) -> int:
+def routed_schedule(w_stacked, *, slotted: bool = False) -> int:
     """The schedule of routed-expert calls, whose slots each read another expert: ROUTED_SCHEDULE, a pair
-    ROUTED_PAIR_SCHEDULE of its format."""
+    ROUTED_PAIR_SCHEDULE of its format; slots of several rows each (`slotted`): SLOTTED_SCHEDULE."""
+    if slotted:
+        return SLOTTED_SCHEDULE
     weights = _weights(w_stacked)
     return ROUTED_PAIR_SCHEDULE.get(type(_stored(weights[0])), 0) if len(weights) == 2 else ROUTED_SCHEDULE

@@ -367,7 +367,7 @@ def routed_gemv(xs: jax.Array, weights, row_experts: jax.Array, real: jax.Array 
     n_slots = moe.slot_bound(xs.shape[0], capacity, n_experts + 1)          # + 1: the rows of no expert (-1)
     slot_expert, slot_rows, slot_of_row, pos_of_row = moe.moe_schedule(experts, capacity, n_slots)
     x3 = jnp.concatenate([xs, jnp.zeros((1, xs.shape[1]), xs.dtype)])[slot_rows]     # [S, capacity, K]
-    y3 = grouped_gemv(x3, weights, slot_expert, jnp.float32, schedule=ffi.routed_schedule(weights))
+    y3 = grouped_gemv(x3, weights, slot_expert, jnp.float32, schedule=ffi.routed_schedule(weights, slotted=True))
     return y3[slot_of_row, pos_of_row]
 
 

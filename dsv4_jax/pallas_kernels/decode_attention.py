@@ -68,8 +68,11 @@ COLUMNS = 64         # key columns per dot: the compact layout's scale block (kv
 MAX_SPLITS = 16      # programs a token's keys may be spread over per head block (fewer as rows grow)
 NUM_WARPS, NUM_STAGES = 8, 2   # Triton's schedule of both launches
 # A prefill chunk's schedule (more than MAX_ROWS tokens per sequence): heads per program (a divisor of the model's
-# heads; more heads share each key block a program loads) and warps. Not measured yet: the decode schedule's.
-PREFILL_BLOCK_HEADS, PREFILL_NUM_WARPS = 16, 8
+# heads; more heads share each key block a program loads) and warps. Measured on an H100 (2026-12-07, Flash geometry,
+# one 8,192-token chunk, benchmarks/bench_decode_attention.py --prefill 8192 --warps 8,16,
+# docs/bench/h100_2026-12-07_prefill_attention_8192.json): 32 heads on 8 warps the fastest of 16/32/64 x 8/16 for
+# every layer kind: CSA 7.53 ms (XLA's path 8.62), window only 3.87 (2.71), HCA 4.73 (4.07). 16 warps: 1.6-2.1x slower.
+PREFILL_BLOCK_HEADS, PREFILL_NUM_WARPS = 32, 8
 MAX_ROWS = 16        # tokens per sequence of a decode or verify step: the chunk's keys in one block; a longer
                      # (prefill) chunk walks the 64-key blocks of its window, one program per token and head block
 
