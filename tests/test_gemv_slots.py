@@ -28,17 +28,23 @@ def _fp4_weight(rng, fmt, shape):
 
 
 class _StandIn:
-    """ffi.grouped_gemv's contract in jnp, recording the slot experts it was given (run eagerly)."""
+    """ffi.grouped_gemv's contract in jnp, recording the slot experts it was given (run eagerly). `routed`: the calls
+    must carry the routed schedules (one row per slot: the format's routed default; rows grouped into slots:
+    ffi.SLOTTED_SCHEDULE), else the shape's default (0)."""
 
-    def __init__(self):
+    def __init__(self, routed=False):
         self.slot_experts = []
+        self.routed = routed
 
     def __call__(self, x3, weights, slot_expert, out_dtype, *, schedule):
         self.rows_per_slot = x3.shape[1]
         assert x3.ndim == 3 and x3.shape[1] <= ffi.max_rows(x3.dtype)
         pair = weights if isinstance(weights, tuple) else (weights,)
         w = jnp.concatenate([p.dequantize(jnp.float32) for p in pair], axis=1)          # [E, N', K]
-        assert schedule in (0, ffi.routed_schedule(weights))
+        if self.routed:
+            assert schedule == (ffi.routed_schedule(weights) if x3.shape[1] == 1 else ffi.SLOTTED_SCHEDULE)
+        else:
+            assert schedule == 0
         y = jnp.einsum("smk,snk->smn", x3.astype(jnp.float32), w[jnp.maximum(slot_expert, 0)],
                        precision=jax.lax.Precision.HIGHEST)
         self.slot_experts.append(slot_expert)
@@ -61,7 +67,7 @@ def _case(rng, rows, n_experts=12, k=256, n=64, fmt="mxfp4", pair=False):
 def test_routed_gemv_rows_and_reads(rows, fmt, pair):
     rng = np.random.default_rng(rows + 7 * pair)
     weights, x, experts, real = _case(rng, rows, fmt=fmt, pair=pair)
-    stand_in = _StandIn()
+    stand_in = _StandIn(routed=True)
     y = matmul_kernels.routed_gemv(x, weights, jnp.asarray(experts), jnp.asarray(real), grouped_gemv=stand_in)
     y = np.asarray(y, np.float64)
     w64 = np.concatenate([np.asarray(p.dequantize(jnp.float32), np.float64)
@@ -82,7 +88,7 @@ def test_routed_gemv_rows_and_reads(rows, fmt, pair):
 def test_routed_gemv_without_real_computes_every_row():
     rng = np.random.default_rng(5)
     weights, x, experts, _ = _case(rng, 260)
-    y = matmul_kernels.routed_gemv(x, weights, jnp.asarray(experts), grouped_gemv=_StandIn())
+    y = matmul_kernels.routed_gemv(x, weights, jnp.asarray(experts), grouped_gemv=_StandIn(routed=True))
     want = np.einsum("rk,rnk->rn", np.asarray(x, np.float64),
                      np.asarray(weights.dequantize(jnp.float32), np.float64)[experts])
     assert np.abs(np.asarray(y, np.float64) - want).max() / np.abs(want).max() < 1e-5
