@@ -30,21 +30,22 @@ def _fp4_weight(rng, fmt, shape):
 class _StandIn:
     """ffi.grouped_gemv's contract in jnp, recording the slot experts it was given (run eagerly). `routed`: the calls
     must carry the routed schedules (one row per slot: the format's routed default; rows grouped into slots:
-    ffi.SLOTTED_SCHEDULE), else the shape's default (0)."""
+    ffi.SLOTTED_SCHEDULE) slot by slot, else the shape's default (0) tile by tile (one weight for every slot)."""
 
     def __init__(self, routed=False):
         self.slot_experts = []
         self.routed = routed
 
-    def __call__(self, x3, weights, slot_expert, out_dtype, *, schedule):
+    def __call__(self, x3, weights, slot_expert, out_dtype, *, schedule, slots_inner=False):
         self.rows_per_slot = x3.shape[1]
         assert x3.ndim == 3 and x3.shape[1] <= ffi.max_rows(x3.dtype)
         pair = weights if isinstance(weights, tuple) else (weights,)
         w = jnp.concatenate([p.dequantize(jnp.float32) for p in pair], axis=1)          # [E, N', K]
         if self.routed:
             assert schedule == (ffi.routed_schedule(weights) if x3.shape[1] == 1 else ffi.SLOTTED_SCHEDULE)
+            assert not slots_inner                          # every slot has its own expert
         else:
-            assert schedule == 0
+            assert schedule == 0 and slots_inner            # every slot reads the one weight: tile by tile
         y = jnp.einsum("smk,snk->smn", x3.astype(jnp.float32), w[jnp.maximum(slot_expert, 0)],
                        precision=jax.lax.Precision.HIGHEST)
         self.slot_experts.append(slot_expert)
@@ -182,3 +183,35 @@ def test_dense_slots_gemv_gpu(fmt, rows):
     y = np.asarray(jax.jit(matmul_kernels.dense_slots_gemv)(x, w), np.float64)
     want = np.asarray(x, np.float64) @ np.asarray(w.dequantize(jnp.float32), np.float64).T
     assert np.all(np.isfinite(y)) and np.abs(y - want).max() / np.abs(want).max() < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("schedule", [811, 411])
+def test_slots_inner_order_gpu(schedule):
+    """The real ffi.grouped_gemv with its work items tile by tile (slots_inner) against slot by slot: 37 slots of
+    their own experts (some unused, -1): each output element of a used slot must be the same bits whichever order
+    ran it, and match float64 (an unused slot's rows are never written, so they are not compared)."""
+    rng = np.random.default_rng()
+    w = _fp4_weight(rng, "mxfp4", (12, 256, 512))
+    x3 = jnp.asarray(rng.standard_normal((37, 8, 512)), jnp.bfloat16)
+    experts = rng.integers(-1, 12, 37).astype(np.int32)
+    run = jax.jit(lambda x3, e, inner: ffi.grouped_gemv(x3, w, e, jnp.float32, schedule=schedule, slots_inner=inner),
+                  static_argnums=2)
+    by_tile = np.asarray(run(x3, jnp.asarray(experts), True))
+    by_slot = np.asarray(run(x3, jnp.asarray(experts), False))
+    used = experts >= 0
+    np.testing.assert_array_equal(by_tile[used], by_slot[used])
+    w64 = np.asarray(w.dequantize(jnp.float32), np.float64)
+    want = np.einsum("smk,snk->smn", np.asarray(x3, np.float64)[used], w64[experts[used]])
+    assert np.abs(by_tile[used] - want).max() / np.abs(want).max() < 1e-5
+
+
+def test_slots_inner_refuses_the_staged_schedules():
+    """The staged kernel walks its items slot by slot only: asking it for tile by tile is a clear error, before
+    any build or launch (so on any machine)."""
+    rng = np.random.default_rng(3)
+    w = _fp4_weight(rng, "mxfp4", (4, 64, 256))
+    x3 = jnp.asarray(rng.standard_normal((3, 8, 256)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="staged schedules"):
+        ffi.grouped_gemv(x3, w, jnp.zeros((3,), jnp.int32), schedule=4811, slots_inner=True)

@@ -109,12 +109,16 @@ def _weights(w) -> tuple:
     return tuple(w) if isinstance(w, (tuple, list)) else (w,)
 
 
-def _launch(x3: jax.Array, w, experts: jax.Array, cols: int, schedule: int, out_dtype, handler: str = "") -> jax.Array:
+SLOTS_INNER = 100000    # the order digit of a schedule attribute (gemv_kernel.cuh): work items tile by tile
+
+
+def _launch(x3: jax.Array, w, experts: jax.Array, cols: int, schedule: int, out_dtype, handler: str = "",
+            slots_inner: bool = False) -> jax.Array:
     """One launch of a handler ("": one weight, "_pair", "_concat") of w's format: x3 [S, M, K] (float32 rows split
     into bf16 hi + lo rows, their products summed) times the stacked weight(s) w -> [S, M, cols] out_dtype (default
     x3.dtype). Shapes are checked by the callers. One FP8 weight with bf16 rows and a bf16 out_dtype takes the
     handler that rounds its float32 sums to bf16 as it stores them (the same values as a cast of the float32
-    output, without a cast kernel after the call)."""
+    output, without a cast kernel after the call). `slots_inner`: grouped_gemv's."""
     weights = _weights(w)
     stored = [_stored(v) for v in weights]
     source, handlers = _handlers(type(stored[0]))
@@ -128,7 +132,7 @@ def _launch(x3: jax.Array, w, experts: jax.Array, cols: int, schedule: int, out_
         y_dtype = jnp.float32
     call = jax.ffi.ffi_call(_TARGETS[type(stored[0])][1] + handler,
                             jax.ShapeDtypeStruct((*xs.shape[:2], cols), y_dtype))
-    attrs = {"schedule": np.int32(schedule)}
+    attrs = {"schedule": np.int32(schedule + SLOTS_INNER * slots_inner)}
     if source == "fp4_gemv.cu":                       # 0: checkpoint nibble order, 1: the GEMV layout
         attrs["layout"] = np.int32(isinstance(weights[0], GemvLayoutFp4))
     operands = [op for v in stored for op in _weight_operands(v)]
@@ -188,11 +192,14 @@ def _check_weight(w, x_k: int, what: str, stacked: bool):
     return n
 
 
-def grouped_gemv(x3: jax.Array, w_stacked, experts: jax.Array, out_dtype=None, *, schedule: int = 0) -> jax.Array:
+def grouped_gemv(x3: jax.Array, w_stacked, experts: jax.Array, out_dtype=None, *, schedule: int = 0,
+                 slots_inner: bool = False) -> jax.Array:
     """Slot s of x3 [S, M, K] (M <= 8 bf16 / <= 4 float32 rows) times expert experts[s] of w_stacked [E, N, K]
     (any format) -> [S, M, N] out_dtype (default x3.dtype); a pair (w_a, w_b) -> [S, M, 2N], w_a's products in
     columns 0 .. N. One launch; `schedule` picks a compiled tiling (gemv_kernel.cuh; 0 = default_schedule of the
-    shape; a pair: PAIR_SCHEDULES)."""
+    shape; a pair: PAIR_SCHEDULES). `slots_inner`: the kernel's work items tile by tile instead of slot by slot,
+    for slots that share their expert (dense_slots_gemv: the CTAs running at once read the same weight tiles, so
+    DRAM streams each once); not with the staged schedules (P digit 4)."""
     what = "ffi.grouped_gemv"
     if x3.ndim != 3 or not 1 <= x3.shape[1] <= max_rows(x3.dtype) or experts.shape != x3.shape[:1]:
         raise ValueError(f"{what}: x [S, M, K] with 1..{max_rows(x3.dtype)} {x3.dtype} rows per slot and experts "
@@ -202,7 +209,9 @@ def grouped_gemv(x3: jax.Array, w_stacked, experts: jax.Array, out_dtype=None, *
         raise ValueError(f"{what}: a pair of weights runs schedules {PAIR_SCHEDULES}, got {schedule}")
     pair = len(_weights(w_stacked)) == 2
     schedule = schedule or default_schedule(x3.shape[0], n, x3.shape[2])
-    return _launch(x3, w_stacked, experts, (1 + pair) * n, schedule, out_dtype, "_pair" if pair else "")
+    if slots_inner and schedule // 1000 % 10 == 4:
+        raise ValueError(f"{what}: the staged schedules (P digit 4) run slot by slot, got slots_inner with {schedule}")
+    return _launch(x3, w_stacked, experts, (1 + pair) * n, schedule, out_dtype, "_pair" if pair else "", slots_inner)
 
 
 def gemv(x: jax.Array, w, out_dtype=None, *, schedule: int = 0) -> jax.Array:

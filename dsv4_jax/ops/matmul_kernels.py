@@ -177,15 +177,17 @@ def _takes_dense_slots(x2: jax.Array, weight, plan: KernelPlan) -> bool:
 
 def dense_slots_gemv(x2: jax.Array, weight, *, grouped_gemv=ffi.grouped_gemv) -> jax.Array:
     """float32 x2 [R, K] @ dequant(W [N, K])^T on the ffi/ GEMV in one launch: the rows in slots of ffi.max_rows
-    (zero rows pad the last), every slot times the one weight (a stack of one expert), so the weight is read once
-    per slot, after the first mostly from L2. -> float32 [R, N]. `grouped_gemv`: ffi.grouped_gemv (tests pass a
-    reference with its contract)."""
+    (zero rows pad the last), every slot times the one weight (a stack of one expert). The kernel's work items run
+    tile by tile (`slots_inner`), so the slots of a tile run on CTAs at the same time, meant for DRAM to stream each
+    tile once and the other slots to read it from L2 (slot by slot, the next slot comes to a tile only after the
+    whole weight has passed, and most weights are larger than L2; not yet timed). -> float32 [R, N]. `grouped_gemv`: ffi.grouped_gemv (tests pass a reference with
+    its contract)."""
     rows, k = x2.shape
     capacity = ffi.max_rows(x2.dtype)
     slots = -(-rows // capacity)
     x3 = jnp.pad(x2, ((0, slots * capacity - rows), (0, 0))).reshape(slots, capacity, k)
     stacked = jax.tree.map(lambda a: a[None], weight)
-    y3 = grouped_gemv(x3, stacked, np.zeros((slots,), np.int32), jnp.float32, schedule=0)
+    y3 = grouped_gemv(x3, stacked, np.zeros((slots,), np.int32), jnp.float32, schedule=0, slots_inner=True)
     return y3.reshape(slots * capacity, -1)[:rows]
 
 
