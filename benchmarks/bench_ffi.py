@@ -4,6 +4,7 @@ same matrix side by side in the same process.
     python3 benchmarks/bench_ffi.py --out $OUT/bench_ffi.json [--budget-s 300]
     python3 benchmarks/bench_ffi.py --gate-up-only --out $OUT/bench_gate_up.json    # gate + up: one launch or two
     python3 benchmarks/bench_ffi.py --concat-only --out $OUT/bench_concat.json      # wq_a + wkv: one launch or two
+    python3 benchmarks/bench_ffi.py --dense-slots-only 32,64    # dense FP8 at 32 / 64 rows: every slot order
 
 Method as benchmarks/bench_kernels.py (its time_calls / profiled_kernel_us): every case is checked against the
 reference first; wall time per call in one jitted program over weight copies that L2 cannot hold; kernel time
@@ -72,6 +73,10 @@ def main():
                     help="only the routed experts of decode steps of these batches (e.g. 32,64,128,256) as "
                          "routed_gemv runs them from 22 tokens on: rows grouped by expert into 8-row slots")
     ap.add_argument("--slotted-format", default="mxfp4", choices=("mxfp4", "nvfp4"))
+    ap.add_argument("--dense-slots-only", default="",
+                    help="only the dense FP8 projections at these row counts (e.g. 32,64; at most 64): the Pallas "
+                         "GEMV (the model's default) against the ffi/ GEMV in 8-row slots slot by slot, tile by "
+                         "tile and in slot groups (811, 411), and dense_slots_gemv's pick")
     args = ap.parse_args()
     t0 = time.time()
     results = []
@@ -85,6 +90,10 @@ def main():
         return
     if args.slotted_only:
         run_slotted(args, key, emit, t0)
+        summary(results)
+        return
+    if args.dense_slots_only:
+        run_dense_slots(args, key, emit, t0)
         summary(results)
         return
     schedules = [int(s) for s in args.schedules.split(",")]
@@ -321,6 +330,66 @@ def run_slotted(args, key, emit, t0):
                 emit(dict(name=f"slotted_{name}", m=batch, rows=rows, experts=touched, n=ref.shape[-1], k=k,
                           fmt=fmt, impl=impl, schedule=sched, us=t[0], kernel_us=kt, rel_err=err,
                           gbps=wb / t[0] / 1e3, kernel_gbps=wb / kt / 1e3 if kt else None))
+
+
+DENSE_SLOT_SHAPES = ("wq_b", "wo_b", "wo_a", "shared_w1", "shared_w2", "wq_a", "wkv")
+
+
+def run_dense_slots(args, key, emit, t0):
+    """The model's dense FP8 projections at the rows of a serving decode step (9-64 rows), every way this package
+    can run them: the Pallas GEMV (gemv.fp8_matmul, the default at 17-256 rows), and the ffi/ GEMV with the rows in
+    slots of 8 (one launch) slot by slot, tile by tile (slots_inner) and in slot groups (shared_weight_gemv at each
+    of its schedules), plus matmul_kernels.dense_slots_gemv (what `--kernel-override matmul=kernel` runs). GB/s:
+    the weight's bytes (read once) over the wall time per call, the copies rotating past L2; each case checked
+    against the float32 reference first."""
+    from dsv4_jax.ops.matmul_kernels import MAX_DENSE_SLOT_ROWS, dense_slots_gemv
+    ms = [int(v) for v in args.dense_slots_only.split(",")]
+    if any(not ffi.MAX_ROWS < m <= MAX_DENSE_SLOT_ROWS for m in ms):
+        raise SystemExit(f"--dense-slots-only: rows must be {ffi.MAX_ROWS + 1}..{MAX_DENSE_SLOT_ROWS}, got {ms}")
+
+    def slotted(x, w, *, inner):
+        slots = -(-x.shape[0] // ffi.MAX_ROWS)
+        x3 = jnp.pad(x, ((0, slots * ffi.MAX_ROWS - x.shape[0]), (0, 0))).reshape(slots, ffi.MAX_ROWS, -1)
+        stacked = jax.tree_util.tree_map(lambda a: a[None], w)
+        y3 = ffi.grouped_gemv(x3, stacked, jnp.zeros((slots,), jnp.int32), jnp.float32, slots_inner=inner)
+        return y3.reshape(-1, y3.shape[-1])[:x.shape[0]]
+
+    def grouped(x, w, *, schedule):
+        slots = -(-x.shape[0] // ffi.MAX_ROWS)
+        x3 = jnp.pad(x, ((0, slots * ffi.MAX_ROWS - x.shape[0]), (0, 0))).reshape(slots, ffi.MAX_ROWS, -1)
+        y3 = ffi.shared_weight_gemv(x3, w, jnp.float32, schedule=schedule)
+        return y3.reshape(-1, y3.shape[-1])[:x.shape[0]]
+
+    cases = [("pallas", lambda x, w: gemv.fp8_matmul(x, w, jnp.float32)),
+             ("slot_by_slot", functools.partial(slotted, inner=False)),
+             ("tile_by_tile", functools.partial(slotted, inner=True))]
+    cases += [(f"slot_groups_{s}", functools.partial(grouped, schedule=s)) for s in ffi.SLOT_GROUP_SCHEDULES]
+    cases += [("dense_slots_gemv", dense_slots_gemv)]
+    for name, n, k in [s for s in SHAPES if s[0] in DENSE_SLOT_SHAPES]:
+        c = min(MAX_COPIES, max(2, math.ceil(ROTATE_BYTES / nbytes(jax.eval_shape(lambda: make_weight(key, "fp8",
+                                                                                                         (n, k)))))))
+        ws = [make_weight(jax.random.fold_in(key, i), "fp8", (n, k)) for i in range(c)]
+        wb = weight_bytes(ws[0])
+        for m in ms:
+            if time.time() - t0 > args.budget_s:
+                print("budget reached", flush=True)
+                return
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.float32).astype(jnp.bfloat16)
+            ref = jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32, ctx=REFERENCE))(x, ws[0])
+            reps = max(2, int(2000 / (len(ws) * max(1, n * k // (1 << 24)))))
+            for impl, fn in cases:
+                try:
+                    err = rel_err(jax.jit(fn)(x, ws[0]), ref)
+                    if err > 1e-4:
+                        raise RuntimeError(f"wrong result: rel. err {err:.3g}")
+                    t = time_calls(fn, ws, x, reps, repeats=3)
+                    kt = profiled_kernel_us(fn, x, ws)
+                except Exception as e:  # noqa: BLE001
+                    emit(dict(name=name, m=m, fmt="fp8", impl=impl, error=f"{type(e).__name__}: {e}"[:300]))
+                    continue
+                emit(dict(name=name, m=m, n=n, k=k, fmt="fp8", impl=impl, us=t[0], kernel_us=kt, rel_err=err,
+                          gbps=wb / t[0] / 1e3, kernel_gbps=wb / kt / 1e3 if kt else None))
+        del ws
 
 
 def run_concat(args, key, emit, t0):

@@ -27,6 +27,9 @@
 #            path against the kernel's prefill schedules, benchmarks/bench_decode_attention.py --prefill) and the
 #            routed experts of decode steps of 32-256 tokens in 8-row slots (every compiled ffi/ schedule,
 #            benchmarks/bench_ffi.py --slotted-only)       -> prefill_attention.{json,log}, ffi_slotted.{json,log}
+#   dense    the dense FP8 projections alone at 32 and 64 rows: the Pallas GEMV (the default) against the ffi/ GEMV
+#            in 8-row slots slot by slot, tile by tile and in slot groups (benchmarks/bench_ffi.py --dense-slots-only)
+#                                                                          -> ffi_dense_slots.{json,log}
 #   chunks   Flash geometry, 4 layers: PROMPTS (default 8K and 32K) in chunks of each of CHUNKS (default 2048,
 #            4096, 8192), a process per chunk size, for the default chunk (docs/performance.md, "Prefill")
 #                                                                          -> flash4_chunk<N>.{json,log}
@@ -96,10 +99,13 @@ for part in "$@"; do
                  timeout "${KERNEL_S:-240}" python3 benchmarks/bench_ffi.py --slotted-only 32,64,128,256 \
                      --budget-s $(( ${KERNEL_S:-240} - 60 )) --out "$OUT_DIR/ffi_slotted.json" 2>&1 | quiet \
                      | tee "$OUT_DIR/ffi_slotted.log" || status=1 ;;
+        dense)  timeout "${KERNEL_S:-240}" python3 benchmarks/bench_ffi.py --dense-slots-only 32,64 \
+                    --budget-s $(( ${KERNEL_S:-240} - 60 )) --out "$OUT_DIR/ffi_dense_slots.json" 2>&1 | quiet \
+                    | tee "$OUT_DIR/ffi_dense_slots.log" || status=1 ;;
         chunks) for chunk in ${CHUNKS:-2048 4096 8192}; do
                     prefill "chunk$chunk" "${BENCH_S:-180}" "${PROMPTS:-8192,32768}" "$chunk"
                 done ;;
-        *) echo "unknown part: $part (expected suite1-4, depth, matrix, profile, prefill8k, kernels or chunks)" >&2
+        *) echo "unknown part: $part (expected suite1-4, depth, matrix, profile, prefill8k, kernels, dense or chunks)" >&2
            exit 2 ;;
     esac
 done

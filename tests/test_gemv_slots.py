@@ -1,6 +1,6 @@
 """The ffi/ GEMV in slots of rows (ops/matmul_kernels.py): routed_gemv, the routed rows of a decode or verify step,
 one slot per row or grouped by expert into slots of up to 8 rows; dense_slots_gemv, 9-64 rows times one weight in
-slots of 8 (opt-in). Runs on the CPU with a stand-in for ffi.grouped_gemv that keeps its contract (slot s times
+slots of 8 (opt-in; FP8 on ffi.shared_weight_gemv's slot groups). Runs on the CPU with a stand-in for ffi.grouped_gemv that keeps its contract (slot s times
 expert slot_expert[s]; a slot of expert -1 is skipped, its rows unwritten: poisoned here), and checks the rows
 against float64 products and which slots read which expert; on the GPU (`-m gpu`) the real kernel."""
 
@@ -50,6 +50,13 @@ class _StandIn:
                        precision=jax.lax.Precision.HIGHEST)
         self.slot_experts.append(slot_expert)
         return jnp.where(slot_expert[:, None, None] >= 0, y, jnp.nan).astype(out_dtype)        # unwritten: poison
+
+    def shared(self, x3, w, out_dtype=None, *, schedule=0):
+        """ffi.shared_weight_gemv's contract: every slot times the one (FP8) weight; recorded as slots of expert 0."""
+        assert isinstance(w, Fp8BlockWeight) and schedule in (0, *ffi.SLOT_GROUP_SCHEDULES)
+        self.shared_calls = getattr(self, "shared_calls", 0) + 1
+        return self(x3, jax.tree.map(lambda a: a[None], w), jnp.zeros((x3.shape[0],), jnp.int32),
+                    out_dtype or x3.dtype, schedule=0, slots_inner=True)
 
 
 def _case(rng, rows, n_experts=12, k=256, n=64, fmt="mxfp4", pair=False):
@@ -101,21 +108,25 @@ def _fp8_weight(rng, shape):
     return Fp8BlockWeight(jnp.asarray(w, jnp.float32).astype(jnp.float8_e4m3fn), jnp.asarray(scale, jnp.uint8))
 
 
-@pytest.mark.parametrize("rows, dtype, fmt", [(9, jnp.bfloat16, "fp8"), (32, jnp.bfloat16, "mxfp4"),
-                                              (61, jnp.float32, "fp8"), (64, jnp.bfloat16, "nvfp4")])
-def test_dense_slots_gemv(rows, dtype, fmt):
-    """Every row against float64, the slots of ffi.max_rows rows (4 float32), one weight for all."""
+@pytest.mark.parametrize("rows, dtype, fmt, n", [(9, jnp.bfloat16, "fp8", 2064), (32, jnp.bfloat16, "mxfp4", 192),
+                                                 (61, jnp.float32, "fp8", 2064), (64, jnp.bfloat16, "nvfp4", 192),
+                                                 (40, jnp.bfloat16, "fp8", 192)])
+def test_dense_slots_gemv(rows, dtype, fmt, n):
+    """Every row against float64, the slots of ffi.max_rows rows (4 float32), one weight for all: FP8 with more
+    tiles x slot groups than ffi.FEW_TILES (2064 rows: 129 tiles) on the slot-group kernel, else tile by tile."""
     rng = np.random.default_rng(rows)
-    w = _fp8_weight(rng, (192, 256)) if fmt == "fp8" else _fp4_weight(rng, fmt, (192, 256))
+    w = _fp8_weight(rng, (n, 256)) if fmt == "fp8" else _fp4_weight(rng, fmt, (n, 256))
     x = jnp.asarray(rng.standard_normal((rows, 256)), dtype)
     stand_in = _StandIn()
-    y = np.asarray(matmul_kernels.dense_slots_gemv(x, w, grouped_gemv=stand_in), np.float64)
+    y = np.asarray(matmul_kernels.dense_slots_gemv(x, w, grouped_gemv=stand_in, shared_weight_gemv=stand_in.shared),
+                   np.float64)
     want = np.asarray(x, np.float64) @ np.asarray(w.dequantize(jnp.float32), np.float64).T
     assert y.shape == want.shape
     assert np.abs(y - want).max() / np.abs(want).max() < 1e-5
     slot_expert = np.asarray(stand_in.slot_experts[0])
     capacity = ffi.max_rows(dtype)
     assert stand_in.rows_per_slot == capacity and slot_expert.tolist() == [0] * -(-rows // capacity)
+    assert getattr(stand_in, "shared_calls", 0) == (fmt == "fp8" and n // 16 > ffi.FEW_TILES)   # slot groups
 
 
 def test_dense_slots_are_opt_in_on_cuda_plans(monkeypatch):
@@ -215,3 +226,35 @@ def test_slots_inner_refuses_the_staged_schedules():
     x3 = jnp.asarray(rng.standard_normal((3, 8, 256)), jnp.bfloat16)
     with pytest.raises(ValueError, match="staged schedules"):
         ffi.grouped_gemv(x3, w, jnp.zeros((3,), jnp.int32), schedule=4811, slots_inner=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("slots, m, dtype, schedule", [(11, 8, jnp.bfloat16, 411), (3, 5, jnp.bfloat16, 811),
+                                                       (8, 8, jnp.bfloat16, 0), (5, 4, jnp.float32, 411)])
+def test_shared_weight_gemv_gpu(slots, m, dtype, schedule):
+    """The slot-group kernel (each weight tile decoded once for up to 8 slots; 11 slots: a group of 8 and one of 3)
+    against float64, and against grouped_gemv slot by slot at the same warps: the same MMAs in the same order per
+    slot, so the same bits."""
+    rng = np.random.default_rng()
+    w = _fp8_weight(rng, (384, 1024))
+    x3 = jnp.asarray(rng.standard_normal((slots, m, 1024)), dtype)
+    y = np.asarray(jax.jit(lambda x3: ffi.shared_weight_gemv(x3, w, jnp.float32, schedule=schedule))(x3))
+    stacked = jax.tree.map(lambda a: a[None], w)
+    by_slot = np.asarray(jax.jit(lambda x3: ffi.grouped_gemv(x3, stacked, jnp.zeros((slots,), jnp.int32), jnp.float32,
+                                                             schedule=schedule or ffi.SLOT_GROUP_SCHEDULE))(x3))
+    np.testing.assert_array_equal(y, by_slot)
+    want = np.einsum("smk,nk->smn", np.asarray(x3, np.float64), np.asarray(w.dequantize(jnp.float32), np.float64))
+    assert np.abs(y - want).max() / np.abs(want).max() < 1e-5
+
+
+def test_shared_weight_gemv_refuses_what_it_cannot_run():
+    """FP4 weights, other schedules and too many rows per slot: one-line errors before any build or launch."""
+    rng = np.random.default_rng(5)
+    x3 = jnp.asarray(rng.standard_normal((3, 8, 256)), jnp.bfloat16)
+    with pytest.raises(TypeError, match="FP8-block"):
+        ffi.shared_weight_gemv(x3, _fp4_weight(rng, "mxfp4", (64, 256)))
+    with pytest.raises(ValueError, match="slot groups run schedules"):
+        ffi.shared_weight_gemv(x3, _fp8_weight(rng, (64, 256)), schedule=11)
+    with pytest.raises(ValueError, match="rows per slot"):
+        ffi.shared_weight_gemv(jnp.zeros((3, 9, 256), jnp.bfloat16), _fp8_weight(rng, (64, 256)))

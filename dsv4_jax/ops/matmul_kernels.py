@@ -175,19 +175,27 @@ def _takes_dense_slots(x2: jax.Array, weight, plan: KernelPlan) -> bool:
             and ffi.max_rows(x2.dtype) < x2.shape[0] <= MAX_DENSE_SLOT_ROWS and _ffi_fits(1, x2.dtype, n, k))
 
 
-def dense_slots_gemv(x2: jax.Array, weight, *, grouped_gemv=ffi.grouped_gemv) -> jax.Array:
+def dense_slots_gemv(x2: jax.Array, weight, *, grouped_gemv=ffi.grouped_gemv,
+                     shared_weight_gemv=ffi.shared_weight_gemv) -> jax.Array:
     """float32 x2 [R, K] @ dequant(W [N, K])^T on the ffi/ GEMV in one launch: the rows in slots of ffi.max_rows
-    (zero rows pad the last), every slot times the one weight (a stack of one expert). The kernel's work items run
-    tile by tile (`slots_inner`), so the slots of a tile run on CTAs at the same time, meant for DRAM to stream each
-    tile once and the other slots to read it from L2 (slot by slot, the next slot comes to a tile only after the
-    whole weight has passed, and most weights are larger than L2; not yet timed). -> float32 [R, N]. `grouped_gemv`: ffi.grouped_gemv (tests pass a reference with
-    its contract)."""
+    (zero rows pad the last), every slot times the one weight. An FP8 weight: ffi.shared_weight_gemv, each weight
+    tile read and decoded once for up to 8 slots, where that makes more work items (tiles x slot groups) than
+    ffi.FEW_TILES (fewer would leave most SMs idle: wq_a's 64 tiles at 32 rows). Else (and FP4) ffi.grouped_gemv
+    over a stack of one expert, its work items tile by tile (`slots_inner`), so the slots of a tile run on CTAs at
+    the same time, meant for DRAM to stream each tile once and the other slots to read it from L2 (slot by slot,
+    the next slot comes to a tile only after the whole weight has passed, and most weights are larger than L2).
+    Neither is timed yet (benchmarks/bench_ffi.py --dense-slots-only). -> float32 [R, N].
+    `grouped_gemv`, `shared_weight_gemv`: the ffi/ calls (tests pass references with their contracts)."""
     rows, k = x2.shape
     capacity = ffi.max_rows(x2.dtype)
     slots = -(-rows // capacity)
     x3 = jnp.pad(x2, ((0, slots * capacity - rows), (0, 0))).reshape(slots, capacity, k)
-    stacked = jax.tree.map(lambda a: a[None], weight)
-    y3 = grouped_gemv(x3, stacked, np.zeros((slots,), np.int32), jnp.float32, schedule=0, slots_inner=True)
+    groups = -(-slots // ffi.SLOT_GROUP)
+    if isinstance(weight, Fp8BlockWeight) and groups * (weight.shape[0] // 16) > ffi.FEW_TILES:
+        y3 = shared_weight_gemv(x3, weight, jnp.float32)
+    else:
+        stacked = jax.tree.map(lambda a: a[None], weight)
+        y3 = grouped_gemv(x3, stacked, np.zeros((slots,), np.int32), jnp.float32, schedule=0, slots_inner=True)
     return y3.reshape(slots * capacity, -1)[:rows]
 
 
