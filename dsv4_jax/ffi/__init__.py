@@ -228,7 +228,8 @@ def shared_weight_gemv(x3: jax.Array, w, out_dtype=None, *, schedule: int = 0) -
     """Every slot of x3 [S, M, K] (M <= 8 bf16 / <= 4 float32 rows) times the one FP8-block weight w [N, K] ->
     [S, M, N] out_dtype (default x3.dtype), in one launch whose work items are a 16-row weight tile for up to
     SLOT_GROUP slots at once: the tile's bytes are read and decoded once per step for all of them, where
-    grouped_gemv reads and decodes them once per slot (gemv_kernel.cuh, slot groups; FP8 only so far). schedule:
+    grouped_gemv reads and decodes them once per slot (gemv_kernel.cuh, slot groups; FP8 only so far); more slots
+    make several groups, whose items run tile by tile (the groups of a tile at the same time). schedule:
     one of SLOT_GROUP_SCHEDULES, 0 = SLOT_GROUP_SCHEDULE."""
     what = "ffi.shared_weight_gemv"
     if x3.ndim != 3 or not 1 <= x3.shape[1] <= max_rows(x3.dtype):

@@ -24,7 +24,8 @@
 // same time then read the same tiles, so DRAM streams each tile once and the other slots find it in L2. Or, for
 // slots that all read one weight (the expert of the group's first slot), with slot groups (kGroup = kSlotGroup slots
 // per item; Formats with kGroupable, one weight, direct loads): an item is a tile for up to kGroup slots at once,
-// its bytes loaded and decoded once per step for all of them (Format::mma_group) instead of once per slot.
+// its bytes loaded and decoded once per step for all of them (Format::mma_group) instead of once per slot; with
+// more slots than one group, the groups of a tile run tile by tile.
 //
 // Weight sets (kSets = 2: a gate and an up projection in one launch): kSets weights of one format and shape
 // [E, N, K] times the same activation rows; an item computes its tile rows of every set, so each activation load
@@ -242,8 +243,8 @@ gemv_kernel(const uint16_t* __restrict__ x, WeightSets<typename Format::Weights,
   const int g = lane / 4, q = lane % 4;                    // fragment row group, quad lane
   const int tiles_first = n / kRows;                       // items per slot: tiles of the first set (a pair: both)
   const int tiles = kConcat ? tiles_first + n2 / kRows : tiles_first, steps = k / kStep;
-  // item -> its slot (a slot group: its index) and tile: slot by slot, or (inner_slots = the number of slots, > 0)
-  // tile by tile
+  // item -> its slot (a slot group: its index) and tile: slot by slot, or (inner_slots = the number of slots or
+  // slot groups, > 0) tile by tile
   const auto slot_of = [&](int item) { return inner_slots ? item % inner_slots : item / tiles; };
   const auto tile_of = [&](int item) { return inner_slots ? item / inner_slots : item % tiles; };
   const bool has_x = g < m_rows;                           // B column g is activation row g (else row 0, unused)
@@ -384,7 +385,8 @@ xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const WeightS
                            const int32_t* slot_expert, int slots, OutT* y, int m_rows, int n, int k, int n2,
                            bool slots_inner) {
   auto kernel = gemv_kernel<Format, W, T, U, P, B, kSets, kConcat, OutT, kGroup>;
-  const int items = (slots + kGroup - 1) / kGroup * ((kConcat ? n + n2 : n) / (16 * T));
+  const int units = (slots + kGroup - 1) / kGroup;          // slots, or slot groups
+  const int items = units * ((kConcat ? n + n2 : n) / (16 * T));
   int grid = items;
   if (P == kPersistent) {                                  // as many CTAs as fit at once
     static int resident = 0;                               // per instantiation, computed once per process
@@ -397,7 +399,7 @@ xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const WeightS
     }
     grid = items < resident ? items : resident;
   }
-  kernel<<<grid, W * 32, 0, stream>>>(x, w, slot_expert, y, m_rows, n, k, items, n2, slots_inner ? slots : 0,
+  kernel<<<grid, W * 32, 0, stream>>>(x, w, slot_expert, y, m_rows, n, k, items, n2, slots_inner ? units : 0,
                                       slots);
   return xla::ffi::Error::Success();
 }
@@ -441,10 +443,10 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
     if constexpr (Format::kGroupable && kSets == 1 && !kConcat && std::is_same_v<OutT, float>) {
       if (schedule == 811) {
         grouped = launch_one<Format, 8, 1, 1, kDirect, 0, 1, false, float, kSlotGroup>(stream, x, w, slot_expert,
-                                                                                    slots, y, m_rows, n, k, n2, false);
+                                                                                    slots, y, m_rows, n, k, n2, true);
       } else if (schedule == 411) {
         grouped = launch_one<Format, 4, 1, 1, kDirect, 0, 1, false, float, kSlotGroup>(stream, x, w, slot_expert,
-                                                                                    slots, y, m_rows, n, k, n2, false);
+                                                                                    slots, y, m_rows, n, k, n2, true);
       }
     }
     if (grouped.failure()) return grouped;
