@@ -200,8 +200,8 @@ def grouped_gemv(x3: jax.Array, w_stacked, experts: jax.Array, out_dtype=None, *
     (any format) -> [S, M, N] out_dtype (default x3.dtype); a pair (w_a, w_b) -> [S, M, 2N], w_a's products in
     columns 0 .. N. One launch; `schedule` picks a compiled tiling (gemv_kernel.cuh; 0 = default_schedule of the
     shape; a pair: PAIR_SCHEDULES). `slots_inner`: the kernel's work items tile by tile instead of slot by slot,
-    for slots that share their expert (dense_slots_gemv: the CTAs running at once read the same weight tiles, so
-    DRAM streams each once); not with the staged schedules (P digit 4)."""
+    for slots that share their expert (dense_slots_gemv: the CTAs running at once read the same weight tiles,
+    meant for DRAM to stream each once); not with the staged schedules (P digit 4)."""
     what = "ffi.grouped_gemv"
     if x3.ndim != 3 or not 1 <= x3.shape[1] <= max_rows(x3.dtype) or experts.shape != x3.shape[:1]:
         raise ValueError(f"{what}: x [S, M, K] with 1..{max_rows(x3.dtype)} {x3.dtype} rows per slot and experts "
