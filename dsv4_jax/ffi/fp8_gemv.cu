@@ -66,15 +66,22 @@ struct Fp8Block {
     return ((w >> 4) & 0x07F007F0u) | (w & 0x80008000u);
   }
 
-  static __device__ __forceinline__ void mma(const Tile& t, const uint32_t (&x)[16], float (&c)[4]) {
+  // The A operand of MMA j (word j of both rows' 32 bytes): the e4m3 pairs as bf16 times the block factor.
+  static __device__ __forceinline__ void a_pairs(const Tile& t, int j, uint32_t (&a)[4]) {
     const uint32_t wa[8] = {t.a[0].x, t.a[0].y, t.a[0].z, t.a[0].w, t.a[1].x, t.a[1].y, t.a[1].z, t.a[1].w};
     const uint32_t wb[8] = {t.b[0].x, t.b[0].y, t.b[0].z, t.b[0].w, t.b[1].x, t.b[1].y, t.b[1].z, t.b[1].w};
+    a[0] = bf16x2_mul(pair02(wa[j]), t.factor), a[1] = bf16x2_mul(pair02(wb[j]), t.factor);
+    a[2] = bf16x2_mul(pair13(wa[j]), t.factor), a[3] = bf16x2_mul(pair13(wb[j]), t.factor);
+  }
+
+  static __device__ __forceinline__ void mma(const Tile& t, const uint32_t (&x)[16], float (&c)[4]) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const uint32_t x01 = x[2 * j], x23 = x[2 * j + 1];
       const uint32_t b02 = __byte_perm(x01, x23, 0x5410), b13 = __byte_perm(x01, x23, 0x7632);
-      mma_bf16(c, bf16x2_mul(pair02(wa[j]), t.factor), bf16x2_mul(pair02(wb[j]), t.factor),
-               bf16x2_mul(pair13(wa[j]), t.factor), bf16x2_mul(pair13(wb[j]), t.factor), b02, b13);
+      uint32_t a[4];
+      a_pairs(t, j, a);
+      mma_bf16(c, a[0], a[1], a[2], a[3], b02, b13);
     }
   }
 
@@ -85,17 +92,15 @@ struct Fp8Block {
   template <int kGroup>
   static __device__ __forceinline__ void mma_group(const Tile& t, const uint16_t* x_row, size_t slot_stride, int k0,
                                                    int in_group, float (&c)[kGroup][1][4]) {
-    const uint32_t wa[8] = {t.a[0].x, t.a[0].y, t.a[0].z, t.a[0].w, t.a[1].x, t.a[1].y, t.a[1].z, t.a[1].w};
-    const uint32_t wb[8] = {t.b[0].x, t.b[0].y, t.b[0].z, t.b[0].w, t.b[1].x, t.b[1].y, t.b[1].z, t.b[1].w};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const uint32_t a0 = bf16x2_mul(pair02(wa[j]), t.factor), a1 = bf16x2_mul(pair02(wb[j]), t.factor);
-      const uint32_t a2 = bf16x2_mul(pair13(wa[j]), t.factor), a3 = bf16x2_mul(pair13(wb[j]), t.factor);
+      uint32_t a[4];
+      a_pairs(t, j, a);
 #pragma unroll
       for (int b = 0; b < kGroup; ++b) {
         if (b < in_group) {
           const uint2 v = __ldg(reinterpret_cast<const uint2*>(x_row + b * slot_stride + k0 + 4 * j));
-          mma_bf16(c[b][0], a0, a1, a2, a3, __byte_perm(v.x, v.y, 0x5410), __byte_perm(v.x, v.y, 0x7632));
+          mma_bf16(c[b][0], a[0], a[1], a[2], a[3], __byte_perm(v.x, v.y, 0x5410), __byte_perm(v.x, v.y, 0x7632));
         }
       }
     }

@@ -377,7 +377,7 @@ namespace dsv4 {
 // Routed experts (ffi.moe_gemv) default to 411 instead (ffi/__init__.py, ROUTED_SCHEDULE), and calls of at most one
 // wave of tiles to 11 (16 warps: ffi.default_schedule).
 constexpr int kDefaultSchedule = 811;
-constexpr int kSlotsInner = 100000;   // the order digit of a schedule: 1 = work items tile by tile, 2 = slot groups
+constexpr int kOrderDigit = 100000;   // the order digit of a schedule: 1 = work items tile by tile, 2 = slot groups
 constexpr int kSlotGroup = 8;         // slots per item of a slot group: 64 bf16 rows
 
 template <class Format, int W, int T, int U, int P, int B, int kSets, bool kConcat, class OutT, int kGroup = 1>
@@ -429,8 +429,15 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
                             const WeightSets<typename Format::Weights, kSets>& w, const int32_t* slot_expert, int slots,
                             OutT* y, int m_rows, int n, int k, const char* name, int n2 = 0) {
   using xla::ffi::Error;
-  const int order = schedule / kSlotsInner;
-  schedule %= kSlotsInner;
+  // a launch's error, else the launch's own (CUDA's last error), else success
+  const auto launch_result = [name](Error launched) {
+    if (launched.failure()) return launched;
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return Error::Internal(std::string(name) + ": " + cudaGetErrorString(err));
+    return Error::Success();
+  };
+  const int order = schedule / kOrderDigit;
+  schedule %= kOrderDigit;
   if (schedule == 0) schedule = kDefaultSchedule;
   if (order > 2 || (order == 1 && schedule / 1000 % 10 == kStaged)) {
     return Error::InvalidArgument(std::string(name) +
@@ -449,9 +456,7 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
                                                                                     slots, y, m_rows, n, k, n2, true);
       }
     }
-    if (grouped.failure()) return grouped;
-    const cudaError_t err = cudaGetLastError();
-    return err == cudaSuccess ? Error::Success() : Error::Internal(std::string(name) + ": " + cudaGetErrorString(err));
+    return launch_result(std::move(grouped));
   }
   const int tiles = schedule / 10 % 10;
   if (tiles < 1 || n % (16 * tiles) != 0 || (kConcat && n2 % (16 * tiles) != 0)) {
@@ -496,10 +501,7 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
     default:
       break;
   }
-  if (launched.failure()) return launched;
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return Error::Internal(std::string(name) + ": " + cudaGetErrorString(err));
-  return Error::Success();
+  return launch_result(std::move(launched));
 }
 
 }  // namespace dsv4
