@@ -161,6 +161,14 @@ def _timed(fn, args, iters: int = ITERS) -> float:
     return best
 
 
+def _save(path: str, iters: int, rows: list[dict]) -> None:
+    """The rows as JSON at path, with the device and this run's arguments."""
+    import jax
+    with open(path, "w") as f:
+        json.dump({"device": jax.devices()[0].device_kind, "argv": sys.argv[1:], "iters": iters, "rows": rows}, f,
+                  indent=1)
+
+
 PREFILL_ITERS = 3     # chained calls per timed program (XLA compiles each unrolled copy of its path)
 
 
@@ -182,9 +190,7 @@ def sweep_prefill(tokens: int, heads: list[int], warps: list[int], stages: list[
         rows.append(row)
         print(row, flush=True)
         if out:
-            with open(out, "w") as f:
-                json.dump({"device": jax.devices()[0].device_kind, "argv": sys.argv[1:], "iters": PREFILL_ITERS,
-                           "rows": rows}, f, indent=1)
+            _save(out, PREFILL_ITERS, rows)
 
     for ratio in (4, 0, 128):              # CSA first: the layer kind the kernel should help most
         x = prefill_inputs(ratio, tokens)
@@ -234,8 +240,6 @@ def main(argv=None) -> int:
         return 0
     import functools
 
-    import jax
-
     from dsv4_jax.pallas_kernels import decode_attention as da
 
     rows = []
@@ -270,9 +274,7 @@ def main(argv=None) -> int:
               f"{r.get('max_splits', ''):>6} {r.get('num_warps', ''):>5} {r.get('num_stages', ''):>6} "
               f"{'-' if r['us'] is None else format(r['us'], '.1f'):>8}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "argv": sys.argv[1:], "iters": ITERS, "rows": rows},
-                      f, indent=1)
+        _save(args.out, ITERS, rows)
     return 0
 
 

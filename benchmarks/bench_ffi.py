@@ -347,23 +347,24 @@ def run_dense_slots(args, key, emit, t0):
     if any(not ffi.MAX_ROWS < m <= MAX_DENSE_SLOT_ROWS for m in ms):
         raise SystemExit(f"--dense-slots-only: rows must be {ffi.MAX_ROWS + 1}..{MAX_DENSE_SLOT_ROWS}, got {ms}")
 
-    def slotted(x, w, *, inner):
-        slots = -(-x.shape[0] // ffi.MAX_ROWS)
-        x3 = jnp.pad(x, ((0, slots * ffi.MAX_ROWS - x.shape[0]), (0, 0))).reshape(slots, ffi.MAX_ROWS, -1)
-        stacked = jax.tree_util.tree_map(lambda a: a[None], w)
-        y3 = ffi.grouped_gemv(x3, stacked, jnp.zeros((slots,), jnp.int32), jnp.float32, slots_inner=inner)
-        return y3.reshape(-1, y3.shape[-1])[:x.shape[0]]
+    def in_slots(call):      # call(x3 [slots, 8, K], w) -> [slots, 8, N] as a function of the rows x [M, K]
+        def run(x, w):
+            slots = -(-x.shape[0] // ffi.MAX_ROWS)
+            x3 = jnp.pad(x, ((0, slots * ffi.MAX_ROWS - x.shape[0]), (0, 0))).reshape(slots, ffi.MAX_ROWS, -1)
+            y3 = call(x3, w)
+            return y3.reshape(-1, y3.shape[-1])[:x.shape[0]]
+        return run
 
-    def grouped(x, w, *, schedule):
-        slots = -(-x.shape[0] // ffi.MAX_ROWS)
-        x3 = jnp.pad(x, ((0, slots * ffi.MAX_ROWS - x.shape[0]), (0, 0))).reshape(slots, ffi.MAX_ROWS, -1)
-        y3 = ffi.shared_weight_gemv(x3, w, jnp.float32, schedule=schedule)
-        return y3.reshape(-1, y3.shape[-1])[:x.shape[0]]
+    def slotted(x3, w, *, inner):
+        stacked = jax.tree_util.tree_map(lambda a: a[None], w)
+        return ffi.grouped_gemv(x3, stacked, jnp.zeros((x3.shape[0],), jnp.int32), jnp.float32, slots_inner=inner)
 
     cases = [("pallas", lambda x, w: gemv.fp8_matmul(x, w, jnp.float32)),
-             ("slot_by_slot", functools.partial(slotted, inner=False)),
-             ("tile_by_tile", functools.partial(slotted, inner=True))]
-    cases += [(f"slot_groups_{s}", functools.partial(grouped, schedule=s)) for s in ffi.SLOT_GROUP_SCHEDULES]
+             ("slot_by_slot", in_slots(functools.partial(slotted, inner=False))),
+             ("tile_by_tile", in_slots(functools.partial(slotted, inner=True)))]
+    cases += [(f"slot_groups_{s}", in_slots(functools.partial(ffi.shared_weight_gemv, out_dtype=jnp.float32,
+                                                               schedule=s)))
+              for s in ffi.SLOT_GROUP_SCHEDULES]
     cases += [("dense_slots_gemv", dense_slots_gemv)]
     for name, n, k in [s for s in SHAPES if s[0] in DENSE_SLOT_SHAPES]:
         c = min(MAX_COPIES, max(2, math.ceil(ROTATE_BYTES / nbytes(jax.eval_shape(lambda: make_weight(key, "fp8",

@@ -1,8 +1,9 @@
 """The ffi/ GEMV in slots of rows (ops/matmul_kernels.py): routed_gemv, the routed rows of a decode or verify step,
 one slot per row or grouped by expert into slots of up to 8 rows; dense_slots_gemv, 9-64 rows times one weight in
-slots of 8 (opt-in; FP8 on ffi.shared_weight_gemv's slot groups). Runs on the CPU with a stand-in for ffi.grouped_gemv that keeps its contract (slot s times
-expert slot_expert[s]; a slot of expert -1 is skipped, its rows unwritten: poisoned here), and checks the rows
-against float64 products and which slots read which expert; on the GPU (`-m gpu`) the real kernel."""
+slots of 8 (opt-in; FP8 on ffi.shared_weight_gemv's slot groups). Runs on the CPU with a stand-in for
+ffi.grouped_gemv that keeps its contract (slot s times expert slot_expert[s]; a slot of expert -1 is skipped, its
+rows unwritten: poisoned here), and checks the rows against float64 products and which slots read which expert; on
+the GPU (`-m gpu`) the real kernel."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class _StandIn:
     def __init__(self, routed=False):
         self.slot_experts = []
         self.routed = routed
+        self.shared_calls = 0                               # calls of `shared` (ffi.shared_weight_gemv's stand-in)
 
     def __call__(self, x3, weights, slot_expert, out_dtype, *, schedule, slots_inner=False):
         self.rows_per_slot = x3.shape[1]
@@ -54,7 +56,7 @@ class _StandIn:
     def shared(self, x3, w, out_dtype=None, *, schedule=0):
         """ffi.shared_weight_gemv's contract: every slot times the one (FP8) weight; recorded as slots of expert 0."""
         assert isinstance(w, Fp8BlockWeight) and schedule in (0, *ffi.SLOT_GROUP_SCHEDULES)
-        self.shared_calls = getattr(self, "shared_calls", 0) + 1
+        self.shared_calls += 1
         return self(x3, jax.tree.map(lambda a: a[None], w), jnp.zeros((x3.shape[0],), jnp.int32),
                     out_dtype or x3.dtype, schedule=0, slots_inner=True)
 
@@ -126,7 +128,7 @@ def test_dense_slots_gemv(rows, dtype, fmt, n):
     slot_expert = np.asarray(stand_in.slot_experts[0])
     capacity = ffi.max_rows(dtype)
     assert stand_in.rows_per_slot == capacity and slot_expert.tolist() == [0] * -(-rows // capacity)
-    assert getattr(stand_in, "shared_calls", 0) == (fmt == "fp8" and n // 16 > ffi.FEW_TILES)   # slot groups
+    assert stand_in.shared_calls == (fmt == "fp8" and n // 16 > ffi.FEW_TILES)   # slot groups
 
 
 def test_dense_slots_are_opt_in_on_cuda_plans(monkeypatch):
