@@ -4,7 +4,7 @@ same matrix side by side in the same process.
     python3 benchmarks/bench_ffi.py --out $OUT/bench_ffi.json [--budget-s 300]
     python3 benchmarks/bench_ffi.py --gate-up-only --out $OUT/bench_gate_up.json    # gate + up: one launch or two
     python3 benchmarks/bench_ffi.py --concat-only --out $OUT/bench_concat.json      # wq_a + wkv: one launch or two
-    python3 benchmarks/bench_ffi.py --dense-slots-only 32,64    # dense FP8 at 32 / 64 rows: every slot order
+    python3 benchmarks/bench_ffi.py --dense-only 32,64    # dense FP8 at 32 / 64 rows: the Pallas GEMV's variants
 
 Method as benchmarks/bench_kernels.py (its time_calls / profiled_kernel_us): every case is checked against the
 reference first; wall time per call in one jitted program over weight copies that L2 cannot hold; kernel time
@@ -73,10 +73,10 @@ def main():
                     help="only the routed experts of decode steps of these batches (e.g. 32,64,128,256) as "
                          "routed_gemv runs them from 22 tokens on: rows grouped by expert into 8-row slots")
     ap.add_argument("--slotted-format", default="mxfp4", choices=("mxfp4", "nvfp4"))
-    ap.add_argument("--dense-slots-only", default="",
-                    help="only the dense FP8 projections at these row counts (e.g. 32,64; at most 64): the Pallas "
-                         "GEMV (the model's default) against the ffi/ GEMV in 8-row slots slot by slot, tile by "
-                         "tile and in slot groups (811, 411), and dense_slots_gemv's pick")
+    ap.add_argument("--dense-only", default="",
+                    help="only the dense FP8 projections at these row counts (e.g. 32,64; 9-256): the Pallas GEMV "
+                         "at its default and other tilings, with and without row_prescale, and the ffi/ GEMV in "
+                         "8-row slots")
     args = ap.parse_args()
     t0 = time.time()
     results = []
@@ -92,8 +92,8 @@ def main():
         run_slotted(args, key, emit, t0)
         summary(results)
         return
-    if args.dense_slots_only:
-        run_dense_slots(args, key, emit, t0)
+    if args.dense_only:
+        run_dense(args, key, emit, t0)
         summary(results)
         return
     schedules = [int(s) for s in args.schedules.split(",")]
@@ -332,41 +332,36 @@ def run_slotted(args, key, emit, t0):
                           gbps=wb / t[0] / 1e3, kernel_gbps=wb / kt / 1e3 if kt else None))
 
 
-DENSE_SLOT_SHAPES = ("wq_b", "wo_b", "wo_a", "shared_w1", "shared_w2", "wq_a", "wkv")
+DENSE_SHAPES = ("wq_b", "wo_b", "wo_a", "shared_w1", "shared_w2", "wq_a", "wkv")
+# Pallas FP8 GEMV variants (label, fp8_matmul keywords) beside its default tiling: a wider weight tile at 64+
+# columns (x re-read by half as many programs), and the rows' f16 prescale made once before the launch.
+DENSE_VARIANTS = [("pallas_row_prescale", dict(row_prescale=True)),
+                  ("pallas_bn128_w8", dict(block_n=128, num_warps=8)),
+                  ("pallas_bn128_w8_row_prescale", dict(block_n=128, num_warps=8, row_prescale=True)),
+                  ("pallas_bn64_w8_row_prescale", dict(block_n=64, num_warps=8, row_prescale=True)),
+                  ("pallas_row_prescale_s4", dict(row_prescale=True, num_stages=4))]
 
 
-def run_dense_slots(args, key, emit, t0):
-    """The model's dense FP8 projections at the rows of a serving decode step (9-64 rows), every way this package
-    can run them: the Pallas GEMV (gemv.fp8_matmul, the default at 17-256 rows), and the ffi/ GEMV with the rows in
-    slots of 8 (one launch) slot by slot, tile by tile (slots_inner) and in slot groups (shared_weight_gemv at each
-    of its schedules), plus matmul_kernels.dense_slots_gemv (what `--kernel-override matmul=kernel` runs). GB/s:
-    the weight's bytes (read once) over the wall time per call, the copies rotating past L2; each case checked
-    against the float32 reference first."""
-    from dsv4_jax.ops.matmul_kernels import MAX_DENSE_SLOT_ROWS, dense_slots_gemv
-    ms = [int(v) for v in args.dense_slots_only.split(",")]
-    if any(not ffi.MAX_ROWS < m <= MAX_DENSE_SLOT_ROWS for m in ms):
-        raise SystemExit(f"--dense-slots-only: rows must be {ffi.MAX_ROWS + 1}..{MAX_DENSE_SLOT_ROWS}, got {ms}")
+def run_dense(args, key, emit, t0):
+    """The model's dense FP8 projections at the rows of a serving decode step: the Pallas GEMV (gemv.fp8_matmul,
+    the default at 9-256 rows) at its default tiling and at DENSE_VARIANTS, and the ffi/ GEMV with the rows in
+    slots of 8 (one launch, every slot times the one weight; up to 64 rows). GB/s: the weight's bytes (read once)
+    over the wall time per call, the copies rotating past L2; each case checked against the float32 reference
+    first (a variant a tiling refuses is recorded with its error)."""
+    ms = [int(v) for v in args.dense_only.split(",")]
+    if any(not ffi.MAX_ROWS < m <= gemv.MAX_ROWS for m in ms):
+        raise SystemExit(f"--dense-only: rows must be {ffi.MAX_ROWS + 1}..{gemv.MAX_ROWS}, got {ms}")
 
-    def in_slots(call):      # call(x3 [slots, 8, K], w) -> [slots, 8, N] as a function of the rows x [M, K]
-        def run(x, w):
-            slots = -(-x.shape[0] // ffi.MAX_ROWS)
-            x3 = jnp.pad(x, ((0, slots * ffi.MAX_ROWS - x.shape[0]), (0, 0))).reshape(slots, ffi.MAX_ROWS, -1)
-            y3 = call(x3, w)
-            return y3.reshape(-1, y3.shape[-1])[:x.shape[0]]
-        return run
-
-    def slotted(x3, w, *, inner):
+    def ffi_slots(x, w):     # the rows in slots of 8, each slot times the one weight (a stack of one expert)
+        slots = -(-x.shape[0] // ffi.MAX_ROWS)
+        x3 = jnp.pad(x, ((0, slots * ffi.MAX_ROWS - x.shape[0]), (0, 0))).reshape(slots, ffi.MAX_ROWS, -1)
         stacked = jax.tree_util.tree_map(lambda a: a[None], w)
-        return ffi.grouped_gemv(x3, stacked, jnp.zeros((x3.shape[0],), jnp.int32), jnp.float32, slots_inner=inner)
+        y3 = ffi.grouped_gemv(x3, stacked, jnp.zeros((slots,), jnp.int32), jnp.float32)
+        return y3.reshape(-1, y3.shape[-1])[:x.shape[0]]
 
-    cases = [("pallas", lambda x, w: gemv.fp8_matmul(x, w, jnp.float32)),
-             ("slot_by_slot", in_slots(functools.partial(slotted, inner=False))),
-             ("tile_by_tile", in_slots(functools.partial(slotted, inner=True)))]
-    cases += [(f"slot_groups_{s}", in_slots(functools.partial(ffi.shared_weight_gemv, out_dtype=jnp.float32,
-                                                               schedule=s)))
-              for s in ffi.SLOT_GROUP_SCHEDULES]
-    cases += [("dense_slots_gemv", dense_slots_gemv)]
-    for name, n, k in [s for s in SHAPES if s[0] in DENSE_SLOT_SHAPES]:
+    cases = [("pallas", lambda x, w: gemv.fp8_matmul(x, w, jnp.float32))]
+    cases += [(label, functools.partial(gemv.fp8_matmul, out_dtype=jnp.float32, **kw)) for label, kw in DENSE_VARIANTS]
+    for name, n, k in [s for s in SHAPES if s[0] in DENSE_SHAPES]:
         c = min(MAX_COPIES, max(2, math.ceil(ROTATE_BYTES / nbytes(jax.eval_shape(lambda: make_weight(key, "fp8",
                                                                                                          (n, k)))))))
         ws = [make_weight(jax.random.fold_in(key, i), "fp8", (n, k)) for i in range(c)]
@@ -378,7 +373,7 @@ def run_dense_slots(args, key, emit, t0):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.float32).astype(jnp.bfloat16)
             ref = jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32, ctx=REFERENCE))(x, ws[0])
             reps = max(2, int(2000 / (len(ws) * max(1, n * k // (1 << 24)))))
-            for impl, fn in cases:
+            for impl, fn in cases + ([("ffi_slots", ffi_slots)] if m <= 8 * ffi.MAX_ROWS else []):
                 try:
                     err = rel_err(jax.jit(fn)(x, ws[0]), ref)
                     if err > 1e-4:

@@ -142,20 +142,53 @@ def test_f16_prescale_exponent():
     assert list(np.asarray(extremes)) == [0, 100, -100]
 
 
-def test_fp8_rows_of_any_magnitude_interpret():
-    """The FP8 kernel prescales each activation row by its own largest magnitude (in each program's K range): rows
-    from 2^-60 to 2^60 and a zero row, over two K splits, each within float32 rounding of float64 math; a shared
-    prescale would flush the small rows to zero or overflow f16 on the large ones."""
+@pytest.mark.parametrize("row_prescale", [False, True])
+def test_fp8_rows_of_any_magnitude_interpret(row_prescale):
+    """The FP8 kernel prescales each activation row by its own largest magnitude (in each program's K range, or
+    with `row_prescale` once over all of K before the launch): rows from 2^-60 to 2^60 and a zero row, over two K
+    splits, each within float32 rounding of float64 math; a shared prescale would flush the small rows to zero or
+    overflow f16 on the large ones."""
     rng = np.random.default_rng()
     n, k, m = 128, 512, 6
     w = _fp8(rng, (n, k))
     magnitudes = np.array([2.0 ** -60, 2.0 ** -20, 1.0, 0.0, 2.0 ** 20, 2.0 ** 60])[:, None]
     x = jnp.asarray(rng.standard_normal((m, k)) * magnitudes, jnp.bfloat16)
-    y = np.asarray(gemv.fp8_matmul(x, w, jnp.float32, interpret=True, block_n=64, split_k=2), np.float64)
+    y = np.asarray(gemv.fp8_matmul(x, w, jnp.float32, interpret=True, block_n=64, split_k=2,
+                                   row_prescale=row_prescale), np.float64)
     ref = np.asarray(x, np.float64) @ _dequant64(w).T
     assert np.all(y[3] == 0.0)
     for r in (0, 1, 2, 4, 5):
         assert np.linalg.norm(y[r] - ref[r]) / np.linalg.norm(ref[r]) < 1e-5, r
+
+
+@pytest.mark.parametrize("m, dtype", [(40, jnp.bfloat16), (200, jnp.bfloat16), (50, jnp.float32)])
+def test_fp8_row_prescale_wide_interpret(m, dtype):
+    """`row_prescale` at 64 and 128 activation columns, two column tiles and float32 hi + lo rows, on tilings
+    the GPU sweep times (block_n 128 at 64 columns, 8 warps): every row against float64, rows of magnitudes
+    2^-30..2^30 (a prescale or its undo taken from another row is off by powers of two), the padded rows'
+    outputs never written into the result."""
+    rng = np.random.default_rng()
+    n, k = 256, 512
+    w = _fp8(rng, (n, k))
+    x = jnp.asarray(rng.standard_normal((m, k)) * 2.0 ** rng.integers(-30, 31, (m, 1)), dtype)
+    y = np.asarray(gemv.fp8_matmul(x, w, jnp.float32, interpret=True, row_prescale=True, block_n=128, num_warps=8),
+                   np.float64)
+    ref = np.asarray(x, np.float64) @ _dequant64(w).T
+    assert y.shape == ref.shape and np.all(np.isfinite(y))
+    row_err = np.linalg.norm(y - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    assert np.max(row_err) < (1e-5 if dtype == jnp.bfloat16 else 2e-5), np.max(row_err)
+
+
+def test_f16_rows_are_exact():
+    """f16_rows: each bf16 row times 2^p is exactly representable in f16 (float64 check) down to 2^-27 of the row's
+    largest magnitude, and 2^-p undoes it."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((8, 256)) * 2.0 ** rng.integers(-40, 41, (8, 1)), jnp.bfloat16)
+    x16, undo = gemv.f16_rows(x)
+    x64, back = np.asarray(x, np.float64), np.asarray(x16, np.float64) * np.asarray(undo, np.float64)[:, None]
+    big = np.abs(x64) >= np.abs(x64).max(axis=1, keepdims=True) * 2.0 ** -27
+    np.testing.assert_array_equal(back[big], x64[big])
+    assert np.all(np.abs(back - x64) <= np.abs(x64).max(axis=1, keepdims=True) * 2.0 ** -37)
 
 
 def test_split_is_capped_by_the_partials():
@@ -362,7 +395,9 @@ def test_cuda_lowering():
                           sds((12,), jnp.int32))),
     ]
     wide = sds((200, k), jnp.bfloat16)                                    # a verify step: two column tiles
-    cases += [(gemv.fp8_matmul, (wide, cases[2][1][1])), (gemv.mxfp4_matmul, (wide, cases[0][1][1]))]
+    cases += [(gemv.fp8_matmul, (wide, cases[2][1][1])), (gemv.mxfp4_matmul, (wide, cases[0][1][1])),
+              (functools.partial(gemv.fp8_matmul, row_prescale=True, block_n=128, num_warps=8),
+               (sds((64, k), jnp.bfloat16), cases[2][1][1]))]
     cases.append((functools.partial(moe.moe_matmul, slot_cols=64, split_k=1, block_n=64),      # prefill slots
                   (sds((600, k), jnp.bfloat16),
                    Mxfp4Weight(sds((8, n, k // 2), jnp.uint8), sds((8, n, k // 32), jnp.uint8)),
@@ -401,6 +436,11 @@ def test_dense_gpu(fmt, m):
     if m <= 8 or m in (32, 64):
         x = _x(rng, m, k, jnp.float32)
         _check(jax.jit(fn)(x, w), x, _dequant64(w), 2e-5)
+    if fmt == "fp8" and m >= 32:                    # the rows prescaled before the launch, the sweep's tilings
+        x = _x(rng, m, k, jnp.bfloat16)
+        for block_n, warps in ((64, 4), (128, 8)):
+            y = jax.jit(lambda x, w: fn(x, w, jnp.float32, row_prescale=True, block_n=block_n, num_warps=warps))(x, w)
+            _check(y, x.astype(jnp.float32), _dequant64(w), 1e-5)
 
 
 @pytest.mark.gpu

@@ -109,32 +109,26 @@ def _weights(w) -> tuple:
     return tuple(w) if isinstance(w, (tuple, list)) else (w,)
 
 
-# The order digit of a schedule attribute (gemv_kernel.cuh): 1 = work items tile by tile (grouped_gemv's
-# slots_inner), 2 = slot groups (shared_weight_gemv)
-ORDER_DIGIT, TILE_BY_TILE, SLOT_GROUPS = 100000, 1, 2
-
-
-def _launch(x3: jax.Array, w, experts: jax.Array, cols: int, schedule: int, out_dtype, handler: str = "",
-            order: int = 0) -> jax.Array:
+def _launch(x3: jax.Array, w, experts: jax.Array, cols: int, schedule: int, out_dtype, handler: str = "") -> jax.Array:
     """One launch of a handler ("": one weight, "_pair", "_concat") of w's format: x3 [S, M, K] (float32 rows split
     into bf16 hi + lo rows, their products summed) times the stacked weight(s) w -> [S, M, cols] out_dtype (default
     x3.dtype). Shapes are checked by the callers. One FP8 weight with bf16 rows and a bf16 out_dtype takes the
     handler that rounds its float32 sums to bf16 as it stores them (the same values as a cast of the float32
-    output, without a cast kernel after the call). `order`: the schedule's order digit (ORDER_DIGIT)."""
+    output, without a cast kernel after the call)."""
     weights = _weights(w)
     stored = [_stored(v) for v in weights]
     source, handlers = _handlers(type(stored[0]))
     register(source, handlers)
     xs = _split_rows(x3)
     out_dtype = jnp.dtype(out_dtype or x3.dtype)
-    if (handler == "" and order != SLOT_GROUPS and isinstance(stored[0], Fp8BlockWeight)
-            and x3.dtype == jnp.bfloat16 and out_dtype == jnp.bfloat16 and schedule in BF16_OUTPUT_SCHEDULES):
+    if (handler == "" and isinstance(stored[0], Fp8BlockWeight) and x3.dtype == jnp.bfloat16
+            and out_dtype == jnp.bfloat16 and schedule in BF16_OUTPUT_SCHEDULES):
         handler, y_dtype = "_bf16", jnp.bfloat16
     else:
         y_dtype = jnp.float32
     call = jax.ffi.ffi_call(_TARGETS[type(stored[0])][1] + handler,
                             jax.ShapeDtypeStruct((*xs.shape[:2], cols), y_dtype))
-    attrs = {"schedule": np.int32(schedule + ORDER_DIGIT * order)}
+    attrs = {"schedule": np.int32(schedule)}
     if source == "fp4_gemv.cu":                       # 0: checkpoint nibble order, 1: the GEMV layout
         attrs["layout"] = np.int32(isinstance(weights[0], GemvLayoutFp4))
     operands = [op for v in stored for op in _weight_operands(v)]
@@ -194,14 +188,11 @@ def _check_weight(w, x_k: int, what: str, stacked: bool):
     return n
 
 
-def grouped_gemv(x3: jax.Array, w_stacked, experts: jax.Array, out_dtype=None, *, schedule: int = 0,
-                 slots_inner: bool = False) -> jax.Array:
+def grouped_gemv(x3: jax.Array, w_stacked, experts: jax.Array, out_dtype=None, *, schedule: int = 0) -> jax.Array:
     """Slot s of x3 [S, M, K] (M <= 8 bf16 / <= 4 float32 rows) times expert experts[s] of w_stacked [E, N, K]
     (any format) -> [S, M, N] out_dtype (default x3.dtype); a pair (w_a, w_b) -> [S, M, 2N], w_a's products in
     columns 0 .. N. One launch; `schedule` picks a compiled tiling (gemv_kernel.cuh; 0 = default_schedule of the
-    shape; a pair: PAIR_SCHEDULES). `slots_inner`: the kernel's work items tile by tile instead of slot by slot,
-    for slots that share their expert (dense_slots_gemv: the CTAs running at once read the same weight tiles,
-    meant for DRAM to stream each once); not with the staged schedules (P digit 4)."""
+    shape; a pair: PAIR_SCHEDULES)."""
     what = "ffi.grouped_gemv"
     if x3.ndim != 3 or not 1 <= x3.shape[1] <= max_rows(x3.dtype) or experts.shape != x3.shape[:1]:
         raise ValueError(f"{what}: x [S, M, K] with 1..{max_rows(x3.dtype)} {x3.dtype} rows per slot and experts "
@@ -211,39 +202,7 @@ def grouped_gemv(x3: jax.Array, w_stacked, experts: jax.Array, out_dtype=None, *
         raise ValueError(f"{what}: a pair of weights runs schedules {PAIR_SCHEDULES}, got {schedule}")
     pair = len(_weights(w_stacked)) == 2
     schedule = schedule or default_schedule(x3.shape[0], n, x3.shape[2])
-    if slots_inner and schedule // 1000 % 10 == 4:
-        raise ValueError(f"{what}: the staged schedules (P digit 4) run slot by slot, got slots_inner with {schedule}")
-    return _launch(x3, w_stacked, experts, (1 + pair) * n, schedule, out_dtype, "_pair" if pair else "",
-                   TILE_BY_TILE if slots_inner else 0)
-
-
-SLOT_GROUP = 8                      # slots per work item of shared_weight_gemv (gemv_kernel.cuh, kSlotGroup)
-SLOT_GROUP_SCHEDULES = (811, 411)   # compiled for slot groups
-# shared_weight_gemv's default: 4 warps, 168 registers and no spills, where 8 warps are capped at 128 registers and
-# spill (ptxas for sm_90a); neither is timed yet.
-SLOT_GROUP_SCHEDULE = 411
-
-
-def shared_weight_gemv(x3: jax.Array, w, out_dtype=None, *, schedule: int = 0) -> jax.Array:
-    """Every slot of x3 [S, M, K] (M <= 8 bf16 / <= 4 float32 rows) times the one FP8-block weight w [N, K] ->
-    [S, M, N] out_dtype (default x3.dtype), in one launch whose work items are a 16-row weight tile for up to
-    SLOT_GROUP slots at once: the tile's bytes are read and decoded once per step for all of them, where
-    grouped_gemv reads and decodes them once per slot (gemv_kernel.cuh, slot groups; FP8 only so far); more slots
-    make several groups, whose items run tile by tile (the groups of a tile at the same time). schedule:
-    one of SLOT_GROUP_SCHEDULES, 0 = SLOT_GROUP_SCHEDULE."""
-    what = "ffi.shared_weight_gemv"
-    if x3.ndim != 3 or not 1 <= x3.shape[1] <= max_rows(x3.dtype):
-        raise ValueError(f"{what}: x must be [S, M, K] with 1..{max_rows(x3.dtype)} {x3.dtype} rows per slot, "
-                         f"got {x3.shape}")
-    if not isinstance(w, Fp8BlockWeight):
-        raise TypeError(f"{what}: an FP8-block weight, got {type(w).__name__}")
-    n = _check_weight(w, x3.shape[2], what, stacked=False)
-    if schedule not in (0, *SLOT_GROUP_SCHEDULES):
-        raise ValueError(f"{what}: slot groups run schedules {SLOT_GROUP_SCHEDULES}, got {schedule}")
-    stacked = jax.tree.map(lambda a: a[None], w)
-    y = _launch(x3, stacked, jnp.zeros((x3.shape[0],), jnp.int32), n, schedule or SLOT_GROUP_SCHEDULE, jnp.float32,
-                order=SLOT_GROUPS)
-    return y.astype(out_dtype or x3.dtype)
+    return _launch(x3, w_stacked, experts, (1 + pair) * n, schedule, out_dtype, "_pair" if pair else "")
 
 
 def gemv(x: jax.Array, w, out_dtype=None, *, schedule: int = 0) -> jax.Array:

@@ -163,7 +163,6 @@ template <class Format, class WeightsT, int kBlock, bool kGemvLayout>
 struct Fp4Format {
   static constexpr bool kAllSchedules = !kGemvLayout;     // the GEMV layout: the few schedules of compiled_for
   static constexpr bool kStageable = true;
-  static constexpr bool kGroupable = false;       // slot groups (gemv_kernel.cuh): FP8 only so far
   using Weights = WeightsT;
   using Layout = Fp4Layout<kBlock>;
   using Tile = Fp4Tile;

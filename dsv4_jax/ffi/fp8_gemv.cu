@@ -33,7 +33,6 @@ constexpr int kFp8Shift = 32;
 struct Fp8Block {
   static constexpr bool kAllSchedules = true;
   static constexpr bool kStageable = false;       // not written for FP8 (already at 1.6-1.8x on the large matrices)
-  static constexpr bool kGroupable = true;        // mma_group below
   struct Weights { const uint8_t* weight; const uint8_t* scale; };
   struct Tile {
     uint4 a[2], b[2];  // rows g and g + 8: 32 e4m3 bytes each
@@ -66,43 +65,15 @@ struct Fp8Block {
     return ((w >> 4) & 0x07F007F0u) | (w & 0x80008000u);
   }
 
-  // The A operand of MMA j (word j of both rows' 32 bytes): the e4m3 pairs as bf16 times the block factor.
-  static __device__ __forceinline__ void a_pairs(const Tile& t, int j, uint32_t (&a)[4]) {
+  static __device__ __forceinline__ void mma(const Tile& t, const uint32_t (&x)[16], float (&c)[4]) {
     const uint32_t wa[8] = {t.a[0].x, t.a[0].y, t.a[0].z, t.a[0].w, t.a[1].x, t.a[1].y, t.a[1].z, t.a[1].w};
     const uint32_t wb[8] = {t.b[0].x, t.b[0].y, t.b[0].z, t.b[0].w, t.b[1].x, t.b[1].y, t.b[1].z, t.b[1].w};
-    a[0] = bf16x2_mul(pair02(wa[j]), t.factor), a[1] = bf16x2_mul(pair02(wb[j]), t.factor);
-    a[2] = bf16x2_mul(pair13(wa[j]), t.factor), a[3] = bf16x2_mul(pair13(wb[j]), t.factor);
-  }
-
-  static __device__ __forceinline__ void mma(const Tile& t, const uint32_t (&x)[16], float (&c)[4]) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const uint32_t x01 = x[2 * j], x23 = x[2 * j + 1];
       const uint32_t b02 = __byte_perm(x01, x23, 0x5410), b13 = __byte_perm(x01, x23, 0x7632);
-      uint32_t a[4];
-      a_pairs(t, j, a);
-      mma_bf16(c, a[0], a[1], a[2], a[3], b02, b13);
-    }
-  }
-
-  // The same products for the up to kGroup slots of a slot group (gemv_kernel.cuh), which share the tile: each
-  // A pair is decoded once, then one MMA per slot of the group (in_group of them), the slot's inputs 4j .. 4j + 3
-  // loaded as 8 bytes. x_row: the thread's activation row of the group's first slot; slot b's is at
-  // x_row + b * slot_stride.
-  template <int kGroup>
-  static __device__ __forceinline__ void mma_group(const Tile& t, const uint16_t* x_row, size_t slot_stride, int k0,
-                                                   int in_group, float (&c)[kGroup][1][4]) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      uint32_t a[4];
-      a_pairs(t, j, a);
-#pragma unroll
-      for (int b = 0; b < kGroup; ++b) {
-        if (b < in_group) {
-          const uint2 v = __ldg(reinterpret_cast<const uint2*>(x_row + b * slot_stride + k0 + 4 * j));
-          mma_bf16(c[b][0], a[0], a[1], a[2], a[3], __byte_perm(v.x, v.y, 0x5410), __byte_perm(v.x, v.y, 0x7632));
-        }
-      }
+      mma_bf16(c, bf16x2_mul(pair02(wa[j]), t.factor), bf16x2_mul(pair02(wb[j]), t.factor),
+               bf16x2_mul(pair13(wa[j]), t.factor), bf16x2_mul(pair13(wb[j]), t.factor), b02, b13);
     }
   }
 

@@ -18,14 +18,7 @@
 //
 // Slots (grouped matmuls, routed experts): the work items are (slot, 16 kTiles-row tile) pairs; slot s
 // multiplies its M activation rows x[s, 0:M, :] by expert slot_expert[s] of the stacked weight [E, N, K] and
-// writes y[s, 0:M, :]; slots with expert -1 write nothing. A dense matmul is one slot with expert 0. Items run slot
-// by slot (every tile of slot 0, then of slot 1, ...), or with `slots_inner` tile by tile (the slots of tile 0, then
-// of tile 1, ...): for slots that all read one weight (rows of a dense matmul in slots of 8), CTAs that run at the
-// same time then read the same tiles, so DRAM streams each tile once and the other slots find it in L2. Or, for
-// slots that all read one weight (the expert of the group's first slot), with slot groups (kGroup = kSlotGroup slots
-// per item; Formats with kGroupable, one weight, direct loads): an item is a tile for up to kGroup slots at once,
-// its bytes loaded and decoded once per step for all of them (Format::mma_group) instead of once per slot; with
-// more slots than one group, the groups of a tile run tile by tile.
+// writes y[s, 0:M, :]; slots with expert -1 write nothing. A dense matmul is one slot with expert 0.
 //
 // Weight sets (kSets = 2: a gate and an up projection in one launch): kSets weights of one format and shape
 // [E, N, K] times the same activation rows; an item computes its tile rows of every set, so each activation load
@@ -227,14 +220,12 @@ enum Mode : int {
 // before computing the current one, so DRAM keeps a deep queue without registers held for loads in flight.
 // kMinBlocks > 1 caps the registers so that many CTAs fit on an SM (more loads in flight; may spill).
 template <class Format, int kWarps, int kTiles, int kUnroll, int kMode, int kMinBlocks, int kSets, bool kConcat,
-          class OutT, int kGroup = 1>
+          class OutT>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 gemv_kernel(const uint16_t* __restrict__ x, WeightSets<typename Format::Weights, kSets> w,
             const int32_t* __restrict__ slot_expert, OutT* __restrict__ y, int m_rows, int n, int k, int items,
-            int n2, int inner_slots, int slots) {
+            int n2) {
   static_assert(!kConcat || (kSets == 2 && kMode == kDirect), "concatenated weights: two sets, direct loads");
-  static_assert(kGroup == 1 || (kTiles == 1 && kSets == 1 && !kConcat && kMode == kDirect && kUnroll == 1),
-                "slot groups: one weight, one tile per item, direct loads");
   constexpr int kItemSets = kConcat ? 1 : kSets;                // weight sets one item computes
   constexpr int kRows = 16 * kTiles, kAll = kTiles * kItemSets;  // kAll tiles per item: tile t of set t / kTiles
   constexpr bool kPrefetch = kMode == kPersistent, kStream = kMode == kStreamed;
@@ -243,10 +234,6 @@ gemv_kernel(const uint16_t* __restrict__ x, WeightSets<typename Format::Weights,
   const int g = lane / 4, q = lane % 4;                    // fragment row group, quad lane
   const int tiles_first = n / kRows;                       // items per slot: tiles of the first set (a pair: both)
   const int tiles = kConcat ? tiles_first + n2 / kRows : tiles_first, steps = k / kStep;
-  // item -> its slot (a slot group: its index) and tile: slot by slot, or (inner_slots = the number of slots or
-  // slot groups, > 0) tile by tile
-  const auto slot_of = [&](int item) { return inner_slots ? item % inner_slots : item / tiles; };
-  const auto tile_of = [&](int item) { return inner_slots ? item / inner_slots : item % tiles; };
   const bool has_x = g < m_rows;                           // B column g is activation row g (else row 0, unused)
   // this warp's steps: first, first + stride, ... < last
   const int per_warp = (steps + kWarps - 1) / kWarps;
@@ -267,35 +254,21 @@ gemv_kernel(const uint16_t* __restrict__ x, WeightSets<typename Format::Weights,
                                                             row_base + 16 * (t % kTiles) + g, k0, n, k);
     }
   };
-  if (kPrefetch && lane == 0 && slot_expert[slot_of(blockIdx.x)] >= 0) {
-    prefetch(slot_expert[slot_of(blockIdx.x)], tile_of(blockIdx.x) * kRows);
+  if (kPrefetch && lane == 0 && slot_expert[blockIdx.x / tiles] >= 0) {
+    prefetch(slot_expert[blockIdx.x / tiles], blockIdx.x % tiles * kRows);
   }
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int slot = slot_of(item) * kGroup, tile = tile_of(item);   // a slot group: its first slot
+    const int slot = item / tiles, tile = item % tiles;
     const int second = kConcat && tile >= tiles_first;     // concatenated: the item is a tile of the second weight
     const int row_base = (tile - second * tiles_first) * kRows;
     const int expert = slot_expert[slot];                  // dense: one slot, expert 0
     if (kPrefetch && lane == 0 && item + gridDim.x < items) {
-      const int next = item + gridDim.x, next_expert = slot_expert[slot_of(next)];
-      if (next_expert >= 0) prefetch(next_expert, tile_of(next) * kRows);
+      const int next = item + gridDim.x, next_expert = slot_expert[next / tiles];
+      if (next_expert >= 0) prefetch(next_expert, next % tiles * kRows);
     }
     if (expert < 0) continue;                              // unused slot (uniform over the CTA)
     const uint16_t* x_row = x + (static_cast<size_t>(slot) * m_rows + (has_x ? g : 0)) * k;
 
-    if constexpr (kGroup > 1) {
-      const int in_group = min(kGroup, slots - slot);    // the last group may hold fewer slots
-      float c[kGroup][1][4] = {};
-      for (int step = first; step < last; step += stride) {
-        const int k0 = step * kStep + q * 32;
-        const typename Format::Tile t = load_tile(std::false_type{}, expert, row_base, 0, k0, second);
-        Format::template mma_group<kGroup>(t, x_row, static_cast<size_t>(m_rows) * k, k0, in_group, c);
-      }
-      for (int b = 0; b < in_group; ++b) {                // uniform over the CTA: store_tiles' barriers are safe
-        store_tiles<Format, kWarps, 1, 1>(partial, c[b], w, expert, y + static_cast<size_t>(slot + b) * m_rows * n,
-                                          m_rows, n, row_base);
-      }
-      continue;
-    }
     float c[kAll][4] = {};
     if constexpr (kMode == kPipelined) {
       static_assert(kUnroll == 1, "pipelined schedules prefetch one step instead of unrolling");
@@ -365,11 +338,9 @@ gemv_kernel(const uint16_t* __restrict__ x, WeightSets<typename Format::Weights,
 
 namespace dsv4 {
 
-// Schedules (ffi attribute `schedule` = 100000 O + 10000 B + 1000 P + 100 warps + 10 tiles + unroll; O: 1 = the
-// items tile by tile (slots_inner), 2 = slot groups of kSlotGroup slots that share one weight (811 and 411 only,
-// one weight, float32 output), 0 = slot by slot; P: the Mode, B: the minimum CTAs per SM the registers are
-// capped for (0: the compiler's choice; staged: CTAs per SM, 0 = 1); warps digit 0 = 16 warps); 0 = the default
-// (O 1 with the rest 0: the default, tile by tile).
+// Schedules (ffi attribute `schedule` = 10000 B + 1000 P + 100 warps + 10 tiles + unroll; P: the Mode, B: the
+// minimum CTAs per SM the registers are capped for (0: the compiler's choice; staged: CTAs per SM, 0 = 1); warps
+// digit 0 = 16 warps); 0 = the default.
 // Measured on the H200 (docs/kernels.md, benchmarks/bench_ffi.py): 811 is the fastest or within ~5-10% on every
 // large shape; the persistent, streamed, register-capped and pipelined schedules win a few percent on one shape
 // and lose as much or more on another; the staged ones run at 0.46-0.96x of it; unroll > 1 costs occupancy
@@ -377,16 +348,12 @@ namespace dsv4 {
 // Routed experts (ffi.moe_gemv) default to 411 instead (ffi/__init__.py, ROUTED_SCHEDULE), and calls of at most one
 // wave of tiles to 11 (16 warps: ffi.default_schedule).
 constexpr int kDefaultSchedule = 811;
-constexpr int kOrderDigit = 100000;   // the order digit of a schedule: 1 = work items tile by tile, 2 = slot groups
-constexpr int kSlotGroup = 8;         // slots per item of a slot group: 64 bf16 rows
 
-template <class Format, int W, int T, int U, int P, int B, int kSets, bool kConcat, class OutT, int kGroup = 1>
+template <class Format, int W, int T, int U, int P, int B, int kSets, bool kConcat, class OutT>
 xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const WeightSets<typename Format::Weights, kSets>& w,
-                           const int32_t* slot_expert, int slots, OutT* y, int m_rows, int n, int k, int n2,
-                           bool slots_inner) {
-  auto kernel = gemv_kernel<Format, W, T, U, P, B, kSets, kConcat, OutT, kGroup>;
-  const int units = (slots + kGroup - 1) / kGroup;          // slots, or slot groups
-  const int items = units * ((kConcat ? n + n2 : n) / (16 * T));
+                           const int32_t* slot_expert, int slots, OutT* y, int m_rows, int n, int k, int n2) {
+  auto kernel = gemv_kernel<Format, W, T, U, P, B, kSets, kConcat, OutT>;
+  const int items = slots * ((kConcat ? n + n2 : n) / (16 * T));
   int grid = items;
   if (P == kPersistent) {                                  // as many CTAs as fit at once
     static int resident = 0;                               // per instantiation, computed once per process
@@ -399,8 +366,7 @@ xla::ffi::Error launch_one(cudaStream_t stream, const uint16_t* x, const WeightS
     }
     grid = items < resident ? items : resident;
   }
-  kernel<<<grid, W * 32, 0, stream>>>(x, w, slot_expert, y, m_rows, n, k, items, n2, slots_inner ? units : 0,
-                                      slots);
+  kernel<<<grid, W * 32, 0, stream>>>(x, w, slot_expert, y, m_rows, n, k, items, n2);
   return xla::ffi::Error::Success();
 }
 
@@ -429,35 +395,7 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
                             const WeightSets<typename Format::Weights, kSets>& w, const int32_t* slot_expert, int slots,
                             OutT* y, int m_rows, int n, int k, const char* name, int n2 = 0) {
   using xla::ffi::Error;
-  // a launch's error, else the launch's own (CUDA's last error), else success
-  const auto launch_result = [name](Error launched) {
-    if (launched.failure()) return launched;
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return Error::Internal(std::string(name) + ": " + cudaGetErrorString(err));
-    return Error::Success();
-  };
-  const int order = schedule / kOrderDigit;
-  schedule %= kOrderDigit;
   if (schedule == 0) schedule = kDefaultSchedule;
-  if (order > 2 || (order == 1 && schedule / 1000 % 10 == kStaged)) {
-    return Error::InvalidArgument(std::string(name) +
-                                  ": the order digit is 0, 1 or 2, and staged schedules run slot by slot");
-  }
-  if (order == 2) {                                        // slot groups
-    Error grouped = Error::InvalidArgument(std::string(name) + ": slot groups run schedules 811 and 411, one weight "
-                                           "of a format that has them, float32 output; got " +
-                                           std::to_string(schedule));
-    if constexpr (Format::kGroupable && kSets == 1 && !kConcat && std::is_same_v<OutT, float>) {
-      if (schedule == 811) {
-        grouped = launch_one<Format, 8, 1, 1, kDirect, 0, 1, false, float, kSlotGroup>(stream, x, w, slot_expert,
-                                                                                    slots, y, m_rows, n, k, n2, true);
-      } else if (schedule == 411) {
-        grouped = launch_one<Format, 4, 1, 1, kDirect, 0, 1, false, float, kSlotGroup>(stream, x, w, slot_expert,
-                                                                                    slots, y, m_rows, n, k, n2, true);
-      }
-    }
-    return launch_result(std::move(grouped));
-  }
   const int tiles = schedule / 10 % 10;
   if (tiles < 1 || n % (16 * tiles) != 0 || (kConcat && n2 % (16 * tiles) != 0)) {
     return Error::InvalidArgument(std::string(name) + ": N must be a multiple of 16 x tiles of the schedule");
@@ -472,8 +410,7 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
                                                               m_rows, n, k, name);                        \
       } else {                                                                                            \
         launched = launch_one<Format, W, T, U, P, B, kSets, kConcat, OutT>(stream, x, w, slot_expert,     \
-                                                                           slots, y, m_rows, n, k, n2,    \
-                                                                           order == 1);                   \
+                                                                           slots, y, m_rows, n, k, n2);   \
       }                                                                                                   \
     }                                                                                                     \
     break;
@@ -501,7 +438,10 @@ xla::ffi::Error launch_gemv(cudaStream_t stream, int schedule, const uint16_t* x
     default:
       break;
   }
-  return launch_result(std::move(launched));
+  if (launched.failure()) return launched;
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return Error::Internal(std::string(name) + ": " + cudaGetErrorString(err));
+  return Error::Success();
 }
 
 }  // namespace dsv4

@@ -17,8 +17,6 @@ A kernel applies where one exists for the call; every other call takes the refer
       (gate and up projections)            weights (pair_matmul)          and shape
     linear_pair, two FP8-block weights     ffi.gemv_concat (tiles of      as above, one K, N and N2 % 16 == 0
       of one K (attention wq_a and wkv)    both weights, one launch)
-    linear, FP8-block / MXFP4 / NVFP4      ffi.grouped_gemv, the rows in  opt-in (override matmul=kernel; no
-      weight (dense_slots_gemv)            slots of 8, one weight         faster on an H100): CUDA, 9-64 rows
     linear, FP8-block weight               gemv.fp8_matmul                rows <= 256 (bf16) / 128 (fp32),
                                                                           N % 64 == 0
     linear, MXFP4 / NVFP4 weight           gemv.mxfp4_matmul / nvfp4_...  rows as above, N % 64 == 0, K % 32 == 0
@@ -75,9 +73,7 @@ MAX_MOE_ROWS = 128            # routed rows (tokens x top-k) up to which the MoE
 # tokens): up to MAX_MOE_ROWS one slot per row, beyond that the rows grouped by expert (routed_gemv). More rows
 # (prefill chunks: many rows per expert) take the MoE kernel's tensor-core slots.
 MAX_SLOTTED_ROWS = 256 * 6
-# Rows up to which a dense FP8 / FP4 weight takes the ffi/ GEMV in slots of 8 rows when the plan opts in
-# (`matmul=kernel`; dense_slots_gemv): 9 to 64 rows, the weight read once per slot (from L2 after the first).
-MAX_DENSE_SLOT_ROWS = 64
+
 
 def _plan(ctx) -> KernelPlan:
     """The plan the matmuls follow: the context's, or the reference where its overrides say so for "matmul"."""
@@ -162,41 +158,8 @@ def _is_quantized_matrix(weight, ndim: int) -> bool:
 
 def _opted_in(plan: KernelPlan) -> bool:
     """Whether the plan takes the matmul kernels that are not the default because no GPU run has shown them faster
-    (dense_slots_gemv, moe_fp8): its override `matmul=kernel`, or the interpret plan (tests)."""
+    (moe_fp8): its override `matmul=kernel`, or the interpret plan (tests)."""
     return plan.interpret or plan.override("matmul") == "kernel"
-
-
-def _takes_dense_slots(x2: jax.Array, weight, plan: KernelPlan) -> bool:
-    """Whether rows x2 [R, K] times a 2-D quantized weight take dense_slots_gemv: opted in (_opted_in; on an H100
-    it was no faster than the Pallas GEMV, docs/performance.md), CUDA with the ffi/ kernels, more rows than one ffi/
-    call takes and at most MAX_DENSE_SLOT_ROWS."""
-    n, k = weight.shape[-2:]
-    return (plan.backend == "cuda" and plan.ffi and _opted_in(plan)
-            and ffi.max_rows(x2.dtype) < x2.shape[0] <= MAX_DENSE_SLOT_ROWS and _ffi_fits(1, x2.dtype, n, k))
-
-
-def dense_slots_gemv(x2: jax.Array, weight, *, grouped_gemv=ffi.grouped_gemv,
-                     shared_weight_gemv=ffi.shared_weight_gemv) -> jax.Array:
-    """float32 x2 [R, K] @ dequant(W [N, K])^T on the ffi/ GEMV in one launch: the rows in slots of ffi.max_rows
-    (zero rows pad the last), every slot times the one weight. An FP8 weight: ffi.shared_weight_gemv, each weight
-    tile read and decoded once for up to 8 slots, where that makes more work items (tiles x slot groups) than
-    ffi.FEW_TILES (fewer would leave most SMs idle: wq_a's 64 tiles at 32 rows). Else (and FP4) ffi.grouped_gemv
-    over a stack of one expert, its work items tile by tile (`slots_inner`), so the slots of a tile run on CTAs at
-    the same time, meant for DRAM to stream each tile once and the other slots to read it from L2 (slot by slot,
-    the next slot comes to a tile only after the whole weight has passed, and most weights are larger than L2).
-    Neither is timed yet (benchmarks/bench_ffi.py --dense-slots-only). -> float32 [R, N].
-    `grouped_gemv`, `shared_weight_gemv`: the ffi/ calls (tests pass references with their contracts)."""
-    rows, k = x2.shape
-    capacity = ffi.max_rows(x2.dtype)
-    slots = -(-rows // capacity)
-    x3 = jnp.pad(x2, ((0, slots * capacity - rows), (0, 0))).reshape(slots, capacity, k)
-    groups = -(-slots // ffi.SLOT_GROUP)
-    if isinstance(weight, Fp8BlockWeight) and groups * (weight.shape[0] // 16) > ffi.FEW_TILES:
-        y3 = shared_weight_gemv(x3, weight, jnp.float32)
-    else:
-        stacked = jax.tree.map(lambda a: a[None], weight)
-        y3 = grouped_gemv(x3, stacked, np.zeros((slots,), np.int32), jnp.float32, schedule=0, slots_inner=True)
-    return y3.reshape(slots * capacity, -1)[:rows]
 
 
 def dense_matmul(x2: jax.Array, weight, ctx, call: str = "linear"):
@@ -208,9 +171,6 @@ def dense_matmul(x2: jax.Array, weight, ctx, call: str = "linear"):
     if backend == "cuda" and _ffi_takes(x2, weight, False, plan):
         _record(call, weight, backend, "ffi_gemv", ctx)
         return ffi.gemv(x2, weight, jnp.float32)
-    if _takes_dense_slots(x2, weight, plan):
-        _record(call, weight, backend, "ffi_gemv_slots", ctx)
-        return dense_slots_gemv(x2, weight)
     kernel = _dense_kernel(weight, *weight.shape) if backend and _rows_fit(x2, x2.shape[0]) else None
     _record(call, weight, backend if kernel else "reference", "gemv", ctx)
     return kernel(x2, weight, backend == "interpret") if kernel else None

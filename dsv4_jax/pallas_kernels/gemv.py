@@ -238,6 +238,19 @@ def f16_prescale_exponent(amax: jax.Array) -> jax.Array:
     return jnp.where(amax > 0, jnp.clip(13 - e, -100, 100), 0)
 
 
+def _fp8_steps(x_step, w_ref, s_ref, *, block_n, cols, n_steps):
+    """The float32 sum [block_n, columns] over this program's K range of the e4m3 weight tile times the f16
+    activation columns x_step(i) [columns, 128] of K step i, each step's product times its 128x128 block scale."""
+    def body(i, acc):
+        w = w_ref[:, pl.ds(i * FP8_BLOCK, FP8_BLOCK)].astype(jnp.float16)          # [bn, 128]
+        part = jax.lax.dot_general(w, x_step(i), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        b = s_ref[0, i].astype(jnp.uint32)
+        scale = jax.lax.bitcast_convert_type(b << 23, jnp.float32)                  # 2^(b-127)
+        return acc + part * scale
+
+    return jax.lax.fori_loop(0, n_steps, body, jnp.zeros((block_n, cols), jnp.float32))
+
+
 def _fp8_kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, n_steps, m_valid):
     """x_ref [columns, K range] bf16 activation rows, w_ref [block_n, K range] e4m3, s_ref [1, K range / 128] E8M0
     -> o_ref [columns, block_n] float32.
@@ -256,16 +269,32 @@ def _fp8_kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, n_steps, m_valid):
     p = f16_prescale_exponent(jax.lax.fori_loop(0, n_steps, row_amax, jnp.zeros((cols,), jnp.float32)))
     up = pow2(p)
 
-    def body(i, acc):
-        w = w_ref[:, pl.ds(i * FP8_BLOCK, FP8_BLOCK)].astype(jnp.float16)          # [bn, 128]
-        x = (x_ref[:, pl.ds(i * FP8_BLOCK, FP8_BLOCK)].astype(jnp.float32) * up[:, None]).astype(jnp.float16)
-        part = jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        b = s_ref[0, i].astype(jnp.uint32)
-        scale = jax.lax.bitcast_convert_type(b << 23, jnp.float32)                  # 2^(b-127)
-        return acc + part * scale
+    def x_step(i):
+        return (x_ref[:, pl.ds(i * FP8_BLOCK, FP8_BLOCK)].astype(jnp.float32) * up[:, None]).astype(jnp.float16)
 
-    acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((block_n, cols), jnp.float32))
+    acc = _fp8_steps(x_step, w_ref, s_ref, block_n=block_n, cols=cols, n_steps=n_steps)
     _store_rows(o_ref, acc * pow2(-p)[None, :], m_valid)
+
+
+def _fp8_prescaled_kernel(x_ref, undo_ref, w_ref, s_ref, o_ref, *, block_n, n_steps, m_valid):
+    """_fp8_kernel on rows the wrapper prescaled once over the whole of K (`row_prescale`): x_ref [columns, K
+    range] f16, undo_ref [columns] float32 (2^-p of each row). No amax pass and no per-step convert of x: with many
+    activation columns those, repeated by every program of a weight tile, read x from L2 twice per program and
+    convert it once per step (at 64 columns x is twice the weight tile's bytes per step)."""
+    cols = x_ref.shape[0]
+    acc = _fp8_steps(lambda i: x_ref[:, pl.ds(i * FP8_BLOCK, FP8_BLOCK)], w_ref, s_ref, block_n=block_n, cols=cols,
+                     n_steps=n_steps)
+    _store_rows(o_ref, acc * undo_ref[...][None, :], m_valid)
+
+
+def f16_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """bf16 rows [M, K] -> (f16 rows prescaled by 2^p, p from each row's largest magnitude over all of K
+    (f16_prescale_exponent), and 2^-p float32 [M] to undo it): exact, as bf16 values times a power of two that
+    keeps them in f16's range (those under 2^-27 of the row's largest become f16 subnormals, below float32
+    rounding of the row's products)."""
+    x = rows.astype(jnp.float32)
+    p = f16_prescale_exponent(jnp.max(jnp.abs(x), axis=1))
+    return (x * pow2(p)[:, None]).astype(jnp.float16), pow2(-p)
 
 
 # ---- wrappers ---------------------------------------------------------------------------------------------------
@@ -424,8 +453,11 @@ def nvfp4_matmul(x: jax.Array, w: Nvfp4Weight, out_dtype=None, *, interpret: boo
 
 
 def fp8_matmul(x: jax.Array, w: Fp8BlockWeight, out_dtype=None, *, interpret: bool = False, block_n=None,
-               split_k=None, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
-    """x [M, K] @ dequant(W [N, K])^T for an FP8 weight with 128x128 E8M0 block scales -> [M, N] out_dtype."""
+               split_k=None, num_warps: int = 4, num_stages: int = 3, row_prescale: bool = False) -> jax.Array:
+    """x [M, K] @ dequant(W [N, K])^T for an FP8 weight with 128x128 E8M0 block scales -> [M, N] out_dtype.
+    `row_prescale`: the rows' f16 prescale computed once over all of K before the launch (f16_rows, an XLA fusion
+    that may join the rows' producer) instead of in every program over its K range (_fp8_prescaled_kernel); the
+    same values up to f16 subnormals of entries under 2^-27 of their row's largest."""
     what = "fp8_matmul"
     n, k = w.weight.shape
     if x.shape[-1] != k:
@@ -443,19 +475,28 @@ def fp8_matmul(x: jax.Array, w: Fp8BlockWeight, out_dtype=None, *, interpret: bo
     split_k = _split_k(split_k, n // block_n, steps, what, _split_cap(k, cols * col_tiles))
     k_split = k // split_k
     tiles_per_block = FP8_BLOCK // block_n
-    kernel = functools.partial(_fp8_kernel, block_n=block_n, n_steps=steps // split_k, m_valid=m_used)
+    static = dict(block_n=block_n, n_steps=steps // split_k, m_valid=m_used)
+    x_spec = pl.BlockSpec((cols, k_split), lambda c, i, s: (c, s))
+    w_specs = [pl.BlockSpec((block_n, k_split), lambda c, i, s: (i, s)),
+               pl.BlockSpec((1, steps // split_k), lambda c, i, s: (i // tiles_per_block, s))]
+    rows = _pad_rows(rows, cols * col_tiles)
+    if row_prescale:
+        x16, undo = f16_rows(rows)
+        kernel, operands = functools.partial(_fp8_prescaled_kernel, **static), (x16, undo, w.weight, w.scale)
+        in_specs = [x_spec, pl.BlockSpec((cols,), lambda c, i, s: (c,)), *w_specs]
+    else:
+        kernel, operands = functools.partial(_fp8_kernel, **static), (rows, w.weight, w.scale)
+        in_specs = [x_spec, *w_specs]
     part = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((split_k, cols * col_tiles, n), jnp.float32),
         grid=(col_tiles, n // block_n, split_k),
-        in_specs=[pl.BlockSpec((cols, k_split), lambda c, i, s: (c, s)),
-                  pl.BlockSpec((block_n, k_split), lambda c, i, s: (i, s)),
-                  pl.BlockSpec((1, steps // split_k), lambda c, i, s: (i // tiles_per_block, s))],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((None, cols, block_n), lambda c, i, s: (s, c, i)),
         compiler_params=_params(num_warps, num_stages),
         interpret=interpret,
         name=f"dsv4_{what}",
-    )(_pad_rows(rows, cols * col_tiles), w.weight, w.scale)
+    )(*operands)
     return fold(_sum_split(part, m_used)).astype(out_dtype or x.dtype)
 
 
