@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile before reporting ready every program of contexts up to N positions (default "
                         f"{WARM_UP_CONTEXT}; the programs of longer contexts compile when first met and the "
                         "compilation cache keeps them; N = --max-seq-len: all)")
+    s.add_argument("--warm-up-threads", type=_int_at_least(1), default=1, metavar="N",
+                   help="prefill programs the warm-up compiles at once, in threads (default 1: one after another; "
+                        "on a GPU each compile also times kernel candidates there, and at once they share it)")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
     return p
 
@@ -214,30 +218,22 @@ def warm_up_programs(model, chunk: int, speculative_tokens: int = 0, context: in
     return sorted(prefill, key=lambda p: (p[1] or max_seq_len, p[0])), decode
 
 
-def _prompt_programs(model, n: int) -> set:
-    """The prefill programs (chunk size, context bucket) of an n-token prompt the prefix cache has no prefix of."""
-    def program(tokens: int, end: int):
-        return prefill_chunk_size(tokens, model.prefill_chunk), context_bucket(end, model.max_seq_len)
-    if not model.prefix_cache.enabled:
-        return {program(n, n)}
-    return {program(n - 1, n - 1), program(1, n)} if n > 1 else {program(1, 1)}
-
-
-def warm_up(scheduler, context: int | None = None) -> None:
+def warm_up(scheduler, context: int | None = None, threads: int = 1) -> None:
     """Compile (or read from the compilation cache) every prefill and decode program a request that fits the server
     can meet (warm_up_programs) before the server says it is ready: a client would wait for a compile, and so would
     every other row of the device loop. `context`: only those of calls below that many positions (None: all; the
-    others compile when first met, and the compilation cache keeps them).
-    - First, while the loop is idle (it has had no request yet), directly: the prefill chunks that only long prompts
-      and conversations reach (a context bucket past the first), each on a fresh one-row state whose position is set
-      near the bucket's end (one chunk's work); and every decode chunk (every bucket, with and without logprobs) on
-      the shared batch with every row halted (its loop ends at once).
-    - Then real requests through the loop, one at a time, for the other prefill chunks and what lies around them
-      (admission, the prefix cache's copies): a prompt per chunk size (1, 2, 4, ... up to --prefill-chunk; with the
-      prefix cache 2**j + 1 tokens, a head of 2**j and the last token), each starting with a token of its own so
-      that none continues another; then the first prompt and one token more, which continues it from the prefix
-      cache and keeps its completion there, asking for logprobs and for their top 20 (two requests; one without
-      logprobs under --speculative-tokens).
+    others compile when first met, and the compilation cache keeps them). `threads`: prefill programs compiled at
+    once (--warm-up-threads).
+    - First, while the loop is idle (it has had no request yet), directly: every prefill chunk, each on a fresh
+      one-row state whose position is set near its bucket's end (one chunk's work), `threads` at a time; then
+      every decode chunk (every bucket, with and without logprobs) on the shared batch with every row halted (its
+      loop ends at once).
+    - Then real requests through the loop, one at a time, for what lies around the prefill chunks (admission, the
+      prefix cache's copies): a prompt per chunk size (1, 2, 4, ... up to --prefill-chunk; with the prefix cache
+      2**j + 1 tokens, a head of 2**j and the last token), each starting with a token of its own so that none
+      continues another; then the first prompt and one token more, which continues it from the prefix cache and
+      keeps its completion there, asking for logprobs and for their top 20 (two requests; one without logprobs
+      under --speculative-tokens).
     Then the prefix cache is emptied of the warm-up's prompts."""
     model = scheduler.model
     k = scheduler.speculative_tokens
@@ -249,23 +245,13 @@ def warm_up(scheduler, context: int | None = None) -> None:
     longest = model.max_seq_len - k - 1
     sizes = sorted({c for c, b in prefill if b == first})
     lengths = [min(c, longest - 1) + 1 if cache.enabled else min(c, longest) for c in sizes]
-    covered = set().union(*(_prompt_programs(model, n) for n in lengths))
     _status(f"warm-up: compiling {len(prefill)} prefill and {len(decode)} decode programs (kept by the compilation "
             f"cache for the next start; --no-warmup skips this)")
     t0 = time.perf_counter()
     track = model.track_mtp or bool(k)
-    direct = [(size, bucket) for size, bucket in prefill if (size, bucket) not in covered]
-    for size, bucket in direct:
-        end = bucket or model.max_seq_len            # a chunk whose tokens end here has this bucket
-        start = max(0, end - size)
-        state = model.init_state(1)
-        # (the positions as a jitted op leaves them: committed to their sharding or not, else a program of its own)
-        state = state.replace(positions=state.positions + start)
-        model.prefill(np.zeros((1, size), np.int32), np.array([end - start]), state=state, track_mtp=track)
-    if direct:
-        _status(f"warm-up: {len(direct)} prefill programs of the larger context buckets in "
-                f"{time.perf_counter() - t0:.1f} s")
-        t0 = time.perf_counter()
+    _compile_prefills(model, [(1, size, bucket) for size, bucket in prefill], track, threads)
+    _status(f"warm-up: {len(prefill)} prefill programs ({threads} at a time) in {time.perf_counter() - t0:.1f} s")
+    t0 = time.perf_counter()
     for bucket, logprobs, n_top in decode:
         scheduler.compile_decode(bucket or model.max_seq_len, logprobs, n_top)
     _status(f"warm-up: {len(decode)} decode programs in {time.perf_counter() - t0:.1f} s")
@@ -287,11 +273,30 @@ def warm_up(scheduler, context: int | None = None) -> None:
                 done.set()
         scheduler.submit([Request(prompt_ids=prompt, max_tokens=max_tokens, on_event=on_event, logprobs=logprobs)])
         done.wait()
-    groups = _warm_up_groups(scheduler, prefill, track)
+    groups = _warm_up_groups(scheduler, prefill, track, threads)
     cache.clear()
     if failures or groups:
         raise CLIError(f"warm-up request failed: {(failures + groups)[0]}")
-    _status(f"warm-up: {len(requests)} requests (the other prefill programs) in {time.perf_counter() - t0:.1f} s")
+    _status(f"warm-up: {len(requests)} requests (admission and the prefix cache's programs) in "
+            f"{time.perf_counter() - t0:.1f} s")
+
+
+def _compile_prefills(model, programs: list[tuple[int, int, int | None]], track: bool, threads: int) -> None:
+    """Run one prefill of each (rows, chunk size, context bucket) in `programs`, directly on a fresh state of that
+    many rows whose position is set so that the chunk ends at the bucket's end (one chunk's work, with the program
+    a request's chunk of that size and bucket runs), `threads` at a time (XLA compiles with the GIL released)."""
+    def run(rows: int, size: int, bucket: int | None) -> None:
+        end = bucket or model.max_seq_len            # a chunk whose tokens end here has this bucket
+        start = max(0, end - size)
+        state = model.init_state(rows)
+        # (the positions as a jitted op leaves them: committed to their sharding or not, else a program of its own)
+        state = state.replace(positions=state.positions + start)
+        logits, _ = model.prefill(np.zeros((rows, size), np.int32), np.full((rows,), end - start), state=state,
+                                  track_mtp=track)
+        logits.block_until_ready()
+    with ThreadPoolExecutor(threads, thread_name_prefix="warm-up") as pool:
+        for done in [pool.submit(run, *program) for program in programs]:
+            done.result()
 
 
 def _submit_and_wait(scheduler, prompts: list[list[int]], first_logprobs: int | None = None) -> list[str]:
@@ -313,7 +318,7 @@ def _submit_and_wait(scheduler, prompts: list[list[int]], first_logprobs: int | 
     return failures
 
 
-def _warm_up_groups(scheduler, prefill: list, track: bool) -> list[str]:
+def _warm_up_groups(scheduler, prefill: list, track: bool, threads: int) -> list[str]:
     """With --admit-batch N > 1, the programs of requests prefilled together, for each batch b = 2, 4, ... N:
     every prefill program of warm_up_programs that a group of b can meet (chunks up to its rows' share of
     --admit-tokens), directly on a fresh b-row state, then a group of b two-token prompts through the loop and a
@@ -326,13 +331,8 @@ def _warm_up_groups(scheduler, prefill: list, track: bool) -> list[str]:
         t0 = time.perf_counter()
         # the chunk a group's longest prompt (at most its rows' share of --admit-tokens) runs in
         cap = prefill_chunk_size(max(1, scheduler.admit_tokens // b), model.prefill_chunk)
-        direct = [(size, bucket) for size, bucket in prefill if size <= cap]
-        for size, bucket in direct:
-            end = bucket or model.max_seq_len
-            start = max(0, end - size)
-            state = model.init_state(b)
-            state = state.replace(positions=state.positions + start)
-            model.prefill(np.zeros((b, size), np.int32), np.full((b,), end - start), state=state, track_mtp=track)
+        direct = [(b, size, bucket) for size, bucket in prefill if size <= cap]
+        _compile_prefills(model, direct, track, threads)
         vocab = model.config.vocab_size
         prompts = [[(1000 * b + 7 * i) % vocab, 3 % vocab] for i in range(b)]
         failures += _submit_and_wait(scheduler, prompts)
@@ -374,7 +374,7 @@ def serve(args) -> int:
                           admit_tokens=args.admit_tokens).start()
     t0 = time.perf_counter()
     if not args.no_warmup:
-        warm_up(scheduler, args.warm_up_context)
+        warm_up(scheduler, args.warm_up_context, args.warm_up_threads)
     host, port = sock.getsockname()[:2]
     print(f"dsv4_jax.serve: ready on http://{host}:{port}/v1 (model {name!r}, max_batch {args.max_batch}, "
           f"max_seq_len {args.max_seq_len}, compiled in {time.perf_counter() - t0:.1f} s)", file=sys.stderr,

@@ -73,12 +73,13 @@ def test_server_process_reports_ready_answers_and_stops():
     assert "Traceback" not in rest
 
 
-@pytest.mark.parametrize("prefix_cache", ["16M", "0"])
-def test_warm_up_compiles_what_a_first_client_would_wait_for(prefix_cache):
+@pytest.mark.parametrize("prefix_cache, threads", [("16M", 2), ("0", 1)])
+def test_warm_up_compiles_what_a_first_client_would_wait_for(prefix_cache, threads):
     """After the warm-up no request compiles a prefill or decode program, whatever its prompt length (every chunk
     size, one chunk or several), logprobs and context bucket (max_seq_len 8192 has two: 4,096 positions and the
     whole buffers; a completion crosses from one to the other, and with the prefix cache a short continuation of
-    a long prompt prefills its few tokens in the large one); the warm-up compiles each of its programs once."""
+    a long prompt prefills its few tokens in the large one); the warm-up compiles each of its programs once, also
+    with its prefill programs compiled two at a time (--warm-up-threads 2)."""
     import threading
 
     import jax
@@ -96,7 +97,7 @@ def test_warm_up_compiles_what_a_first_client_would_wait_for(prefix_cache):
     def programs():
         return engine.prefill_chunk._cache_size(), generation.generate_chunk._cache_size()
     try:
-        serve.warm_up(scheduler)
+        serve.warm_up(scheduler, threads=threads)
         prefill, decode = serve.warm_up_programs(model, chunk=4)
         assert {b for _, b in prefill} == {b for b, *_ in decode} == {4096, None}
         first_prefill, first_decode = serve.warm_up_programs(model, chunk=4, context=4096)     # --warm-up-context
@@ -128,7 +129,7 @@ def test_warm_up_compiles_what_a_first_client_would_wait_for(prefix_cache):
 def test_warm_up_compiles_the_programs_of_requests_admitted_together():
     """--admit-batch 2 (and the prefix cache): after the warm-up, pairs of requests submitted at once (admitted as
     groups of two, prompts of every chunk size, some continuing a cached prefix, some with logprobs) compile no
-    prefill, admission or prefix-cache program."""
+    prefill, admission or prefix-cache program (the warm-up's prefill programs compiled two at a time)."""
     import threading
 
     import jax
@@ -148,7 +149,7 @@ def test_warm_up_compiles_the_programs_of_requests_admitted_together():
                                                         if hasattr(getattr(prefix_cache, name), "_cache_size")]
         return [f._cache_size() for f in jitted]
     try:
-        serve.warm_up(scheduler)
+        serve.warm_up(scheduler, threads=2)
         before = programs()
         calls_before = scheduler.stats["admit_calls"]
         rng = np.random.default_rng(1)
