@@ -19,12 +19,15 @@ from dsv4_jax.ops import matmul_kernels
 
 
 def _fp4_weight(rng, fmt, shape):
+    """Random stored FP4 bytes and scales, drawn by jax.random on the default device from a seed of `rng`: the
+    Flash-geometry GPU test's 256 experts are 3 GB of bytes a case, minutes for numpy on the host."""
     *lead, n, k = shape
-    packed = jnp.asarray(rng.integers(0, 256, (*lead, n, k // 2), dtype=np.uint8))   # not int64: 8 GB at Flash
+    k_packed, k_scale, k_global = jax.random.split(jax.random.key(int(rng.integers(2 ** 31))), 3)
+    packed = jax.random.bits(k_packed, (*lead, n, k // 2), jnp.uint8)
     if fmt == "mxfp4":
-        return Mxfp4Weight(packed, jnp.asarray(rng.integers(112, 132, (*lead, n, k // 32), dtype=np.uint8)))
-    scale = jnp.asarray(rng.uniform(2.0 ** -6, 448, (*lead, n, k // 16)), jnp.float32).astype(jnp.float8_e4m3fn)
-    return Nvfp4Weight(packed, scale, jnp.asarray(rng.uniform(1e-3, 1e-2, tuple(lead)), jnp.float32))
+        return Mxfp4Weight(packed, jax.random.randint(k_scale, (*lead, n, k // 32), 112, 132).astype(jnp.uint8))
+    scale = jax.random.uniform(k_scale, (*lead, n, k // 16), jnp.float32, 2.0 ** -6, 448).astype(jnp.float8_e4m3fn)
+    return Nvfp4Weight(packed, scale, jax.random.uniform(k_global, tuple(lead), jnp.float32, 1e-3, 1e-2))
 
 
 class _StandIn:
