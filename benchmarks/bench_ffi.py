@@ -75,8 +75,7 @@ def main():
     ap.add_argument("--slotted-format", default="mxfp4", choices=("mxfp4", "nvfp4"))
     ap.add_argument("--dense-only", default="",
                     help="only the dense FP8 projections at these row counts (e.g. 32,64; 9-256): the Pallas GEMV "
-                         "at its default and other tilings, with and without row_prescale, and the ffi/ GEMV in "
-                         "8-row slots")
+                         "at its default and the tilings of DENSE_VARIANTS, with and without row_prescale")
     args = ap.parse_args()
     t0 = time.time()
     results = []
@@ -333,31 +332,25 @@ def run_slotted(args, key, emit, t0):
 
 
 DENSE_SHAPES = ("wq_b", "wo_b", "wo_a", "shared_w1", "shared_w2", "wq_a", "wkv")
-# Pallas FP8 GEMV variants (label, fp8_matmul keywords) beside its default tiling: a wider weight tile at 64+
-# columns (x re-read by half as many programs), and the rows' f16 prescale made once before the launch.
+# Pallas FP8 GEMV variants (label, fp8_matmul keywords) beside its default tiling: the rows' f16 prescale made once
+# before the launch, and wider weight tiles (x re-read by fewer programs; _k1: no split of K, whose float32
+# partials at 64 rows and K = 1024 are half the weight's bytes).
 DENSE_VARIANTS = [("pallas_row_prescale", dict(row_prescale=True)),
                   ("pallas_bn128_w8", dict(block_n=128, num_warps=8)),
                   ("pallas_bn128_w8_row_prescale", dict(block_n=128, num_warps=8, row_prescale=True)),
-                  ("pallas_bn64_w8_row_prescale", dict(block_n=64, num_warps=8, row_prescale=True)),
-                  ("pallas_row_prescale_s4", dict(row_prescale=True, num_stages=4))]
+                  ("pallas_bn128_w8_row_prescale_k1", dict(block_n=128, num_warps=8, row_prescale=True, split_k=1)),
+                  ("pallas_bn256_w8_row_prescale_k1", dict(block_n=256, num_warps=8, row_prescale=True, split_k=1))]
 
 
 def run_dense(args, key, emit, t0):
     """The model's dense FP8 projections at the rows of a serving decode step: the Pallas GEMV (gemv.fp8_matmul,
-    the default at 9-256 rows) at its default tiling and at DENSE_VARIANTS, and the ffi/ GEMV with the rows in
-    slots of 8 (one launch, every slot times the one weight; up to 64 rows). GB/s: the weight's bytes (read once)
-    over the wall time per call, the copies rotating past L2; each case checked against the float32 reference
-    first (a variant a tiling refuses is recorded with its error)."""
+    the default at 9-256 rows) at its default tiling and at DENSE_VARIANTS. GB/s: the weight's bytes (read once)
+    over the wall time per call, the copies rotating past L2; kernel time: every kernel of the call (the prescale
+    fusion and split-K sum included); each case checked against the float32 reference first (a variant a shape
+    refuses is recorded with its error)."""
     ms = [int(v) for v in args.dense_only.split(",")]
     if any(not ffi.MAX_ROWS < m <= gemv.MAX_ROWS for m in ms):
         raise SystemExit(f"--dense-only: rows must be {ffi.MAX_ROWS + 1}..{gemv.MAX_ROWS}, got {ms}")
-
-    def ffi_slots(x, w):     # the rows in slots of 8, each slot times the one weight (a stack of one expert)
-        slots = -(-x.shape[0] // ffi.MAX_ROWS)
-        x3 = jnp.pad(x, ((0, slots * ffi.MAX_ROWS - x.shape[0]), (0, 0))).reshape(slots, ffi.MAX_ROWS, -1)
-        stacked = jax.tree_util.tree_map(lambda a: a[None], w)
-        y3 = ffi.grouped_gemv(x3, stacked, jnp.zeros((slots,), jnp.int32), jnp.float32)
-        return y3.reshape(-1, y3.shape[-1])[:x.shape[0]]
 
     cases = [("pallas", lambda x, w: gemv.fp8_matmul(x, w, jnp.float32))]
     cases += [(label, functools.partial(gemv.fp8_matmul, out_dtype=jnp.float32, **kw)) for label, kw in DENSE_VARIANTS]
@@ -373,7 +366,7 @@ def run_dense(args, key, emit, t0):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.float32).astype(jnp.bfloat16)
             ref = jax.jit(lambda x, w: linear(x.astype(jnp.float32), w, jnp.float32, ctx=REFERENCE))(x, ws[0])
             reps = max(2, int(2000 / (len(ws) * max(1, n * k // (1 << 24)))))
-            for impl, fn in cases + ([("ffi_slots", ffi_slots)] if m <= 8 * ffi.MAX_ROWS else []):
+            for impl, fn in cases:
                 try:
                     err = rel_err(jax.jit(fn)(x, ws[0]), ref)
                     if err > 1e-4:

@@ -161,18 +161,22 @@ def test_fp8_rows_of_any_magnitude_interpret(row_prescale):
         assert np.linalg.norm(y[r] - ref[r]) / np.linalg.norm(ref[r]) < 1e-5, r
 
 
-@pytest.mark.parametrize("m, dtype", [(40, jnp.bfloat16), (200, jnp.bfloat16), (50, jnp.float32)])
-def test_fp8_row_prescale_wide_interpret(m, dtype):
-    """`row_prescale` at 64 and 128 activation columns, two column tiles and float32 hi + lo rows, on tilings
-    the GPU sweep times (block_n 128 at 64 columns, 8 warps): every row against float64, rows of magnitudes
-    2^-30..2^30 (a prescale or its undo taken from another row is off by powers of two), the padded rows'
-    outputs never written into the result."""
+@pytest.mark.parametrize("m, dtype, block_n, row_prescale", [(40, jnp.bfloat16, 128, True),
+                                                               (200, jnp.bfloat16, 256, True),
+                                                               (50, jnp.float32, 128, True),
+                                                               (64, jnp.bfloat16, 256, False)])
+def test_fp8_wide_tiles_and_row_prescale_interpret(m, dtype, block_n, row_prescale):
+    """The tilings the GPU sweep times (bench_ffi.DENSE_VARIANTS): `row_prescale` and weight tiles of 128 and 256
+    rows (two 128-row scale blocks, each step's scale per block) at 64 and 128 activation columns, two column
+    tiles and float32 hi + lo rows: every row against float64, rows of magnitudes 2^-30..2^30 (a prescale or its
+    undo taken from another row is off by powers of two), block scales drawn per 128 rows (a scale taken from the
+    other half of a 256-row tile is off)."""
     rng = np.random.default_rng()
-    n, k = 256, 512
+    n, k = 512, 512
     w = _fp8(rng, (n, k))
     x = jnp.asarray(rng.standard_normal((m, k)) * 2.0 ** rng.integers(-30, 31, (m, 1)), dtype)
-    y = np.asarray(gemv.fp8_matmul(x, w, jnp.float32, interpret=True, row_prescale=True, block_n=128, num_warps=8),
-                   np.float64)
+    y = np.asarray(gemv.fp8_matmul(x, w, jnp.float32, interpret=True, row_prescale=row_prescale, block_n=block_n,
+                                   num_warps=8, split_k=2), np.float64)
     ref = np.asarray(x, np.float64) @ _dequant64(w).T
     assert y.shape == ref.shape and np.all(np.isfinite(y))
     row_err = np.linalg.norm(y - ref, axis=1) / np.linalg.norm(ref, axis=1)
@@ -210,6 +214,9 @@ def test_dense_interpret_rows_and_dtype():
         gemv.mxfp4_matmul(_x(rng, 257, 256, jnp.bfloat16), w, interpret=True)
     with pytest.raises(ValueError, match="at most 128 rows"):
         gemv.fp8_matmul(_x(rng, 129, 256, jnp.float32), _fp8(rng, (64, 256)), interpret=True)
+    for block_n, n in ((192, 384), (256, 384), (48, 384)):          # not 128 / 2^j or a multiple of 128; N % 256
+        with pytest.raises(ValueError, match="block_n="):
+            gemv.fp8_matmul(_x(rng, 4, 256, jnp.bfloat16), _fp8(rng, (n, 256)), interpret=True, block_n=block_n)
 
 
 @pytest.mark.parametrize("fmt,dtype", [("mxfp4", jnp.bfloat16), ("nvfp4", jnp.float32)])
@@ -397,7 +404,9 @@ def test_cuda_lowering():
     wide = sds((200, k), jnp.bfloat16)                                    # a verify step: two column tiles
     cases += [(gemv.fp8_matmul, (wide, cases[2][1][1])), (gemv.mxfp4_matmul, (wide, cases[0][1][1])),
               (functools.partial(gemv.fp8_matmul, row_prescale=True, block_n=128, num_warps=8),
-               (sds((64, k), jnp.bfloat16), cases[2][1][1]))]
+               (sds((64, k), jnp.bfloat16), cases[2][1][1])),
+              (functools.partial(gemv.fp8_matmul, row_prescale=True, block_n=256, num_warps=8, split_k=1),
+               (sds((128, k), jnp.bfloat16), cases[2][1][1]))]
     cases.append((functools.partial(moe.moe_matmul, slot_cols=64, split_k=1, block_n=64),      # prefill slots
                   (sds((600, k), jnp.bfloat16),
                    Mxfp4Weight(sds((8, n, k // 2), jnp.uint8), sds((8, n, k // 32), jnp.uint8)),
@@ -438,7 +447,7 @@ def test_dense_gpu(fmt, m):
         _check(jax.jit(fn)(x, w), x, _dequant64(w), 2e-5)
     if fmt == "fp8" and m >= 32:                    # the rows prescaled before the launch, the sweep's tilings
         x = _x(rng, m, k, jnp.bfloat16)
-        for block_n, warps in ((64, 4), (128, 8)):
+        for block_n, warps in ((64, 4), (128, 8), (256, 8)):
             y = jax.jit(lambda x, w: fn(x, w, jnp.float32, row_prescale=True, block_n=block_n, num_warps=warps))(x, w)
             _check(y, x.astype(jnp.float32), _dequant64(w), 1e-5)
 

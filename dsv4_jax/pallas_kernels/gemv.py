@@ -46,7 +46,12 @@ Kernel design (see docs/kernels.md for measurements):
     the 128x128 block scale multiplies each 128-wide K step's float32 partial product. So an FP8 matmul is one
     launch (two with split-K): the prescale, the f16 copy of x transposed, and the transposed output were three
     more XLA passes per matmul (the FP8 family's launches in a 4-layer Flash decode step at batch 64, compiled for an
-    H200: 122 of 291 before, 50 of 219 after).
+    H200: 122 of 291 before, 50 of 219 after). But every program of a weight tile reads its activation columns
+    twice (the amax pass, the loop) and converts them every step: at 64 columns and 64-row tiles twice the weight
+    tile's bytes per step. Two options the GPU sweep times against that (`bash benchmarks/gpu_runs.sh dense`; not
+    the default until measured): `row_prescale=True`, the rows prescaled and converted to f16 once before the
+    launch (an XLA fusion); and weight tiles of 128 or 256 rows (`block_n`, two 128-row scale blocks per tile at
+    256), so fewer programs read the columns.
 """
 
 from __future__ import annotations
@@ -239,16 +244,30 @@ def f16_prescale_exponent(amax: jax.Array) -> jax.Array:
 
 
 def _fp8_steps(x_step, w_ref, s_ref, *, block_n, cols, n_steps):
-    """The float32 sum [block_n, columns] over this program's K range of the e4m3 weight tile times the f16
-    activation columns x_step(i) [columns, 128] of K step i, each step's product times its 128x128 block scale."""
-    def body(i, acc):
-        w = w_ref[:, pl.ds(i * FP8_BLOCK, FP8_BLOCK)].astype(jnp.float16)          # [bn, 128]
-        part = jax.lax.dot_general(w, x_step(i), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        b = s_ref[0, i].astype(jnp.uint32)
-        scale = jax.lax.bitcast_convert_type(b << 23, jnp.float32)                  # 2^(b-127)
-        return acc + part * scale
+    """The float32 sums over this program's K range of the e4m3 weight tile times the f16 activation columns
+    x_step(i) [columns, 128] of K step i, each step's product times its 128x128 block scale: one [min(block_n, 128),
+    columns] sum per 128-row scale block of the tile (a 256-row tile: two, each step's x loaded once for both)."""
+    sub = min(block_n, FP8_BLOCK)
 
-    return jax.lax.fori_loop(0, n_steps, body, jnp.zeros((block_n, cols), jnp.float32))
+    def body(i, accs):
+        x = x_step(i)
+        out = []
+        for h, acc in enumerate(accs):
+            w = w_ref[pl.ds(h * sub, sub), pl.ds(i * FP8_BLOCK, FP8_BLOCK)].astype(jnp.float16)     # [sub, 128]
+            part = jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            b = s_ref[h, i].astype(jnp.uint32)
+            out.append(acc + part * jax.lax.bitcast_convert_type(b << 23, jnp.float32))      # 2^(b-127)
+        return tuple(out)
+
+    return jax.lax.fori_loop(0, n_steps, body, tuple(jnp.zeros((sub, cols), jnp.float32)
+                                                     for _ in range(block_n // sub)))
+
+
+def _store_parts(o_ref, accs, undo, m_valid):
+    """Each scale block's sum [sub, columns] times undo [columns] into its columns of o_ref [columns, block_n]."""
+    sub = accs[0].shape[0]
+    for h, acc in enumerate(accs):
+        _store_rows(o_ref.at[:, pl.ds(h * sub, sub)], acc * undo[None, :], m_valid)
 
 
 def _fp8_kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, n_steps, m_valid):
@@ -272,8 +291,8 @@ def _fp8_kernel(x_ref, w_ref, s_ref, o_ref, *, block_n, n_steps, m_valid):
     def x_step(i):
         return (x_ref[:, pl.ds(i * FP8_BLOCK, FP8_BLOCK)].astype(jnp.float32) * up[:, None]).astype(jnp.float16)
 
-    acc = _fp8_steps(x_step, w_ref, s_ref, block_n=block_n, cols=cols, n_steps=n_steps)
-    _store_rows(o_ref, acc * pow2(-p)[None, :], m_valid)
+    accs = _fp8_steps(x_step, w_ref, s_ref, block_n=block_n, cols=cols, n_steps=n_steps)
+    _store_parts(o_ref, accs, pow2(-p), m_valid)
 
 
 def _fp8_prescaled_kernel(x_ref, undo_ref, w_ref, s_ref, o_ref, *, block_n, n_steps, m_valid):
@@ -282,9 +301,9 @@ def _fp8_prescaled_kernel(x_ref, undo_ref, w_ref, s_ref, o_ref, *, block_n, n_st
     activation columns those, repeated by every program of a weight tile, read x from L2 twice per program and
     convert it once per step (at 64 columns x is twice the weight tile's bytes per step)."""
     cols = x_ref.shape[0]
-    acc = _fp8_steps(lambda i: x_ref[:, pl.ds(i * FP8_BLOCK, FP8_BLOCK)], w_ref, s_ref, block_n=block_n, cols=cols,
-                     n_steps=n_steps)
-    _store_rows(o_ref, acc * undo_ref[...][None, :], m_valid)
+    accs = _fp8_steps(lambda i: x_ref[:, pl.ds(i * FP8_BLOCK, FP8_BLOCK)], w_ref, s_ref, block_n=block_n, cols=cols,
+                      n_steps=n_steps)
+    _store_parts(o_ref, accs, undo_ref[...], m_valid)
 
 
 def f16_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -469,16 +488,19 @@ def fp8_matmul(x: jax.Array, w: Fp8BlockWeight, out_dtype=None, *, interpret: bo
     rows, m_used, fold = _activation_columns(x, what)
     cols, col_tiles = activation_tiling(m_used)
     block_n = block_n or _default_block_n(n, cols)
-    if FP8_BLOCK % block_n or n % block_n:
-        raise ValueError(f"{what}: block_n={block_n} must divide 128 and N={n}")
+    if (FP8_BLOCK % block_n if block_n <= FP8_BLOCK else block_n % FP8_BLOCK) or n % block_n:
+        raise ValueError(f"{what}: block_n={block_n} must divide 128 or be a multiple of it, and divide N={n}")
     steps = k // FP8_BLOCK
     split_k = _split_k(split_k, n // block_n, steps, what, _split_cap(k, cols * col_tiles))
     k_split = k // split_k
-    tiles_per_block = FP8_BLOCK // block_n
     static = dict(block_n=block_n, n_steps=steps // split_k, m_valid=m_used)
     x_spec = pl.BlockSpec((cols, k_split), lambda c, i, s: (c, s))
-    w_specs = [pl.BlockSpec((block_n, k_split), lambda c, i, s: (i, s)),
-               pl.BlockSpec((1, steps // split_k), lambda c, i, s: (i // tiles_per_block, s))]
+    if block_n <= FP8_BLOCK:                # the tile's one row of block scales
+        tiles_per_block = FP8_BLOCK // block_n
+        scale_spec = pl.BlockSpec((1, steps // split_k), lambda c, i, s: (i // tiles_per_block, s))
+    else:                                   # block_n / 128 rows of them
+        scale_spec = pl.BlockSpec((block_n // FP8_BLOCK, steps // split_k), lambda c, i, s: (i, s))
+    w_specs = [pl.BlockSpec((block_n, k_split), lambda c, i, s: (i, s)), scale_spec]
     rows = _pad_rows(rows, cols * col_tiles)
     if row_prescale:
         x16, undo = f16_rows(rows)
