@@ -332,12 +332,15 @@ def run_slotted(args, key, emit, t0):
 
 
 DENSE_SHAPES = ("wq_b", "wo_b", "wo_a", "shared_w1", "shared_w2", "wq_a", "wkv")
-# Pallas FP8 GEMV variants (label, fp8_matmul keywords) beside its default tiling: the rows' f16 prescale made once
-# before the launch, and wider weight tiles (x re-read by fewer programs; _k1: no split of K, whose float32
-# partials at 64 rows and K = 1024 are half the weight's bytes).
+# Pallas FP8 GEMV variants (label, fp8_matmul keywords) beside its default tiling: wider weight tiles (the
+# activation columns re-read by fewer programs; _k1: no split of K, whose float32 partials at 64 rows and K = 1024
+# are half the weight's bytes, but a small N then leaves SMs idle), and the rows' f16 prescale made once before the
+# launch (one more launch per matmul: 261 against 198 in a 4-layer Flash decode step at batch 64, compiled for an
+# H200 with it for every FP8 matmul of more than 16 rows).
 DENSE_VARIANTS = [("pallas_row_prescale", dict(row_prescale=True)),
                   ("pallas_bn128_w8", dict(block_n=128, num_warps=8)),
-                  ("pallas_bn128_w8_row_prescale", dict(block_n=128, num_warps=8, row_prescale=True)),
+                  ("pallas_bn128_w8_k1", dict(block_n=128, num_warps=8, split_k=1)),
+                  ("pallas_bn256_w8_k1", dict(block_n=256, num_warps=8, split_k=1)),
                   ("pallas_bn128_w8_row_prescale_k1", dict(block_n=128, num_warps=8, row_prescale=True, split_k=1)),
                   ("pallas_bn256_w8_row_prescale_k1", dict(block_n=256, num_warps=8, row_prescale=True, split_k=1))]
 

@@ -27,7 +27,7 @@
 #            path against the kernel's prefill schedules, benchmarks/bench_decode_attention.py --prefill) and the
 #            routed experts of decode steps of 32-256 tokens in 8-row slots (every compiled ffi/ schedule,
 #            benchmarks/bench_ffi.py --slotted-only)       -> prefill_attention.{json,log}, ffi_slotted.{json,log}
-#   dense    the dense FP8 projections alone at ROWS (default 32, 64 and 128): the Pallas GEMV (the default) at its
+#   dense    the dense FP8 projections alone at ROWS (default 32 and 64): the Pallas GEMV (the default) at its
 #            default tiling and the variants of bench_ffi.DENSE_VARIANTS (wider weight tiles, the rows' f16 prescale
 #            before the launch; benchmarks/bench_ffi.py --dense-only)
 #                                                                          -> ffi_dense.{json,log}
@@ -100,7 +100,7 @@ for part in "$@"; do
                  timeout "${KERNEL_S:-240}" python3 benchmarks/bench_ffi.py --slotted-only 32,64,128,256 \
                      --budget-s $(( ${KERNEL_S:-240} - 60 )) --out "$OUT_DIR/ffi_slotted.json" 2>&1 | quiet \
                      | tee "$OUT_DIR/ffi_slotted.log" || status=1 ;;
-        dense)  timeout "${KERNEL_S:-300}" python3 benchmarks/bench_ffi.py --dense-only "${ROWS:-32,64,128}" \
+        dense)  timeout "${KERNEL_S:-300}" python3 benchmarks/bench_ffi.py --dense-only "${ROWS:-32,64}" \
                     --budget-s $(( ${KERNEL_S:-300} - 60 )) --out "$OUT_DIR/ffi_dense.json" 2>&1 | quiet \
                     | tee "$OUT_DIR/ffi_dense.log" || status=1 ;;
         chunks) for chunk in ${CHUNKS:-2048 4096 8192}; do
