@@ -296,6 +296,34 @@ class Model:
             return logits, state, cached, summary
         return logits, state, cached
 
+    def prefill_prompt_steps(self, prompt: Sequence[int], step: int, track_mtp: bool | None = None):
+        """prefill_prompts([prompt]) with the prompt's head (all but its last token, after the longest prefix the
+        prefix cache holds) prefilled `step` tokens per call: a generator that yields after each step but the last
+        and returns what prefill_prompts returns, (logits [1, V], state, cached [1]). The server runs one step per
+        turn of its loop, so a long prompt holds up the rows that are generating for one step at a time instead of
+        its whole prefill. The prefix cache keeps the head, as prefill_prompts does."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("prompt must be a non-empty list of token ids")
+        if step < 1:
+            raise ValueError(f"step must be positive, got {step}")
+        track = self.track_mtp if track_mtp is None else track_mtp
+        cache = self.prefix_cache
+        state, cached = self.init_state(1), 0
+        if cache.enabled:
+            entry, cached = cache.lookup(prompt, track)
+            if entry is not None:
+                state = cache.restore(entry, state, 0)
+        head = prompt[cached:-1]
+        for start in range(0, len(head), step):
+            _, state = self.prefill([head[start:start + step]], state=state, track_mtp=track)
+            if start + step < len(head):
+                yield
+        if head and cache.enabled:
+            cache.save(prompt[:-1], state, 0, track)
+        logits, state = self.prefill([prompt[-1:]], state=state, track_mtp=track)
+        return logits, state, [cached]
+
     def context_for(self, positions: int):
         """The run context of a call whose tokens all lie below `positions` (known on the host: no device read)."""
         return self.context.replace(context_limit=context_bucket(positions, self.max_seq_len))

@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admit-tokens", type=_int_at_least(1), default=8192, metavar="N",
                    help="a group's rows (a power of two) times its longest prompt stay within N tokens (default "
                         "8192)")
+    s.add_argument("--prefill-step", type=_int_at_least(0), default=0, metavar="N",
+                   help="while other requests are generating, prefill a prompt longer than N tokens N at a time, one "
+                        "step between their decode chunks, so that a long prompt does not stall them for its whole "
+                        "prefill (0: off, the default: each prompt at once)")
     s.add_argument("--max-queue", type=_int_at_least(0), default=256, metavar="N",
                    help="requests that may wait for a row; more get 429 (default 256)")
     s.add_argument("--speculative-tokens", type=_int_at_least(0, 17), default=0, metavar="K",
@@ -371,7 +375,7 @@ def serve(args) -> int:
     _status(f"model {name!r} loaded in {time.perf_counter() - t0:.1f} s")
     scheduler = Scheduler(model, chunk=args.chunk, max_queue=args.max_queue,
                           speculative_tokens=args.speculative_tokens, admit_batch=args.admit_batch,
-                          admit_tokens=args.admit_tokens).start()
+                          admit_tokens=args.admit_tokens, prefill_step=args.prefill_step).start()
     t0 = time.perf_counter()
     if not args.no_warmup:
         warm_up(scheduler, args.warm_up_context, args.warm_up_threads)

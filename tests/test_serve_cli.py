@@ -28,6 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--random-weights", "flash:99", "--port", "0"], 2, "layers must be an integer in [1, 43]"),
     (["--random-weights", "tiny", "--checkpoint", "x", "--port", "0"], 2, "exclude each other"),
     (["--admit-batch", "3", "--port", "0"], 2, "--admit-batch 3: must be a power of two at most --max-batch 8"),
+    (["--prefill-step", "-1"], 2, "--prefill-step: must be an integer >= 0, got -1"),
 ])
 def test_bad_arguments_are_one_line(capsys, argv, code, message):
     assert serve.main(argv) == code
@@ -47,7 +48,8 @@ def test_server_process_reports_ready_answers_and_stops():
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "dsv4_jax.serve", "--port", "0", "--max-batch", "2",
                              "--max-seq-len", "128", "--chunk", "4", "--dtype", "float32",
-                             "--prefill-chunk", "8"],            # (the warm-up compiles each chunk size: 1 to 8)
+                             "--prefill-chunk", "8",             # (the warm-up compiles each chunk size: 1 to 8)
+                             "--prefill-step", "4"],
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.time() + 240

@@ -115,6 +115,60 @@ def test_requests_admitted_in_groups_match_generate(model):
             Scheduler(model, admit_batch=bad)
 
 
+@pytest.mark.parametrize("prefix_cache", [0, 16 << 20])
+def test_long_prompts_prefilled_in_steps_match_generate(prefix_cache):
+    """prefill_step 16: two long prompts queued behind a short request are prefilled 16 tokens per turn of the loop
+    while it generates, each its own steps one after the other (the second, with the prefix cache, continues the
+    first's prompt from the cache), and every request still produces what Model.generate produces for it alone."""
+    model = dsv4_jax.load(dtype="float32", max_seq_len=256, max_batch=ROWS, prefix_cache=prefix_cache)
+    rng = np.random.default_rng(17)
+    long_prompt = [model.tokenizer.bos_id] + rng.integers(5, 4000, 100).tolist()
+    prompts = [_prompts(model, 1, rng)[0], long_prompt, long_prompt + rng.integers(5, 4000, 40).tolist()]
+    budgets = [60, 5, 7]
+    expected = [model.generate([p], max_new_tokens=b).tokens[0] for p, b in zip(prompts, budgets)]
+    model.prefix_cache.clear()
+    scheduler = Scheduler(model, chunk=4, prefill_step=16)
+    steps, stepped = [], scheduler._step
+    scheduler._step = lambda free, generating: steps.append(scheduler._stepping[0].prompt_ids) or stepped(free,
+                                                                                                          generating)
+    scheduler.start()
+    try:
+        got = run_requests(scheduler, [Request(prompt_ids=p, max_tokens=b, on_event=None) for p, b in
+                                       zip(prompts, budgets)])
+    finally:
+        scheduler.stop()
+    assert [tokens for tokens, _ in got] == expected
+    head = len(prompts[1]) - 1                       # all but the last token; the second after the cached head
+    rest = len(prompts[2]) - 1 - (head if prefix_cache else 0)
+    assert [len(p) for p in steps] == [len(prompts[1])] * -(-head // 16) + [len(prompts[2])] * -(-rest // 16)
+    assert scheduler.stats["admitted"] == scheduler.stats["admit_calls"] == 3
+
+
+def test_prefill_in_steps_keeps_the_queue_order_and_drops_a_cancelled_request(model):
+    """Driven turn by turn (no loop thread): while a long prompt is prefilled in steps no other request is
+    admitted; a request cancelled between its steps is dropped and its row stays free; where no row is
+    generating, a long prompt is prefilled at once."""
+    rng = np.random.default_rng(19)
+    short, other = _prompts(model, 2, rng)
+    long_prompt = [model.tokenizer.bos_id] + rng.integers(5, 4000, 60).tolist()
+    scheduler = Scheduler(model, chunk=4, prefill_step=16)
+    requests = [Request(prompt_ids=p, max_tokens=30, on_event=lambda e: None) for p in (short, long_prompt, other)]
+    scheduler.submit(requests)
+    assert len(scheduler._admit_waiting()) == 1                          # the short one; the long one's first step
+    assert scheduler._stepping[0] is requests[1] and list(scheduler._waiting) == [requests[2]]
+    assert scheduler._admit_waiting() == [] and list(scheduler._waiting) == [requests[2]]     # its second step
+    scheduler.cancel(requests[1])
+    assert scheduler._admit_waiting() == [] and scheduler._stepping is None
+    assert [o.request for o in scheduler._owners if o is not None] == [requests[0]]
+    assert len(scheduler._admit_waiting()) == 1                          # then the next in the queue
+    assert scheduler.busy_rows() == 2 and not scheduler._waiting
+    idle = Scheduler(model, chunk=4, prefill_step=16)
+    idle.submit([Request(prompt_ids=long_prompt, max_tokens=3, on_event=lambda e: None)])
+    assert len(idle._admit_waiting()) == 1 and idle._stepping is None   # nothing generating: at once
+    with pytest.raises(ValueError, match="prefill_step"):
+        Scheduler(model, prefill_step=-1)
+
+
 def test_seeded_request_samples_the_same_in_any_row(model):
     rng = np.random.default_rng(5)
     prompt, *others = _prompts(model, 4, rng)

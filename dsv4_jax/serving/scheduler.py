@@ -135,18 +135,23 @@ class Scheduler:
     """Continuous batching over `model` (a dsv4_jax Model; its max_batch rows are the slots)."""
 
     def __init__(self, model, *, chunk: int = 8, max_queue: int = 256, speculative_tokens: int = 0,
-                 idle_wait_s: float = 0.05, admit_batch: int = 1, admit_tokens: int = 8192):
+                 idle_wait_s: float = 0.05, admit_batch: int = 1, admit_tokens: int = 8192, prefill_step: int = 0):
         """`admit_batch` (a power of two, at most the model's max_batch): how many waiting requests may be prefilled
         in one call (one state of that many rows, padded to a power of two with one-token rows, so the prefill
         programs are those of batch 1, 2, 4, ... admit_batch), each weight then read once for all of them instead
         of once per request; a group takes the queue's requests in order while its rows times its longest prompt
         stay within `admit_tokens` (a long prompt is not padded up to by short ones), one group per turn of the
-        loop while other rows are generating (their next chunk waits for it). 1: each request alone."""
+        loop while other rows are generating (their next chunk waits for it). 1: each request alone.
+        `prefill_step` (0: off): while other rows are generating, a prompt longer than that is prefilled alone, that
+        many tokens per turn of the loop (Model.prefill_prompt_steps), so each of their chunks waits for one step of
+        it instead of its whole prefill; no other request is admitted meanwhile (the queue keeps its order)."""
         if admit_batch < 1 or admit_batch & (admit_batch - 1) or admit_batch > model.max_batch:
             raise ValueError(f"admit_batch must be a power of two in [1, max_batch={model.max_batch}], got "
                              f"{admit_batch}")
         if admit_tokens < 1:
             raise ValueError(f"admit_tokens must be positive, got {admit_tokens}")
+        if prefill_step < 0:
+            raise ValueError(f"prefill_step must be >= 0 (0: off), got {prefill_step}")
         if model.tokenizer is None:
             raise ValueError("the server needs a tokenizer: the checkpoint directory has no tokenizer.json")
         if speculative_tokens and not model.config.n_mtp_layers:
@@ -159,6 +164,8 @@ class Scheduler:
         self.idle_wait_s = idle_wait_s
         self.admit_batch = admit_batch
         self.admit_tokens = admit_tokens
+        self.prefill_step = prefill_step
+        self._stepping = None           # (request, its Model.prefill_prompt_steps) while a long prompt is prefilled
         self.rows = model.max_batch
         self._slots = device.init_slots(model.init_state(), MAX_STOP_TOKENS)
         self._owners: list[_Live | None] = [None] * self.rows
@@ -240,7 +247,7 @@ class Scheduler:
             in_flight = dispatched
             if in_flight is None and not admitted:
                 with self._lock:
-                    idle = not self._waiting
+                    idle = not self._waiting and self._stepping is None
                 if idle:
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
@@ -262,6 +269,9 @@ class Scheduler:
             if live is not None:
                 self._free(live)
                 live.emit(Failed(message))
+        if self._stepping is not None:
+            req, self._stepping = self._stepping[0], None
+            req.on_event(Failed(message))
         with self._lock:
             waiting, self._waiting = list(self._waiting), collections.deque()
         for req in waiting:
@@ -275,9 +285,15 @@ class Scheduler:
         while True:
             free = [s for s, o in enumerate(self._owners) if o is None]
             generating = len(free) < self.rows
+            if self._stepping is not None:
+                return reads + self._step(free, generating)
             group = self._next_group(len(free))
             if not group:
                 return reads
+            if generating and self._long(group[0]):
+                self._stepping = (group[0], self.model.prefill_prompt_steps(group[0].prompt_ids, self.prefill_step,
+                                                                            self._track_mtp()))
+                return reads + self._step(free, generating)
             try:
                 reads += self._admit(group, free)
             except Exception as err:
@@ -286,6 +302,37 @@ class Scheduler:
                     req.on_event(Failed(f"internal error: {err}"))
             if self.admit_batch > 1 and generating:
                 return reads
+
+    def _long(self, req: Request) -> bool:
+        """Whether `req` is prefilled in steps (prefill_step) when other rows are generating."""
+        return bool(self.prefill_step) and len(req.prompt_ids) - 1 > self.prefill_step
+
+    def _track_mtp(self) -> bool:
+        return self.model.track_mtp or bool(self.speculative_tokens)
+
+    def _step(self, free: list[int], generating: bool) -> list:
+        """The next step of the prompt being prefilled in steps (all the rest where no row is generating); when it
+        is done, the request is admitted into a free row (no other request took one meanwhile) and its first-token
+        read returned. A cancelled request is dropped."""
+        req, steps = self._stepping
+        if req.cancelled:
+            self._stepping = None
+            return []
+        try:
+            while True:
+                next(steps)
+                if generating:
+                    return []
+        except StopIteration as done:
+            logits, prefilled, cached = done.value
+        except Exception as err:
+            log.exception("prefilling a request failed")
+            self._stepping = None
+            req.on_event(Failed(f"internal error: {err}"))
+            return []
+        self._stepping = None
+        self.stats["admit_calls"] += 1
+        return self._write_rows([req], free, logits, prefilled, cached)
 
     def _next_group(self, n_free: int) -> list[Request]:
         """The next requests to prefill together, in queue order (cancelled ones dropped): at most n_free and
@@ -299,9 +346,12 @@ class Scheduler:
                     self._waiting.popleft()
                     continue
                 longest = max(len(r.prompt_ids) for r in group + [req])
-                if group and batch_bucket(len(group) + 1, self.admit_batch) * longest > self.admit_tokens:
+                if group and (batch_bucket(len(group) + 1, self.admit_batch) * longest > self.admit_tokens
+                              or self._long(req)):
                     break
                 group.append(self._waiting.popleft())
+                if self._long(req):         # prefilled alone (in steps while rows are generating)
+                    break
         return group
 
     def _admit(self, group: list[Request], free: list[int]) -> list:
@@ -311,9 +361,13 @@ class Scheduler:
         prompts = [req.prompt_ids for req in group]
         prompts += [prompts[0][:1]] * (batch_bucket(len(prompts), self.admit_batch) - len(prompts))
         # from the longest prefix an earlier request left in the prefix cache (prefix_cache.py), if any
-        logits, prefilled, cached = model.prefill_prompts(prompts,
-                                                          track_mtp=model.track_mtp or bool(self.speculative_tokens))
+        logits, prefilled, cached = model.prefill_prompts(prompts, track_mtp=self._track_mtp())
         self.stats["admit_calls"] += 1
+        return self._write_rows(group, free, logits, prefilled, cached)
+
+    def _write_rows(self, group: list[Request], free: list[int], logits, prefilled, cached: list[int]) -> list:
+        """Write request i of `group`, prefilled in row i of `prefilled` (its last token's logits in row i of
+        `logits`), into the shared batch's row free[i] with its first token; returns their first-token reads."""
         reads = []
         for i, (req, slot) in enumerate(zip(group, free)):
             req.cached_tokens = cached[i]
@@ -344,7 +398,7 @@ class Scheduler:
         cache = self.model.prefix_cache
         consumed = live.consumed_by_device() if cache.enabled else None
         if consumed is not None and len(consumed) > len(live.request.prompt_ids):
-            cache.save(consumed, self._slots.decode, live.slot, self.model.track_mtp or bool(self.speculative_tokens))
+            cache.save(consumed, self._slots.decode, live.slot, self._track_mtp())
 
     def _launch(self, halt: np.ndarray, bound: int, logprobs: bool, n_top: int):
         """Start a decode chunk of the shared batch with the rows `halt` marks done, in the context bucket of
