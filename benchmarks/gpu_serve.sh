@@ -4,6 +4,8 @@
 # weights in the stored formats) with MAX_BATCH rows (default 128), then scripts/load_test.py at CLIENTS concurrent
 # streams (default 1,8,32,64,128) with PROMPT_TOKENS-token prompts (default 1024) and MAX_TOKENS new tokens (default
 # 256), SECONDS_EACH per client count (default 40). SERVE_ARGS: more server options (e.g. "--admit-batch 8").
+# LONG_TOKENS: client 0 sends prompts of that many tokens instead, counted apart (e.g. LONG_TOKENS=32768
+# MAX_SEQ_LEN=34816 SERVE_ARGS="--prefill-step 4096": a long prompt's pause of the other streams, in steps).
 #                                                                     -> serve.log, load_flash<LAYERS>.{json,log}
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +24,8 @@ for _ in $(seq 600); do
 done
 grep "ready on" "$OUT_DIR/serve.log" || { echo "no readiness line"; kill "$server"; exit 1; }
 python3 scripts/load_test.py --url http://127.0.0.1:8000/v1 --clients "${CLIENTS:-1,8,32,64,128}" \
-    --prompt-tokens "${PROMPT_TOKENS:-1024}" --max-tokens "${MAX_TOKENS:-256}" --seconds "${SECONDS_EACH:-40}" \
+    --prompt-tokens "${PROMPT_TOKENS:-1024}" --long-prompt-tokens "${LONG_TOKENS:-0}" \
+    --max-tokens "${MAX_TOKENS:-256}" --seconds "${SECONDS_EACH:-40}" \
     --out "$OUT_DIR/load_flash$layers.json" 2>&1 | tee "$OUT_DIR/load_flash$layers.log"
 status=$?
 kill -INT "$server"; wait "$server"

@@ -96,16 +96,18 @@ def run_clients(url: str, model: str, clients: int, args) -> dict:
 
     def client_loop(k: int):
         rng = random.Random(k)
+        long = k == 0 and args.long_prompt_tokens > 0
+        n_tokens = args.long_prompt_tokens if long else args.prompt_tokens
         with httpx.Client(timeout=args.timeout) as client:
             while time.perf_counter() < end:
-                prompt = ([rng.randrange(PROMPT_ID_LIMIT) for _ in range(args.prompt_tokens)] if args.prompt_tokens
+                prompt = ([rng.randrange(PROMPT_ID_LIMIT) for _ in range(n_tokens)] if n_tokens
                           else rng.choice(HELD_OUT_PROMPTS))
                 try:
                     out = one_request(client, url, model, prompt, args)
                 except httpx.HTTPError as err:
                     out = {"error": f"{type(err).__name__}: {err}"}
                 with lock:
-                    results.append(out)
+                    results.append({**out, "long": long})
     before = loop_stats(url)
     threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(clients)]
     for t in threads:
@@ -114,15 +116,21 @@ def run_clients(url: str, model: str, clients: int, args) -> dict:
         t.join()
     wall = time.perf_counter() - start
     loop = loop_shares(before, loop_stats(url), wall)
-    ok = [r for r in results if "error" not in r]
+    done = [r for r in results if "error" not in r]
+    ok = [r for r in done if not r["long"]]               # the long client's requests are reported apart
+    long = [r for r in done if r["long"]]
     pct = lambda values, q: float(np.percentile(values, q)) * 1e3 if values else None  # noqa: E731
     ttft = [r["ttft"] for r in ok]
     itl = [r["itl"] for r in ok if r["itl"] is not None]
-    return {"clients": clients, "wall_s": wall, "requests": len(ok), "errors": len(results) - len(ok),
-            "error_examples": sorted({r["error"] for r in results if "error" in r})[:3],
-            "requests_per_s": len(ok) / wall, "output_tokens_per_s": sum(r["tokens"] for r in ok) / wall,
-            "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99), "itl_ms_p50": pct(itl, 50),
-            "itl_ms_p99": pct(itl, 99), **loop}
+    row = {"clients": clients, "wall_s": wall, "requests": len(ok), "errors": len(results) - len(done),
+           "error_examples": sorted({r["error"] for r in results if "error" in r})[:3],
+           "requests_per_s": len(ok) / wall, "output_tokens_per_s": sum(r["tokens"] for r in done) / wall,
+           "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99), "itl_ms_p50": pct(itl, 50),
+           "itl_ms_p99": pct(itl, 99), **loop}
+    if args.long_prompt_tokens:
+        row |= {"long_requests": len(long), "long_ttft_ms_p50": pct([r["ttft"] for r in long], 50),
+                "long_ttft_ms_max": pct([r["ttft"] for r in long], 100)}
+    return row
 
 
 def _loop_columns(row: dict) -> str:
@@ -142,12 +150,17 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=0, metavar="N",
                    help="prompts of N random token ids instead of the held-out texts (0: the texts)")
+    p.add_argument("--long-prompt-tokens", type=int, default=0, metavar="N",
+                   help="client 0 sends prompts of N random token ids instead (e.g. 32768 beside 1,024-token "
+                        "prompts: what a long prompt's prefill does to the other streams' inter-token time); its "
+                        "requests are counted apart (long_*) and in the output tokens (0: off)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--out", help="write the results as JSON")
     args = p.parse_args(argv)
-    if args.prompt_tokens < 0:
-        p.error(f"--prompt-tokens must be >= 0, got {args.prompt_tokens}")
+    if args.prompt_tokens < 0 or args.long_prompt_tokens < 0:
+        p.error(f"--prompt-tokens and --long-prompt-tokens must be >= 0, got {args.prompt_tokens} and "
+                f"{args.long_prompt_tokens}")
     url = args.url.rstrip("/")
     try:
         model = httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]
@@ -165,12 +178,16 @@ def main(argv=None):
         print(f"{clients:>7} {row['requests_per_s']:>7.2f} {row['output_tokens_per_s']:>9.1f} "
               f"{fmt(row['ttft_ms_p50']):>9} {fmt(row['ttft_ms_p99']):>9} {fmt(row['itl_ms_p50']):>8} "
               f"{fmt(row['itl_ms_p99']):>8} {row['errors']:>6}  {_loop_columns(row)}", flush=True)
+        if args.long_prompt_tokens:
+            print(f"        the long client: {row['long_requests']} requests of {args.long_prompt_tokens} tokens, "
+                  f"TTFT p50 {fmt(row['long_ttft_ms_p50'])} ms, max {fmt(row['long_ttft_ms_max'])} ms", flush=True)
         for example in row["error_examples"]:
             print(f"        error: {example}")
     if args.out:
         meta = {"date": datetime.date.today().isoformat(), "machine": platform.node(), "processor":
                 platform.processor() or platform.machine(), "url": url, "model": model,
-                "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "temperature": args.temperature,
+                "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
+                "long_prompt_tokens": args.long_prompt_tokens, "temperature": args.temperature,
                 "seconds": args.seconds}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -44,3 +44,19 @@ def test_load_test_reports_what_the_server_did(server_url, tmp_path, capsys):
         # (loosely: a pass of the previous client count may end after this count's first /health read)
         assert sum(shares) <= 1.5
     assert "40-token prompts" in capsys.readouterr().out
+
+
+def test_the_long_client_is_counted_apart(server_url, tmp_path, capsys):
+    """--long-prompt-tokens 150: client 0 sends 150-token prompts, reported in long_* and in the output tokens;
+    the other clients' 20-token requests are the rows' requests, TTFT and inter-token times."""
+    out = tmp_path / "load.json"
+    load_test.main(["--url", server_url, "--clients", "2", "--seconds", "1", "--max-tokens", "5", "--temperature",
+                    "0", "--prompt-tokens", "20", "--long-prompt-tokens", "150", "--out", str(out)])
+    result = json.loads(out.read_text())
+    row = result["rows"][0]
+    assert result["meta"]["long_prompt_tokens"] == 150
+    assert row["errors"] == 0 and row["requests"] >= 1 and row["long_requests"] >= 1
+    assert row["long_ttft_ms_max"] >= row["long_ttft_ms_p50"] > 0
+    produced = row["output_tokens_per_s"] * row["wall_s"]
+    assert row["requests"] + row["long_requests"] <= produced <= 5 * (row["requests"] + row["long_requests"]) + 1e-6
+    assert "the long client:" in capsys.readouterr().out
