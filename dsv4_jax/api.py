@@ -217,11 +217,13 @@ class Model:
                            self.context.dtype, self.kv_cache_dtype)
 
     def prefill(self, tokens, lengths=None, state: DecodeState | None = None, track_mtp: bool | None = None,
-                stats: bool = False):
+                stats: bool = False, positions: Sequence[int] | None = None):
         """Consume prompts tokens [B, S] (row b's first lengths[b] tokens are real). Without `state` a fresh one
         is made; with one, the tokens continue each sequence (chunked prefill). Returns (logits [B, V] of each
         row's last consumed token, state). `track_mtp` (default: the model's) also feeds the MTP block's window.
-        `stats`: (logits, state, the layers' statistics summed up over the chunks, on the device)."""
+        `stats`: (logits, state, the layers' statistics summed up over the chunks, on the device). `positions`:
+        `state`'s positions as the caller knows them on the host, so they are not read back from the device (a
+        read waits for every computation queued before it, e.g. a server's decode chunk in flight)."""
         tokens = self._check_tokens(tokens, 2, "tokens")
         batch, seq = tokens.shape
         self._check_batch(batch)
@@ -236,7 +238,10 @@ class Model:
         else:
             if state.positions.shape[0] != batch:
                 raise ValueError(f"state holds {state.positions.shape[0]} sequences, tokens have {batch}")
-            consumed = np.asarray(jax.device_get(state.positions)).astype(np.int64)
+            known = jax.device_get(state.positions) if positions is None else positions
+            consumed = np.asarray(known).astype(np.int64)
+            if consumed.shape != (batch,):
+                raise ValueError(f"positions must be {batch} integers, got shape {consumed.shape}")
         too_long = consumed + lengths > self.max_seq_len
         if too_long.any():
             b = int(np.argmax(too_long))
@@ -283,13 +288,15 @@ class Model:
         summaries = []
         heads = [p[n:-1] for p, n in zip(prompts, cached, strict=True)]
         if any(heads):
-            _, state, *summary = self.prefill(*_padded(heads), state=state, track_mtp=track, stats=stats)
+            _, state, *summary = self.prefill(*_padded(heads), state=state, track_mtp=track, stats=stats,
+                                              positions=cached)
             summaries += summary
             for b, p in enumerate(prompts):
                 if len(p) > 1 and cached[b] < len(p) - 1:
                     cache.save(p[:-1], state, b, track)
+        # (each row's position, known on the host: its whole prompt but the last token)
         logits, state, *summary = self.prefill(*_padded([p[-1:] for p in prompts]), state=state, track_mtp=track,
-                                               stats=stats)
+                                               stats=stats, positions=[len(p) - 1 for p in prompts])
         summaries += summary
         if stats:
             summary = summaries[0] if len(summaries) == 1 else _merge_summaries(*summaries)
@@ -316,12 +323,13 @@ class Model:
                 state = cache.restore(entry, state, 0)
         head = prompt[cached:-1]
         for start in range(0, len(head), step):
-            _, state = self.prefill([head[start:start + step]], state=state, track_mtp=track)
+            _, state = self.prefill([head[start:start + step]], state=state, track_mtp=track,
+                                    positions=[cached + start])
             if start + step < len(head):
                 yield
         if head and cache.enabled:
             cache.save(prompt[:-1], state, 0, track)
-        logits, state = self.prefill([prompt[-1:]], state=state, track_mtp=track)
+        logits, state = self.prefill([prompt[-1:]], state=state, track_mtp=track, positions=[len(prompt) - 1])
         return logits, state, [cached]
 
     def context_for(self, positions: int):

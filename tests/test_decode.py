@@ -180,6 +180,13 @@ def test_generate_rejects_bad_requests(tiny_f32):
         tiny_f32.prefill(np.array([[1, 10**6]]))
     with pytest.raises(ValueError, match="exceed max_seq_len"):
         tiny_f32.prefill(np.ones((1, 321), np.int32))
+    state = tiny_f32.init_state(1)
+    with pytest.raises(ValueError, match="positions must be 1 integers"):
+        tiny_f32.prefill(np.ones((1, 4), np.int32), state=state, positions=[0, 0])
+    with pytest.raises(ValueError, match="exceed max_seq_len"):                  # the positions the caller knows
+        tiny_f32.prefill(np.ones((1, 4), np.int32), state=state, positions=[318])
+    with pytest.raises(ValueError, match="step must be positive"):
+        next(tiny_f32.prefill_prompt_steps([1, 2, 3], 0))
 
 
 def test_decode_and_generate_never_touch_the_host(tiny_f32, tiny_tokens):

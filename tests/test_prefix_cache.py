@@ -153,17 +153,23 @@ def test_the_cache_is_bounded_and_evicts_the_least_recently_used(plain):
         _model(prefix_cache=-1)
 
 
-def test_restoring_and_saving_read_nothing_back(cached):
-    """The snapshot copies are device-side: prefill_prompts from a cached prefix runs under transfer_guard
-    ("disallow") except for the one position read a continued prefill makes (jax.device_get)."""
+def test_restoring_and_saving_read_nothing_back(cached, monkeypatch):
+    """The snapshot copies are device-side and the positions are known on the host: prefill_prompts and
+    prefill_prompt_steps from a cached prefix run under transfer_guard("disallow") without a jax.device_get (a
+    read would wait for whatever the device has queued before it: a server's decode chunk in flight)."""
     cached.prefix_cache.clear()
     cached.prefill_prompts([PROMPT[:64]])
     cached.prefill_prompts([PROMPT[:100]])                              # compiles the continuation
     cached.prefix_cache.clear()
     cached.prefill_prompts([PROMPT[:64]])
+    reads = []
+    monkeypatch.setattr(jax, "device_get", lambda x: reads.append(x) or np.asarray(x))
     with jax.transfer_guard("disallow"):
         _, _, taken = cached.prefill_prompts([PROMPT[:100]])
-    assert taken == [63]
+        steps = cached.prefill_prompt_steps(PROMPT[:130], 8)
+        for _ in steps:
+            pass
+    assert taken == [63] and reads == []
 
 
 # ---- the server -----------------------------------------------------------------------------------------------
