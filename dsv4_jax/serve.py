@@ -184,7 +184,8 @@ def _buckets(lo: int, hi: int, max_seq_len: int) -> list[int | None]:
     return found
 
 
-def warm_up_programs(model, chunk: int, speculative_tokens: int = 0, context: int | None = None) -> tuple[list, list]:
+def warm_up_programs(model, chunk: int, speculative_tokens: int = 0, context: int | None = None,
+                     prefill_step: int = 0) -> tuple[list, list]:
     """The programs a request that fits the server can meet, as (prefill, decode): `prefill` the (chunk size,
     context bucket) pairs of engine.prefill_chunk, `decode` the (context bucket, logprobs, n_top) triples of
     generation.generate_chunk on the shared batch (a bucket None: the whole buffers); their other static arguments
@@ -193,22 +194,29 @@ def warm_up_programs(model, chunk: int, speculative_tokens: int = 0, context: in
     with the prefix cache a prompt's head (all but its last token) continues any cached prefix, so every head
     chunk size meets every bucket up to the longest prompt, and the last token runs alone (chunk 1) at every
     bucket. Decode chunks meet every bucket from the first chunk's bound up to max_seq_len. `context`: only the
-    programs of calls whose tokens lie below that many positions (their bucket's; None: all)."""
+    programs of calls whose tokens lie below that many positions (their bucket's; None: all). A long prompt
+    prefilled in steps (`prefill_step`, the scheduler's) meets what a continued one does, cache or not: steps of
+    every chunk size up to the step's at every bucket, then the last token alone; without the cache, prompts are
+    also prefilled whole (those no longer than a step, and any while no row is generating)."""
     k = speculative_tokens
     longest = model.max_seq_len - k - 1        # the longest prompt (app.py: it leaves k + 1 positions)
     if longest < 1:
         return [], []
     pc, max_seq_len = model.prefill_chunk, model.max_seq_len
+    cached = model.prefix_cache.enabled
+    # the largest chunk of a prompt prefilled in pieces: a head after a cached prefix (any), or a step
+    piece = pc if cached else prefill_chunk_size(prefill_step, pc) if prefill_step else 0
     prefill = set()
     size = 1
     while size // 2 < longest:          # the lengths (size / 2, size] run in chunks of min(prefill_chunk, size)
-        if not model.prefix_cache.enabled:
+        if not cached:                  # whole prompts (also with steps: those no longer than a step)
             prefill.add((prefill_chunk_size(size, pc), context_bucket(min(size, longest), max_seq_len)))
-        elif size // 2 < longest - 1:   # a head of such a length, after any cached prefix, ends at most at longest - 1
+        # a piece of such a length ends at most at longest - 1
+        if prefill_chunk_size(size, pc) <= piece and size // 2 < longest - 1:
             prefill.update((prefill_chunk_size(size, pc), b)
                            for b in _buckets(size // 2 + 1, longest - 1, max_seq_len))
         size *= 2
-    if model.prefix_cache.enabled:
+    if piece:                           # the last token alone
         prefill.update((1, b) for b in _buckets(1, longest, max_seq_len))
     # The logprob variants too at every bucket: a batch decodes with logprobs (and the top 20) while any of its rows
     # asks for them, at the bucket of its longest row, so a short request with logprobs beside a long conversation
@@ -241,7 +249,7 @@ def warm_up(scheduler, context: int | None = None, threads: int = 1) -> None:
     Then the prefix cache is emptied of the warm-up's prompts."""
     model = scheduler.model
     k = scheduler.speculative_tokens
-    prefill, decode = warm_up_programs(model, scheduler.chunk, k, context)
+    prefill, decode = warm_up_programs(model, scheduler.chunk, k, context, scheduler.prefill_step)
     if not prefill:
         return
     first = context_bucket(1, model.max_seq_len)

@@ -75,13 +75,14 @@ def test_server_process_reports_ready_answers_and_stops():
     assert "Traceback" not in rest
 
 
-@pytest.mark.parametrize("prefix_cache, threads", [("16M", 2), ("0", 1)])
-def test_warm_up_compiles_what_a_first_client_would_wait_for(prefix_cache, threads):
+@pytest.mark.parametrize("prefix_cache, threads, step", [("16M", 2, 0), ("0", 1, 0), ("0", 1, 256)])
+def test_warm_up_compiles_what_a_first_client_would_wait_for(prefix_cache, threads, step):
     """After the warm-up no request compiles a prefill or decode program, whatever its prompt length (every chunk
     size, one chunk or several), logprobs and context bucket (max_seq_len 8192 has two: 4,096 positions and the
     whole buffers; a completion crosses from one to the other, and with the prefix cache a short continuation of
-    a long prompt prefills its few tokens in the large one); the warm-up compiles each of its programs once, also
-    with its prefill programs compiled two at a time (--warm-up-threads 2)."""
+    a long prompt prefills its few tokens in the large one; with --prefill-step 256 the long prompts are prefilled
+    in steps beside the other row); the warm-up compiles each of its programs once, also with its prefill programs
+    compiled two at a time (--warm-up-threads 2)."""
     import threading
 
     import jax
@@ -94,13 +95,13 @@ def test_warm_up_compiles_what_a_first_client_would_wait_for(prefix_cache, threa
                                             "--prefix-cache", prefix_cache])
     model, _ = serve.build_model(args)
     assert model.prefix_cache.enabled == (prefix_cache != "0")
-    scheduler = Scheduler(model, chunk=4, max_queue=32).start()
+    scheduler = Scheduler(model, chunk=4, max_queue=32, prefill_step=step).start()
 
     def programs():
         return engine.prefill_chunk._cache_size(), generation.generate_chunk._cache_size()
     try:
         serve.warm_up(scheduler, threads=threads)
-        prefill, decode = serve.warm_up_programs(model, chunk=4)
+        prefill, decode = serve.warm_up_programs(model, chunk=4, prefill_step=step)
         assert {b for _, b in prefill} == {b for b, *_ in decode} == {4096, None}
         first_prefill, first_decode = serve.warm_up_programs(model, chunk=4, context=4096)     # --warm-up-context
         assert {b for _, b in first_prefill} == {b for b, *_ in first_decode} == {4096}
@@ -124,6 +125,7 @@ def test_warm_up_compiles_what_a_first_client_would_wait_for(prefix_cache, threa
         submit([(long_prompt[:-1] + [7, 8, 9, 10, 11, 12], 3, 0)])    # the prefix cache has all but 6 tokens
         assert dones[-1].wait(120)
         assert programs() == (len(prefill), len(decode))
+        assert (scheduler.stats["prefill_steps"] > 0) == bool(step)
     finally:
         scheduler.stop()
 

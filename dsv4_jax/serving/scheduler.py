@@ -184,8 +184,10 @@ class Scheduler:
         # reads the chunk's while-loop condition on the host after each step. The rest of busy_s is the host's own
         # work between chunks (reading tokens, detokenizing, stop strings, events), which the device overlaps with
         # the chunk in flight.
-        # admitted: requests; admit_calls: the prefill calls that admitted them (fewer with admit_batch > 1).
-        self.stats = {"admitted": 0, "admit_calls": 0, "chunks": 0, "cancelled": 0, "verify_steps": 0,
+        # admitted: requests; admit_calls: the prefill calls that admitted them (fewer with admit_batch > 1);
+        # prefill_steps: the steps of prompts prefilled in steps (prefill_step).
+        self.stats = {"admitted": 0, "admit_calls": 0, "prefill_steps": 0, "chunks": 0, "cancelled": 0,
+                      "verify_steps": 0,
                       "accepted_drafts": 0, "busy_s": 0.0, "chunk_wait_s": 0.0, "admit_s": 0.0, "dispatch_s": 0.0}
 
     # ---- called from any thread ------------------------------------------------------------------------------
@@ -320,6 +322,7 @@ class Scheduler:
             return []
         try:
             while True:
+                self.stats["prefill_steps"] += 1
                 next(steps)
                 if generating:
                     return []
