@@ -184,8 +184,12 @@ def main(argv=None):
         for example in row["error_examples"]:
             print(f"        error: {example}")
     if args.out:
+        try:                                        # the server's devices (dsv4_jax.serve reports them)
+            device = httpx.get(url.removesuffix("/v1") + "/health", timeout=30).json().get("device")
+        except (httpx.HTTPError, ValueError):
+            device = None
         meta = {"date": datetime.date.today().isoformat(), "machine": platform.node(), "processor":
-                platform.processor() or platform.machine(), "url": url, "model": model,
+                platform.processor() or platform.machine(), "server_device": device, "url": url, "model": model,
                 "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                 "long_prompt_tokens": args.long_prompt_tokens, "temperature": args.temperature,
                 "seconds": args.seconds}

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+import jax
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
@@ -32,6 +33,7 @@ def test_load_test_reports_what_the_server_did(server_url, tmp_path, capsys):
                     "--temperature", "0", "--prompt-tokens", str(prompt_tokens), "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["meta"]["prompt_tokens"] == prompt_tokens and result["meta"]["model"] == "dsv4-default"
+    assert result["meta"]["server_device"].endswith(jax.devices()[0].device_kind)
     for row, clients in zip(result["rows"], (1, 2)):
         assert row["clients"] == clients and row["errors"] == 0 and row["requests"] >= clients
         produced = row["output_tokens_per_s"] * row["wall_s"]            # (a request may end early on EOS)

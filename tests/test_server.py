@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import httpx
+import jax
 import numpy as np
 import openai
 import pytest
@@ -48,6 +49,7 @@ def _plain_ids(model, text):
 def test_models_and_health(server):
     r = httpx.get(server.url + "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert r.json()["device"] == f"{len(jax.devices())} x {jax.devices()[0].device_kind}"
     models = server.client.models.list()
     assert [m.id for m in models.data] == [NAME]
 

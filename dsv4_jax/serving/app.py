@@ -16,6 +16,7 @@ import logging
 import secrets
 import time
 
+import jax
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -308,6 +309,8 @@ def _error_response(err: APIError) -> JSONResponse:
 def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
     """The FastAPI application serving `scheduler`'s model as `model_name` (the scheduler must be started)."""
     server = Server(scheduler, model_name)
+    devices = jax.devices()
+    device = f"{len(devices)} x {devices[0].device_kind}"            # what the load tests record beside their rows
     app = FastAPI(title="dsv4_jax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 
@@ -332,7 +335,7 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "busy_rows": scheduler.busy_rows(), "rows": scheduler.rows,
+        return {"status": "ok", "device": device, "busy_rows": scheduler.busy_rows(), "rows": scheduler.rows,
                 "stats": dict(getattr(scheduler, "stats", {})), "prefix_cache": _prefix_cache_info(scheduler)}
 
     @app.get("/v1/models")
