@@ -52,6 +52,22 @@ def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def _finish(steps):
+    """The return value of a generator run to its end."""
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        return done.value
+
+
+def _merged(summary, part: list):
+    """A statistics summary (or None) merged with a prefill's optional one (`part`: [] or [summary])."""
+    if not part:
+        return summary
+    return part[0] if summary is None else _merge_summaries(summary, part[0])
+
+
 def _padded(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Token lists (some may be empty) as (tokens [B, S] zero-padded, lengths [B])."""
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -260,8 +276,7 @@ class Model:
             logits, state, *chunk_summary = engine.prefill_chunk(
                 self.params, state, jax.device_put(padded[:, k * chunk:(k + 1) * chunk]), jax.device_put(n_valid),
                 logits, cfg=self.config, ctx=ctx, track_mtp=self.track_mtp if track_mtp is None else track_mtp)
-            if stats:
-                summary = chunk_summary[0] if summary is None else _merge_summaries(summary, chunk_summary[0])
+            summary = _merged(summary, chunk_summary)
         return (logits, state, summary) if stats else (logits, state)
 
     def prefill_prompts(self, prompts: Sequence[Sequence[int]], track_mtp: bool | None = None, stats: bool = False):
@@ -279,29 +294,8 @@ class Model:
         if not cache.enabled:
             logits, state, *summary = self.prefill(*_padded(prompts), track_mtp=track, stats=stats)
             return (logits, state, [0] * rows, *summary)
-        state = self.init_state(rows)
-        cached = [0] * rows
-        for b, p in enumerate(prompts):
-            entry, cached[b] = cache.lookup(p, track)
-            if entry is not None:
-                state = cache.restore(entry, state, b)
-        summaries = []
-        heads = [p[n:-1] for p, n in zip(prompts, cached, strict=True)]
-        if any(heads):
-            _, state, *summary = self.prefill(*_padded(heads), state=state, track_mtp=track, stats=stats,
-                                              positions=cached)
-            summaries += summary
-            for b, p in enumerate(prompts):
-                if len(p) > 1 and cached[b] < len(p) - 1:
-                    cache.save(p[:-1], state, b, track)
-        # (each row's position, known on the host: its whole prompt but the last token)
-        logits, state, *summary = self.prefill(*_padded([p[-1:] for p in prompts]), state=state, track_mtp=track,
-                                               stats=stats, positions=[len(p) - 1 for p in prompts])
-        summaries += summary
-        if stats:
-            summary = summaries[0] if len(summaries) == 1 else _merge_summaries(*summaries)
-            return logits, state, cached, summary
-        return logits, state, cached
+        logits, state, cached, summary = _finish(self._prefill_continuing(prompts, track, stats))
+        return (logits, state, cached, summary) if stats else (logits, state, cached)
 
     def prefill_prompt_steps(self, prompt: Sequence[int], step: int, track_mtp: bool | None = None):
         """prefill_prompts([prompt]) with the prompt's head (all but its last token, after the longest prefix the
@@ -315,22 +309,40 @@ class Model:
         if step < 1:
             raise ValueError(f"step must be positive, got {step}")
         track = self.track_mtp if track_mtp is None else track_mtp
-        cache = self.prefix_cache
-        state, cached = self.init_state(1), 0
+        logits, state, cached, _ = yield from self._prefill_continuing([prompt], track, False, step)
+        return logits, state, cached
+
+    def _prefill_continuing(self, prompts: list[list[int]], track: bool, stats: bool, step: int | None = None):
+        """Each row continues from the longest prefix of its prompt the prefix cache holds (none with the cache
+        off), its head (all but the last token) is prefilled `step` tokens per call (None: in one) and kept by the
+        cache, then every row's last token alone. A generator: yields after each call of the heads but the last,
+        returns (logits [B, V], state, cached [B], the statistics summary or None). Every call's positions are known
+        on the host (Model.prefill's `positions`), so nothing is read back from the device."""
+        rows, cache = len(prompts), self.prefix_cache
+        state, cached = self.init_state(rows), [0] * rows
         if cache.enabled:
-            entry, cached = cache.lookup(prompt, track)
-            if entry is not None:
-                state = cache.restore(entry, state, 0)
-        head = prompt[cached:-1]
-        for start in range(0, len(head), step):
-            _, state = self.prefill([head[start:start + step]], state=state, track_mtp=track,
-                                    positions=[cached + start])
-            if start + step < len(head):
+            for b, p in enumerate(prompts):
+                entry, cached[b] = cache.lookup(p, track)
+                if entry is not None:
+                    state = cache.restore(entry, state, b)
+        heads = [p[n:-1] for p, n in zip(prompts, cached, strict=True)]
+        longest = max(len(h) for h in heads)
+        step = step or max(longest, 1)
+        summary = None
+        for start in range(0, longest, step):
+            _, state, *part = self.prefill(*_padded([h[start:start + step] for h in heads]), state=state,
+                                           track_mtp=track, stats=stats,
+                                           positions=[n + min(start, len(h)) for n, h in zip(cached, heads)])
+            summary = _merged(summary, part)
+            if start + step < longest:
                 yield
-        if head and cache.enabled:
-            cache.save(prompt[:-1], state, 0, track)
-        logits, state = self.prefill([prompt[-1:]], state=state, track_mtp=track, positions=[len(prompt) - 1])
-        return logits, state, [cached]
+        for b, p in enumerate(prompts):
+            if cached[b] < len(p) - 1:                  # its head was prefilled (save: nothing with the cache off)
+                cache.save(p[:-1], state, b, track)
+        # (each row's position: its whole prompt but the last token)
+        logits, state, *part = self.prefill(*_padded([p[-1:] for p in prompts]), state=state, track_mtp=track,
+                                            stats=stats, positions=[len(p) - 1 for p in prompts])
+        return logits, state, cached, _merged(summary, part)
 
     def context_for(self, positions: int):
         """The run context of a call whose tokens all lie below `positions` (known on the host: no device read)."""

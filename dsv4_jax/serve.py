@@ -260,7 +260,7 @@ def warm_up(scheduler, context: int | None = None, threads: int = 1) -> None:
     _status(f"warm-up: compiling {len(prefill)} prefill and {len(decode)} decode programs (kept by the compilation "
             f"cache for the next start; --no-warmup skips this)")
     t0 = time.perf_counter()
-    track = model.track_mtp or bool(k)
+    track = scheduler.track_mtp
     _compile_prefills(model, [(1, size, bucket) for size, bucket in prefill], track, threads)
     _status(f"warm-up: {len(prefill)} prefill programs ({threads} at a time) in {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
@@ -304,7 +304,7 @@ def _compile_prefills(model, programs: list[tuple[int, int, int | None]], track:
         # (the positions as a jitted op leaves them: committed to their sharding or not, else a program of its own)
         state = state.replace(positions=state.positions + start)
         logits, _ = model.prefill(np.zeros((rows, size), np.int32), np.full((rows,), end - start), state=state,
-                                  track_mtp=track)
+                                  track_mtp=track, positions=np.full((rows,), start))
         logits.block_until_ready()
     with ThreadPoolExecutor(threads, thread_name_prefix="warm-up") as pool:
         for done in [pool.submit(run, *program) for program in programs]:

@@ -34,12 +34,17 @@ LOOP_STATS = ("chunks", "busy_s", "chunk_wait_s", "admit_s", "dispatch_s")   # d
 ADMISSION_STATS = ("admitted", "admit_calls")      # requests admitted, prefill calls that admitted them (--admit-batch)
 
 
+def health(url: str) -> dict:
+    """The server's /health (dsv4_jax.serve's: its device, stats, ...), or {} where it has none."""
+    try:
+        return httpx.get(url.removesuffix("/v1") + "/health", timeout=30).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
 def loop_stats(url: str) -> dict | None:
     """The server's device-loop counters (LOOP_STATS) from /health, or None where it has none."""
-    try:
-        stats = httpx.get(url.removesuffix("/v1") + "/health", timeout=30).json().get("stats", {})
-    except (httpx.HTTPError, ValueError):
-        return None
+    stats = health(url).get("stats", {})
     if not all(k in stats for k in LOOP_STATS):
         return None
     return {k: stats[k] for k in LOOP_STATS + ADMISSION_STATS if k in stats}
@@ -184,12 +189,9 @@ def main(argv=None):
         for example in row["error_examples"]:
             print(f"        error: {example}")
     if args.out:
-        try:                                        # the server's devices (dsv4_jax.serve reports them)
-            device = httpx.get(url.removesuffix("/v1") + "/health", timeout=30).json().get("device")
-        except (httpx.HTTPError, ValueError):
-            device = None
         meta = {"date": datetime.date.today().isoformat(), "machine": platform.node(), "processor":
-                platform.processor() or platform.machine(), "server_device": device, "url": url, "model": model,
+                platform.processor() or platform.machine(), "server_device": health(url).get("device"), "url": url,
+                "model": model,
                 "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                 "long_prompt_tokens": args.long_prompt_tokens, "temperature": args.temperature,
                 "seconds": args.seconds}

@@ -187,8 +187,8 @@ class Scheduler:
         # admitted: requests; admit_calls: the prefill calls that admitted them (fewer with admit_batch > 1);
         # prefill_steps: the steps of prompts prefilled in steps (prefill_step).
         self.stats = {"admitted": 0, "admit_calls": 0, "prefill_steps": 0, "chunks": 0, "cancelled": 0,
-                      "verify_steps": 0,
-                      "accepted_drafts": 0, "busy_s": 0.0, "chunk_wait_s": 0.0, "admit_s": 0.0, "dispatch_s": 0.0}
+                      "verify_steps": 0, "accepted_drafts": 0, "busy_s": 0.0, "chunk_wait_s": 0.0, "admit_s": 0.0,
+                      "dispatch_s": 0.0}
 
     # ---- called from any thread ------------------------------------------------------------------------------
     def start(self) -> "Scheduler":
@@ -294,7 +294,7 @@ class Scheduler:
                 return reads
             if generating and self._long(group[0]):
                 self._stepping = (group[0], self.model.prefill_prompt_steps(group[0].prompt_ids, self.prefill_step,
-                                                                            self._track_mtp()))
+                                                                            self.track_mtp))
                 return reads + self._step(free, generating)
             try:
                 reads += self._admit(group, free)
@@ -309,7 +309,9 @@ class Scheduler:
         """Whether `req` is prefilled in steps (prefill_step) when other rows are generating."""
         return bool(self.prefill_step) and len(req.prompt_ids) - 1 > self.prefill_step
 
-    def _track_mtp(self) -> bool:
+    @property
+    def track_mtp(self) -> bool:
+        """Whether the requests' prefills feed the MTP block's window (the model tracks it, or drafts need it)."""
         return self.model.track_mtp or bool(self.speculative_tokens)
 
     def _step(self, free: list[int], generating: bool) -> list:
@@ -364,7 +366,7 @@ class Scheduler:
         prompts = [req.prompt_ids for req in group]
         prompts += [prompts[0][:1]] * (batch_bucket(len(prompts), self.admit_batch) - len(prompts))
         # from the longest prefix an earlier request left in the prefix cache (prefix_cache.py), if any
-        logits, prefilled, cached = model.prefill_prompts(prompts, track_mtp=self._track_mtp())
+        logits, prefilled, cached = model.prefill_prompts(prompts, track_mtp=self.track_mtp)
         self.stats["admit_calls"] += 1
         return self._write_rows(group, free, logits, prefilled, cached)
 
@@ -401,7 +403,7 @@ class Scheduler:
         cache = self.model.prefix_cache
         consumed = live.consumed_by_device() if cache.enabled else None
         if consumed is not None and len(consumed) > len(live.request.prompt_ids):
-            cache.save(consumed, self._slots.decode, live.slot, self._track_mtp())
+            cache.save(consumed, self._slots.decode, live.slot, self.track_mtp)
 
     def _launch(self, halt: np.ndarray, bound: int, logprobs: bool, n_top: int):
         """Start a decode chunk of the shared batch with the rows `halt` marks done, in the context bucket of
