@@ -332,17 +332,23 @@ def run_slotted(args, key, emit, t0):
 
 
 DENSE_SHAPES = ("wq_b", "wo_b", "wo_a", "shared_w1", "shared_w2", "wq_a", "wkv")
-# Pallas FP8 GEMV variants (label, fp8_matmul keywords) beside its default tiling: wider weight tiles (the
-# activation columns re-read by fewer programs; _k1: no split of K, whose float32 partials at 64 rows and K = 1024
-# are half the weight's bytes, but a small N then leaves SMs idle), and the rows' f16 prescale made once before the
-# launch (one more launch per matmul: 261 against 198 in a 4-layer Flash decode step at batch 64, compiled for an
-# H200 with it for every FP8 matmul of more than 16 rows).
-DENSE_VARIANTS = [("pallas_row_prescale", dict(row_prescale=True)),
-                  ("pallas_bn128_w8", dict(block_n=128, num_warps=8)),
-                  ("pallas_bn128_w8_k1", dict(block_n=128, num_warps=8, split_k=1)),
-                  ("pallas_bn256_w8_k1", dict(block_n=256, num_warps=8, split_k=1)),
+# Pallas FP8 GEMV variants (label, fp8_matmul keywords) beside its default tiling and the one before it: _k1, no
+# split of K (whose float32 partials at 64 rows and K = 1024 are half the weight's bytes, but a small N then leaves
+# SMs idle); 256-row tiles; the rows' f16 prescale made once before the launch (gemv.f16_rows, a launch of its own
+# per distinct activation: 226 launches against 198 in a 4-layer Flash decode step at batch 64, compiled for an H200
+# with it for every FP8 matmul of 32-64 rows). On one H100 (2026-12-07) only wq_b gained from the prescale (with _k1).
+DENSE_VARIANTS = [("pallas_bn128_w8_k1", dict(block_n=128, num_warps=8, split_k=1)),
+                  ("pallas_bn128_w8_row_prescale", dict(block_n=128, num_warps=8, row_prescale=True)),
                   ("pallas_bn128_w8_row_prescale_k1", dict(block_n=128, num_warps=8, row_prescale=True, split_k=1)),
-                  ("pallas_bn256_w8_row_prescale_k1", dict(block_n=256, num_warps=8, row_prescale=True, split_k=1))]
+                  ("pallas_bn256_w8_row_prescale_k1", dict(block_n=256, num_warps=8, row_prescale=True, split_k=1)),
+                  ("pallas_bn256_w4_row_prescale", dict(block_n=256, num_warps=4, row_prescale=True))]
+
+
+def before_tiling(x, w):
+    """gemv.fp8_matmul on the tiling that was its default at every row count until 2026-12-07: _default_block_n's
+    weight rows per tile, 4 warps."""
+    cols = gemv.activation_tiling(x.shape[0])[0]
+    return gemv.fp8_matmul(x, w, jnp.float32, block_n=gemv._default_block_n(w.weight.shape[0], cols), num_warps=4)
 
 
 def run_dense(args, key, emit, t0):
@@ -355,7 +361,8 @@ def run_dense(args, key, emit, t0):
     if any(not ffi.MAX_ROWS < m <= gemv.MAX_ROWS for m in ms):
         raise SystemExit(f"--dense-only: rows must be {ffi.MAX_ROWS + 1}..{gemv.MAX_ROWS}, got {ms}")
 
-    cases = [("pallas", lambda x, w: gemv.fp8_matmul(x, w, jnp.float32))]
+    cases = [("pallas", lambda x, w: gemv.fp8_matmul(x, w, jnp.float32)),
+             ("pallas_before", before_tiling)]                # the default at 32-64 rows until 2026-12-07
     cases += [(label, functools.partial(gemv.fp8_matmul, out_dtype=jnp.float32, **kw)) for label, kw in DENSE_VARIANTS]
     for name, n, k in [s for s in SHAPES if s[0] in DENSE_SHAPES]:
         c = min(MAX_COPIES, max(2, math.ceil(ROTATE_BYTES / nbytes(jax.eval_shape(lambda: make_weight(key, "fp8",

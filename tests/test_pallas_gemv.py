@@ -164,7 +164,9 @@ def test_fp8_rows_of_any_magnitude_interpret(row_prescale):
 @pytest.mark.parametrize("m, dtype, block_n, row_prescale", [(40, jnp.bfloat16, 128, True),
                                                                (200, jnp.bfloat16, 256, True),
                                                                (50, jnp.float32, 128, True),
-                                                               (64, jnp.bfloat16, 256, False)])
+                                                               (64, jnp.bfloat16, 256, False),
+                                                               (64, jnp.bfloat16, None, None),
+                                                               (160, jnp.bfloat16, None, None)])
 def test_fp8_wide_tiles_and_row_prescale_interpret(m, dtype, block_n, row_prescale):
     """The tilings the GPU sweep times (bench_ffi.DENSE_VARIANTS): `row_prescale` and weight tiles of 128 and 256
     rows (two 128-row scale blocks, each step's scale per block) at 64 and 128 activation columns, two column
@@ -175,24 +177,49 @@ def test_fp8_wide_tiles_and_row_prescale_interpret(m, dtype, block_n, row_presca
     n, k = 512, 512
     w = _fp8(rng, (n, k))
     x = jnp.asarray(rng.standard_normal((m, k)) * 2.0 ** rng.integers(-30, 31, (m, 1)), dtype)
-    y = np.asarray(gemv.fp8_matmul(x, w, jnp.float32, interpret=True, row_prescale=row_prescale, block_n=block_n,
-                                   num_warps=8, split_k=2), np.float64)
+    tiling = dict(block_n=block_n, num_warps=8, split_k=2) if block_n else {}     # None: the default tiling
+    y = np.asarray(gemv.fp8_matmul(x, w, jnp.float32, interpret=True, row_prescale=row_prescale, **tiling),
+                   np.float64)
     ref = np.asarray(x, np.float64) @ _dequant64(w).T
     assert y.shape == ref.shape and np.all(np.isfinite(y))
     row_err = np.linalg.norm(y - ref, axis=1) / np.linalg.norm(ref, axis=1)
     assert np.max(row_err) < (1e-5 if dtype == jnp.bfloat16 else 2e-5), np.max(row_err)
 
 
-def test_f16_rows_are_exact():
-    """f16_rows: each bf16 row times 2^p is exactly representable in f16 (float64 check) down to 2^-27 of the row's
-    largest magnitude, and 2^-p undoes it."""
+def test_fp8_default_tiling():
+    """fp8_matmul's default tiling by activation columns: 128-row weight tiles on 8 warps at 32 and 64 columns (the
+    tiling the H100 sweep found fastest there), the tiling before elsewhere (16 columns: 128 rows where N allows,
+    128 columns: 64 rows, both on 4 warps), never the row prescale; given values are kept."""
+    assert gemv._fp8_tiling(32768, 16, None, None, None) == (128, 4, False)
+    assert gemv._fp8_tiling(512, 32, None, None, None) == (128, 8, False)
+    assert gemv._fp8_tiling(32768, 64, None, None, None) == (128, 8, False)
+    assert gemv._fp8_tiling(4096, 128, None, None, None) == (64, 4, False)
+    assert gemv._fp8_tiling(192, 64, None, None, None) == (64, 4, False)          # N takes no 128-row tile
+    assert gemv._fp8_tiling(4096, 64, 256, None, True) == (256, 4, True)
+    assert gemv._fp8_tiling(4096, 64, 128, 4, None) == (128, 4, False)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_f16_rows_are_exact(kernel):
+    """f16_rows (its kernel in interpret mode over two K steps, or the jnp reference): each bf16 row times 2^p is
+    exactly representable in f16 (float64 check) down to 2^-27 of the row's largest magnitude, and 2^-p undoes
+    it; a zero row stays zero with undo 1; the kernel equals the reference bit for bit."""
     rng = np.random.default_rng()
-    x = jnp.asarray(rng.standard_normal((8, 256)) * 2.0 ** rng.integers(-40, 41, (8, 1)), jnp.bfloat16)
-    x16, undo = gemv.f16_rows(x)
+    x = rng.standard_normal((8, 1024)) * 2.0 ** rng.integers(-40, 41, (8, 1))
+    x[5] = 0.0
+    x[2, 700] = -2.0 ** 30                             # the largest magnitude in the second step
+    x = jnp.asarray(x, jnp.bfloat16)
+    x16, undo = gemv.f16_rows(x, interpret=True) if kernel else gemv.f16_rows_reference(x)
     x64, back = np.asarray(x, np.float64), np.asarray(x16, np.float64) * np.asarray(undo, np.float64)[:, None]
     big = np.abs(x64) >= np.abs(x64).max(axis=1, keepdims=True) * 2.0 ** -27
     np.testing.assert_array_equal(back[big], x64[big])
     assert np.all(np.abs(back - x64) <= np.abs(x64).max(axis=1, keepdims=True) * 2.0 ** -37)
+    assert np.all(np.asarray(x16[5]) == 0) and float(undo[5]) == 1.0
+    assert np.all(np.abs(np.asarray(x16, np.float64)).max(axis=1)[np.arange(8) != 5] >= 2.0 ** 13)
+    if kernel:
+        ref16, ref_undo = gemv.f16_rows_reference(x)
+        np.testing.assert_array_equal(np.asarray(x16).view(np.uint16), np.asarray(ref16).view(np.uint16))
+        np.testing.assert_array_equal(np.asarray(undo), np.asarray(ref_undo))
 
 
 def test_split_is_capped_by_the_partials():

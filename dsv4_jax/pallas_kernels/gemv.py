@@ -306,14 +306,57 @@ def _fp8_prescaled_kernel(x_ref, undo_ref, w_ref, s_ref, o_ref, *, block_n, n_st
     _store_parts(o_ref, accs, undo_ref[...], m_valid)
 
 
-def f16_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+def f16_rows_reference(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
     """bf16 rows [M, K] -> (f16 rows prescaled by 2^p, p from each row's largest magnitude over all of K
     (f16_prescale_exponent), and 2^-p float32 [M] to undo it): exact, as bf16 values times a power of two that
     keeps them in f16's range (those under 2^-27 of the row's largest become f16 subnormals, below float32
-    rounding of the row's products)."""
+    rounding of the row's products). The definition of f16_rows' kernel."""
     x = rows.astype(jnp.float32)
     p = f16_prescale_exponent(jnp.max(jnp.abs(x), axis=1))
     return (x * pow2(p)[:, None]).astype(jnp.float16), pow2(-p)
+
+
+F16_ROWS_PER_PROGRAM = 4
+F16_ROWS_STEP = 512       # inputs per row and loop step
+
+
+def _f16_rows_kernel(x_ref, o_ref, undo_ref, *, n_steps):
+    """x_ref [rows, K] bf16 -> o_ref [rows, K] f16 prescaled, undo_ref [rows] float32: f16_rows_reference in two
+    passes over the program's rows (the largest magnitude, then the scaled copy), the second from L2."""
+    def step(i):
+        return x_ref[:, pl.ds(i * F16_ROWS_STEP, F16_ROWS_STEP)].astype(jnp.float32)
+
+    amax = jax.lax.fori_loop(0, n_steps, lambda i, m: jnp.maximum(m, jnp.max(jnp.abs(step(i)), axis=1)),
+                             jnp.zeros((x_ref.shape[0],), jnp.float32))
+    p = f16_prescale_exponent(amax)
+    up = pow2(p)
+
+    def write(i, carry):
+        o_ref[:, pl.ds(i * F16_ROWS_STEP, F16_ROWS_STEP)] = (step(i) * up[:, None]).astype(jnp.float16)
+        return carry
+
+    jax.lax.fori_loop(0, n_steps, write, 0)
+    undo_ref[...] = pow2(-p)
+
+
+def f16_rows(rows: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """f16_rows_reference in one launch (XLA made it three: the rows' largest magnitudes, the scaled copy and the
+    undo factors). Rows a multiple of F16_ROWS_PER_PROGRAM and K of F16_ROWS_STEP (fp8_matmul pads its rows to
+    whole column tiles; K is a multiple of 128: otherwise the reference)."""
+    m, k = rows.shape
+    if m % F16_ROWS_PER_PROGRAM or k % F16_ROWS_STEP:
+        return f16_rows_reference(rows)
+    block = F16_ROWS_PER_PROGRAM
+    return pl.pallas_call(
+        functools.partial(_f16_rows_kernel, n_steps=k // F16_ROWS_STEP),
+        out_shape=(jax.ShapeDtypeStruct((m, k), jnp.float16), jax.ShapeDtypeStruct((m,), jnp.float32)),
+        grid=(m // block,),
+        in_specs=[pl.BlockSpec((block, k), lambda r: (r, 0))],
+        out_specs=(pl.BlockSpec((block, k), lambda r: (r, 0)), pl.BlockSpec((block,), lambda r: (r,))),
+        compiler_params=_params(4, 2),
+        interpret=interpret,
+        name="dsv4_f16_rows",
+    )(rows.astype(jnp.bfloat16))
 
 
 # ---- wrappers ---------------------------------------------------------------------------------------------------
@@ -376,6 +419,26 @@ def _default_block_n(n: int, cols: int = MP) -> int:
     """64 weight rows per tile from 64 activation columns (the float32 accumulator block_n x cols lives in
     registers), else 128 where N allows."""
     return 128 if n % 128 == 0 and cols < 64 else 64
+
+
+WIDE_TILE_COLS = (32, 64)  # activation columns per program at which an FP8 GEMV takes 128-row weight tiles on 8 warps
+
+
+def _fp8_tiling(n: int, cols: int, block_n, num_warps, row_prescale) -> tuple[int, int, bool]:
+    """fp8_matmul's (block_n, num_warps, row_prescale), each given or by default. At WIDE_TILE_COLS activation
+    columns (a serving batch's 17-64 rows) tiles of 128 weight rows on 8 warps, which halves the programs that each
+    read all the activation columns: the fastest tiling for 13 of Flash's 14 dense projections at 32 and 64 rows,
+    1-11 us a call faster than 64-row tiles on 4 warps (one H100, 2026-12-07; docs/performance.md, "The dense FP8
+    projections alone"). Otherwise _default_block_n's tiles on 4 warps (128 columns was not timed alone, and the
+    step at batch 128 was 2% slower with 128-row tiles). Each program prescales its own slice of the rows unless
+    `row_prescale` (slower in 12 of 14 cases there: its launch of its own costs more than it saves)."""
+    if row_prescale is None:
+        row_prescale = False
+    if block_n is None:
+        block_n = 128 if n % 128 == 0 and cols in WIDE_TILE_COLS else _default_block_n(n, cols)
+    if num_warps is None:
+        num_warps = 8 if block_n == 128 and cols in WIDE_TILE_COLS else 4
+    return block_n, num_warps, row_prescale
 
 
 def _split_k(split_k, n_tiles: int, steps: int, what: str, max_split: int | None = None) -> int:
@@ -472,11 +535,11 @@ def nvfp4_matmul(x: jax.Array, w: Nvfp4Weight, out_dtype=None, *, interpret: boo
 
 
 def fp8_matmul(x: jax.Array, w: Fp8BlockWeight, out_dtype=None, *, interpret: bool = False, block_n=None,
-               split_k=None, num_warps: int = 4, num_stages: int = 3, row_prescale: bool = False) -> jax.Array:
+               split_k=None, num_warps=None, num_stages: int = 3, row_prescale=None) -> jax.Array:
     """x [M, K] @ dequant(W [N, K])^T for an FP8 weight with 128x128 E8M0 block scales -> [M, N] out_dtype.
-    `row_prescale`: the rows' f16 prescale computed once over all of K before the launch (f16_rows, an XLA fusion
-    that may join the rows' producer) instead of in every program over its K range (_fp8_prescaled_kernel); the
-    same values up to f16 subnormals of entries under 2^-27 of their row's largest."""
+    `row_prescale`: the rows' f16 prescale computed once over all of K before the launch (f16_rows, a launch of
+    its own) instead of in every program over its K range (_fp8_prescaled_kernel); the
+    same values up to f16 subnormals of entries under 2^-27 of their row's largest. Defaults: _fp8_tiling."""
     what = "fp8_matmul"
     n, k = w.weight.shape
     if x.shape[-1] != k:
@@ -487,7 +550,7 @@ def fp8_matmul(x: jax.Array, w: Fp8BlockWeight, out_dtype=None, *, interpret: bo
         raise ValueError(f"{what}: scale shape {w.scale.shape} does not match weight [{n}, {k}]")
     rows, m_used, fold = _activation_columns(x, what)
     cols, col_tiles = activation_tiling(m_used)
-    block_n = block_n or _default_block_n(n, cols)
+    block_n, num_warps, row_prescale = _fp8_tiling(n, cols, block_n, num_warps, row_prescale)
     if (FP8_BLOCK % block_n if block_n <= FP8_BLOCK else block_n % FP8_BLOCK) or n % block_n:
         raise ValueError(f"{what}: block_n={block_n} must divide 128 or be a multiple of it, and divide N={n}")
     steps = k // FP8_BLOCK
@@ -503,7 +566,7 @@ def fp8_matmul(x: jax.Array, w: Fp8BlockWeight, out_dtype=None, *, interpret: bo
     w_specs = [pl.BlockSpec((block_n, k_split), lambda c, i, s: (i, s)), scale_spec]
     rows = _pad_rows(rows, cols * col_tiles)
     if row_prescale:
-        x16, undo = f16_rows(rows)
+        x16, undo = f16_rows(rows, interpret=interpret)
         kernel, operands = functools.partial(_fp8_prescaled_kernel, **static), (x16, undo, w.weight, w.scale)
         in_specs = [x_spec, pl.BlockSpec((cols,), lambda c, i, s: (c,)), *w_specs]
     else:
