@@ -19,9 +19,10 @@
 #            chunk's (8,192 tokens), by op family (command buffers off, so every kernel carries its HLO op; traces
 #            under /tmp)                                                     -> flash4_profile.{json,log}
 #   prefill8k Flash geometry, 4 layers: an 8,192-token prompt in one 8,192-token chunk, a process per variant
-#            (VARIANTS, default the first four): xla (the default), indexer (indexer_scores=kernel), fp8 (act_quant
-#            fp8), fp8_w4a8 (fp8 and matmul=kernel: the W4A8 kernel); also mhc_xla (mhc_site=reference: the
-#            Sinkhorn on XLA's path), attention (attention_core=kernel: the attention core's prefill kernel)
+#            (VARIANTS, default the first four): xla (the default), indexer_xla (indexer_scores=reference: XLA's
+#            indexer path), fp8 (act_quant fp8), fp8_w4a8 (fp8 and matmul=kernel: the W4A8 kernel); also mhc_xla
+#            (mhc_site=reference: the Sinkhorn on XLA's path), attention (attention_core=kernel: the attention
+#            core's prefill kernel)
 #                                                                          -> flash4_prefill8k_<variant>.{json,log}
 #   kernels  one layer's kernels alone, Flash geometry: the attention core of an 8,192-token prefill chunk (XLA's
 #            path against the kernel's prefill schedules, benchmarks/bench_decode_attention.py --prefill) and the
@@ -86,10 +87,10 @@ for part in "$@"; do
                     --prefill-chunk "${PROFILE_CHUNK:-8192}" --out "$OUT_DIR/flash4_profile.json" 2>&1 | quiet \
                     | tee "$OUT_DIR/flash4_profile.log" || status=1 ;;
         prefill8k)
-                declare -A variants=([xla]=none: [indexer]=none:indexer_scores=kernel [fp8]=fp8:
+                declare -A variants=([xla]=none: [indexer_xla]=none:indexer_scores=reference [fp8]=fp8:
                                      [fp8_w4a8]=fp8:matmul=kernel [mhc_xla]=none:mhc_site=reference
                                      [attention]=none:attention_core=kernel)
-                for name in ${VARIANTS:-xla indexer fp8 fp8_w4a8}; do
+                for name in ${VARIANTS:-xla indexer_xla fp8 fp8_w4a8}; do
                     [ -n "${variants[$name]:-}" ] || { echo "unknown prefill8k variant: $name" >&2; exit 2; }
                     IFS=: read -r aq override <<< "${variants[$name]}"
                     prefill "prefill8k_$name" "${BENCH_S:-150}" 8192 8192 --act-quant "$aq" \

@@ -3,7 +3,7 @@ query, sum over heads of weight_h(x) * ReLU(q_h . key), and the top-k picks.
 
 Its reference is the jnp below (all entries at once, or a block at a time with a running top-k beyond
 indexer_block() entries); its kernel, pallas_kernels/indexer.py, scores a decode or verify step's rows in one
-launch, and (opt-in on GPUs: the override indexer_scores=kernel) a prefill chunk's rows 16 at a time
+launch, and a prefill chunk's rows 16 at a time
 against each block of keys (the heads summed on chip: no [B, S, heads, N] products in memory; the top-k over the
 [B, S, N] scores stays XLA's, a block of entries at a time beyond kernel_block()). `select` chooses
 (ops/choice.py).
@@ -24,10 +24,10 @@ from .attention_core import compressed_visible
 from .matmul import linear
 
 SCORES_KERNEL = choice.Kernel("indexer_scores", "indexer")
-# Opt-in on GPUs (the override indexer_scores=kernel): on an H100 (2026-12-06) it made an 8K prompt's time to first
-# token 3% faster than XLA's path, within a single call's noise (docs/performance.md); the interpret plan takes it.
-PREFILL_SCORES_KERNEL = choice.Kernel("indexer_scores", "indexer_prefill", phases=frozenset({"prefill"}),
-                                      on_gpu_by_default=False)
+# Taken by GPU plans since 2026-12-07: an 8K prompt 3% faster than on XLA's path in 2,048-token chunks and 2.4% in
+# one 8,192-token chunk (one H100, one call each, docs/performance.md), and a chunk's temporaries 2.5x smaller (no
+# [B, S, heads, N] products); `--kernel-override indexer_scores=reference` keeps XLA's path.
+PREFILL_SCORES_KERNEL = choice.Kernel("indexer_scores", "indexer_prefill", phases=frozenset({"prefill"}))
 
 
 INDEXER_BLOCK = 4096     # compressed entries scored at a time beyond it (bounds the [B, S, heads, block] scores)

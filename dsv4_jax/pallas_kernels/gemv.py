@@ -426,12 +426,12 @@ WIDE_TILE_COLS = (32, 64)  # activation columns per program at which an FP8 GEMV
 
 def _fp8_tiling(n: int, cols: int, block_n, num_warps, row_prescale) -> tuple[int, int, bool]:
     """fp8_matmul's (block_n, num_warps, row_prescale), each given or by default. At WIDE_TILE_COLS activation
-    columns (a serving batch's 17-64 rows) tiles of 128 weight rows on 8 warps, which halves the programs that each
-    read all the activation columns: the fastest tiling for 13 of Flash's 14 dense projections at 32 and 64 rows,
-    1-11 us a call faster than 64-row tiles on 4 warps (one H100, 2026-12-07; docs/performance.md, "The dense FP8
-    projections alone"). Otherwise _default_block_n's tiles on 4 warps (128 columns was not timed alone, and the
+    columns (a serving batch's 17-64 rows): tiles of 128 weight rows on 8 warps, faster than the tiling before
+    (64-row tiles on 4 warps at 64 columns, 128-row tiles on 4 warps at 32) for 13 of Flash's 14 dense
+    projections at 32 and 64 rows, by 0.2-11 us a call (one H100, 2026-12-07; docs/performance.md, "Timed:
+    128-row weight tiles"). Otherwise _default_block_n's tiles on 4 warps (128 columns was not timed alone, and the
     step at batch 128 was 2% slower with 128-row tiles). Each program prescales its own slice of the rows unless
-    `row_prescale` (slower in 12 of 14 cases there: its launch of its own costs more than it saves)."""
+    `row_prescale` (faster only for wq_b, K = 1,024, with no split: its launch costs more than it saves)."""
     if row_prescale is None:
         row_prescale = False
     if block_n is None:
