@@ -49,6 +49,12 @@ GPU_TEST_FILES_3="tests/test_pallas_quantize.py tests/test_pallas_gemv.py"
 GPU_TEST_FILES_4="tests/test_pallas_indexer.py tests/test_pallas_norm_rope.py tests/test_pallas_compressor.py \
 tests/test_pallas_moe_decode.py"
 quiet() { grep -v "Warning\|warn(\|return rule"; }
+# gpu_tests FILES: their gpu-marked tests, each named as it starts (-v) so a log cut by the time limit shows which
+# test it stopped in, and its threads' stacks dumped once it has run TEST_STACK_S seconds (default 200)
+gpu_tests() {
+    timeout "${SUITE_S:-540}" python3 -m pytest -m gpu -v -p no:cacheprovider --durations=15 -rfE \
+        -o faulthandler_timeout="${TEST_STACK_S:-200}" "$@"
+}
 # prefill NAME SECONDS PROMPTS CHUNK [bench options]: a 4-layer Flash prefill run -> flash4_NAME.{json,log}
 prefill() {
     local name=$1 seconds=$2 prompts=$3 chunk=$4
@@ -59,14 +65,10 @@ prefill() {
 }
 for part in "$@"; do
     case "$part" in
-        suite1) timeout "${SUITE_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 -rfE \
-                    $GPU_TEST_FILES_1 2>&1 | tee "$OUT_DIR/pytest_gpu_part1.log" || status=1 ;;
-        suite2) timeout "${SUITE_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 -rfE \
-                    $GPU_TEST_FILES_2 2>&1 | tee "$OUT_DIR/pytest_gpu_part2.log" || status=1 ;;
-        suite3) timeout "${SUITE_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 -rfE \
-                    $GPU_TEST_FILES_3 2>&1 | tee "$OUT_DIR/pytest_gpu_part3.log" || status=1 ;;
-        suite4) timeout "${SUITE_S:-540}" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 -rfE \
-                    $GPU_TEST_FILES_4 2>&1 | tee "$OUT_DIR/pytest_gpu_part4.log" || status=1 ;;
+        suite1) gpu_tests $GPU_TEST_FILES_1 2>&1 | tee "$OUT_DIR/pytest_gpu_part1.log" || status=1 ;;
+        suite2) gpu_tests $GPU_TEST_FILES_2 2>&1 | tee "$OUT_DIR/pytest_gpu_part2.log" || status=1 ;;
+        suite3) gpu_tests $GPU_TEST_FILES_3 2>&1 | tee "$OUT_DIR/pytest_gpu_part3.log" || status=1 ;;
+        suite4) gpu_tests $GPU_TEST_FILES_4 2>&1 | tee "$OUT_DIR/pytest_gpu_part4.log" || status=1 ;;
         depth)  layers="${LAYERS:-32}"
                 if [ "${SCAN:-1}" = 0 ]; then scan=""; name="flash${layers}_unrolled"
                 else scan="--scan-layers"; name="flash${layers}_scan"; fi

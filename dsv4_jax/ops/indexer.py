@@ -25,7 +25,7 @@ from .matmul import linear
 
 SCORES_KERNEL = choice.Kernel("indexer_scores", "indexer")
 # Taken by GPU plans since 2026-12-07: an 8K prompt 3% faster than on XLA's path in 2,048-token chunks and 2.4% in
-# one 8,192-token chunk (one H100, one call each, docs/performance.md), and a chunk's temporaries 2.5x smaller (no
+# one 8,192-token chunk (one H100, one call each, docs/performance.md), and a chunk's temporaries 1.4x smaller (no
 # [B, S, heads, N] products); `--kernel-override indexer_scores=reference` keeps XLA's path.
 PREFILL_SCORES_KERNEL = choice.Kernel("indexer_scores", "indexer_prefill", phases=frozenset({"prefill"}))
 
