@@ -189,6 +189,11 @@ def main():
                     help="also time tile configurations: the prefill kernel on " + ", ".join(SWEEP) + " at 4096 rows "
                     "and the MoE kernel at every --moe-prefill-rows count")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiler's kernel times")
+    ap.add_argument("--moe-ffn-rows", default="",
+                    help="routed rows (tokens x 6) of a prefill chunk whose whole routed FFN is timed as the model "
+                         "runs it, on the default path and on moe_ffn at each --moe-ffn-tiles (e.g. 49152: 8K tokens)")
+    ap.add_argument("--moe-ffn-tiles", default="64x8,64x4,32x4,128x8",
+                    help="moe_ffn's gate / up kernel tilings, weight rows x warps (the default: 64x8)")
     args = ap.parse_args()
     global DENSE, EXPERTS, N_EXPERTS, ROTATE_BYTES
     if args.smoke:
@@ -220,6 +225,8 @@ def main():
 
     global PROFILE
     PROFILE = not args.no_profile
+    if args.moe_ffn_rows:
+        run_moe_ffn(args, key, [int(r) for r in args.moe_ffn_rows.split(",")], emit)
     if args.moe_prefill_rows:
         run_moe_prefill(args, key, [int(r) for r in args.moe_prefill_rows.split(",")], emit)
     if args.prefill_ms:
@@ -461,6 +468,59 @@ def run_moe_prefill(args, key, row_counts, emit):
         if args.sweep and checked:
             run_moe_sweep(args, key, name, n, k, x, jnp.asarray(ids, jnp.int32), w4, ref, flops, emit)
     del w4, wb
+
+
+def run_moe_ffn(args, key, row_counts, emit):
+    """A prefill chunk's whole routed FFN (gate and up projections, clamped SwiGLU, routing weights, down
+    projection, each token's sum) as the model runs it (moe_ffn._grouped_experts), 256 MXFP4 experts of Flash's
+    shapes (EXPERTS): the default path (the MoE kernel per projection, the SwiGLU and the gathers between) and
+    moe.moe_ffn's two kernels (the override moe_ffn=kernel), then moe_ffn with its gate / up kernel at each
+    --moe-ffn-tiles tiling; each checked against the default path first."""
+    from dsv4_jax import presets
+    from dsv4_jax.ops import moe_ffn as ffn_ops
+    (_, inter, dim), n_exp = EXPERTS[0], N_EXPERTS
+    if args.smoke:                          # moe_ffn's smallest geometry: the down projection's K a multiple of 256
+        inter, dim = 256, 256
+    cfg = presets.named("flash", 1)
+    params = {name: {"weight": make_weight(jax.random.fold_in(key, 60 + i), "mxfp4", shape)}
+              for i, (name, shape) in enumerate((("w1", (n_exp, inter, dim)), ("w3", (n_exp, inter, dim)),
+                                                 ("w2", (n_exp, dim, inter))))}
+    default_ctx = RunContext.create(kernels=KERNELS)
+    ffn_ctx = RunContext.create(kernels=KERNELS, kernel_overrides=["moe_ffn=kernel"])
+    for rows in row_counts:
+        tokens = (min(rows, 192) if args.smoke else rows) // TOP_K
+        ids = jnp.asarray(routed_expert_ids(rows, tokens, n_exp).reshape(tokens, TOP_K), jnp.int32)
+        weights = jax.random.uniform(jax.random.fold_in(key, 61), (tokens, TOP_K), jnp.float32, 0.05, 0.5)
+        x = jax.random.normal(jax.random.fold_in(key, 62 + rows), (tokens, dim), jnp.float32).astype(jnp.bfloat16)
+        flops = 2 * tokens * TOP_K * 3 * inter * dim
+
+        def model_path(ctx):
+            return lambda x, p: ffn_ops._grouped_experts(p, cfg, x, ids, weights, n_exp, ctx)
+
+        def tiled(bn, warps):
+            up_tiles = dict(block_n=bn, num_warps=warps)
+            return lambda x, p: moe.moe_ffn(x, p["w1"]["weight"], p["w3"]["weight"], p["w2"]["weight"], ids, weights,
+                                            cfg.swiglu_limit, interpret=KERNELS == "interpret", up_tiles=up_tiles)
+
+        cases = [("routed_ffn_default", model_path(default_ctx)), ("routed_ffn_moe_ffn", model_path(ffn_ctx))]
+        for tile in [t for t in args.moe_ffn_tiles.split(",") if t]:
+            bn, warps = map(int, tile.split("x"))
+            cases.append((f"moe_ffn_{bn}x{warps}", tiled(bn, warps)))
+        ref = jax.jit(cases[0][1])(x, params)
+        for impl, fn in cases:
+            try:
+                err = rel_err(jax.jit(fn)(x, params), ref)
+                if err > 1e-3:
+                    raise RuntimeError(f"differs from the default path: rel. err {err:.3g}")
+                t = time_calls(fn, [params], x, 2 if args.smoke else 5, repeats=3)
+                kt = profiled_kernel_us(fn, x, [params], calls=4) if PROFILE else None
+            except Exception as e:  # noqa: BLE001 - report and go on with the other cases
+                emit(dict(name="routed_ffn", shape=[tokens * TOP_K, inter, dim], fmt="mxfp4", impl=impl,
+                          error=f"{type(e).__name__}: {e}"[:400]))
+                continue
+            emit(dict(name="routed_ffn", shape=[tokens * TOP_K, inter, dim], fmt="mxfp4", impl=impl, time_us=t[0], min_us=t[1],
+                      max_us=t[2], kernel_us=kt, rel_err=err, tflops=flops / t[0] / 1e6, gbps=float("nan")))
+    del params
 
 
 def run_moe_sweep(args, key, name, n, k, x, ids, w4, ref, flops, emit):

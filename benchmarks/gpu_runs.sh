@@ -32,6 +32,9 @@
 #            default tiling and the variants of bench_ffi.DENSE_VARIANTS (wider weight tiles, the rows' f16 prescale
 #            before the launch; benchmarks/bench_ffi.py --dense-only)
 #                                                                          -> ffi_dense.{json,log}
+#   moeffn   an 8,192-token chunk's routed FFN alone (49,152 routed rows, 256 MXFP4 experts): the default path, the
+#            opt-in moe_ffn kernels, and moe_ffn's gate / up kernel at each of MOE_FFN_TILES (weight rows x warps;
+#            benchmarks/bench_kernels.py --moe-ffn-rows)                   -> moe_ffn.{json,log}
 #   chunks   Flash geometry, 4 layers: PROMPTS (default 8K and 32K) in chunks of each of CHUNKS (default 2048,
 #            4096, 8192), a process per chunk size, for the default chunk (docs/performance.md, "Prefill")
 #                                                                          -> flash4_chunk<N>.{json,log}
@@ -106,10 +109,13 @@ for part in "$@"; do
         dense)  timeout "${KERNEL_S:-300}" python3 benchmarks/bench_ffi.py --dense-only "${ROWS:-32,64}" \
                     --budget-s $(( ${KERNEL_S:-300} - 60 )) --out "$OUT_DIR/ffi_dense.json" 2>&1 | quiet \
                     | tee "$OUT_DIR/ffi_dense.log" || status=1 ;;
+        moeffn) timeout "${KERNEL_S:-300}" python3 benchmarks/bench_kernels.py --prefill-only --prefill-ms "" \
+                    --moe-prefill-rows "" --moe-ffn-rows 49152 --moe-ffn-tiles "${MOE_FFN_TILES:-64x8,64x4,32x4,128x8}" \
+                    --out "$OUT_DIR/moe_ffn.json" 2>&1 | quiet | tee "$OUT_DIR/moe_ffn.log" || status=1 ;;
         chunks) for chunk in ${CHUNKS:-2048 4096 8192}; do
                     prefill "chunk$chunk" "${BENCH_S:-180}" "${PROMPTS:-8192,32768}" "$chunk"
                 done ;;
-        *) echo "unknown part: $part (expected suite1-4, depth, matrix, profile, prefill8k, kernels, dense or chunks)" >&2
+        *) echo "unknown part: $part (expected suite1-4, depth, matrix, profile, prefill8k, kernels, dense, moeffn or chunks)" >&2
            exit 2 ;;
     esac
 done
