@@ -470,6 +470,16 @@ def run_moe_prefill(args, key, row_counts, emit):
     del w4, wb
 
 
+def checked_timing(fn, x, w, want, smoke: bool, what: str = "wrong result"):
+    """(relative error of fn(x, w) against want, time_calls' (median, min, max) us, the profiler's kernel us or
+    None) for the MoE cases; an error above 1e-3 raises before anything is timed."""
+    err = rel_err(jax.jit(fn)(x, w), want)
+    if err > 1e-3:
+        raise RuntimeError(f"{what}: rel. err {err:.3g}")
+    t = time_calls(fn, [w], x, 2 if smoke else 5, repeats=3)
+    return err, t, profiled_kernel_us(fn, x, [w], calls=4) if PROFILE else None
+
+
 def run_moe_ffn(args, key, row_counts, emit):
     """A prefill chunk's whole routed FFN (gate and up projections, clamped SwiGLU, routing weights, down
     projection, each token's sum) as the model runs it (moe_ffn._grouped_experts), 256 MXFP4 experts of Flash's
@@ -509,11 +519,7 @@ def run_moe_ffn(args, key, row_counts, emit):
         ref = jax.jit(cases[0][1])(x, params)
         for impl, fn in cases:
             try:
-                err = rel_err(jax.jit(fn)(x, params), ref)
-                if err > 1e-3:
-                    raise RuntimeError(f"differs from the default path: rel. err {err:.3g}")
-                t = time_calls(fn, [params], x, 2 if args.smoke else 5, repeats=3)
-                kt = profiled_kernel_us(fn, x, [params], calls=4) if PROFILE else None
+                err, t, kt = checked_timing(fn, x, params, ref, args.smoke, "differs from the default path")
             except Exception as e:  # noqa: BLE001 - report and go on with the other cases
                 emit(dict(name="routed_ffn", shape=[tokens * TOP_K, inter, dim], fmt="mxfp4", impl=impl,
                           error=f"{type(e).__name__}: {e}"[:400]))
@@ -537,11 +543,7 @@ def run_moe_sweep(args, key, name, n, k, x, ids, w4, ref, flops, emit):
         impl = "pallas_moe_kernel[" + ",".join(str(v) for v in (bn, k_step, warps, stages, cols)) + "]"
         fn = lambda x, w, cfg=cfg: moe.moe_matmul(x, w, ids, jnp.float32, **cfg)  # noqa: E731
         try:
-            err = rel_err(jax.jit(fn)(x, w), want)
-            if err > 1e-3:
-                raise RuntimeError(f"wrong result: rel. err {err:.3g}")
-            t = time_calls(fn, [w], x, 2 if args.smoke else 5, repeats=3)
-            kt = profiled_kernel_us(fn, x, [w], calls=4) if PROFILE else None
+            err, t, kt = checked_timing(fn, x, w, want, args.smoke)
         except Exception as e:  # noqa: BLE001 - report and go on with the other configurations
             emit(dict(name=name, shape=[len(ids), n, k], fmt=fmt, impl=impl, config=cfg,
                       error=f"{type(e).__name__}: {e}"[:400]))
