@@ -16,8 +16,10 @@ OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 export PYTHONUNBUFFERED=1
 status=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv | tee "$OUT_DIR/gpu.txt"
-PYTHONPATH=. timeout "${TEST_S:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider \
-    ${TESTS:-tests/test_pallas_mhc.py} 2>&1 | tee "$OUT_DIR/pytest_ab.log" || status=1
+# each test named as it starts (-v), a stuck one's stacks dumped after TEST_STACK_S: a log cut by TEST_S says where
+PYTHONPATH=. timeout "${TEST_S:-300}" python3 -m pytest -m gpu -v -p no:cacheprovider \
+    -o faulthandler_timeout="${TEST_STACK_S:-200}" ${TESTS:-tests/test_pallas_mhc.py} 2>&1 | tee "$OUT_DIR/pytest_ab.log" \
+    || status=1
 bench() {   # tree, name, environment assignments, benchmark options
     (cd "$1" && env ${3:-} PYTHONPATH=. timeout "${BENCH_S:-300}" python3 -m dsv4_jax.bench --preset flash --layers 4 \
         ${COMMON_ARGS:-} ${4:-} --reference none --batches "${BATCHES:-1,8,32}" --contexts "${CONTEXTS:-4096}" --prompts "${PROMPTS:-1024}" \
