@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dsv4_jax.bench.__main__ import main, parse_args
+from dsv4_jax.bench.__main__ import main, parse_args, source_digest
 
 
 def test_tiny_smoke_run(tmp_path, capsys):
@@ -19,6 +19,7 @@ def test_tiny_smoke_run(tmp_path, capsys):
                  "--bandwidth-bytes", str(1 << 20), "--matmul-n", "128", "--kv-cache-dtype", "fp8"]) == 0
     result = json.loads(out.read_text())
     assert result["model"]["preset"] == "tiny" and result["model"]["layers"] == 4
+    assert result["source"] == source_digest() and result["source"]["files"] > 50      # the code that ran
     assert result["model"]["kv_cache_dtype"] == "fp8"                  # synthetic states stored compact
     assert {"bandwidth_bytes_per_s", "fp8_flops_per_s", "bf16_flops_per_s"} <= set(result["device"])
     decode = {c["kernels"]: c for c in result["decode"]}
@@ -71,3 +72,23 @@ def test_a_context_too_short_for_the_steps_is_refused():
     model = init_random(presets.tiny(), kernels="reference")
     with pytest.raises(ValueError, match="shorter than the 40 steps"):
         time_decode(model.params, model.config, model.context, 1, 30, steps=10, calls=3)
+
+
+def test_source_digest_names_the_code(tmp_path):
+    """The digest follows each source file's path and content, ignores compiled caches and other files, and does
+    not depend on the order the file system lists them in."""
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "ops" / "a.py").write_text("x = 1\n")
+    (tmp_path / "kernel.cu").write_text("// k\n")
+    first = source_digest(str(tmp_path))
+    assert first["files"] == 2
+    (tmp_path / "__pycache__" / "a.cpython-313.pyc").write_bytes(b"\0")
+    (tmp_path / "notes.txt").write_text("not code")
+    assert source_digest(str(tmp_path)) == first
+    (tmp_path / "ops" / "a.py").write_text("x = 2\n")
+    changed = source_digest(str(tmp_path))
+    assert changed["sha256"] != first["sha256"]
+    (tmp_path / "ops" / "a.py").write_text("x = 1\n")
+    (tmp_path / "ops" / "a.py").rename(tmp_path / "ops" / "b.py")          # same content, another file
+    assert source_digest(str(tmp_path))["sha256"] not in (first["sha256"], changed["sha256"])

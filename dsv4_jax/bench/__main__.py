@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -124,6 +125,27 @@ def _machine() -> dict:
             "host": platform.node(), "cpu_count": os.cpu_count(), "jax": jax.__version__}
 
 
+SOURCE_SUFFIXES = (".py", ".cu", ".cuh")
+
+
+def source_digest(root: str | None = None) -> dict:
+    """{"sha256", "files"}: a digest of the package's code (every .py / .cu / .cuh file under `root`, default this
+    package, by relative path and content, in sorted order), so a result names the code that ran: a default
+    chosen in code (a kernel a plan takes, a tiling) changes the program as much as an option does, and a GPU
+    machine's copy of the tree has no git history to ask."""
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest, files = hashlib.sha256(), 0
+    for folder, subfolders, names in sorted(os.walk(root)):
+        subfolders[:] = sorted(d for d in subfolders if d != "__pycache__")
+        for name in sorted(n for n in names if n.endswith(SOURCE_SUFFIXES)):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, root).replace(os.sep, "/").encode() + b"\0")
+            with open(path, "rb") as f:
+                digest.update(hashlib.sha256(f.read()).digest())
+            files += 1
+    return {"sha256": digest.hexdigest(), "files": files}
+
+
 def _save(result: dict, path: str | None) -> None:
     """Write the results so far (a long run that is stopped keeps every case it finished)."""
     if path:
@@ -140,7 +162,8 @@ def run(args) -> dict:
     probe_bytes, probe_n = args.bandwidth_bytes or probe_bytes, args.matmul_n or probe_n
     mesh = make_mesh(args.devices) if args.devices > 1 else None
     result = {"date": datetime.date.today().isoformat(),
-              "command": " ".join(["python -m dsv4_jax.bench"] + list(args.argv)), "machine": _machine()}
+              "command": " ".join(["python -m dsv4_jax.bench"] + list(args.argv)), "machine": _machine(),
+              "source": source_digest()}
 
     t0 = time.perf_counter()
     try:
