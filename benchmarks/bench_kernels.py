@@ -41,7 +41,7 @@ from dsv4_jax.ops.matmul import grouped_linear, linear  # noqa: E402
 from dsv4_jax.numerics.activations import quantize_fp8  # noqa: E402
 from dsv4_jax.ops import act_quantize  # noqa: E402
 from dsv4_jax.run_context import RunContext  # noqa: E402
-from dsv4_jax.bench.__main__ import source_digest  # noqa: E402
+from dsv4_jax.source_digest import source_digest  # noqa: E402
 from dsv4_jax.pallas_kernels import gemv, moe, moe_fp8, prefill  # noqa: E402
 
 REFERENCE = RunContext.create(kernels="reference")            # the pure-jnp baselines
@@ -150,7 +150,7 @@ def profiled_kernel_us(fn, x, weights, calls=12):
 def recorder(path: str, results: list, meta: dict | None = None):
     """emit(rec): rec (with the run's meta fields added) appended to results and the whole list rewritten to the JSON
     file at path, so a run stopped by its time limit keeps every case it finished; rec printed as one JSON line.
-    Every record names the code that ran (source_sha256: dsv4_jax.bench's digest of the package's code)."""
+    Every record names the code that ran (source_sha256: dsv4_jax.source_digest)."""
     meta = dict(meta or {}, source_sha256=source_digest()["sha256"])
 
     def emit(rec):

@@ -189,8 +189,10 @@ def main(argv=None):
         for example in row["error_examples"]:
             print(f"        error: {example}")
     if args.out:
+        server = health(url)
         meta = {"date": datetime.date.today().isoformat(), "machine": platform.node(), "processor":
-                platform.processor() or platform.machine(), "server_device": health(url).get("device"), "url": url,
+                platform.processor() or platform.machine(), "server_device": server.get("device"),
+                "server_source_sha256": server.get("source_sha256"), "url": url,
                 "model": model,
                 "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
                 "long_prompt_tokens": args.long_prompt_tokens, "temperature": args.temperature,

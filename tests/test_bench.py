@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from dsv4_jax.bench.__main__ import main, parse_args, source_digest
+from dsv4_jax.bench.__main__ import main, parse_args
+from dsv4_jax.source_digest import source_digest
 
 
 def test_tiny_smoke_run(tmp_path, capsys):
@@ -73,22 +74,3 @@ def test_a_context_too_short_for_the_steps_is_refused():
     with pytest.raises(ValueError, match="shorter than the 40 steps"):
         time_decode(model.params, model.config, model.context, 1, 30, steps=10, calls=3)
 
-
-def test_source_digest_names_the_code(tmp_path):
-    """The digest follows each source file's path and content, ignores compiled caches and other files, and does
-    not depend on the order the file system lists them in."""
-    (tmp_path / "ops").mkdir()
-    (tmp_path / "__pycache__").mkdir()
-    (tmp_path / "ops" / "a.py").write_text("x = 1\n")
-    (tmp_path / "kernel.cu").write_text("// k\n")
-    first = source_digest(str(tmp_path))
-    assert first["files"] == 2
-    (tmp_path / "__pycache__" / "a.cpython-313.pyc").write_bytes(b"\0")
-    (tmp_path / "notes.txt").write_text("not code")
-    assert source_digest(str(tmp_path)) == first
-    (tmp_path / "ops" / "a.py").write_text("x = 2\n")
-    changed = source_digest(str(tmp_path))
-    assert changed["sha256"] != first["sha256"]
-    (tmp_path / "ops" / "a.py").write_text("x = 1\n")
-    (tmp_path / "ops" / "a.py").rename(tmp_path / "ops" / "b.py")          # same content, another file
-    assert source_digest(str(tmp_path))["sha256"] not in (first["sha256"], changed["sha256"])

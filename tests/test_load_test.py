@@ -14,6 +14,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import load_test  # noqa: E402
 from serving_runs import serving  # noqa: E402
 
+from dsv4_jax.source_digest import source_digest  # noqa: E402
+
 
 @pytest.fixture()
 def server_url():
@@ -34,6 +36,7 @@ def test_load_test_reports_what_the_server_did(server_url, tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["meta"]["prompt_tokens"] == prompt_tokens and result["meta"]["model"] == "dsv4-default"
     assert result["meta"]["server_device"].endswith(jax.devices()[0].device_kind)
+    assert result["meta"]["server_source_sha256"] == source_digest()["sha256"]
     for row, clients in zip(result["rows"], (1, 2)):
         assert row["clients"] == clients and row["errors"] == 0 and row["requests"] >= clients
         produced = row["output_tokens_per_s"] * row["wall_s"]            # (a request may end early on EOS)

@@ -19,6 +19,7 @@ import dsv4_jax
 from dsv4_jax.chat import encode_message_ids
 from dsv4_jax.serving.app import create_app
 from dsv4_jax.serving.scheduler import Request, Scheduler
+from dsv4_jax.source_digest import source_digest
 from dsv4_jax.tokenizer import ASSISTANT, BOS, DSML, EOS, THINK_END, THINK_START, USER
 
 NAME = "dsv4-default"
@@ -50,6 +51,7 @@ def test_models_and_health(server):
     r = httpx.get(server.url + "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
     assert r.json()["device"] == f"{len(jax.devices())} x {jax.devices()[0].device_kind}"
+    assert r.json()["source_sha256"] == source_digest()["sha256"]          # the code that serves
     models = server.client.models.list()
     assert [m.id for m in models.data] == [NAME]
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import platform
@@ -37,6 +36,7 @@ from .. import init_random, make_mesh, presets
 from ..engine import PREFILL_CHUNK
 from ..roofline import bytes_by_family, prefill_flops, roofline, weight_bytes_by_part
 from ..settings import Settings
+from ..source_digest import source_digest
 from . import cases, op_profile, probes
 from .plots import write_plots
 
@@ -123,27 +123,6 @@ def _machine() -> dict:
     device = jax.devices()[0]
     return {"backend": jax.default_backend(), "device_kind": device.device_kind, "n_devices": jax.device_count(),
             "host": platform.node(), "cpu_count": os.cpu_count(), "jax": jax.__version__}
-
-
-SOURCE_SUFFIXES = (".py", ".cu", ".cuh")
-
-
-def source_digest(root: str | None = None) -> dict:
-    """{"sha256", "files"}: a digest of the package's code (every .py / .cu / .cuh file under `root`, default this
-    package, by relative path and content, in sorted order), so a result names the code that ran: a default
-    chosen in code (a kernel a plan takes, a tiling) changes the program as much as an option does, and a GPU
-    machine's copy of the tree has no git history to ask."""
-    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    digest, files = hashlib.sha256(), 0
-    for folder, subfolders, names in sorted(os.walk(root)):
-        subfolders[:] = sorted(d for d in subfolders if d != "__pycache__")
-        for name in sorted(n for n in names if n.endswith(SOURCE_SUFFIXES)):
-            path = os.path.join(folder, name)
-            digest.update(os.path.relpath(path, root).replace(os.sep, "/").encode() + b"\0")
-            with open(path, "rb") as f:
-                digest.update(hashlib.sha256(f.read()).digest())
-            files += 1
-    return {"sha256": digest.hexdigest(), "files": files}
 
 
 def _save(result: dict, path: str | None) -> None:

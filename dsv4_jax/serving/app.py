@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import encode_message_ids
+from ..source_digest import source_digest
 from . import protocol
 from .chat_output import ChatOutput
 from .protocol import APIError
@@ -311,6 +312,7 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
     server = Server(scheduler, model_name)
     devices = jax.devices()
     device = f"{len(devices)} x {devices[0].device_kind}"            # what the load tests record beside their rows
+    source_sha256 = source_digest()["sha256"]                        # and the code that served them
     app = FastAPI(title="dsv4_jax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 
@@ -335,7 +337,8 @@ def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "device": device, "busy_rows": scheduler.busy_rows(), "rows": scheduler.rows,
+        return {"status": "ok", "device": device, "source_sha256": source_sha256, "busy_rows": scheduler.busy_rows(),
+                "rows": scheduler.rows,
                 "stats": dict(getattr(scheduler, "stats", {})), "prefix_cache": _prefix_cache_info(scheduler)}
 
     @app.get("/v1/models")
