@@ -48,10 +48,11 @@ Kernel design (see docs/kernels.md for measurements):
     more XLA passes per matmul (the FP8 family's launches in a 4-layer Flash decode step at batch 64, compiled for an
     H200: 122 of 291 before, 50 of 219 after). But every program of a weight tile reads its activation columns
     twice (the amax pass, the loop) and converts them every step: at 64 columns and 64-row tiles twice the weight
-    tile's bytes per step. Two options the GPU sweep times against that (`bash benchmarks/gpu_runs.sh dense`; not
-    the default until measured): `row_prescale=True`, the rows prescaled and converted to f16 once before the
-    launch (an XLA fusion); and weight tiles of 128 or 256 rows (`block_n`, two 128-row scale blocks per tile at
-    256), so fewer programs read the columns.
+    tile's bytes per step. So at 32-64 columns the weight tiles are 128 rows on 8 warps (_fp8_tiling: half the
+    programs read the columns; faster for 13 of Flash's 14 dense projections on an H100, 2026-12-07). Two options
+    the GPU sweep times beside it (`bash benchmarks/gpu_runs.sh dense`): `row_prescale=True`, the rows prescaled
+    and converted to f16 once before the launch (f16_rows, a launch of its own: faster only for wq_b so far), and
+    256-row tiles (two 128-row scale blocks per tile; slower so far).
 """
 
 from __future__ import annotations
