@@ -1,5 +1,13 @@
 """On-device sampling: greedy, temperature, top-k, top-p, all from traced parameters (no recompiles), each row with
-its own parameters and key (`Sampling`)."""
+its own parameters and key (`Sampling`).
+
+A row with temperature T > 0 draws argmax_i (logits_i / T + g_i) over the tokens its filters keep, g the Gumbel
+noise of its key, one value per vocabulary id: the Gumbel-max form of drawing from softmax(logits / T) restricted
+to the kept tokens. Only the filters need each row's vocabulary sorted (top-k and top-p keep a prefix of the
+tokens by probability), and on a GPU that sort of [rows, vocab] costs more than a decode step's layers from batch
+32 up; so `sample_rows` sorts only when some row of the batch filters, and takes the argmax alone when every row is
+greedy. Each path gives every row the token the sorting path gives it, so a row's tokens do not depend on the other
+rows of its batch."""
 
 from __future__ import annotations
 
@@ -11,7 +19,7 @@ import numpy as np
 
 def _filtered_sorted(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array):
     """(order, tempered logits in descending order, the kept ranks): the distribution temperature, top-k and top-p
-    leave, over the last axis."""
+    leave, over the last axis. top_k 0 and top_p >= 1 keep every token."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)
     order = jnp.argsort(-scaled, axis=-1)
@@ -20,19 +28,38 @@ def _filtered_sorted(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
     k = jnp.where(top_k > 0, top_k, vocab)
     keep = rank < k
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    # Keep the smallest prefix whose probability reaches top_p (the top token always stays).
+    # Keep the smallest prefix whose probability reaches top_p (the top token always stays); top_p >= 1 is off
+    # exactly, whatever the float32 sums of the tail round to.
     before = jnp.cumsum(probs, axis=-1) - probs
-    return order, sorted_logits, keep & (before < top_p)
+    return order, sorted_logits, keep & ((before < top_p) | (top_p >= 1))
+
+
+def _kept(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """[B, V] bool in vocabulary order: the tokens each row's filters keep (a sort of every row)."""
+    order, _, keep = _filtered_sorted(logits, temperature[:, None], top_k[:, None], top_p[:, None])
+    return jnp.zeros(logits.shape, bool).at[jnp.arange(logits.shape[0])[:, None], order].set(keep)
+
+
+def _draw(logits: jax.Array, noise: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
+          filtered: bool) -> jax.Array:
+    """Token ids [B] from logits and Gumbel noise [B, V] and each row's temperature, top_k, top_p [B]: the argmax of
+    the tempered logits plus the noise over the kept tokens (`filtered`; else over all of them: the same tokens
+    where no row filters), or of the logits for temperature 0."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    perturbed = logits / jnp.maximum(temperature, 1e-6)[:, None] + noise
+    if filtered:
+        perturbed = jnp.where(_kept(logits, temperature, top_k, top_p), perturbed, -jnp.inf)
+    return jnp.where(temperature > 0, jnp.argmax(perturbed, axis=-1).astype(jnp.int32), greedy)
 
 
 @jax.named_scope("sampling")
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array):
-    """logits [B, V] float32 -> token ids [B] int32. temperature 0 means greedy; top_k 0 and top_p 1 disable."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    order, sorted_logits, keep = _filtered_sorted(logits, temperature, top_k, top_p)
-    choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    """logits [B, V] float32 -> token ids [B] int32, every row with the same parameters and one key. temperature 0
+    means greedy; top_k 0 and top_p 1 disable."""
+    per_row = lambda v, dtype: jnp.broadcast_to(jnp.asarray(v, dtype), logits.shape[:1])  # noqa: E731
+    noise = jax.random.gumbel(key, logits.shape, jnp.float32)
+    return _draw(logits, noise, per_row(temperature, jnp.float32), per_row(top_k, jnp.int32),
+                 per_row(top_p, jnp.float32), filtered=True)
 
 
 @jax.named_scope("sampling")
@@ -91,12 +118,27 @@ def row_key(words: jax.Array, choice: jax.Array) -> jax.Array:
     return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(words, impl="threefry2x32"), choice))
 
 
+@jax.named_scope("sampling")
 def sample_rows(logits: jax.Array, step: jax.Array, sampling: Sampling) -> jax.Array:
-    """Token ids [B]: row b drawn from logits[b] with its own parameters and its key folded with step[b]."""
-    def one(row_logits, key_data, row_step, temperature, top_k, top_p):
-        key = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl="threefry2x32"), row_step)
-        return sample(row_logits[None], key, temperature, top_k, top_p)[0]
-    return jax.vmap(one)(logits, sampling.key, step, sampling.temperature, sampling.top_k, sampling.top_p)
+    """Token ids [B]: row b drawn from logits[b] with its own parameters and its key folded with step[b]. One of
+    three paths, by a `lax.cond` on the rows' parameters (a predicate read a step on a GPU): every row greedy, the
+    argmax alone; no row filtering, the Gumbel-max over the whole vocabulary; else each row's vocabulary sorted for
+    its filters. The tokens are the same on every path (module docstring)."""
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
+
+    def noise():
+        def one(key_data, row_step):
+            key = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl="threefry2x32"), row_step)
+            return jax.random.gumbel(key, logits.shape[-1:], jnp.float32)
+        return jax.vmap(one)(sampling.key, step)
+
+    paths = [lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),
+             lambda x: _draw(x, noise(), temperature, top_k, top_p, filtered=False),
+             lambda x: _draw(x, noise(), temperature, top_k, top_p, filtered=True)]
+    drawn = temperature > 0
+    filters = drawn & ((top_k > 0) | (top_p < 1))
+    path = jnp.where(jnp.any(filters), 2, jnp.where(jnp.any(drawn), 1, 0))
+    return jax.lax.switch(path, paths, logits)
 
 
 def is_stop(token: jax.Array, sampling: Sampling) -> jax.Array:

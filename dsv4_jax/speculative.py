@@ -71,11 +71,17 @@ def draft(params, cfg: ModelConfig, ctx: RunContext, state, last_token, k: int, 
 
 
 def _distribution(logits, sampling: Sampling) -> jax.Array:
-    """The sampling distribution [..., V]: `sample`'s for temperature > 0, the argmax one-hot for greedy."""
-    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    """The sampling distribution [..., V]: `sample`'s for temperature > 0, the argmax one-hot for greedy. When every
+    row is greedy the one-hots alone (a `lax.cond`): `probabilities` sorts each row's vocabulary."""
     temperature, top_k, top_p = (_per_row(x, logits.ndim) for x in (sampling.temperature, sampling.top_k,
                                                                       sampling.top_p))
-    return jnp.where(temperature > 0, probabilities(logits, temperature, top_k, top_p), greedy)
+
+    def greedy(logits):
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+
+    def drawn(logits):
+        return jnp.where(temperature > 0, probabilities(logits, temperature, top_k, top_p), greedy(logits))
+    return jax.lax.cond(jnp.any(sampling.temperature > 0), drawn, greedy, logits)
 
 
 def accept(drafts, q, p, keys):
