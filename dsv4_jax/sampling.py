@@ -19,7 +19,8 @@ import numpy as np
 
 def _filtered_sorted(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array):
     """(order, tempered logits in descending order, the kept ranks): the distribution temperature, top-k and top-p
-    leave, over the last axis. top_k 0 and top_p >= 1 keep every token."""
+    leave, over the last axis. top_k 0 and top_p >= 1 keep every token. The kept ranks are a prefix (the leading
+    run of ranks within top-k whose preceding probability is below top_p; the top token always stays)."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)
     order = jnp.argsort(-scaled, axis=-1)
@@ -28,16 +29,24 @@ def _filtered_sorted(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
     k = jnp.where(top_k > 0, top_k, vocab)
     keep = rank < k
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    # Keep the smallest prefix whose probability reaches top_p (the top token always stays); top_p >= 1 is off
-    # exactly, whatever the float32 sums of the tail round to.
+    # top_p >= 1 is off exactly, whatever the float32 sums of the tail round to
     before = jnp.cumsum(probs, axis=-1) - probs
-    return order, sorted_logits, keep & ((before < top_p) | (top_p >= 1))
+    keep = keep & ((before < top_p) | (top_p >= 1))
+    n_kept = jnp.where(jnp.all(keep, axis=-1, keepdims=True), vocab, jnp.argmin(keep, axis=-1, keepdims=True))
+    return order, sorted_logits, rank < n_kept
 
 
 def _kept(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """[B, V] bool in vocabulary order: the tokens each row's filters keep (a sort of every row)."""
-    order, _, keep = _filtered_sorted(logits, temperature[:, None], top_k[:, None], top_p[:, None])
-    return jnp.zeros(logits.shape, bool).at[jnp.arange(logits.shape[0])[:, None], order].set(keep)
+    """[B, V] bool in vocabulary order: the tokens each row's filters keep (a sort of every row). The kept ranks are
+    a prefix, so a token is kept iff it is not after the last kept one in the sort's order (descending tempered
+    logit, then ascending id): one comparison with that token, no scatter back to vocabulary order."""
+    order, sorted_logits, keep = _filtered_sorted(logits, temperature[:, None], top_k[:, None], top_p[:, None])
+    last = jnp.sum(keep, axis=-1, keepdims=True) - 1
+    value = jnp.take_along_axis(sorted_logits, last, axis=-1)
+    token = jnp.take_along_axis(order, last, axis=-1)
+    scaled = logits / jnp.maximum(temperature[:, None], 1e-6)
+    ids = jnp.arange(logits.shape[-1])
+    return (scaled > value) | ((scaled == value) & (ids <= token))
 
 
 def _draw(logits: jax.Array, noise: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *,

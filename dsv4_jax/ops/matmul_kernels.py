@@ -228,14 +228,19 @@ def routed_ffn_fits(x: jax.Array, w_gate, w_up, w_down, n_picks: int, activation
 
 def _routed_ffn_tiles(n_picks: int, dtype, w_gate, w_down) -> tuple[int, dict, dict] | None:
     """(slot width, the gate / up kernel's tiles, the down kernel's tiles), None if the two want other slot widths.
-    The down kernel: moe_matmul's prefill tiling (_moe_schedule). The gate / up kernel: moe_matmul's K step, 64
-    weight rows per tile, as each program holds the gate's and the up projection's accumulators; 8 warps for
-    128-column slots keep the two [64, 128] float32 accumulators at 64 registers a thread."""
+    The slot width: moe_matmul's prefill schedule's (_moe_schedule). 128-column slots (a prefill chunk's): the
+    tiling fastest of those timed for an 8,192-token chunk's routed FFN of MXFP4 experts on an H100 (2026-12-07,
+    docs/performance.md; gate / up 128 weight rows on 8 warps, the down kernel moe_ffn's own 64 rows on 4 warps:
+    8.95 ms, against 20.0 with 64 rows on 8 warps and the down kernel on moe_matmul's tiling). Otherwise (narrower
+    slots, NVFP4, a gate not a multiple of 128 rows), not timed: 64 weight rows at moe_matmul's K step (8 warps at
+    128 columns, 4 below), the down kernel on moe_matmul's tiling."""
     gate_tiles = _moe_schedule(n_picks, dtype, w_gate, _fp4_unroll(w_gate, w_gate.shape[-1]))
     down_tiles = _moe_schedule(n_picks, dtype, w_down, _fp4_unroll(w_down, w_down.shape[-1]))
     slot_cols = down_tiles.pop("slot_cols")
     if gate_tiles["slot_cols"] != slot_cols:
         return None
+    if slot_cols == 128 and isinstance(w_gate, Mxfp4Weight) and w_gate.shape[1] % 128 == 0:
+        return slot_cols, dict(block_n=128, num_warps=8), {}       # {}: moe_ffn's own down tiling
     return slot_cols, dict(block_n=64, unroll=gate_tiles["unroll"], num_warps=8 if slot_cols == 128 else 4), down_tiles
 
 
