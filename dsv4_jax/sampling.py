@@ -130,9 +130,9 @@ def row_key(words: jax.Array, choice: jax.Array) -> jax.Array:
 @jax.named_scope("sampling")
 def sample_rows(logits: jax.Array, step: jax.Array, sampling: Sampling) -> jax.Array:
     """Token ids [B]: row b drawn from logits[b] with its own parameters and its key folded with step[b]. One of
-    three paths, by a `lax.cond` on the rows' parameters (a predicate read a step on a GPU): every row greedy, the
-    argmax alone; no row filtering, the Gumbel-max over the whole vocabulary; else each row's vocabulary sorted for
-    its filters. The tokens are the same on every path (module docstring)."""
+    three paths, by a `lax.switch` on the rows' parameters: every row greedy, the argmax alone; no row filtering,
+    the Gumbel-max over the whole vocabulary; else each row's vocabulary sorted for its filters. The tokens are the
+    same on every path (module docstring)."""
     temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
 
     def noise():
