@@ -20,7 +20,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax import sampling
@@ -37,10 +36,7 @@ CASES = {                                   # name -> (temperature, top_k, top_p
 
 def _sort_path(logits, step, rows):
     """sample_rows' third path (the vocabulary sorted for the filters) for any rows."""
-    def one(key_data, row_step):
-        key = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl="threefry2x32"), row_step)
-        return jax.random.gumbel(key, logits.shape[-1:], jnp.float32)
-    noise = jax.vmap(one)(rows.key, step)
+    noise = sampling.row_noise(rows, step, logits.shape[-1])
     return sampling._draw(logits, noise, rows.temperature, rows.top_k, rows.top_p, filtered=True)
 
 

@@ -127,6 +127,14 @@ def row_key(words: jax.Array, choice: jax.Array) -> jax.Array:
     return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(words, impl="threefry2x32"), choice))
 
 
+def row_noise(sampling: Sampling, step: jax.Array, vocab: int) -> jax.Array:
+    """float32 [B, vocab]: row b's Gumbel noise, one value per token id, from its key folded with step[b]."""
+    def one(key_data, row_step):
+        key = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl="threefry2x32"), row_step)
+        return jax.random.gumbel(key, (vocab,), jnp.float32)
+    return jax.vmap(one)(sampling.key, step)
+
+
 @jax.named_scope("sampling")
 def sample_rows(logits: jax.Array, step: jax.Array, sampling: Sampling) -> jax.Array:
     """Token ids [B]: row b drawn from logits[b] with its own parameters and its key folded with step[b]. One of
@@ -134,16 +142,10 @@ def sample_rows(logits: jax.Array, step: jax.Array, sampling: Sampling) -> jax.A
     the Gumbel-max over the whole vocabulary; else each row's vocabulary sorted for its filters. The tokens are the
     same on every path (module docstring)."""
     temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
-
-    def noise():
-        def one(key_data, row_step):
-            key = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl="threefry2x32"), row_step)
-            return jax.random.gumbel(key, logits.shape[-1:], jnp.float32)
-        return jax.vmap(one)(sampling.key, step)
-
+    vocab = logits.shape[-1]
     paths = [lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),
-             lambda x: _draw(x, noise(), temperature, top_k, top_p, filtered=False),
-             lambda x: _draw(x, noise(), temperature, top_k, top_p, filtered=True)]
+             lambda x: _draw(x, row_noise(sampling, step, vocab), temperature, top_k, top_p, filtered=False),
+             lambda x: _draw(x, row_noise(sampling, step, vocab), temperature, top_k, top_p, filtered=True)]
     drawn = temperature > 0
     filters = drawn & ((top_k > 0) | (top_p < 1))
     path = jnp.where(jnp.any(filters), 2, jnp.where(jnp.any(drawn), 1, 0))
