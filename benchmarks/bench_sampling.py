@@ -1,7 +1,8 @@
 """What choosing a decode step's tokens costs on the device: `sampling.sample_rows` over [batch, vocab] float32
-logits (Flash's vocabulary by default), for greedy rows, temperature-only rows and rows with top-p or top-k, beside
-its sorting path forced for every batch (`sort_path`: each row's vocabulary sorted for its filters, which every
-batch paid before greedy and unfiltered batches skipped the sort). The two must choose the same tokens.
+logits (Flash's vocabulary by default), for greedy rows, temperature-only rows, rows with top-p or top-k (the filters
+by rejection, without a sort) and rows with both (sorted), beside its sorting path forced for every batch
+(`sort_path`: each row's vocabulary sorted for its filters, which every batch paid before greedy and unfiltered
+batches skipped the sort, and filtering ones tried rejection first). The two must choose the same tokens.
 
 Each case: the GPU kernel time of one call (CUPTI, `jax.experimental.mosaic.gpu.profiler.measure`; launch gaps
 excluded) and the wall time of `--calls` back-to-back calls divided by their number (dispatch overlapped), median of
@@ -31,6 +32,7 @@ CASES = {                                   # name -> (temperature, top_k, top_p
     "temperature": (0.8, 0, 1.0),
     "top_p": (0.6, 0, 0.95),
     "top_k": (0.8, 50, 1.0),
+    "top_k_top_p": (0.8, 50, 0.95),
 }
 
 
@@ -41,6 +43,18 @@ def _sort_path(logits, step, rows):
 
 
 IMPLS = {"sample_rows": sampling.sample_rows, "sort_path": _sort_path}
+
+
+def _rejection_rounds(logits, step, rows):
+    """The rounds sample_rows' filters without a sort take to decide every row of the batch (None: more than
+    sampling.MAX_REJECTION_ROUNDS, or rows with top-k and top-p: the sort), found by raising the bound on the host."""
+    noise = sampling.row_noise(rows, step, logits.shape[-1])
+    draw = jax.jit(sampling._draw_by_rejection, static_argnames="max_rounds")
+    for rounds in range(1, sampling.MAX_REJECTION_ROUNDS + 1):
+        _, decided = draw(logits, noise, rows.temperature, rows.top_k, rows.top_p, max_rounds=rounds)
+        if bool(np.all(np.asarray(decided))):
+            return rounds
+    return None
 
 
 def _kernel_us(fn, args, iters):
@@ -92,22 +106,25 @@ def main(argv=None):
             temperature, top_k, top_p = CASES[case]
             rows = sampling.Sampling.rows(batch, temperature=temperature, top_k=top_k, top_p=top_p, seed=1)
             tokens = {}
+            rounds = _rejection_rounds(logits, step, rows) if temperature > 0 and (top_k or top_p < 1) else None
             for impl, fn in IMPLS.items():
                 jitted = jax.jit(fn)
                 tokens[impl] = np.asarray(jitted(logits, step, rows))
                 record = {"batch": batch, "case": case, "impl": impl, "temperature": temperature, "top_k": top_k,
                           "top_p": top_p, "wall_us": _wall_us(jitted, (logits, step, rows), args.calls, args.repeats),
-                          "kernel_us": _kernel_us(jitted, (logits, step, rows), args.calls)}
+                          "kernel_us": _kernel_us(jitted, (logits, step, rows), args.calls),
+                          "rejection_rounds": rounds if impl == "sample_rows" else None}
                 result["cases"].append(record)
                 print(json.dumps(record), flush=True)
             if not np.array_equal(tokens["sample_rows"], tokens["sort_path"]):
                 raise SystemExit(f"batch {batch}, {case}: sample_rows and its sorting path chose different tokens")
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)
-    print(f"\n{'batch':>5} {'case':>12} {'impl':>15} {'wall us':>9} {'kernel us':>10}")
+    print(f"\n{'batch':>5} {'case':>12} {'impl':>15} {'wall us':>9} {'kernel us':>10} {'rounds':>6}")
     for r in result["cases"]:
         kernel = "-" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}"
-        print(f"{r['batch']:5d} {r['case']:>12} {r['impl']:>15} {r['wall_us']:9.1f} {kernel:>10}")
+        rounds = "-" if r["rejection_rounds"] is None else str(r["rejection_rounds"])
+        print(f"{r['batch']:5d} {r['case']:>12} {r['impl']:>15} {r['wall_us']:9.1f} {kernel:>10} {rounds:>6}")
     print(f"wrote {args.out}")
 
 

@@ -19,7 +19,7 @@ import sys
 
 # bench JSON "model" fields that change the program besides the depth
 PROGRAM_OPTIONS = ("preset", "dtype", "act_quant", "kernels", "kernel_overrides", "kv_cache_dtype", "devices",
-                   "scan_layers")
+                   "scan_layers", "sampling")
 
 
 def _load(path: str) -> dict:

@@ -3,11 +3,15 @@ its own parameters and key (`Sampling`).
 
 A row with temperature T > 0 draws argmax_i (logits_i / T + g_i) over the tokens its filters keep, g the Gumbel
 noise of its key, one value per vocabulary id: the Gumbel-max form of drawing from softmax(logits / T) restricted
-to the kept tokens. Only the filters need each row's vocabulary sorted (top-k and top-p keep a prefix of the
-tokens by probability), and on a GPU that sort of [rows, vocab] costs more than a decode step's layers from batch
-32 up; so `sample_rows` sorts only when some row of the batch filters, and takes the argmax alone when every row is
-greedy. Each path gives every row the token the sorting path gives it, so a row's tokens do not depend on the other
-rows of its batch."""
+to the kept tokens. The filters keep a prefix of the tokens in the order of a sort by probability (top-k, then
+top-p), and on a GPU a sort of [rows, vocab] costs more than a decode step's layers from batch 32 up. So
+`sample_rows` takes the argmax alone when every row is greedy, the Gumbel-max over the whole vocabulary when no row
+filters, and otherwise tries the filters without a sort first (`_draw_by_rejection`: the Gumbel-max over the
+tokens ranked before the last candidate, until the candidate is kept), sorting only when a row is still open after
+MAX_REJECTION_ROUNDS rounds or filters by top-k and top-p at once. Every path gives a row the token the sorting
+path gives it, so a row's tokens do not depend on the other rows of its batch, with one exception: top-p without
+the sort sums the probabilities before a token in another order, so a token whose preceding mass lies within
+float32 rounding of top_p can be kept on one path and dropped on the other."""
 
 from __future__ import annotations
 
@@ -61,14 +65,90 @@ def _draw(logits: jax.Array, noise: jax.Array, temperature: jax.Array, top_k: ja
     return jnp.where(temperature > 0, jnp.argmax(perturbed, axis=-1).astype(jnp.int32), greedy)
 
 
+# The most rounds of _draw_by_rejection before a batch with a row still open falls back to the sort. A round
+# accepts a row's candidate at least as often as the row's filters keep probability (top-p 0.95: 95%; an open
+# row's next candidate comes from a smaller set that the kept tokens fill more of); the slowest case, top-k on a
+# flat distribution, halves the candidate's rank each round in expectation (17 halvings from 129,280 to 1).
+# Most batches stop after one or two rounds; the loop exits once every row is decided.
+MAX_REJECTION_ROUNDS = 16
+
+
+def _ranked_before(scaled: jax.Array, token: jax.Array) -> jax.Array:
+    """[B, V] bool: the tokens before token [B] in the sort's order (descending tempered logit, then ascending
+    id)."""
+    value = jnp.take_along_axis(scaled, token[:, None], axis=-1)
+    ids = jnp.arange(scaled.shape[-1])
+    return (scaled > value) | ((scaled == value) & (ids < token[:, None]))
+
+
+def _draw_by_rejection(logits: jax.Array, noise: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                       top_p: jax.Array, max_rounds: int = MAX_REJECTION_ROUNDS):
+    """(token ids [B], decided [B] bool): each decided row's token is the one the sorting path draws, found without
+    a sort. The candidate is the Gumbel-max over a set that holds every kept token (first the whole vocabulary).
+    The kept tokens are a prefix of the sort's order, so a kept candidate (its rank below top_k and the probability
+    of the tokens before it below top_p: one pass over the row) is the answer; otherwise every kept token ranks
+    before it, and the next candidate is the Gumbel-max over those. Rows with both top_k and top_p stay undecided
+    (their top-p renormalises over the top-k tokens, whose sum needs the k-th value: the caller sorts them); greedy
+    rows are decided (the caller takes their argmax). Rounds run until every row is decided or max_rounds."""
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    perturbed = scaled + noise
+    weight = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
+    total = jnp.sum(weight, axis=-1)
+    k = jnp.where(top_k > 0, top_k, vocab)
+    open_for_good = (top_k > 0) & (top_p < 1)
+
+    def kept(token):
+        before = _ranked_before(scaled, token)
+        rank = jnp.sum(before, axis=-1)
+        mass = jnp.sum(jnp.where(before, weight, 0.0), axis=-1) / total
+        return ~open_for_good & (rank < k) & ((mass < top_p) | (top_p >= 1))
+
+    def next_round(state):
+        token, decided, rounds = state
+        # an open row's candidate ranks after every kept token (the top token is always kept: rank 0, mass 0)
+        inner = jnp.argmax(jnp.where(_ranked_before(scaled, token), perturbed, -jnp.inf), axis=-1)
+        token = jnp.where(decided, token, inner.astype(jnp.int32))
+        return token, decided | kept(token), rounds + 1
+
+    def still_open(state):
+        _, decided, rounds = state
+        return (rounds < max_rounds) & ~jnp.all(decided)
+
+    token = jnp.argmax(perturbed, axis=-1).astype(jnp.int32)
+    state = (token, (temperature <= 0) | kept(token), jnp.int32(1))
+    token, decided, _ = jax.lax.while_loop(still_open, next_round, state)
+    return token, decided
+
+
+def _draw_filtered(logits: jax.Array, noise: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                   top_p: jax.Array) -> jax.Array:
+    """_draw(filtered=True)'s tokens: by rejection where that decides every row, else by the sort (at once where a
+    drawn row filters by top-k and top-p together, which rejection leaves open). The arrays go to the conds as
+    operands, not closed over: called outside jit, a closure's arrays would be constants of a new program each
+    call."""
+    def by_sort(*args):
+        return _draw(*args, filtered=True)
+
+    def by_rejection(*args):
+        token, decided = _draw_by_rejection(*args)
+        token = jnp.where(args[2] > 0, token, jnp.argmax(args[0], axis=-1).astype(jnp.int32))
+        return jax.lax.cond(jnp.all(decided), lambda token, *_: token, lambda _, *args: by_sort(*args),
+                            token, *args)
+
+    both = (temperature > 0) & (top_k > 0) & (top_p < 1)
+    return jax.lax.cond(jnp.any(both), by_sort, by_rejection, logits, noise, temperature, top_k, top_p)
+
+
+@jax.jit
 @jax.named_scope("sampling")
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array):
     """logits [B, V] float32 -> token ids [B] int32, every row with the same parameters and one key. temperature 0
     means greedy; top_k 0 and top_p 1 disable."""
     per_row = lambda v, dtype: jnp.broadcast_to(jnp.asarray(v, dtype), logits.shape[:1])  # noqa: E731
     noise = jax.random.gumbel(key, logits.shape, jnp.float32)
-    return _draw(logits, noise, per_row(temperature, jnp.float32), per_row(top_k, jnp.int32),
-                 per_row(top_p, jnp.float32), filtered=True)
+    return _draw_filtered(logits, noise, per_row(temperature, jnp.float32), per_row(top_k, jnp.int32),
+                          per_row(top_p, jnp.float32))
 
 
 @jax.named_scope("sampling")
@@ -139,13 +219,13 @@ def row_noise(sampling: Sampling, step: jax.Array, vocab: int) -> jax.Array:
 def sample_rows(logits: jax.Array, step: jax.Array, sampling: Sampling) -> jax.Array:
     """Token ids [B]: row b drawn from logits[b] with its own parameters and its key folded with step[b]. One of
     three paths, by a `lax.switch` on the rows' parameters: every row greedy, the argmax alone; no row filtering,
-    the Gumbel-max over the whole vocabulary; else each row's vocabulary sorted for its filters. The tokens are the
-    same on every path (module docstring)."""
+    the Gumbel-max over the whole vocabulary; else the filters by rejection, or by each row's vocabulary sorted
+    where that leaves a row open (_draw_filtered). The tokens are the same on every path (module docstring)."""
     temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     vocab = logits.shape[-1]
     paths = [lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32),
              lambda x: _draw(x, row_noise(sampling, step, vocab), temperature, top_k, top_p, filtered=False),
-             lambda x: _draw(x, row_noise(sampling, step, vocab), temperature, top_k, top_p, filtered=True)]
+             lambda x: _draw_filtered(x, row_noise(sampling, step, vocab), temperature, top_k, top_p)]
     drawn = temperature > 0
     filters = drawn & ((top_k > 0) | (top_p < 1))
     path = jnp.where(jnp.any(filters), 2, jnp.where(jnp.any(drawn), 1, 0))

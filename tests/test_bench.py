@@ -17,11 +17,13 @@ def test_tiny_smoke_run(tmp_path, capsys):
     assert main(["--preset", "tiny", "--batches", "2", "--contexts", "160", "--prompts", "40", "--steps", "3",
                  "--calls", "1", "--prefill-calls", "1", "--out", str(out), "--profile", str(tmp_path / "trace"),
                  "--profile-prefill", str(tmp_path / "trace_prefill"), "--prefill-chunk", "16",
-                 "--bandwidth-bytes", str(1 << 20), "--matmul-n", "128", "--kv-cache-dtype", "fp8"]) == 0
+                 "--bandwidth-bytes", str(1 << 20), "--matmul-n", "128", "--kv-cache-dtype", "fp8",
+                 "--temperature", "0.8", "--top-p", "0.9"]) == 0
     result = json.loads(out.read_text())
     assert result["model"]["preset"] == "tiny" and result["model"]["layers"] == 4
     assert result["source"] == source_digest() and result["source"]["files"] > 50      # the code that ran
     assert result["model"]["kv_cache_dtype"] == "fp8"                  # synthetic states stored compact
+    assert result["model"]["sampling"] == {"temperature": 0.8, "top_k": 0, "top_p": 0.9}
     assert {"bandwidth_bytes_per_s", "fp8_flops_per_s", "bf16_flops_per_s"} <= set(result["device"])
     decode = {c["kernels"]: c for c in result["decode"]}
     assert set(decode) == {"auto", "reference"}
@@ -60,6 +62,9 @@ def test_tiny_smoke_run(tmp_path, capsys):
     (["--replot", "x.json"], "--replot needs --plot"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--kernels", "reference"], "add --reference none"),
+    (["--top-p", "0"], "--top-p must lie in (0, 1]"),
+    (["--temperature", "-1"], "--temperature must be a finite value >= 0"),
+    (["--top-k", "-2"], "--top-k must be >= 0"),
 ])
 def test_bad_arguments_get_one_line(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -74,3 +79,15 @@ def test_a_context_too_short_for_the_steps_is_refused():
     with pytest.raises(ValueError, match="shorter than the 40 steps"):
         time_decode(model.params, model.config, model.context, 1, 30, steps=10, calls=3)
 
+
+
+def test_the_decode_rows_sample_as_asked():
+    """The benchmark's generation rows carry --temperature / --top-k / --top-p (greedy when none is given)."""
+    from dsv4_jax import init_random, presets
+    from dsv4_jax.bench.cases import _generation, synthetic_state
+    model = init_random(presets.tiny(), kernels="reference")
+    state = synthetic_state(model.config, 3, 64, 10, model.context.jnp_dtype)
+    greedy = _generation(state, model.config, 3).sampling
+    sampled = _generation(state, model.config, 3, {"temperature": 0.7, "top_k": 5, "top_p": 0.9}).sampling
+    assert (greedy.temperature == 0).all() and (greedy.top_k == 0).all() and (greedy.top_p == 1).all()
+    assert (sampled.temperature == 0.7).all() and (sampled.top_k == 5).all() and (sampled.top_p == 0.9).all()

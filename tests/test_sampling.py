@@ -1,6 +1,8 @@
-"""sampling.sample_rows: its three paths (every row greedy, no row filtering, some row filtering) give each row the
-token the sorting path gives it, so a row's tokens do not depend on its batch; and the draws follow the filtered,
-tempered distribution, checked against a float64 numpy reference of temperature, top-k and top-p."""
+"""sampling.sample_rows: its paths (every row greedy, no row filtering, the filters by rejection, the filters by a
+sort) give each row the token the sorting path gives it, so a row's tokens do not depend on its batch; the draws
+follow the filtered, tempered distribution, checked against a float64 numpy reference of temperature, top-k and
+top-p; and the filters without a sort draw the Gumbel-max over the reference's kept tokens, or leave the row to
+the sort."""
 
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ def _rows(params, seed=7, first_choice=0):
 
 @pytest.mark.parametrize("step", [0, 5])
 def test_a_rows_token_does_not_depend_on_its_batch(step):
-    """Each row alone (its own path: argmax, the Gumbel-max over the vocabulary, or the sort) against the batch of
-    all rows (the sorting path for every row), with the same key and step."""
+    """Each row alone (its own path: argmax, the Gumbel-max over the vocabulary, the filters by rejection or, for
+    top-k with top-p, the sort) against the batch of all rows (the sorting path for every row: one row has both
+    filters), with the same key and step."""
     logits = jnp.asarray(np.random.default_rng(step).normal(size=(len(ROWS), 300)) * 2, jnp.float32)
     steps = jnp.full((len(ROWS),), step, jnp.int32)
     together = np.asarray(sample_rows(logits, steps, _rows(ROWS)))
@@ -56,9 +59,9 @@ def _reference_distribution(logits, temperature, top_k, top_p):
 
 @pytest.mark.parametrize("params", ROWS[1:5], ids=["temperature", "top_k", "top_p", "top_k_top_p"])
 def test_draws_follow_the_filtered_distribution(params):
-    """4,000 draws of one row's parameters (its key folded with steps 0..3999; the temperature-only rows on the
-    unsorted path, the others on the sorting one): the kept tokens only, at frequencies within 5 standard errors of
-    the float64 reference."""
+    """4,000 draws of one row's parameters (its key folded with steps 0..3999; temperature only: the Gumbel-max over
+    the vocabulary; top-k or top-p: by rejection; both: the sort): the kept tokens only, at frequencies within 5
+    standard errors of the float64 reference."""
     vocab, n = 24, 4000
     logits = np.random.default_rng(1).normal(size=vocab) * 1.5
     batch = jnp.asarray(np.repeat(logits[None], n, 0), jnp.float32)
@@ -81,3 +84,78 @@ def test_the_sample_function_keeps_its_filters():
         want = _reference_distribution(np.asarray(logits[r]), 0.9, 4, 0.7)
         scores = np.where(want > 0, np.asarray(logits[r], np.float64) / 0.9 + np.asarray(noise[r]), -np.inf)
         assert int(got[r]) == int(np.argmax(scores))
+
+
+def _kept_reference(logits, temperature, top_k, top_p):
+    """float64: (kept [V] bool, ambiguous): the tokens temperature, top-k and top-p keep, as the sorting path defines
+    them (descending tempered logit, ties by ascending id; top-p over the top-k's renormalised probabilities); a row
+    is ambiguous where some token's preceding probability lies within 1e-5 of top_p (float32 sums may decide it
+    either way). Temperature 0 is taken as the sampler's 1e-6 floor."""
+    scaled = np.asarray(logits, np.float64) / np.float64(np.maximum(np.float32(temperature), np.float32(1e-6)))
+    order = np.lexsort((np.arange(len(scaled)), -scaled))
+    k = top_k if top_k > 0 else len(scaled)
+    probs = np.exp(scaled[order[:k]] - scaled[order[0]])
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    kept_ranks = before < top_p if top_p < 1 else np.ones(k, bool)
+    kept = np.zeros(len(scaled), bool)
+    kept[order[:k][kept_ranks]] = True
+    return kept, top_p < 1 and bool(np.any(np.abs(before - top_p) < 1e-5))
+
+
+def _mixed_rows(rng, rows, vocab, both=False):
+    """Random logits (flat to peaked rows, and rows of few distinct values: ties) and a mix of greedy, temperature
+    only, top-k only (1 to the vocabulary) and top-p only rows; `both`: some rows with top-k and top-p."""
+    scale = rng.uniform(0.1, 5.0, size=(rows, 1))
+    logits = rng.normal(size=(rows, vocab)) * scale
+    ties = rng.random(rows) < 0.25
+    logits[ties] = rng.integers(0, 4, size=(int(ties.sum()), vocab)) * scale[ties]
+    kind = rng.integers(0, 4 + both, size=rows)
+    temperature = np.where(kind == 0, 0.0, rng.uniform(0.3, 1.5, rows)).astype(np.float32)
+    top_k = np.where((kind == 2) | (kind == 4), rng.choice([1, 2, 5, 40, vocab // 2, vocab], rows), 0)
+    top_p = np.where((kind == 3) | (kind == 4), rng.choice([0.05, 0.5, 0.9, 0.95, 0.999], rows), 1.0)
+    return (logits.astype(np.float32), temperature, top_k.astype(np.int32), top_p.astype(np.float32))
+
+
+def test_rejection_draws_the_kept_tokens_gumbel_max():
+    """_draw_by_rejection (no sort) against a float64 reference of the kept set: each decided row's token is the
+    argmax of its float32 tempered logits plus noise over the kept tokens; rows with ties decide by id; greedy rows
+    are decided; and with the default rounds every row of this mix is decided."""
+    rng = np.random.default_rng(11)
+    logits, temperature, top_k, top_p = _mixed_rows(rng, 300, 400)
+    noise = np.asarray(jax.random.gumbel(jax.random.PRNGKey(2), logits.shape, jnp.float32))
+    token, decided = sampling._draw_by_rejection(jnp.asarray(logits), jnp.asarray(noise), jnp.asarray(temperature),
+                                                 jnp.asarray(top_k), jnp.asarray(top_p))
+    token, decided = np.asarray(token), np.asarray(decided)
+    assert decided.all()
+    checked = 0
+    for r in range(len(logits)):
+        if temperature[r] == 0:
+            continue
+        kept, ambiguous = _kept_reference(logits[r], temperature[r], top_k[r], top_p[r])
+        if ambiguous:
+            continue
+        perturbed = logits[r] / np.maximum(temperature[r], np.float32(1e-6)) + noise[r]     # float32, as drawn
+        assert token[r] == np.argmax(np.where(kept, perturbed, -np.inf)), f"row {r}"
+        checked += 1
+    assert checked > 150
+
+
+def test_rejection_leaves_open_what_it_cannot_decide_and_the_sort_takes_it():
+    """Rows with top-k and top-p together stay undecided, as do rows still open after max_rounds; _draw_filtered
+    (what sample_rows' filtering path runs) then gives every row the sorting path's token."""
+    rng = np.random.default_rng(12)
+    args = [jnp.asarray(a) for a in _mixed_rows(rng, 200, 300, both=True)]
+    logits, temperature, top_k, top_p = args
+    noise = jax.random.gumbel(jax.random.PRNGKey(3), logits.shape, jnp.float32)
+    _, decided = sampling._draw_by_rejection(logits, noise, temperature, top_k, top_p)
+    both = np.asarray((temperature > 0) & (top_k > 0) & (top_p < 1))
+    assert both.any() and not np.asarray(decided)[both].any()
+    _, decided_once = sampling._draw_by_rejection(logits, noise, temperature, top_k, top_p, max_rounds=1)
+    assert np.asarray(decided_once).sum() < np.asarray(decided).sum()
+    by_sort = np.asarray(sampling._draw(logits, noise, temperature, top_k, top_p, filtered=True))
+    clear = np.array([not _kept_reference(*(np.asarray(a[r]) for a in args))[1] for r in range(len(both))])
+    for rows in (np.ones_like(both), ~both):               # with the rows that force the sort, and without them
+        got = np.asarray(jax.jit(sampling._draw_filtered)(logits[rows], noise[rows], temperature[rows],
+                                                          top_k[rows], top_p[rows]))
+        np.testing.assert_array_equal(got[clear[rows]], by_sort[rows & clear])

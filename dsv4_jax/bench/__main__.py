@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import sys
@@ -80,6 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--act-quant", choices=("none", "fp8", "nvfp4"), default="none",
                    help="activations quantized before the quantized-weight matmuls (Settings.act_quant; default none)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every decode row's temperature (default 0: greedy rows, whose token choice never sorts)")
+    p.add_argument("--top-k", type=int, default=0, help="every decode row's top-k (default 0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every decode row's top-p (default 1: off)")
     p.add_argument("--stats", action="store_true",
                    help="the main side's decode programs also measure every layer's statistics (ops/layer_stats.py): "
                         "what that costs, against a run without")
@@ -109,6 +114,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--profile-batches must be distinct values >= 1, got {args.profile_batches}")
     if args.profile_batches != [1] and not args.profile:
         p.error("--profile-batches needs --profile DIR")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        p.error(f"--temperature must be a finite value >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        p.error(f"--top-k must be >= 0, got {args.top_k}")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        p.error(f"--top-p must lie in (0, 1], got {args.top_p}")
     for name in ("steps", "calls", "prefill_calls", "prefill_chunk", "devices"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -144,6 +155,9 @@ def run(args) -> dict:
               "command": " ".join(["python -m dsv4_jax.bench"] + list(args.argv)), "machine": _machine(),
               "source": source_digest()}
 
+    # the decode rows' token choice: the same program for any values, but greedy, unfiltered and filtered rows
+    # take different paths through it (sampling.sample_rows)
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     t0 = time.perf_counter()
     try:
         settings = Settings(dtype=args.dtype, act_quant=args.act_quant, kernels=args.kernels,
@@ -158,7 +172,8 @@ def run(args) -> dict:
                        "kernels": args.kernels,
                        "scan_layers": model.scan_layers, "kv_cache_dtype": args.kv_cache_dtype,
                        "kernel_backend": model.context.kernels.backend, "devices": args.devices,
-                       "kernel_overrides": dict(model.context.kernels.overrides), "stats": args.stats}
+                       "kernel_overrides": dict(model.context.kernels.overrides), "stats": args.stats,
+                       "sampling": sampling}
     print(f"{args.preset} geometry, {cfg.n_layers} layers: {held / 1e9:.3f} GB of weights on "
           f"{result['machine']['device_kind']} ({model.context.kernels.backend or 'reference'} kernels)", flush=True)
 
@@ -216,7 +231,7 @@ def run(args) -> dict:
             floor = roofline(cfg, batch, context, args.dtype, kv_cache_dtype=kv_cache_dtype)
             for side, ctx in contexts.items():
                 case = cases.time_decode(model.params, cfg, ctx, batch, context, args.steps, args.calls, mesh,
-                                         kv_cache_dtype)
+                                         kv_cache_dtype, sampling)
                 case["kernels"] = side
                 case["floor_bytes"] = floor.total_bytes
                 case["floor_ms"] = 1e3 * floor.seconds(bandwidth)
@@ -230,7 +245,7 @@ def run(args) -> dict:
     for k in args.speculative_tokens:
         for batch in args.batches:
             case = cases.time_speculative(model.params, cfg, model.context, batch, args.contexts[0], k, args.steps,
-                                          args.calls, mesh, kv_cache_dtype)
+                                          args.calls, mesh, kv_cache_dtype, sampling)
             plain = next(c for c in result["decode"] if c["kernels"] == main_side and c["batch"] == batch
                          and c["context"] == args.contexts[0])
             # tokens a step must yield on average for speculation to beat plain decoding

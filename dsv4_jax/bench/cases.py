@@ -5,8 +5,8 @@ and called several times; each call runs `steps` decode steps, and a step's time
 by `steps`. The state is built directly at the context under test (caches filled with random values, every
 sequence `context - steps * calls` tokens in, so the last step reads `context` tokens): decoding at 64K context
 does not need a 64K-token prefill first, and the work of a step does not depend on the cached values. Sampling
-is greedy and no stop token can end a sequence early (every call is checked to have produced `steps` tokens per
-sequence).
+is greedy unless the caller passes sampling parameters (`sampling`: temperature, top_k, top_p for every row), and no
+stop token can end a sequence early (every call is checked to have produced `steps` tokens per sequence).
 
 Prefill: `Model.prefill` of a random prompt (chunked as users run it) followed by sampling the first token: the time
 to first token once compiled; tokens/s is prompt length / that time.
@@ -61,10 +61,11 @@ def synthetic_state(cfg: ModelConfig, batch: int, max_seq_len: int, position: in
     return jax.jit(make, out_shardings=shardings)(jax.random.PRNGKey(seed))
 
 
-def _generation(state: DecodeState, cfg: ModelConfig, batch: int) -> GenerationState:
-    """Rows at random tokens, greedy, no length limit within the benchmark and no stop token."""
+def _generation(state: DecodeState, cfg: ModelConfig, batch: int, sampling: dict | None = None) -> GenerationState:
+    """Rows at random tokens, greedy or with `sampling`'s temperature / top_k / top_p, no length limit within the
+    benchmark and no stop token."""
     tokens = jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab_size, jnp.int32)
-    sampling = Sampling.rows(batch, max_new_tokens=2 ** 30, seed=3)
+    sampling = Sampling.rows(batch, max_new_tokens=2 ** 30, seed=3, **(sampling or {}))
     return GenerationState(state, tokens, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool), sampling)
 
 
@@ -85,7 +86,7 @@ def _timed_chunks(params, gen: GenerationState, calls: int, **static):
 
 
 def time_decode(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: int, steps: int, calls: int,
-                mesh=None, kv_cache_dtype=None) -> dict:
+                mesh=None, kv_cache_dtype=None, sampling: dict | None = None) -> dict:
     """ms per decode step at (batch, context) from `calls` timed calls of `steps` steps each (after one warm-up
     call), and the compile time of that generation chunk."""
     start = context - steps * (calls + 1)
@@ -94,8 +95,8 @@ def time_decode(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: 
                          f"(steps x (calls + 1))")
     state = synthetic_state(cfg, batch, context, start, ctx.jnp_dtype, mesh, scan_layers=is_scanned(params),
                             kv_cache_dtype=kv_cache_dtype)
-    compile_s, times, produced = _timed_chunks(params, _generation(state, cfg, batch), calls, cfg=cfg, ctx=ctx,
-                                               max_seq_len=context, chunk=steps)
+    compile_s, times, produced = _timed_chunks(params, _generation(state, cfg, batch, sampling), calls, cfg=cfg,
+                                               ctx=ctx, max_seq_len=context, chunk=steps)
     produced = np.asarray(jax.device_get(jnp.stack(produced)))
     if (produced < 0).any():
         raise RuntimeError(f"batch {batch}, context {context}: a generation chunk stopped early; the steps were not "
@@ -106,7 +107,7 @@ def time_decode(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: 
 
 
 def time_speculative(params, cfg: ModelConfig, ctx: RunContext, batch: int, context: int, k: int, steps: int,
-                     calls: int, mesh=None, kv_cache_dtype=None) -> dict:
+                     calls: int, mesh=None, kv_cache_dtype=None, sampling: dict | None = None) -> dict:
     """ms per speculative step (k MTP drafts, a (k+1)-token verify, the commit) at (batch, context), timed as
     time_decode times plain steps, and the tokens each step emitted (random weights accept few drafts)."""
     start = context - steps * (k + 1) * (calls + 1) - k
@@ -115,8 +116,8 @@ def time_speculative(params, cfg: ModelConfig, ctx: RunContext, batch: int, cont
                          f"speculative case may use")
     state = synthetic_state(cfg, batch, context, start, ctx.jnp_dtype, mesh, scan_layers=is_scanned(params),
                             kv_cache_dtype=kv_cache_dtype)
-    compile_s, times, produced = _timed_chunks(params, _generation(state, cfg, batch), calls, cfg=cfg, ctx=ctx,
-                                               max_seq_len=context, chunk=steps, speculative_tokens=k)
+    compile_s, times, produced = _timed_chunks(params, _generation(state, cfg, batch, sampling), calls, cfg=cfg,
+                                               ctx=ctx, max_seq_len=context, chunk=steps, speculative_tokens=k)
     emitted = (np.asarray(jax.device_get(jnp.stack(produced))) >= 0).sum(axis=-1)        # [calls + 1, batch]
     if (emitted < steps).any():
         raise RuntimeError(f"batch {batch}, context {context}, k {k}: a speculative chunk stopped early")
