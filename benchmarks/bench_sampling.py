@@ -1,6 +1,7 @@
 """What choosing a decode step's tokens costs on the device: `sampling.sample_rows` over [batch, vocab] float32
-logits (Flash's vocabulary by default), for greedy rows, temperature-only rows, rows with top-p or top-k (the filters
-by rejection, without a sort) and rows with both (sorted), beside its sorting path forced for every batch
+logits (Flash's vocabulary by default), for greedy rows, temperature-only rows, rows with top-p, top-k or both (the
+filters by rejection, without a sort; with both, the k-th value by bisection too), beside its sorting path forced for
+every batch
 (`sort_path`: each row's vocabulary sorted for its filters, which every batch paid before greedy and unfiltered
 batches skipped the sort, and filtering ones tried rejection first). The two must choose the same tokens.
 
@@ -47,7 +48,7 @@ IMPLS = {"sample_rows": sampling.sample_rows, "sort_path": _sort_path}
 
 def _rejection_rounds(logits, step, rows):
     """The rounds sample_rows' filters without a sort take to decide every row of the batch (None: more than
-    sampling.MAX_REJECTION_ROUNDS, or rows with top-k and top-p: the sort), found by raising the bound on the host."""
+    sampling.MAX_REJECTION_ROUNDS, so the sort), found by raising the bound on the host."""
     noise = sampling.row_noise(rows, step, logits.shape[-1])
     draw = jax.jit(sampling._draw_by_rejection, static_argnames="max_rounds")
     for rounds in range(1, sampling.MAX_REJECTION_ROUNDS + 1):

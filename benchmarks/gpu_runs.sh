@@ -14,15 +14,17 @@
 #            (benchmarks/marginal_cost.py turns it and a 4-layer run of the same cases into a cost per layer; a
 #            scanned prefill copies each layer's expert weights per chunk, docs/performance.md "Depth")
 #   matrix   Flash geometry, 4 layers: decode at BATCHES (default 1, 8, 32, 64, 128, 256) x CONTEXTS (default 4K),
-#            prefill PROMPTS (default 8K and 32K), numerics ACT_QUANT (default none) -> flash4_<act_quant>.{json,log}
-#   profile  Flash geometry, 4 layers: where a decode step's kernel time goes at batch 1, 32 and 64, and a prefill
-#            chunk's (8,192 tokens), by op family (command buffers off, so every kernel carries its HLO op; traces
-#            under /tmp)                                                     -> flash4_profile.{json,log}
+#            prefill PROMPTS (default 8K and 32K), numerics ACT_QUANT (default none), more benchmark options in
+#            BENCH_ARGS (e.g. "--temperature 0.6 --top-p 0.95": sampled rows; NAME=sampled names the files)
+#                                                                     -> flash4_<NAME, default act_quant>.{json,log}
+#   profile  Flash geometry, 4 layers: where a decode step's kernel time goes at PROFILE_BATCHES (default 1, 32,
+#            64), and a prefill chunk's (8,192 tokens), by op family (command buffers off, so every kernel carries
+#            its HLO op; traces under /tmp)                                  -> flash4_profile.{json,log}
 #   prefill8k Flash geometry, 4 layers: an 8,192-token prompt in one 8,192-token chunk, a process per variant
 #            (VARIANTS, default the first four): xla (the default), indexer_xla (indexer_scores=reference: XLA's
 #            indexer path), fp8 (act_quant fp8), fp8_w4a8 (fp8 and matmul=kernel: the W4A8 kernel); also mhc_xla
 #            (mhc_site=reference: the Sinkhorn on XLA's path), attention (attention_core=kernel: the attention
-#            core's prefill kernel)
+#            core's prefill kernel), topk (indexer_top_k=kernel: the indexer's top-k without a sort)
 #                                                                          -> flash4_prefill8k_<variant>.{json,log}
 #   kernels  one layer's kernels alone, Flash geometry: the attention core of an 8,192-token prefill chunk (XLA's
 #            path against the kernel's prefill schedules, benchmarks/bench_decode_attention.py --prefill) and the
@@ -81,20 +83,21 @@ for part in "$@"; do
                     --prompts "${PROMPTS:-none}" \
                     --reference none --calls 5 --out "$OUT_DIR/$name.json" 2>&1 | quiet \
                     | tee "$OUT_DIR/$name.log" || status=1 ;;
-        matrix) aq="${ACT_QUANT:-none}"
+        matrix) aq="${ACT_QUANT:-none}"; name="${NAME:-$aq}"
                 timeout "${BENCH_S:-420}" python3 -m dsv4_jax.bench --preset flash --layers 4 \
                     --batches "${BATCHES:-1,8,32,64,128,256}" --contexts "${CONTEXTS:-4096}" \
-                    --prompts "${PROMPTS:-8192,32768}" --act-quant "$aq" --calls 2 --reference none \
-                    --out "$OUT_DIR/flash4_$aq.json" 2>&1 | quiet | tee "$OUT_DIR/flash4_$aq.log" || status=1 ;;
+                    --prompts "${PROMPTS:-8192,32768}" --act-quant "$aq" --calls 2 --reference none ${BENCH_ARGS:-} \
+                    --out "$OUT_DIR/flash4_$name.json" 2>&1 | quiet | tee "$OUT_DIR/flash4_$name.log" || status=1 ;;
         profile) XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout "${BENCH_S:-300}" python3 -m dsv4_jax.bench \
                     --preset flash --layers 4 --batches 1 --contexts 4096 --prompts none --reference none --calls 1 \
-                    --profile /tmp/trace_decode --profile-batches 1,32,64 --profile-prefill /tmp/trace_prefill \
+                    --profile /tmp/trace_decode --profile-batches "${PROFILE_BATCHES:-1,32,64}" \
+                    --profile-prefill /tmp/trace_prefill \
                     --prefill-chunk "${PROFILE_CHUNK:-8192}" --out "$OUT_DIR/flash4_profile.json" 2>&1 | quiet \
                     | tee "$OUT_DIR/flash4_profile.log" || status=1 ;;
         prefill8k)
                 declare -A variants=([xla]=none: [indexer_xla]=none:indexer_scores=reference [fp8]=fp8:
                                      [fp8_w4a8]=fp8:matmul=kernel [mhc_xla]=none:mhc_site=reference
-                                     [attention]=none:attention_core=kernel)
+                                     [attention]=none:attention_core=kernel [topk]=none:indexer_top_k=kernel)
                 for name in ${VARIANTS:-xla indexer_xla fp8 fp8_w4a8}; do
                     [ -n "${variants[$name]:-}" ] || { echo "unknown prefill8k variant: $name" >&2; exit 2; }
                     IFS=: read -r aq override <<< "${variants[$name]}"

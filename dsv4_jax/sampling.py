@@ -8,10 +8,10 @@ top-p), and on a GPU a sort of [rows, vocab] costs more than a decode step's lay
 `sample_rows` takes the argmax alone when every row is greedy, the Gumbel-max over the whole vocabulary when no row
 filters, and otherwise tries the filters without a sort first (`_draw_by_rejection`: the Gumbel-max over the
 tokens ranked before the last candidate, until the candidate is kept), sorting only when a row is still open after
-MAX_REJECTION_ROUNDS rounds or filters by top-k and top-p at once. Every path gives a row the token the sorting
-path gives it, so a row's tokens do not depend on the other rows of its batch, with one exception: top-p without
-the sort sums the probabilities before a token in another order, so a token whose preceding mass lies within
-float32 rounding of top_p can be kept on one path and dropped on the other."""
+MAX_REJECTION_ROUNDS rounds. Every path gives a row the token the sorting path gives it, so a row's tokens do not
+depend on the other rows of its batch, with one exception: top-p without the sort sums the probabilities in another
+order, so a token whose preceding mass lies within float32 rounding of top_p can be kept on one path and dropped on
+the other."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .ops.threshold_top_k import kth_largest_key, order_keys
 
 
 def _filtered_sorted(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array):
@@ -81,28 +83,40 @@ def _ranked_before(scaled: jax.Array, token: jax.Array) -> jax.Array:
     return (scaled > value) | ((scaled == value) & (ids < token[:, None]))
 
 
+def _top_k_mass(scaled: jax.Array, weight: jax.Array, k: jax.Array) -> jax.Array:
+    """[B]: the sum of weight [B, V] over each row's k [B] highest tempered logits scaled [B, V] (k = V: all)."""
+    keys = order_keys(scaled)
+    threshold = kth_largest_key(keys, k)[:, None]
+    above = keys > threshold
+    at_threshold = jnp.max(jnp.where(keys == threshold, weight, 0.0), axis=-1)     # every tied token's weight
+    ties_kept = k - jnp.sum(above, axis=-1)
+    return jnp.sum(jnp.where(above, weight, 0.0), axis=-1) + ties_kept * at_threshold
+
+
 def _draw_by_rejection(logits: jax.Array, noise: jax.Array, temperature: jax.Array, top_k: jax.Array,
                        top_p: jax.Array, max_rounds: int = MAX_REJECTION_ROUNDS):
     """(token ids [B], decided [B] bool): each decided row's token is the one the sorting path draws, found without
     a sort. The candidate is the Gumbel-max over a set that holds every kept token (first the whole vocabulary).
     The kept tokens are a prefix of the sort's order, so a kept candidate (its rank below top_k and the probability
     of the tokens before it below top_p: one pass over the row) is the answer; otherwise every kept token ranks
-    before it, and the next candidate is the Gumbel-max over those. Rows with both top_k and top_p stay undecided
-    (their top-p renormalises over the top-k tokens, whose sum needs the k-th value: the caller sorts them); greedy
-    rows are decided (the caller takes their argmax). Rounds run until every row is decided or max_rounds."""
+    before it, and the next candidate is the Gumbel-max over those. Where a drawn row has both top_k and top_p, its
+    top-p renormalises over its top-k tokens: their sum comes from the k-th value, found by bisection over the
+    float32 bits (32 passes over the batch, only then). Greedy rows are decided (the caller takes their argmax).
+    Rounds run until every row is decided or max_rounds."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     perturbed = scaled + noise
     weight = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
-    total = jnp.sum(weight, axis=-1)
     k = jnp.where(top_k > 0, top_k, vocab)
-    open_for_good = (top_k > 0) & (top_p < 1)
+    both = (temperature > 0) & (top_k > 0) & (top_p < 1)
+    mass_total = jax.lax.cond(jnp.any(both), _top_k_mass, lambda scaled, weight, k: jnp.sum(weight, axis=-1),
+                              scaled, weight, jnp.where(both, k, vocab))
 
     def kept(token):
         before = _ranked_before(scaled, token)
         rank = jnp.sum(before, axis=-1)
-        mass = jnp.sum(jnp.where(before, weight, 0.0), axis=-1) / total
-        return ~open_for_good & (rank < k) & ((mass < top_p) | (top_p >= 1))
+        mass = jnp.sum(jnp.where(before, weight, 0.0), axis=-1) / mass_total
+        return (rank < k) & ((mass < top_p) | (top_p >= 1))
 
     def next_round(state):
         token, decided, rounds = state
@@ -122,22 +136,15 @@ def _draw_by_rejection(logits: jax.Array, noise: jax.Array, temperature: jax.Arr
 
 
 def _draw_filtered(logits: jax.Array, noise: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                   top_p: jax.Array) -> jax.Array:
-    """_draw(filtered=True)'s tokens: by rejection where that decides every row, else by the sort (at once where a
-    drawn row filters by top-k and top-p together, which rejection leaves open). The arrays go to the conds as
-    operands, not closed over: called outside jit, a closure's arrays would be constants of a new program each
-    call."""
-    def by_sort(*args):
-        return _draw(*args, filtered=True)
-
-    def by_rejection(*args):
-        token, decided = _draw_by_rejection(*args)
-        token = jnp.where(args[2] > 0, token, jnp.argmax(args[0], axis=-1).astype(jnp.int32))
-        return jax.lax.cond(jnp.all(decided), lambda token, *_: token, lambda _, *args: by_sort(*args),
-                            token, *args)
-
-    both = (temperature > 0) & (top_k > 0) & (top_p < 1)
-    return jax.lax.cond(jnp.any(both), by_sort, by_rejection, logits, noise, temperature, top_k, top_p)
+                   top_p: jax.Array, max_rounds: int = MAX_REJECTION_ROUNDS) -> jax.Array:
+    """_draw(filtered=True)'s tokens: by rejection where that decides every row, else by the sort. The arrays go to
+    the cond as operands, not closed over: called outside jit, a closure's arrays would be constants of a new
+    program each call."""
+    args = (logits, noise, temperature, top_k, top_p)
+    token, decided = _draw_by_rejection(*args, max_rounds=max_rounds)
+    token = jnp.where(temperature > 0, token, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    return jax.lax.cond(jnp.all(decided), lambda token, *_: token, lambda _, *args: _draw(*args, filtered=True),
+                        token, *args)
 
 
 @jax.jit

@@ -117,12 +117,14 @@ def _mixed_rows(rng, rows, vocab, both=False):
     return (logits.astype(np.float32), temperature, top_k.astype(np.int32), top_p.astype(np.float32))
 
 
-def test_rejection_draws_the_kept_tokens_gumbel_max():
-    """_draw_by_rejection (no sort) against a float64 reference of the kept set: each decided row's token is the
-    argmax of its float32 tempered logits plus noise over the kept tokens; rows with ties decide by id; greedy rows
-    are decided; and with the default rounds every row of this mix is decided."""
-    rng = np.random.default_rng(11)
-    logits, temperature, top_k, top_p = _mixed_rows(rng, 300, 400)
+@pytest.mark.parametrize("both", [False, True], ids=["one_filter", "with_top_k_and_top_p"])
+def test_rejection_draws_the_kept_tokens_gumbel_max(both):
+    """_draw_by_rejection (no sort) against a float64 reference of the kept set: each row's token is the argmax of
+    its float32 tempered logits plus noise over the kept tokens; rows with ties decide by id; greedy rows are
+    decided; with the default rounds every row of this mix is decided (`both`: some rows with top-k and top-p, whose
+    top-p renormalises over the top-k: the k-th value by bisection)."""
+    rng = np.random.default_rng(11 + both)
+    logits, temperature, top_k, top_p = _mixed_rows(rng, 300, 400, both)
     noise = np.asarray(jax.random.gumbel(jax.random.PRNGKey(2), logits.shape, jnp.float32))
     token, decided = sampling._draw_by_rejection(jnp.asarray(logits), jnp.asarray(noise), jnp.asarray(temperature),
                                                  jnp.asarray(top_k), jnp.asarray(top_p))
@@ -141,21 +143,19 @@ def test_rejection_draws_the_kept_tokens_gumbel_max():
     assert checked > 150
 
 
-def test_rejection_leaves_open_what_it_cannot_decide_and_the_sort_takes_it():
-    """Rows with top-k and top-p together stay undecided, as do rows still open after max_rounds; _draw_filtered
-    (what sample_rows' filtering path runs) then gives every row the sorting path's token."""
+def test_rows_still_open_go_to_the_sort():
+    """After one round some rows are still open; _draw_filtered (what sample_rows' filtering path runs) gives every
+    row the sorting path's token whether rejection decided the batch or the sort took it."""
     rng = np.random.default_rng(12)
     args = [jnp.asarray(a) for a in _mixed_rows(rng, 200, 300, both=True)]
     logits, temperature, top_k, top_p = args
     noise = jax.random.gumbel(jax.random.PRNGKey(3), logits.shape, jnp.float32)
-    _, decided = sampling._draw_by_rejection(logits, noise, temperature, top_k, top_p)
-    both = np.asarray((temperature > 0) & (top_k > 0) & (top_p < 1))
-    assert both.any() and not np.asarray(decided)[both].any()
     _, decided_once = sampling._draw_by_rejection(logits, noise, temperature, top_k, top_p, max_rounds=1)
-    assert np.asarray(decided_once).sum() < np.asarray(decided).sum()
+    assert not np.asarray(decided_once).all()
     by_sort = np.asarray(sampling._draw(logits, noise, temperature, top_k, top_p, filtered=True))
-    clear = np.array([not _kept_reference(*(np.asarray(a[r]) for a in args))[1] for r in range(len(both))])
-    for rows in (np.ones_like(both), ~both):               # with the rows that force the sort, and without them
-        got = np.asarray(jax.jit(sampling._draw_filtered)(logits[rows], noise[rows], temperature[rows],
-                                                          top_k[rows], top_p[rows]))
-        np.testing.assert_array_equal(got[clear[rows]], by_sort[rows & clear])
+    clear = np.array([not _kept_reference(*(np.asarray(a[r]) for a in args))[1] for r in range(len(by_sort))])
+    draw = jax.jit(sampling._draw_filtered)
+    np.testing.assert_array_equal(np.asarray(draw(logits, noise, temperature, top_k, top_p))[clear], by_sort[clear])
+    forced = jax.jit(sampling._draw_filtered, static_argnames="max_rounds")(logits, noise, temperature, top_k,
+                                                                            top_p, max_rounds=1)   # to the sort
+    np.testing.assert_array_equal(np.asarray(forced), by_sort)

@@ -57,7 +57,8 @@ def test_the_command_line_refuses_a_bad_override_in_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == cli.EXIT_USAGE
     assert err == ["error: kernel override 'attention=kernel': expected OP=CHOICE with OP one of matmul, "
-                   "act_quantize, mhc_site, norm_rope, attention_core, indexer_scores, compressor_step, moe_ffn and "
+                   "act_quantize, mhc_site, norm_rope, attention_core, indexer_scores, indexer_top_k, compressor_step, "
+                   "moe_ffn and "
                    "CHOICE one of kernel, reference"]
 
 

@@ -32,7 +32,7 @@ STEP_PHASES = frozenset({"decode", "verify"})          # the few-tokens-per-row 
 ALL_PHASES = frozenset(PHASES)
 
 # The ops that choose, and what an override may say of each.
-OPS = ("matmul", "act_quantize", "mhc_site", "norm_rope", "attention_core", "indexer_scores",
+OPS = ("matmul", "act_quantize", "mhc_site", "norm_rope", "attention_core", "indexer_scores", "indexer_top_k",
        "compressor_step", "moe_ffn")
 OVERRIDES = ("kernel", "reference")
 

@@ -5,8 +5,9 @@ Its reference is the jnp below (all entries at once, or a block at a time with a
 indexer_block() entries); its kernel, pallas_kernels/indexer.py, scores a decode or verify step's rows in one
 launch, and a prefill chunk's rows 16 at a time
 against each block of keys (the heads summed on chip: no [B, S, heads, N] products in memory; the top-k over the
-[B, S, N] scores stays XLA's, a block of entries at a time beyond kernel_block()). `select` chooses
-(ops/choice.py).
+[B, S, N] scores stays XLA's, a block of entries at a time beyond kernel_block()). A prefill chunk's one top-k
+over all its entries may also run without a sort (ops/threshold_top_k.py; opt-in, op `indexer_top_k`). `select`
+chooses (ops/choice.py).
 """
 
 from __future__ import annotations
@@ -22,12 +23,19 @@ from ..pallas_kernels import indexer as indexer_kernel
 from . import choice, norm_rope
 from .attention_core import compressed_visible
 from .matmul import linear
+from .threshold_top_k import threshold_top_k
 
 SCORES_KERNEL = choice.Kernel("indexer_scores", "indexer")
 # Taken by GPU plans since 2026-12-07: an 8K prompt 3% faster than on XLA's path in 2,048-token chunks and 2.4% in
 # one 8,192-token chunk (one H100, one call each, docs/performance.md), and a chunk's temporaries 1.4x smaller (no
 # [B, S, heads, N] products); `--kernel-override indexer_scores=reference` keeps XLA's path.
 PREFILL_SCORES_KERNEL = choice.Kernel("indexer_scores", "indexer_prefill", phases=frozenset({"prefill"}))
+# A prefill chunk's top-k over all its entries by a threshold (32 counting passes, a prefix sum, a scatter) in place
+# of XLA's top-k (a sort-like sequence of kernels, 11.6 ms of a profiled 8,192-token chunk on an H100). Opt-in until
+# timed: `--kernel-override indexer_top_k=kernel`. The same picks; they come in index order, so the attention's sums
+# over them round differently.
+PREFILL_TOP_K_BY_THRESHOLD = choice.Kernel("indexer_top_k", "threshold_top_k", phases=frozenset({"prefill"}),
+                                           on_gpu_by_default=False)
 
 
 INDEXER_BLOCK = 4096     # compressed entries scored at a time beyond it (bounds the [B, S, heads, block] scores)
@@ -88,6 +96,14 @@ def indexer_scores(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.A
     return _scores(*_indexer_query(params, cfg, x, q_latent, positions, inv_freq, ctx), index_keys)
 
 
+def _top_k(scores: jax.Array, k: int, ctx) -> tuple[jax.Array, jax.Array]:
+    """(scores, idx) [B, S, k] of the k highest scores of each query over all entries at once: XLA's top-k, or the
+    threshold select where the plan takes it (PREFILL_TOP_K_BY_THRESHOLD; the same set, in index order)."""
+    if choice.takes_kernel(PREFILL_TOP_K_BY_THRESHOLD, ctx):
+        return threshold_top_k(scores, k)
+    return jax.lax.top_k(scores, k)
+
+
 def _blocked_top_k(q: jax.Array, head_weights: jax.Array, keys: jax.Array, positions: jax.Array, k: int,
                    block: int | None = None):
     """Top-k visible entries of every query over keys [B, N, hd] scored `block` (default INDEXER_BLOCK) entries at a
@@ -140,7 +156,7 @@ def indexer_select(params: dict, cfg: ModelConfig, x: jax.Array, q_latent: jax.A
     if scores is None:
         scores = indexer_scores(params, cfg, x, q_latent, positions, index_keys, inv_freq, ctx)
     scores = jnp.where(compressed_visible(positions, n_entries, 4), scores, -jnp.inf)
-    top_scores, idx = jax.lax.top_k(scores, k)
+    top_scores, idx = _top_k(scores, k, ctx)
     return idx, top_scores > -jnp.inf
 
 
@@ -175,7 +191,7 @@ def _indexer_select_prefill_on_kernel(params: dict, cfg: ModelConfig, x: jax.Arr
             weight_scale=_indexer_weight_scale(cfg), interpret=ctx.kernels.interpret, first_entry=first,
             rows_per_program=indexer_kernel.prefill_rows_per_program(seq))
     if n_entries <= block:
-        top_scores, idx = jax.lax.top_k(block_scores(keys, 0), k)
+        top_scores, idx = _top_k(block_scores(keys, 0), k, ctx)
     else:
         top_scores, idx = _running_top_k(block_scores, keys, positions, k, block)
     return idx, top_scores > -jnp.inf
