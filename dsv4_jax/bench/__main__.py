@@ -174,8 +174,11 @@ def run(args) -> dict:
                        "kernel_backend": model.context.kernels.backend, "devices": args.devices,
                        "kernel_overrides": dict(model.context.kernels.overrides), "stats": args.stats,
                        "sampling": sampling}
+    drawn = "greedy rows" if args.temperature == 0 else (f"rows sampled at temperature {args.temperature}, top-k "
+                                                         f"{args.top_k}, top-p {args.top_p}")
     print(f"{args.preset} geometry, {cfg.n_layers} layers: {held / 1e9:.3f} GB of weights on "
-          f"{result['machine']['device_kind']} ({model.context.kernels.backend or 'reference'} kernels)", flush=True)
+          f"{result['machine']['device_kind']} ({model.context.kernels.backend or 'reference'} kernels; decode "
+          f"{drawn})", flush=True)
 
     bandwidth = probes.memory_bandwidth(probe_bytes)
     fp8_rate = probes.matmul_rate(probe_n, jnp.float8_e4m3fn)
