@@ -42,17 +42,22 @@ def _filtered_sorted(logits: jax.Array, temperature: jax.Array, top_k: jax.Array
     return order, sorted_logits, rank < n_kept
 
 
+def _ranked_before(scaled: jax.Array, token: jax.Array) -> jax.Array:
+    """[B, V] bool: the tokens before token [B] in the sort's order (descending tempered logit, then ascending
+    id)."""
+    value = jnp.take_along_axis(scaled, token[:, None], axis=-1)
+    ids = jnp.arange(scaled.shape[-1])
+    return (scaled > value) | ((scaled == value) & (ids < token[:, None]))
+
+
 def _kept(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """[B, V] bool in vocabulary order: the tokens each row's filters keep (a sort of every row). The kept ranks are
     a prefix, so a token is kept iff it is not after the last kept one in the sort's order (descending tempered
     logit, then ascending id): one comparison with that token, no scatter back to vocabulary order."""
-    order, sorted_logits, keep = _filtered_sorted(logits, temperature[:, None], top_k[:, None], top_p[:, None])
-    last = jnp.sum(keep, axis=-1, keepdims=True) - 1
-    value = jnp.take_along_axis(sorted_logits, last, axis=-1)
-    token = jnp.take_along_axis(order, last, axis=-1)
+    order, _, keep = _filtered_sorted(logits, temperature[:, None], top_k[:, None], top_p[:, None])
+    last = jnp.take_along_axis(order, jnp.sum(keep, axis=-1, keepdims=True) - 1, axis=-1)[:, 0]
     scaled = logits / jnp.maximum(temperature[:, None], 1e-6)
-    ids = jnp.arange(logits.shape[-1])
-    return (scaled > value) | ((scaled == value) & (ids <= token))
+    return _ranked_before(scaled, last) | (jnp.arange(logits.shape[-1]) == last[:, None])
 
 
 def _draw(logits: jax.Array, noise: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, *,
@@ -73,14 +78,6 @@ def _draw(logits: jax.Array, noise: jax.Array, temperature: jax.Array, top_k: ja
 # flat distribution, halves the candidate's rank each round in expectation (17 halvings from 129,280 to 1).
 # Most batches stop after one or two rounds; the loop exits once every row is decided.
 MAX_REJECTION_ROUNDS = 16
-
-
-def _ranked_before(scaled: jax.Array, token: jax.Array) -> jax.Array:
-    """[B, V] bool: the tokens before token [B] in the sort's order (descending tempered logit, then ascending
-    id)."""
-    value = jnp.take_along_axis(scaled, token[:, None], axis=-1)
-    ids = jnp.arange(scaled.shape[-1])
-    return (scaled > value) | ((scaled == value) & (ids < token[:, None]))
 
 
 def _top_k_mass(scaled: jax.Array, weight: jax.Array, k: jax.Array) -> jax.Array:

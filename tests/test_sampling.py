@@ -30,9 +30,9 @@ def _rows(params, seed=7, first_choice=0):
 
 @pytest.mark.parametrize("step", [0, 5])
 def test_a_rows_token_does_not_depend_on_its_batch(step):
-    """Each row alone (its own path: argmax, the Gumbel-max over the vocabulary, the filters by rejection or, for
-    top-k with top-p, the sort) against the batch of all rows (the sorting path for every row: one row has both
-    filters), with the same key and step."""
+    """Each row alone (its own path: argmax, the Gumbel-max over the vocabulary, or the filters by rejection)
+    against the batch of all rows (the filters by rejection for every row: some rows filter), with the same key and
+    step."""
     logits = jnp.asarray(np.random.default_rng(step).normal(size=(len(ROWS), 300)) * 2, jnp.float32)
     steps = jnp.full((len(ROWS),), step, jnp.int32)
     together = np.asarray(sample_rows(logits, steps, _rows(ROWS)))
@@ -60,8 +60,8 @@ def _reference_distribution(logits, temperature, top_k, top_p):
 @pytest.mark.parametrize("params", ROWS[1:5], ids=["temperature", "top_k", "top_p", "top_k_top_p"])
 def test_draws_follow_the_filtered_distribution(params):
     """4,000 draws of one row's parameters (its key folded with steps 0..3999; temperature only: the Gumbel-max over
-    the vocabulary; top-k or top-p: by rejection; both: the sort): the kept tokens only, at frequencies within 5
-    standard errors of the float64 reference."""
+    the vocabulary; top-k, top-p or both: by rejection): the kept tokens only, at frequencies within 5 standard
+    errors of the float64 reference."""
     vocab, n = 24, 4000
     logits = np.random.default_rng(1).normal(size=vocab) * 1.5
     batch = jnp.asarray(np.repeat(logits[None], n, 0), jnp.float32)
