@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsv4_jax.ops.threshold_top_k import threshold_top_k
+from dsv4_jax.ops.threshold_top_k import kth_largest_key, order_keys, threshold_top_k
 
 
 def _reference(values: np.ndarray, k: int) -> np.ndarray:
@@ -50,6 +50,28 @@ def test_the_set_is_lax_top_ks():
     _, idx = threshold_top_k(jnp.asarray(values), 37)
     _, top_idx = jax.lax.top_k(jnp.asarray(values), 37)
     np.testing.assert_array_equal(np.asarray(idx), np.sort(np.asarray(top_idx), axis=-1))
+
+
+@pytest.mark.parametrize("bits_per_pass", [1, 2, 4, 8])
+def test_kth_largest_key_at_each_digit_width(bits_per_pass):
+    """The k-th largest value of each row, a k per row from 1 to the whole row, against float64 numpy: the same
+    value whatever number of bits each pass settles (1 is plain bisection)."""
+    rng = np.random.default_rng(bits_per_pass)
+    values = _scores(rng, (12, 257))
+    k = rng.integers(1, 258, size=12).astype(np.int32)
+    k[:2] = (1, 257)
+    key = jax.jit(kth_largest_key, static_argnums=2)(order_keys(jnp.asarray(values)), jnp.asarray(k), bits_per_pass)
+    want = [np.sort(np.asarray(row, np.float64))[::-1][kk - 1] for row, kk in zip(values, k)]
+    got = np.asarray(key)
+    # the key back to its float32 value (order_keys inverted), compared as values: -0.0 and +0.0 may both be the
+    # k-th of a row, and which one is the k-th largest in order_keys' order is checked through test_the_picks
+    bits = np.where(got >> 31 == 1, got & 0x7FFFFFFF, ~got).astype(np.uint32)
+    np.testing.assert_array_equal(bits.view(np.float32).astype(np.float64), want)
+
+
+def test_a_digit_width_that_does_not_divide_32_is_refused():
+    with pytest.raises(ValueError, match="bits_per_pass must be 1, 2, 4 or 8"):
+        kth_largest_key(jnp.zeros((2, 5), jnp.uint32), 1, 3)
 
 
 def test_k_outside_the_row_is_refused():
