@@ -97,8 +97,8 @@ def _draw_by_rejection(logits: jax.Array, noise: jax.Array, temperature: jax.Arr
     The kept tokens are a prefix of the sort's order, so a kept candidate (its rank below top_k and the probability
     of the tokens before it below top_p: one pass over the row) is the answer; otherwise every kept token ranks
     before it, and the next candidate is the Gumbel-max over those. Where a drawn row has both top_k and top_p, its
-    top-p renormalises over its top-k tokens: their sum comes from the k-th value, found by bisection over the
-    float32 bits (32 passes over the batch, only then). Greedy rows are decided (the caller takes their argmax).
+    top-p renormalises over its top-k tokens: their sum comes from the k-th value, found by a radix search over
+    the float32 bits (8 passes over the batch, only then). Greedy rows are decided (the caller takes their argmax).
     Rounds run until every row is decided or max_rounds."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]

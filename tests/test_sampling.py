@@ -122,7 +122,7 @@ def test_rejection_draws_the_kept_tokens_gumbel_max(both):
     """_draw_by_rejection (no sort) against a float64 reference of the kept set: each row's token is the argmax of
     its float32 tempered logits plus noise over the kept tokens; rows with ties decide by id; greedy rows are
     decided; with the default rounds every row of this mix is decided (`both`: some rows with top-k and top-p, whose
-    top-p renormalises over the top-k: the k-th value by bisection)."""
+    top-p renormalises over the top-k: the k-th value by a radix search)."""
     rng = np.random.default_rng(11 + both)
     logits, temperature, top_k, top_p = _mixed_rows(rng, 300, 400, both)
     noise = np.asarray(jax.random.gumbel(jax.random.PRNGKey(2), logits.shape, jnp.float32))

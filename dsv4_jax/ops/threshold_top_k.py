@@ -4,11 +4,11 @@ the entries above it and the first of those equal to it kept in index order.
 `jax.lax.top_k` of k = 512 over a prefill chunk's [S, N] indexer scores runs on a GPU as a sort-like sequence of
 kernels (7 kernels, 11.6 ms of a profiled 8,192-token chunk's 106 ms on an H100, docs/performance.md). Here the
 threshold takes 8 passes over [rows, N], each settling 4 bits of the value (most significant first) with 15 counts
-fused into one reduction, and the picks one prefix sum and one scatter. The picks are lax.top_k's set, ties at the k-th value going to
-the lower indices as there; they come in ascending index order instead of descending score (the indexer's callers
-gather by them and mask the invalid ones: order does not matter to them beyond float rounding of sums over picks).
-Values are ordered as lax.top_k orders them, -0.0 below +0.0. Pure jnp: the same code on every backend; not yet
-timed on a GPU.
+(two multi-output reductions on XLA:GPU), and the picks one prefix sum and one scatter. The picks are lax.top_k's
+set, ties at the k-th value going to the lower indices as there; they come in ascending index order instead of
+descending score (the indexer's callers gather by them and mask the invalid ones: order does not matter to them
+beyond float rounding of sums over picks). Values are ordered as lax.top_k orders them, -0.0 below +0.0. Pure jnp:
+the same code on every backend; not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ def order_keys(values: jax.Array) -> jax.Array:
 
 
 # Bits of the key settled per counting pass. A pass counts, for each of the 2^bits - 1 nonzero values of its digit, the
-# keys at or above the threshold so far with that digit appended: sibling sums over one operand, which XLA fuses into
-# one multi-output reduction that reads the keys once. 4 bits: 8 passes of 15 counts each instead of 32 of one, the
-# keys read 4x less often for ~4x the (cheap) compares; the passes are a Python loop, so no while loop (whose
-# predicate XLA:GPU reads back on the host every iteration) remains.
+# keys at or above the threshold so far with that digit appended: sibling sums over one operand, which XLA:GPU fuses
+# into multi-output reductions of up to 8 outputs, each reading the keys once. Compiled for an H200 ([8,192, 2,048]
+# float32, k = 512; benchmarks/count_top_k.py, docs/bench/cpu_2026-12-07_count_top_k_8192x2048.json): 1 bit a pass 75
+# kernels, 2.65 GB of operands; 2 bits 43, 1.58 GB; 4 bits 35, 1.58 GB; 8 bits 527 (255 counts do not fuse). The
+# passes are a Python loop: no while loop, whose predicate XLA:GPU reads back on the host every iteration.
 BITS_PER_PASS = 4
 
 
