@@ -18,7 +18,7 @@ import pytest
 
 from dsv4_jax import presets
 from dsv4_jax.config import ModelConfig
-from dsv4_jax.ops import mhc_site
+from dsv4_jax.ops import choice, mhc_site
 from dsv4_jax.pallas_kernels import mhc
 from dsv4_jax.run_context import RunContext
 
@@ -164,6 +164,25 @@ def test_model_prefill_takes_the_prefill_schedule_and_equals_the_jnp_path():
         err, choices = prefill(np.random.default_rng(length).integers(0, cfg.vocab_size, (1, length)).astype(np.int32))
         assert {c.kernel for c in choices if c.phase == "prefill"} == expected, choices
         assert err < 1e-5, (length, err)
+
+
+@pytest.mark.parametrize("rows, expected", [(160, "mhc_wide_step"), (130, None), (128, "mhc")])
+def test_decode_step_wider_than_the_row_kernel_takes_the_rows_schedule(rows, expected):
+    """A decode step's site of more than mhc.MAX_ROWS rows (a serving batch of 256, here 160) takes the schedule of
+    16 rows per program on a kernel plan, one of rows not a multiple of 16 keeps the jnp path, and up to MAX_ROWS the
+    one-row kernel; float32, each against float64 (outputs poisoned where the kernel writes nothing: every row is
+    checked)."""
+    rng = np.random.default_rng(rows)
+    cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, (rows, 1), 128, jnp.float32)
+    want = _numpy_site(cfg, X, fn, base, scale, weight, (y, post, comb))
+    ctx = RunContext.create(kernels="interpret", dtype="float32").in_phase("decode")
+    with choice.record_dispatch("mhc_site") as choices:
+        got = jax.jit(lambda *a: mhc_site.pre_norm(*a[:5], cfg, ctx, post_mix=a[5]))(
+            *(jnp.asarray(a) for a in (X, fn, base, scale, weight)), tuple(jnp.asarray(a) for a in (y, post, comb)))
+    assert choices[0].kernel == expected, choices          # the site's choice (then the jnp path's Sinkhorn's)
+    for name, g, w, tol in zip(("x", "post", "comb", "streams"), got, want, (2e-5, 1e-6, 2e-6, 1e-6)):
+        err = np.max(np.abs(np.asarray(g, np.float64) - w)) / np.max(np.abs(w))
+        assert err < tol, f"{name}: max error {err:.2e} of the largest value (tolerance {tol})"
 
 
 def test_cuda_lowering_of_the_prefill_schedule_at_flash_geometry():

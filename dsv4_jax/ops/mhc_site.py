@@ -5,8 +5,8 @@ The residual stream is `hc_mult` parallel streams X [..., n, D]. Before a sub-la
 `pre`; after it, the output is added with weights `post` and the streams mix through a Sinkhorn-normalised
 (nearly doubly stochastic) matrix C, consumed transposed: X'_k = post_k y + sum_j C[j, k] X_j. All coefficient
 math is float32. The functions below are the op's pure-jnp reference; `pre_norm` chooses between it and the two
-Pallas launches of pallas_kernels/mhc.py (ops/choice.py): one row per program in a decode or verify step, 16-32 rows
-per program against each chunk of the mixing matrix in a prefill chunk. Where the site stays on the jnp path its
+Pallas launches of pallas_kernels/mhc.py (ops/choice.py): one row per program in a decode or verify step of up to
+mhc.MAX_ROWS rows, 16 rows per program against each chunk of the mixing matrix in a wider step or a prefill chunk. Where the site stays on the jnp path its
 Sinkhorn may still take the one-launch kernel of pallas_kernels/sinkhorn.py (SINKHORN_KERNEL).
 """
 
@@ -95,14 +95,25 @@ PREFILL_MIN_ROWS = 16        # a prefill program's dots need 16 rows (Triton's s
 SINKHORN_KERNEL = choice.Kernel("mhc_site", "mhc_sinkhorn", phases=frozenset({"prefill", "decode", "verify"}))
 
 
+# A decode or verify step wider than mhc.MAX_ROWS (e.g. 256 rows of a serving batch): the schedule of many rows per
+# program (R = 16, fn read once per 16 rows), on by default like MHC_KERNELS. Without it such a step ran each of its
+# 8 sites on XLA's path: compiled for an H200, a 4-layer Flash step at 256 rows launched 66 mHC kernels instead of
+# the 20 of 128 rows (docs/performance.md, "Batch 256"). Not timed on a GPU yet; `--kernel-override
+# mhc_site=reference` gives XLA's path for an A/B.
+MHC_WIDE_STEP_KERNELS = choice.Kernel("mhc_site", "mhc_wide_step", phases=choice.STEP_PHASES)
+
+
 def _kernel_schedule(X: jax.Array, fn: jax.Array, cfg: ModelConfig, ctx) -> int | None:
     """How this site runs: None (the jnp reference), 0 (pallas_kernels/mhc.py one row per program: a decode or
-    verify step of at most mhc.MAX_ROWS rows, each row's blocks reading all of fn) or R > 0 (its prefill schedule, R
-    rows per program: a prefill chunk whose rows are a multiple of PREFILL_MIN_ROWS; opt-in on GPUs)."""
+    verify step of at most mhc.MAX_ROWS rows, each row's blocks reading all of fn) or R > 0 (its schedule of R rows
+    per program: a prefill chunk, opt-in on GPUs, or a wider decode or verify step; rows a multiple of
+    PREFILL_MIN_ROWS)."""
     rows = math.prod(X.shape[:-2])
+    rows_fit = rows % PREFILL_MIN_ROWS == 0 and mhc.supported(cfg.hc_mult, cfg.dim, fn.shape[0])
     if ctx.phase == "prefill":
-        fits = rows % PREFILL_MIN_ROWS == 0 and mhc.supported(cfg.hc_mult, cfg.dim, fn.shape[0])
-        return mhc.prefill_rows_per_program(rows) if choice.takes_kernel(MHC_PREFILL_KERNELS, ctx, fits) else None
+        return mhc.prefill_rows_per_program(rows) if choice.takes_kernel(MHC_PREFILL_KERNELS, ctx, rows_fit) else None
+    if rows > mhc.MAX_ROWS:
+        return mhc.prefill_rows_per_program(rows) if choice.takes_kernel(MHC_WIDE_STEP_KERNELS, ctx, rows_fit) else None
     return 0 if choice.takes_kernel(MHC_KERNELS, ctx, mhc.takes(rows, cfg.hc_mult, cfg.dim, fn.shape[0])) else None
 
 
