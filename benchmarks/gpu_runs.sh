@@ -24,7 +24,8 @@
 #            (VARIANTS, default the first four): xla (the default), indexer_xla (indexer_scores=reference: XLA's
 #            indexer path), fp8 (act_quant fp8), fp8_w4a8 (fp8 and matmul=kernel: the W4A8 kernel); also mhc_xla
 #            (mhc_site=reference: the Sinkhorn on XLA's path), attention (attention_core=kernel: the attention
-#            core's prefill kernel), topk (indexer_top_k=kernel: the indexer's top-k without a sort)
+#            core's prefill kernel), topk_xla (indexer_top_k=reference: XLA's top-k for the indexer's picks
+#            instead of the threshold select, the default since 2026-12-07)
 #                                                                          -> flash4_prefill8k_<variant>.{json,log}
 #   kernels  one layer's kernels alone, Flash geometry: the attention core of an 8,192-token prefill chunk (XLA's
 #            path against the kernel's prefill schedules, benchmarks/bench_decode_attention.py --prefill) and the
@@ -97,7 +98,7 @@ for part in "$@"; do
         prefill8k)
                 declare -A variants=([xla]=none: [indexer_xla]=none:indexer_scores=reference [fp8]=fp8:
                                      [fp8_w4a8]=fp8:matmul=kernel [mhc_xla]=none:mhc_site=reference
-                                     [attention]=none:attention_core=kernel [topk]=none:indexer_top_k=kernel)
+                                     [attention]=none:attention_core=kernel [topk_xla]=none:indexer_top_k=reference)
                 for name in ${VARIANTS:-xla indexer_xla fp8 fp8_w4a8}; do
                     [ -n "${variants[$name]:-}" ] || { echo "unknown prefill8k variant: $name" >&2; exit 2; }
                     IFS=: read -r aq override <<< "${variants[$name]}"

@@ -173,7 +173,7 @@ def test_fp8_wide_tiles_and_row_prescale_interpret(m, dtype, block_n, row_presca
     tiles and float32 hi + lo rows: every row against float64, rows of magnitudes 2^-30..2^30 (a prescale or its
     undo taken from another row is off by powers of two), block scales drawn per 128 rows (a scale taken from the
     other half of a 256-row tile is off)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(m)
     n, k = 512, 512
     w = _fp8(rng, (n, k))
     x = jnp.asarray(rng.standard_normal((m, k)) * 2.0 ** rng.integers(-30, 31, (m, 1)), dtype)
@@ -187,16 +187,20 @@ def test_fp8_wide_tiles_and_row_prescale_interpret(m, dtype, block_n, row_presca
 
 
 def test_fp8_default_tiling():
-    """fp8_matmul's default tiling by activation columns: 128-row weight tiles on 8 warps at 32 and 64 columns (the
-    tiling the H100 sweep found fastest there), the tiling before elsewhere (16 columns: 128 rows where N allows,
-    128 columns: 64 rows, both on 4 warps), never the row prescale; given values are kept."""
-    assert gemv._fp8_tiling(32768, 16, None, None, None) == (128, 4, False)
-    assert gemv._fp8_tiling(512, 32, None, None, None) == (128, 8, False)
-    assert gemv._fp8_tiling(32768, 64, None, None, None) == (128, 8, False)
-    assert gemv._fp8_tiling(4096, 128, None, None, None) == (64, 4, False)
-    assert gemv._fp8_tiling(192, 64, None, None, None) == (64, 4, False)          # N takes no 128-row tile
-    assert gemv._fp8_tiling(4096, 64, 256, None, True) == (256, 4, True)
-    assert gemv._fp8_tiling(4096, 64, 128, 4, None) == (128, 4, False)
+    """fp8_matmul's default tiling by activation columns and column tiles: 128-row weight tiles on 8 warps at 32 and
+    64 columns (the tiling the H100 sweep found fastest there), the same with the rows' prescale before the launch
+    at more than one column tile (129-256 rows), the tiling before elsewhere (16 columns: 128 rows where N allows,
+    one tile of 128 columns: 64 rows, both on 4 warps); given values are kept."""
+    assert gemv._fp8_tiling(32768, 16, 1, None, None, None) == (128, 4, False)
+    assert gemv._fp8_tiling(512, 32, 1, None, None, None) == (128, 8, False)
+    assert gemv._fp8_tiling(32768, 64, 1, None, None, None) == (128, 8, False)
+    assert gemv._fp8_tiling(4096, 128, 1, None, None, None) == (64, 4, False)
+    assert gemv._fp8_tiling(4096, 128, 2, None, None, None) == (128, 8, True)
+    assert gemv._fp8_tiling(192, 128, 2, None, None, None) == (64, 4, True)       # N takes no 128-row tile
+    assert gemv._fp8_tiling(192, 64, 1, None, None, None) == (64, 4, False)
+    assert gemv._fp8_tiling(4096, 64, 1, 256, None, True) == (256, 4, True)
+    assert gemv._fp8_tiling(4096, 64, 1, 128, 4, None) == (128, 4, False)
+    assert gemv._fp8_tiling(4096, 128, 2, 64, 4, False) == (64, 4, False)
 
 
 @pytest.mark.parametrize("kernel", [False, True])

@@ -3,10 +3,10 @@ query, sum over heads of weight_h(x) * ReLU(q_h . key), and the top-k picks.
 
 Its reference is the jnp below (all entries at once, or a block at a time with a running top-k beyond
 indexer_block() entries); its kernel, pallas_kernels/indexer.py, scores a decode or verify step's rows in one
-launch, and a prefill chunk's rows 16 at a time
-against each block of keys (the heads summed on chip: no [B, S, heads, N] products in memory; the top-k over the
-[B, S, N] scores stays XLA's, a block of entries at a time beyond kernel_block()). A prefill chunk's one top-k
-over all its entries may also run without a sort (ops/threshold_top_k.py; opt-in, op `indexer_top_k`). `select`
+launch, and a prefill chunk's rows 16 at a time against each block of keys (the heads summed on chip: no [B, S,
+heads, N] products in memory; the top-k over the [B, S, N] scores follows, XLA's `lax.top_k` on a block of entries
+at a time beyond kernel_block()). A prefill chunk's one top-k
+over all its entries runs without a sort on GPU plans (ops/threshold_top_k.py, op `indexer_top_k`). `select`
 chooses (ops/choice.py).
 """
 
@@ -30,12 +30,13 @@ SCORES_KERNEL = choice.Kernel("indexer_scores", "indexer")
 # one 8,192-token chunk (one H100, one call each, docs/performance.md), and a chunk's temporaries 1.4x smaller (no
 # [B, S, heads, N] products); `--kernel-override indexer_scores=reference` keeps XLA's path.
 PREFILL_SCORES_KERNEL = choice.Kernel("indexer_scores", "indexer_prefill", phases=frozenset({"prefill"}))
-# A prefill chunk's top-k over all its entries by a threshold (32 counting passes, a prefix sum, a scatter) in place
-# of XLA's top-k (a sort-like sequence of kernels, 11.6 ms of a profiled 8,192-token chunk on an H100). Opt-in until
-# timed: `--kernel-override indexer_top_k=kernel`. The same picks; they come in index order, so the attention's sums
-# over them round differently.
-PREFILL_TOP_K_BY_THRESHOLD = choice.Kernel("indexer_top_k", "threshold_top_k", phases=frozenset({"prefill"}),
-                                           on_gpu_by_default=False)
+# A prefill chunk's top-k over all its entries by a threshold (8 counting passes, a prefix sum, a scatter) in place
+# of XLA's top-k (a sort-like sequence of kernels, 11.6 ms of a profiled 8,192-token chunk on an H100). Taken by GPU
+# plans since 2026-12-07: in one 8,192-token chunk an 8K prompt took 86.5 ms against 89.6 ms with XLA's top-k, and a
+# 32K prompt 364.8 against 373.5 ms (one H100, consecutive processes; docs/performance.md);
+# `--kernel-override indexer_top_k=reference` keeps XLA's. The same picks; they come in index order, so the
+# attention's sums over them round differently.
+PREFILL_TOP_K_BY_THRESHOLD = choice.Kernel("indexer_top_k", "threshold_top_k", phases=frozenset({"prefill"}))
 
 
 INDEXER_BLOCK = 4096     # compressed entries scored at a time beyond it (bounds the [B, S, heads, block] scores)

@@ -6,8 +6,9 @@ The residual stream is `hc_mult` parallel streams X [..., n, D]. Before a sub-la
 (nearly doubly stochastic) matrix C, consumed transposed: X'_k = post_k y + sum_j C[j, k] X_j. All coefficient
 math is float32. The functions below are the op's pure-jnp reference; `pre_norm` chooses between it and the two
 Pallas launches of pallas_kernels/mhc.py (ops/choice.py): one row per program in a decode or verify step of up to
-mhc.MAX_ROWS rows, 16 rows per program against each chunk of the mixing matrix in a wider step or a prefill chunk. Where the site stays on the jnp path its
-Sinkhorn may still take the one-launch kernel of pallas_kernels/sinkhorn.py (SINKHORN_KERNEL).
+mhc.MAX_ROWS rows, 16 rows per program against each chunk of the mixing matrix in a prefill chunk or a wider step
+(both opt-in on GPUs). Where the site stays on the jnp path its Sinkhorn may still take the one-launch kernel of
+pallas_kernels/sinkhorn.py (SINKHORN_KERNEL).
 """
 
 from __future__ import annotations
@@ -95,18 +96,18 @@ PREFILL_MIN_ROWS = 16        # a prefill program's dots need 16 rows (Triton's s
 SINKHORN_KERNEL = choice.Kernel("mhc_site", "mhc_sinkhorn", phases=frozenset({"prefill", "decode", "verify"}))
 
 
-# A decode or verify step wider than mhc.MAX_ROWS (e.g. 256 rows of a serving batch): the schedule of many rows per
-# program (R = 16, fn read once per 16 rows), on by default like MHC_KERNELS. Without it such a step ran each of its
-# 8 sites on XLA's path: compiled for an H200, a 4-layer Flash step at 256 rows launched 66 mHC kernels instead of
-# the 20 of 128 rows (docs/performance.md, "Batch 256"). Not timed on a GPU yet; `--kernel-override
-# mhc_site=reference` gives XLA's path for an A/B.
-MHC_WIDE_STEP_KERNELS = choice.Kernel("mhc_site", "mhc_wide_step", phases=choice.STEP_PHASES)
+# A decode or verify step wider than mhc.MAX_ROWS (e.g. 256 rows of a serving batch) on the schedule of 16 rows per
+# program (fn read once per 16 rows) instead of XLA's path. Opt-in (`--kernel-override mhc_site=kernel`): compiled
+# for an H200 it cuts a 4-layer Flash step at 256 rows from 249 launches to 202 (mHC 66 -> 28), but on one H100 the
+# step took 12.708 ms with it against 12.453 on XLA's path (2026-12-07, consecutive processes; docs/performance.md,
+# "Batch 256"): its mix kernel took 0.64 ms of the step's 0.85 ms of mHC.
+MHC_WIDE_STEP_KERNELS = choice.Kernel("mhc_site", "mhc_wide_step", phases=choice.STEP_PHASES, on_gpu_by_default=False)
 
 
 def _kernel_schedule(X: jax.Array, fn: jax.Array, cfg: ModelConfig, ctx) -> int | None:
     """How this site runs: None (the jnp reference), 0 (pallas_kernels/mhc.py one row per program: a decode or
     verify step of at most mhc.MAX_ROWS rows, each row's blocks reading all of fn) or R > 0 (its schedule of R rows
-    per program: a prefill chunk, opt-in on GPUs, or a wider decode or verify step; rows a multiple of
+    per program: a prefill chunk or a wider decode or verify step, both opt-in on GPUs; rows a multiple of
     PREFILL_MIN_ROWS)."""
     rows = math.prod(X.shape[:-2])
     rows_fit = rows % PREFILL_MIN_ROWS == 0 and mhc.supported(cfg.hc_mult, cfg.dim, fn.shape[0])

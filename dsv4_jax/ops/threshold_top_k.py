@@ -8,7 +8,7 @@ threshold takes 8 passes over [rows, N], each settling 4 bits of the value (most
 set, ties at the k-th value going to the lower indices as there; they come in ascending index order instead of
 descending score (the indexer's callers gather by them and mask the invalid ones: order does not matter to them
 beyond float rounding of sums over picks). Values are ordered as lax.top_k orders them, -0.0 below +0.0. Pure jnp:
-the same code on every backend; not yet timed on a GPU.
+the same code on every backend. Taken by GPU plans for a prefill chunk's indexer (ops/indexer.py, where it is timed).
 """
 
 from __future__ import annotations

@@ -425,20 +425,24 @@ def _default_block_n(n: int, cols: int = MP) -> int:
 WIDE_TILE_COLS = (32, 64)  # activation columns per program at which an FP8 GEMV takes 128-row weight tiles on 8 warps
 
 
-def _fp8_tiling(n: int, cols: int, block_n, num_warps, row_prescale) -> tuple[int, int, bool]:
+def _fp8_tiling(n: int, cols: int, col_tiles: int, block_n, num_warps, row_prescale) -> tuple[int, int, bool]:
     """fp8_matmul's (block_n, num_warps, row_prescale), each given or by default. At WIDE_TILE_COLS activation
     columns (a serving batch's 17-64 rows): tiles of 128 weight rows on 8 warps, faster than the tiling before
     (64-row tiles on 4 warps at 64 columns, 128-row tiles on 4 warps at 32) for 13 of Flash's 14 dense
     projections at 32 and 64 rows, by 0.2-11 us a call (one H100, 2026-12-07; docs/performance.md, "Timed:
-    128-row weight tiles"). Otherwise _default_block_n's tiles on 4 warps (128 columns was not timed alone, and the
-    step at batch 128 was 2% slower with 128-row tiles). Each program prescales its own slice of the rows unless
-    `row_prescale` (faster only for wq_b, K = 1,024, with no split: its launch costs more than it saves)."""
+    128-row weight tiles"). With more than one column tile (129-256 rows): the same tiles with the rows' f16
+    prescale made once before the launch, 106 us a layer faster than the default tiling over six of Flash's seven
+    dense projections at 256 rows (wq_b 107 -> 68 us, wo_a 108 -> 73, wo_b 112 -> 82, shared_w1 31 -> 27; wq_a and
+    wkv 2-3 us slower; at 128 rows it was slower: one H100, 2026-12-07, docs/performance.md "Batch 256").
+    Otherwise _default_block_n's tiles on 4 warps (the step at batch 128 was 2% slower with 128-row tiles). Each
+    program prescales its own slice of the rows unless `row_prescale`."""
+    wide = col_tiles > 1
     if row_prescale is None:
-        row_prescale = False
+        row_prescale = wide
     if block_n is None:
-        block_n = 128 if n % 128 == 0 and cols in WIDE_TILE_COLS else _default_block_n(n, cols)
+        block_n = 128 if n % 128 == 0 and (cols in WIDE_TILE_COLS or wide) else _default_block_n(n, cols)
     if num_warps is None:
-        num_warps = 8 if block_n == 128 and cols in WIDE_TILE_COLS else 4
+        num_warps = 8 if block_n == 128 and (cols in WIDE_TILE_COLS or wide) else 4
     return block_n, num_warps, row_prescale
 
 
@@ -551,7 +555,7 @@ def fp8_matmul(x: jax.Array, w: Fp8BlockWeight, out_dtype=None, *, interpret: bo
         raise ValueError(f"{what}: scale shape {w.scale.shape} does not match weight [{n}, {k}]")
     rows, m_used, fold = _activation_columns(x, what)
     cols, col_tiles = activation_tiling(m_used)
-    block_n, num_warps, row_prescale = _fp8_tiling(n, cols, block_n, num_warps, row_prescale)
+    block_n, num_warps, row_prescale = _fp8_tiling(n, cols, col_tiles, block_n, num_warps, row_prescale)
     if (FP8_BLOCK % block_n if block_n <= FP8_BLOCK else block_n % FP8_BLOCK) or n % block_n:
         raise ValueError(f"{what}: block_n={block_n} must divide 128 or be a multiple of it, and divide N={n}")
     steps = k // FP8_BLOCK
