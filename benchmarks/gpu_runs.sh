@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one-H200 runs of docs/performance.md, in parts that each fit one device call of 10 minutes (run on the
 # H200 from the repo root; results in $OUT, or ./out):
-#   suite1   the gpu-marked tests of test_ffi.py, test_fp4_layout.py, test_gemv_slots.py -> pytest_gpu_part1.log
+#   suite1   the gpu-marked tests of test_ffi.py, test_fp4_layout.py, test_gemv_slots.py, test_head_linear.py
+#                                                                     -> pytest_gpu_part1.log
 #   suite2   those of test_kernel_dispatch.py, test_pallas_mhc.py, test_pallas_sinkhorn.py, test_pallas_decode_attention.py,
 #            test_layer_stats.py                                              -> pytest_gpu_part2.log
 #   suite3   those of test_pallas_quantize.py and test_pallas_gemv.py         -> pytest_gpu_part3.log
@@ -49,7 +50,7 @@ mkdir -p "$OUT_DIR"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv | tee -a "$OUT_DIR/gpu.txt"
-GPU_TEST_FILES_1="tests/test_ffi.py tests/test_fp4_layout.py tests/test_gemv_slots.py"
+GPU_TEST_FILES_1="tests/test_ffi.py tests/test_fp4_layout.py tests/test_gemv_slots.py tests/test_head_linear.py"
 GPU_TEST_FILES_2="tests/test_kernel_dispatch.py tests/test_pallas_mhc.py tests/test_pallas_sinkhorn.py tests/test_pallas_decode_attention.py tests/test_layer_stats.py"
 GPU_TEST_FILES_3="tests/test_pallas_quantize.py tests/test_pallas_gemv.py"
 GPU_TEST_FILES_4="tests/test_pallas_indexer.py tests/test_pallas_norm_rope.py tests/test_pallas_compressor.py \

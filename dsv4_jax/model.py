@@ -20,7 +20,7 @@ from .layer_scan import StackedLayers
 from .layers.attention import DeferredChunk, LayerCache, attention, commit_attention
 from .layers.chunk import Chunk
 from .layers.hyper import hc_head
-from .ops import layer_stats, linear, mhc_site
+from .ops import head_linear, layer_stats, linear, mhc_site
 from .ops.mhc_site import hc_post
 from .ops.moe_ffn import MoeParts, moe
 from .ops.norm_rope import rms_norm, rope_inv_freq
@@ -238,7 +238,7 @@ def head_logits(params: dict, head_params: dict, cfg: ModelConfig, X: jax.Array,
     model's or the MTP block's); the output matrix is always the shared `head`, its input never quantized."""
     h = hc_head(X, head_params["hc_head_fn"], head_params["hc_head_base"], head_params["hc_head_scale"], cfg)
     h = rms_norm(h, head_params["norm"]["weight"], cfg.norm_eps)
-    return linear(h.astype(jnp.float32), params["head"]["weight"], jnp.float32, ctx=ctx.without_act_quant())
+    return head_linear(h, params["head"]["weight"], ctx=ctx)
 
 
 def mtp_streams(params: dict, cfg: ModelConfig, ctx: RunContext, X_main: jax.Array, chunk: Chunk,

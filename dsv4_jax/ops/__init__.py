@@ -3,4 +3,4 @@ between them (ops/choice.py) made from the run context: the phase its engine pro
 backend and the plan's per-op overrides. Layers call these and never look at a kernel themselves."""
 
 from .matmul import (ACT_QUANT_MODES, group_linear, grouped_linear, grouped_linear_joined,  # noqa: F401
-                     grouped_linear_pair, linear, linear_joined, linear_pair)
+                     grouped_linear_pair, head_linear, linear, linear_joined, linear_pair)

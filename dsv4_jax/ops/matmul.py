@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from ..numerics.activations import nvfp4_activation, nvfp4_global_scale
 from . import layer_stats
 from ..numerics.formats import Fp8BlockWeight, check_weight, dequantize_blocks, is_quantized
-from . import act_quantize, matmul_kernels
+from . import act_quantize, choice, matmul_kernels
 
 ACT_QUANT_MODES = ("none", "fp8", "nvfp4")
 
@@ -134,6 +134,22 @@ def linear(x: jax.Array, weight, out_dtype=None, *, ctx) -> jax.Array:
     w, weight_scale = dequantize_blocks(weight, x.dtype)
     y = jnp.einsum("...i,oi->...o", xq, w, preferred_element_type=jnp.float32)
     return _rescale(y, row_scale, weight_scale).astype(out_dtype or x.dtype)
+
+
+# The LM head's float32 logits (docs/model.md 4.7; the reference upcasts the head to float32) where its rows and the
+# stored head are both bf16: a bf16 dot with float32 accumulation forms the same products, exactly, on bf16 tensor
+# cores instead of float32 operands. On one H100 the float32 GEMM of a 256-row decode step took 1.24 ms for 0.39 ms
+# of bytes (~220 TFLOP/s; docs/performance.md, "Batch 256"). Kernel plans take it; the reference keeps float32
+# operands (the two differ in float32 rounding only: XLA:CPU sums a bf16 dot in another order).
+HEAD_BF16_DOT = choice.Kernel("matmul", "head_bf16_dot", phases=frozenset({"prefill", "decode", "verify"}))
+
+
+def head_linear(h: jax.Array, weight: jax.Array, *, ctx) -> jax.Array:
+    """float32 logits h [..., D] @ head^T [V, D] for the LM head (its rows never quantized)."""
+    ctx = ctx.without_act_quant()
+    both_bf16 = h.dtype == weight.dtype == jnp.bfloat16
+    x = h if choice.takes_kernel(HEAD_BF16_DOT, ctx, both_bf16) else h.astype(jnp.float32)
+    return linear(x, weight, jnp.float32, ctx=ctx)
 
 
 @_scoped_by_format
