@@ -58,7 +58,7 @@ def test_the_command_line_refuses_a_bad_override_in_one_line(capsys):
     assert code == cli.EXIT_USAGE
     assert err == ["error: kernel override 'attention=kernel': expected OP=CHOICE with OP one of matmul, "
                    "act_quantize, mhc_site, norm_rope, attention_core, indexer_scores, indexer_top_k, compressor_step, "
-                   "moe_ffn and "
+                   "moe_ffn, head and "
                    "CHOICE one of kernel, reference"]
 
 

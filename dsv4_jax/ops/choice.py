@@ -33,7 +33,7 @@ ALL_PHASES = frozenset(PHASES)
 
 # The ops that choose, and what an override may say of each.
 OPS = ("matmul", "act_quantize", "mhc_site", "norm_rope", "attention_core", "indexer_scores", "indexer_top_k",
-       "compressor_step", "moe_ffn")
+       "compressor_step", "moe_ffn", "head")
 OVERRIDES = ("kernel", "reference")
 
 

@@ -139,9 +139,10 @@ def linear(x: jax.Array, weight, out_dtype=None, *, ctx) -> jax.Array:
 # The LM head's float32 logits (docs/model.md 4.7; the reference upcasts the head to float32) where its rows and the
 # stored head are both bf16: a bf16 dot with float32 accumulation forms the same products, exactly, on bf16 tensor
 # cores instead of float32 operands. On one H100 the float32 GEMM of a 256-row decode step took 1.24 ms for 0.39 ms
-# of bytes (~220 TFLOP/s; docs/performance.md, "Batch 256"). Kernel plans take it; the reference keeps float32
-# operands (the two differ in float32 rounding only: XLA:CPU sums a bf16 dot in another order).
-HEAD_BF16_DOT = choice.Kernel("matmul", "head_bf16_dot", phases=frozenset({"prefill", "decode", "verify"}))
+# of bytes (~220 TFLOP/s; docs/performance.md, "Batch 256"). Kernel plans take it (op `head`; `--kernel-override
+# head=reference` keeps float32 operands, as the reference plan does); the two differ in float32 rounding only
+# (XLA:CPU, for one, sums a bf16 dot in another order).
+HEAD_BF16_DOT = choice.Kernel("head", "head_bf16_dot", phases=frozenset({"prefill", "decode", "verify"}))
 
 
 def head_linear(h: jax.Array, weight: jax.Array, *, ctx) -> jax.Array:
