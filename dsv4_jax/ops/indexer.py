@@ -5,9 +5,8 @@ Its reference is the jnp below (all entries at once, or a block at a time with a
 indexer_block() entries); its kernel, pallas_kernels/indexer.py, scores a decode or verify step's rows in one
 launch, and a prefill chunk's rows 16 at a time against each block of keys (the heads summed on chip: no [B, S,
 heads, N] products in memory; the top-k over the [B, S, N] scores follows, XLA's `lax.top_k` on a block of entries
-at a time beyond kernel_block()). A prefill chunk's one top-k
-over all its entries runs without a sort on GPU plans (ops/threshold_top_k.py, op `indexer_top_k`). `select`
-chooses (ops/choice.py).
+at a time beyond kernel_block()). A prefill chunk's one top-k over all its entries runs without a sort on GPU
+plans (ops/threshold_top_k.py, op `indexer_top_k`). `select` chooses (ops/choice.py).
 """
 
 from __future__ import annotations

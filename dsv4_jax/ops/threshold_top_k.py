@@ -1,5 +1,5 @@
-"""The k largest of each row without a sort: the k-th largest value found by a radix search over the float32 bits, then
-the entries above it and the first of those equal to it kept in index order.
+"""The k largest of each row without a sort: the k-th largest value found by a radix search over the float32 bits,
+then the entries above it and the first of those equal to it kept in index order.
 
 `jax.lax.top_k` of k = 512 over a prefill chunk's [S, N] indexer scores runs on a GPU as a sort-like sequence of
 kernels (7 kernels, 11.6 ms of a profiled 8,192-token chunk's 106 ms on an H100, docs/performance.md). Here the
