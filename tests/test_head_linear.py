@@ -60,3 +60,22 @@ def test_gpu_head_at_flash_geometry(rows):
     want = np.asarray(h, np.float64) @ np.asarray(w, np.float64).T
     err = np.max(np.abs(logits - want)) / np.max(np.abs(want))
     assert err < 3e-5, err          # a bf16 output or bf16 sums would be ~4e-3
+
+
+def test_a_quantized_head_keeps_float32_rows():
+    """A converted checkpoint's NVFP4 head (tests/test_nvfp4_checkpoint.py): no bf16 dot, float32 rows against its
+    dequantized value (float64), as before the choice existed."""
+    from dsv4_jax.numerics.formats import Nvfp4Weight, dequantize
+
+    rng = np.random.default_rng(3)
+    h = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    packed = jnp.asarray(rng.integers(0, 256, (128, 128), dtype=np.uint8))
+    scale = jnp.asarray(rng.uniform(0.5, 4.0, (128, 16)), jnp.float32).astype(jnp.float8_e4m3fn)
+    w = Nvfp4Weight(packed, scale, jnp.asarray(0.01, jnp.float32))
+    ctx = RunContext.create(kernels="interpret", dtype="bfloat16").in_phase("decode")
+    with choice.record_dispatch("head") as choices:
+        logits = head_linear(h, w, ctx=ctx)
+    assert [c.kernel for c in choices] == [None], choices
+    want = np.asarray(h, np.float64) @ np.asarray(dequantize(w, jnp.float32), np.float64).T
+    err = np.max(np.abs(np.asarray(logits, np.float64) - want)) / np.max(np.abs(want))
+    assert logits.dtype == jnp.float32 and err < 2e-6, err

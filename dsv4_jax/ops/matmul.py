@@ -145,10 +145,11 @@ def linear(x: jax.Array, weight, out_dtype=None, *, ctx) -> jax.Array:
 HEAD_BF16_DOT = choice.Kernel("head", "head_bf16_dot", phases=frozenset({"prefill", "decode", "verify"}))
 
 
-def head_linear(h: jax.Array, weight: jax.Array, *, ctx) -> jax.Array:
-    """float32 logits h [..., D] @ head^T [V, D] for the LM head (its rows never quantized)."""
+def head_linear(h: jax.Array, weight, *, ctx) -> jax.Array:
+    """float32 logits h [..., D] @ head^T [V, D] for the LM head in any stored format (a converted checkpoint may
+    quantize it; its rows are never quantized)."""
     ctx = ctx.without_act_quant()
-    both_bf16 = h.dtype == weight.dtype == jnp.bfloat16
+    both_bf16 = h.dtype == jnp.bfloat16 and not is_quantized(weight) and weight.dtype == jnp.bfloat16
     x = h if choice.takes_kernel(HEAD_BF16_DOT, ctx, both_bf16) else h.astype(jnp.float32)
     return linear(x, weight, jnp.float32, ctx=ctx)
 
