@@ -178,7 +178,7 @@ def test_gpu_decode_entries_match_float64(ratio, head_dim):
     token against float64; the state against the jnp path (the reference plan on the GPU) bit for bit."""
     cfg = presets.flash()
     steps = 2 * ratio + 3
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(181)
     params = _params(rng, ratio, head_dim, 256)
     xs = rng.standard_normal((2, steps, 256)).astype(np.float32)
     live = np.ones((2, steps), bool)

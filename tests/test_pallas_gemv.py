@@ -93,7 +93,7 @@ DENSE = {"mxfp4": (_mxfp4, gemv.mxfp4_matmul), "nvfp4": (_nvfp4, gemv.nvfp4_matm
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8"])
 def test_dense_interpret(fmt):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(96)
     n, k = 128, 512
     make, fn = DENSE[fmt]
     w = make(rng, (n, k))
@@ -118,7 +118,7 @@ def test_dense_interpret_wide(fmt, m, dtype):
     column tiles above 128 (float32 rows count twice, as hi + lo parts), on the kernels' default tilings. Every
     output row is checked against float64 math, so a column tile written twice or not at all (NaN in interpret
     mode) fails."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(121)
     n, k = 128, 512
     make, fn = DENSE[fmt]
     w = make(rng, (n, k))
@@ -133,7 +133,7 @@ def test_dense_interpret_wide(fmt, m, dtype):
 def test_f16_prescale_exponent():
     """amax * 2^p lands in [2^13, 2^14) for every normal float32 magnitude a bf16 row can have (float64 check),
     p is 0 for a zero row, and the clip holds at the extremes."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(136)
     amax = np.concatenate([2.0 ** rng.uniform(-86, 86, 500), [2.0 ** -86, 1.0, 1.5, 2.0 ** 86]]).astype(np.float32)
     p = np.asarray(gemv.f16_prescale_exponent(jnp.asarray(amax)), np.float64)
     scaled = amax.astype(np.float64) * 2.0 ** p
@@ -148,7 +148,7 @@ def test_fp8_rows_of_any_magnitude_interpret(row_prescale):
     with `row_prescale` once over all of K before the launch): rows from 2^-60 to 2^60 and a zero row, over two K
     splits, each within float32 rounding of float64 math; a shared prescale would flush the small rows to zero or
     overflow f16 on the large ones."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(151)
     n, k, m = 128, 512, 6
     w = _fp8(rng, (n, k))
     magnitudes = np.array([2.0 ** -60, 2.0 ** -20, 1.0, 0.0, 2.0 ** 20, 2.0 ** 60])[:, None]
@@ -208,7 +208,7 @@ def test_f16_rows_are_exact(kernel):
     """f16_rows (its kernel in interpret mode over two K steps, or the jnp reference): each bf16 row times 2^p is
     exactly representable in f16 (float64 check) down to 2^-27 of the row's largest magnitude, and 2^-p undoes
     it; a zero row stays zero with undo 1; the kernel equals the reference bit for bit."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(211)
     x = rng.standard_normal((8, 1024)) * 2.0 ** rng.integers(-40, 41, (8, 1))
     x[5] = 0.0
     x[2, 700] = -2.0 ** 30                             # the largest magnitude in the second step
@@ -235,7 +235,7 @@ def test_split_is_capped_by_the_partials():
 
 
 def test_dense_interpret_rows_and_dtype():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(238)
     w = _mxfp4(rng, (64, 256))
     x = _x(rng, 16, 256, jnp.bfloat16)
     y = gemv.mxfp4_matmul(x, w, interpret=True, block_n=64, split_k=1)
@@ -253,7 +253,7 @@ def test_dense_interpret_rows_and_dtype():
 @pytest.mark.parametrize("fmt,dtype", [("mxfp4", jnp.bfloat16), ("nvfp4", jnp.float32)])
 def test_moe_interpret(fmt, dtype):
     """Decode-wide slots, an expert's rows over several slots (float32: hi and lo halves), against float64."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(256)
     n_exp, n, k = 6, 64, 256
     w = (_mxfp4 if fmt == "mxfp4" else _nvfp4)(rng, (n_exp, n, k))
     dense = _dequant64(w)
@@ -270,7 +270,7 @@ def test_moe_interpret(fmt, dtype):
 def test_moe_prefill_slots_interpret():
     """Prefill-wide slots (64 columns, no split-K), rows in random order, against float64; rows past the slots'
     real rows are never read back (the output is exactly [R, N], finite)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(273)
     n_exp, n, k = 4, 128, 256
     w = _mxfp4(rng, (n_exp, n, k))
     ids = jnp.asarray(rng.integers(0, n_exp, 300), jnp.int32)
@@ -370,7 +370,7 @@ def test_moe_ffn_bad_input_is_refused():
 
 
 def test_tiling_that_failed_on_the_gpu_is_refused():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(373)
     w = _mxfp4(rng, (2, 128, 256))
     x, ids = _x(rng, 4, 256, jnp.bfloat16), jnp.asarray([0, 1, 1, 0], jnp.int32)
     with pytest.raises(ValueError, match="8 warps with 3 pipeline stages and 32 packed bytes"):
@@ -467,7 +467,7 @@ gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 def test_dense_gpu(fmt, m):
     """Every activation width on the default tilings: 16 columns (decode), 32 / 64 / 128 and two tiles of 128
     (batch 17-256, verify steps); float32 rows as hi + lo parts up to 128 rows."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(470)
     n, k = 2048, 4096
     make, fn = DENSE[fmt]
     w = make(rng, (n, k))
@@ -488,7 +488,7 @@ def test_dense_gpu(fmt, m):
 def test_f16_rows_gpu():
     """f16_rows' kernel on the GPU equals its jnp reference (exact operations: a power-of-two scale, a conversion
     that is exact above f16's subnormals) bit for bit, rows of magnitudes 2^-40..2^40 and a zero row."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(491)
     x = rng.standard_normal((64, 4096)) * 2.0 ** rng.integers(-40, 41, (64, 1))
     x[7] = 0.0
     x = jnp.asarray(x, jnp.bfloat16)
@@ -502,7 +502,7 @@ def test_f16_rows_gpu():
 @gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_moe_gpu(fmt):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(505)
     n_exp, n, k = 32, 2048, 4096
     w = (_mxfp4 if fmt == "mxfp4" else _nvfp4)(rng, (n_exp, n, k))
     ids = jnp.asarray(np.stack([rng.choice(n_exp, 6, replace=False) for _ in range(8)]).reshape(-1), jnp.int32)
@@ -555,7 +555,7 @@ def test_moe_ffn_gpu(fmt):
 def routed_prefill_case():
     """16 MXFP4 experts 2048 x 4096 and 6144 routed rows sorted by expert (a shape on which a faulty tiling wrote
     non-finite values, benchmarks/probe_moe_tilings.py), with float32 per-expert reference products."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(558)
     n_exp, n, k = 16, 2048, 4096
     w = _mxfp4(rng, (n_exp, n, k))
     ids = np.sort(rng.integers(0, n_exp, 6144)).astype(np.int32)
@@ -605,7 +605,7 @@ def test_moe_slot_widths_gpu(routed_prefill_case, slot_cols):
 def test_decode_short_k_steps_gpu(unroll):
     """Decode kernels with the shorter K steps the dispatch picks when K is not a multiple of 256 (MXFP4 scale
     blocks per step: 1, 2, 4), dense and routed."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(608)
     n, k = 512, 1024
     w = _mxfp4(rng, (n, k))
     x = _x(rng, 5, k, jnp.bfloat16)

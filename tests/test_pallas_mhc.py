@@ -261,7 +261,7 @@ def test_gpu_site_matches_float64(dim, lead):
     """The compiled Triton kernels at Flash (4096) and Pro (7168: 56 mixing chunks, 7 collapse chunks) width, at
     decode (1 and 8 rows) and a prefill chunk's row count, float32 against float64 numpy; and bf16 streams within
     the bounds of float64 with the bf16 roundings (test_bfloat16_site_matches_float64_with_its_roundings)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(264)
     cfg, X, fn, base, scale, weight, y, post, comb = _inputs(rng, lead, dim, jnp.float32)
     want = _numpy_site(cfg, X, fn, base, scale, weight, (y, post, comb))
     run = jax.jit(lambda X, fn, b, s, w, p: mhc.mhc_pre_norm(X, fn, b, s, w, norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps,

@@ -226,7 +226,7 @@ def test_cuda_lowering_flash_geometry(operand):
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 def test_flash_geometry_gpu():
     """256 experts 2048 x 4096, an 8,192-row chunk's routing: the FP8 wgmma keeps ~14 bits per 128-input block."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(229)
     xq, sx = _activation(rng, 8192, 4096)
     w = _weight(rng, (256, 2048, 4096))
     ids = jnp.asarray(rng.integers(0, 256, 8192), jnp.int32)

@@ -244,7 +244,7 @@ HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 def test_gpu_rows_match_float64(dim, rope_dim):
     """The compiled Triton kernel at Flash's and Pro's widths (the query latent 1,024 / 1,536, the keys 512 with
     RoPE), float32 against float64 as test_float32_rows_match_float64 checks it in interpret mode."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(247)
     x, weight, positions = _inputs(rng, 8, dim)
     rope = None if rope_dim is None else (positions, rope_inv_freq(presets.named("flash"), 4))
     got = np.asarray(jax.jit(lambda x, w, p: norm_rope.rms_norm_rows(
@@ -262,7 +262,7 @@ def test_gpu_keys_and_indexer_queries_equal_the_jnp_path():
     jnp path on the GPU: equal but for rare elements moved by one FP8 / FP4 step."""
     from dsv4_jax.numerics.fake_quant import fp4_fake_quant, hadamard
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(265)
     inv_freq = rope_inv_freq(presets.named("flash"), 4)
     x, weight, positions = (jnp.asarray(a) for a in _inputs(rng, 16, 512))
     keys = jax.jit(lambda x, w, p: norm_rope.rms_norm_rows(x, w, eps=1e-6, in_dtype=jnp.bfloat16,

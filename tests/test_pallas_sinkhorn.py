@@ -123,7 +123,7 @@ HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 @pytest.mark.parametrize("rows", [16, 2048, 8192 + 64])
 def test_gpu_sinkhorn_rows_matches_float64(rows):
     """The compiled Triton kernel (blocks of 16, 512 and 64 rows) against float64, with sharp logits."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(126)
     logits = (10 * rng.standard_normal((rows, 4, 4))).astype(np.float32)
     got = np.asarray(jax.jit(lambda x: sinkhorn_rows(x, iters=20, eps=1e-6))(jnp.asarray(logits)))
     want = R.sinkhorn(logits.astype(np.float64), 20, 1e-6)
