@@ -62,9 +62,9 @@ def test_tiny_smoke_run(tmp_path, capsys):
     (["--replot", "x.json"], "--replot needs --plot"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--kernels", "reference"], "add --reference none"),
-    (["--top-p", "0"], "--top-p must lie in (0, 1]"),
-    (["--temperature", "-1"], "--temperature must be a finite value >= 0"),
-    (["--top-k", "-2"], "--top-k must be >= 0"),
+    (["--top-p", "0"], "argument --top-p: must lie in (0, 1], got 0"),
+    (["--temperature", "-1"], "argument --temperature: must be a finite number >= 0, got -1"),
+    (["--top-k", "-2"], "argument --top-k: must be an integer >= 0, got -2"),
 ])
 def test_bad_arguments_get_one_line(argv, message, capsys):
     with pytest.raises(SystemExit):

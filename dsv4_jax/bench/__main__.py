@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import sys
@@ -35,6 +34,7 @@ import jax.numpy as jnp
 
 from .. import init_random, make_mesh, presets
 from ..engine import PREFILL_CHUNK
+from ..generate import _int_at_least, _temperature, _top_p   # the command line's checks of these options
 from ..roofline import bytes_by_family, prefill_flops, roofline, weight_bytes_by_part
 from ..settings import Settings
 from ..source_digest import source_digest
@@ -81,10 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--act-quant", choices=("none", "fp8", "nvfp4"), default="none",
                    help="activations quantized before the quantized-weight matmuls (Settings.act_quant; default none)")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=_temperature, default=0.0,
                    help="every decode row's temperature (default 0: greedy rows, whose token choice never sorts)")
-    p.add_argument("--top-k", type=int, default=0, help="every decode row's top-k (default 0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="every decode row's top-p (default 1: off)")
+    p.add_argument("--top-k", type=_int_at_least(0), default=0, help="every decode row's top-k (default 0: off)")
+    p.add_argument("--top-p", type=_top_p, default=1.0, help="every decode row's top-p (default 1: off)")
     p.add_argument("--stats", action="store_true",
                    help="the main side's decode programs also measure every layer's statistics (ops/layer_stats.py): "
                         "what that costs, against a run without")
@@ -114,12 +114,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--profile-batches must be distinct values >= 1, got {args.profile_batches}")
     if args.profile_batches != [1] and not args.profile:
         p.error("--profile-batches needs --profile DIR")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        p.error(f"--temperature must be a finite value >= 0, got {args.temperature}")
-    if args.top_k < 0:
-        p.error(f"--top-k must be >= 0, got {args.top_k}")
-    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
-        p.error(f"--top-p must lie in (0, 1], got {args.top_p}")
     for name in ("steps", "calls", "prefill_calls", "prefill_chunk", "devices"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
