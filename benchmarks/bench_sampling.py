@@ -1,9 +1,8 @@
-"""What choosing a decode step's tokens costs on the device: `sampling.sample_rows` over [batch, vocab] float32
-logits (Flash's vocabulary by default), for greedy rows, temperature-only rows, rows with top-p, top-k or both (the
-filters by rejection, without a sort; with both, the k-th value by bisection too), beside its sorting path forced for
+"""What choosing a decode step's tokens costs on the device: `sampling.sample_rows` over [batch, vocab] float32 logits
+(Flash's vocabulary by default), for greedy rows, temperature-only rows, rows with top-p, top-k or both (the filters
+by rejection, without a sort; with both, the k-th value by a radix search too), beside its sorting path forced for
 every batch (`sort_path`: each row's vocabulary sorted for its filters, which every batch paid before greedy and
-unfiltered batches skipped the sort, and filtering ones tried rejection first). The two must choose the same
-tokens.
+unfiltered batches skipped the sort, and filtering ones tried rejection first). The two must choose the same tokens.
 
 Each case: the GPU kernel time of one call (CUPTI, `jax.experimental.mosaic.gpu.profiler.measure`; launch gaps
 excluded) and the wall time of `--calls` back-to-back calls divided by their number (dispatch overlapped), median of
