@@ -234,6 +234,49 @@ def test_indexer_queries_equal_the_jnp_path(dtype):
     assert np.all(np.isin(np.abs(blocks / scale), [0, 0.5, 1, 1.5, 2, 3, 4, 6]))
 
 
+@pytest.mark.parametrize("per", [2, 8, 16])
+def test_several_rows_a_program_equal_one_row_a_program(per):
+    """Per-head queries [B, 1, 16 heads, 512] (positions shared by a token's heads) and keys [32, 1, 512] with their
+    own positions, weight and FP8 nope dims, `per` rows to a program: bit for bit what one row a program gives
+    (the same arithmetic row by row), and the queries within float32 rounding of float64."""
+    rng = np.random.default_rng(per)
+    inv_freq = rope_inv_freq(presets.named("flash"), 4)
+    q = rng.standard_normal((4, 1, 16, 512)) * rng.uniform(0.1, 10.0, (4, 1, 16, 1))
+    q = jnp.asarray(q, jnp.float32)
+    positions = jnp.asarray(rng.integers(0, 1 << 20, (4, 1)), jnp.int32)
+    queries = lambda n: np.asarray(norm_rope.rms_norm_rows(  # noqa: E731
+        q, None, eps=1e-6, in_dtype=jnp.float32, rope=(positions, inv_freq), rows_per_program=n, interpret=True))
+    got = queries(per)
+    np.testing.assert_array_equal(got, queries(1))
+    want = _float64_rows(np.asarray(q).reshape(64, 1, 512), np.ones(512),
+                         (np.repeat(np.asarray(positions), 16, axis=0), inv_freq))
+    err = np.max(np.abs(got.reshape(64, 512) - want.reshape(64, 512)), axis=-1) / np.max(np.abs(want), axis=(-2, -1))
+    assert np.all(err < 3e-6), err
+    x, weight, key_positions = _inputs(rng, 32, 512)
+    keys = lambda n: np.asarray(norm_rope.rms_norm_rows(  # noqa: E731
+        jnp.asarray(x), jnp.asarray(weight), eps=1e-6, in_dtype=jnp.bfloat16, rope=(jnp.asarray(key_positions),
+        inv_freq), fp8_nope=True, rows_per_program=n, interpret=True), np.float32)
+    np.testing.assert_array_equal(keys(per), keys(1))
+
+
+def test_rows_per_program_by_default_and_refused():
+    """One row a program while the rows alone make enough programs; then stacked up to 16, within the rows that
+    share a position; a count that does not divide them is refused."""
+    assert norm_rope.default_rows_per_program(64, 64) == 1                    # batch 1's per-head queries
+    assert norm_rope.default_rows_per_program(256, 1) == 1                    # batch 256's keys
+    assert norm_rope.default_rows_per_program(64 * 64, 64) == 8               # batch 64's per-head queries
+    assert norm_rope.default_rows_per_program(256 * 64, 64) == 16
+    assert norm_rope.default_rows_per_program(256 * 4, 4) == 2                # stays within a token's 4 heads
+    assert norm_rope.default_rows_per_program(3 * 512, 1) == 2
+    x = jnp.ones((6, 1, 128), jnp.float32)
+    with pytest.raises(ValueError, match="rows_per_program=4"):
+        norm_rope.rms_norm_rows(x, None, eps=1e-6, in_dtype=jnp.float32, rows_per_program=4, interpret=True)
+    with pytest.raises(ValueError, match="rows_per_program=2"):
+        norm_rope.rms_norm_rows(x.reshape(2, 3, 128), None, eps=1e-6, in_dtype=jnp.float32,
+                                rope=(jnp.zeros((2,), jnp.int32), np.ones(32, np.float32)), rows_per_program=2,
+                                interpret=True)
+
+
 # ---- on the GPU -----------------------------------------------------------------------------------------------
 HAS_GPU = any(d.platform == "gpu" for d in jax.devices())
 

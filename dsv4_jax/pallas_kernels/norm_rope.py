@@ -9,11 +9,13 @@ XLA does not fuse a reduction with the elementwise work that reads its result.
     iq = rms_norm_rows(iq, None, eps=None, in_dtype=bf16, rope=(positions, inv_freq), hadamard_fp4=True)  # indexer
 
 The input may be the float32 a matmul kernel wrote: it is first rounded to `in_dtype` (what the matmul would have
-returned in the model's dtype), so the cast costs no launch of its own. One program per row, two passes over
-power-of-two column chunks (the sum of squares, then the normalised chunks; with `rope` the chunks are rope_dim
-wide and the last one is rotated). Numerics follow the jnp path operation for operation in float32: the normalised
-row is rounded to the output dtype, then the rope dims are rotated in float32 (each value's pair partner found with
-a 0/1 permutation, exact) and rounded again, and each 64-value block of the other dims is rounded to e4m3 under its
+returned in the model's dtype), so the cast costs no launch of its own. A program takes one row, or several
+(`default_rows_per_program`: a serving step's thousands of per-head query rows), in two passes over power-of-two
+column chunks (the sums of squares, then the normalised chunks; with `rope` the chunks are rope_dim wide and the
+last one is rotated). Numerics follow the jnp path operation for operation in float32: the normalised row is
+rounded to the output dtype, then the rope dims are rotated in float32 (read and written as their even and odd
+columns, strided, so each value's pair partner is at hand; with the Hadamard rounding, which needs the chunk
+whole, the partner comes from a 0/1 permutation, exact) and rounded again, and each 64-value block of the other dims is rounded to e4m3 under its
 power-of-two scale; only the order of the sum of squares differs. The indexer's queries take no norm (eps None):
 RoPE, then the normalised Hadamard transform of the row (its float32 sums in chunk order) and FP4 per 32 values.
 """
@@ -60,8 +62,15 @@ def rotate_pairs(y, angle):
     return y * jnp.cos(angle) + partner * (sign * jnp.sin(angle))
 
 
+def _rotate_pieces(even, odd, angle):
+    """RoPE on a chunk held as its even and odd columns [R, C/2] (float32) at angle [R, C/2] (position * f_i): the
+    same products and sums as rotate_pairs, with each value's partner at hand (no permutation)."""
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    return even * cos - odd * sin, odd * cos + even * sin
+
+
 def _kernel(*refs, first: int, dim: int, chunk: int, eps: float | None, in_dtype, has_weight: bool, rope: bool,
-            fp8_nope: bool, hadamard: bool, ring_window: int | None):
+            rope_pieces: bool, row_positions: bool, fp8_nope: bool, hadamard: bool, ring_window: int | None):
     refs = list(refs)
     x_ref = refs.pop(0)
     w_ref = refs.pop(0) if has_weight else None
@@ -76,46 +85,83 @@ def _kernel(*refs, first: int, dim: int, chunk: int, eps: float | None, in_dtype
     dtype = out_ref.dtype
     n_chunks = dim // chunk
 
-    def load(j):
-        return x_ref[0, pl.ds(first + j * chunk, chunk)].astype(in_dtype).astype(_F32)
+    def load(start, size, stride=1):            # the program's rows [R, size] of columns start, start + stride, ...
+        return x_ref[:, pl.ds(first + start, size, stride=stride)].astype(in_dtype).astype(_F32)
+
+    def weight(start, size, stride=1):
+        return w_ref[pl.ds(start, size, stride=stride)].astype(_F32)[None, :]
 
     scale = None
-    if eps is not None:                         # the RMSNorm: the row's sum of squares first
-        sum_sq = jnp.zeros((), _F32)
+    if eps is not None:                         # the RMSNorm: each row's sum of squares first
+        sum_sq = jnp.zeros((x_ref.shape[0], 1), _F32)
         for j in range(n_chunks):
-            x = load(j)
-            sum_sq = sum_sq + jnp.sum(x * x)
+            x = load(j * chunk, chunk)
+            sum_sq = sum_sq + jnp.sum(x * x, axis=1, keepdims=True)
         scale = jax.lax.rsqrt(sum_sq / dim + eps)
-    out = []
-    for j in range(n_chunks):
-        y = load(j)
+
+    def normalised(start, size, stride=1):
+        y = load(start, size, stride)
         if scale is not None:
             y = y * scale
             if w_ref is not None:
-                y = y * w_ref[pl.ds(j * chunk, chunk)].astype(_F32)
+                y = y * weight(start, size, stride)
             y = y.astype(dtype).astype(_F32)
+        return y
+
+    if rope:                                    # the rows' positions: one per row, or one the program's rows share
+        position = (pos_ref[...] if row_positions else scalar(pos_ref)[None]).astype(_F32)[:, None]
+    pieces = []                                 # (first column, column stride, float32 values [R, n]) of the output
+    for j in range(n_chunks):
+        start = j * chunk
         if rope and j == n_chunks - 1:          # ops/norm_rope.apply_rope: (y_2i, y_2i+1) turned by position * f_i
-            angle = scalar(pos_ref).astype(_F32) * freq_ref[...]
-            y = rotate_pairs(y, angle).astype(dtype).astype(_F32)
-        elif fp8_nope:
-            y = fp8_fake_quant(y[None, :])[0].astype(dtype).astype(_F32)
-        out.append(y)
-    if hadamard:
-        out = hadamard_fp4(out, hadamard_ref, dtype)
-    for j, y in enumerate(out):
-        out_ref[0, pl.ds(j * chunk, chunk)] = y.astype(dtype)
-    if ring_window is not None:
+            angle = position * freq_ref[...][None, :]
+            if rope_pieces:
+                half = chunk // 2
+                even, odd = _rotate_pieces(normalised(start, half, 2), normalised(start + 1, half, 2), angle)
+                pieces += [(start, 2, even.astype(dtype).astype(_F32)), (start + 1, 2, odd.astype(dtype).astype(_F32))]
+            else:
+                y = rotate_pairs(normalised(start, chunk)[0], angle[0])[None, :]
+                pieces.append((start, 1, y.astype(dtype).astype(_F32)))
+            continue
+        y = normalised(start, chunk)
+        if fp8_nope:
+            y = fp8_fake_quant(y).astype(dtype).astype(_F32)
+        pieces.append((start, 1, y))
+    if hadamard:                                # one row a program, its chunks whole (rope_pieces is off)
+        rounded = hadamard_fp4([y[0] for _, _, y in pieces], hadamard_ref, dtype)
+        pieces = [(start, 1, y[None, :]) for (start, _, _), y in zip(pieces, rounded)]
+    for start, stride, y in pieces:
+        out_ref[:, pl.ds(start, y.shape[1], stride=stride)] = y.astype(dtype)
+    if ring_window is not None:                 # one row a program
         slot = scalar(pos_ref) % ring_window
 
         @pl.when(scalar(n_valid_ref, pl.program_id(0)) > 0)     # a row without a token writes nothing
         def _():
-            for j, y in enumerate(out):
-                ring_ref[pl.ds(slot, 1), pl.ds(j * chunk, chunk)] = y.astype(dtype)[None, :]
+            for start, stride, y in pieces:
+                ring_ref[pl.ds(slot, 1), pl.ds(start, y.shape[1], stride=stride)] = y.astype(dtype)
+
+
+MAX_ROWS_PER_PROGRAM = 16
+MIN_PROGRAMS = 512           # several programs per SM before rows are stacked into one (132 SMs on an H100)
+
+
+def default_rows_per_program(rows: int, group: int) -> int:
+    """Rows a program normalises together (one chunk of each at a time): one while `rows` alone make MIN_PROGRAMS
+    programs, else the largest power of two up to MAX_ROWS_PER_PROGRAM that keeps MIN_PROGRAMS of them, divides
+    the rows and fits the rows sharing a position (`group`: divides it, or each row has its own). A serving step's
+    per-head queries (batch x 64 heads rows of 512) are thousands of one-row programs of a few microseconds each
+    otherwise."""
+    per_program = 1
+    while (per_program < MAX_ROWS_PER_PROGRAM and rows % (2 * per_program) == 0
+           and rows // (2 * per_program) >= MIN_PROGRAMS and (group == 1 or group % (2 * per_program) == 0)):
+        per_program *= 2
+    return per_program
 
 
 def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float | None, in_dtype, out_dtype=None,
                   rope=None, fp8_nope: bool = False, hadamard_fp4: bool = False,
-                  columns: tuple[int, int] | None = None, ring=None, interpret: bool = False):
+                  columns: tuple[int, int] | None = None, ring=None, rows_per_program: int | None = None,
+                  interpret: bool = False):
     """x [..., D] (any float dtype; rounded to in_dtype first) -> rms_norm(x, weight) in out_dtype (default
     in_dtype); `rope` = (positions int32 [...], the rows' leading dims, or fewer of them to share a position among
     the rows of the rest, e.g. a token's heads; inv_freq [rope_dim / 2]): then RoPE on the last rope_dim dims at
@@ -125,7 +171,8 @@ def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float | None, 
     (e.g. one of two matmul outputs written side by side), read in place. `ring` = (window ring [B, W, D] in
     out_dtype, n_valid [B]) for one token per sequence (x [B, 1, ...] with `rope`): each row is also written into the
     ring at slot position mod W, in place, where n_valid > 0 (attention.write_ring's one-token case, without a launch
-    of its own); returns (rows, the ring)."""
+    of its own); returns (rows, the ring). `rows_per_program`: default_rows_per_program's (one with hadamard_fp4 or
+    a ring); it must divide the rows, and the rows sharing a position unless each row has its own."""
     *lead, width = x.shape
     first, dim = (0, width) if columns is None else columns
     if first < 0 or first + dim > width:
@@ -138,15 +185,11 @@ def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float | None, 
                          f"D, 64 with fp8_nope; a power-of-two D with hadamard_fp4)")
     rows = int(np.prod(lead)) if lead else 1
     chunk = pow2_divisor(dim, MAX_CHUNK) if rope is None else rope_dim
-    args = [x.reshape(rows, width)]
-    specs = [pl.BlockSpec((1, width), lambda r: (r, 0))]
-    if weight is not None:
-        args.append(weight)
-        specs.append(pl.BlockSpec((dim,), lambda r: (0,)))
+    group = 1
     if rope is not None:
-        positions, inv_freq = rope
         # positions [lead[:m]] (trailing ones allowed): each is shared by the rows of the trailing lead dims (e.g.
         # a token's heads), read by every row of its group -- a broadcast copy would be a launch of its own
+        positions, inv_freq = rope
         shape = tuple(positions.shape)
         while shape and shape[-1] == 1 and tuple(lead[:len(shape)]) != shape:
             shape = shape[:-1]
@@ -154,13 +197,28 @@ def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float | None, 
             raise ValueError(f"rms_norm_rows: positions {tuple(positions.shape)} must be the rows' leading dims "
                              f"{tuple(lead)} (trailing ones allowed)")
         group = rows // max(1, int(np.prod(shape)))
-        args += [positions.reshape(-1).astype(jnp.int32),
-                 jnp.asarray(np.repeat(np.asarray(inv_freq, np.float32), 2))]
-        specs += [pl.BlockSpec((1,), lambda r: (r // group,)), pl.BlockSpec((rope_dim,), lambda r: (0,))]
+    one_row = hadamard_fp4 or ring is not None       # their kernel code takes a program's rows one at a time
+    per = (1 if one_row else default_rows_per_program(rows, group)) if rows_per_program is None else rows_per_program
+    if per < 1 or rows % per or (per > 1 and (one_row or (group > 1 and group % per))):
+        raise ValueError(f"rms_norm_rows: rows_per_program={per} must divide the {rows} rows and the {group} rows "
+                         f"sharing a position (or be 1; 1 with hadamard_fp4 or a ring)")
+    args = [x.reshape(rows, width)]
+    specs = [pl.BlockSpec((per, width), lambda r: (r, 0))]
+    if weight is not None:
+        args.append(weight)
+        specs.append(pl.BlockSpec((dim,), lambda r: (0,)))
+    rope_pieces = not hadamard_fp4       # RoPE on the even and odd columns apart; the transform needs whole chunks
+    row_positions = rope is not None and group == 1 and per > 1
+    if rope is not None:
+        freq = np.asarray(inv_freq, np.float32)
+        args += [positions.reshape(-1).astype(jnp.int32), jnp.asarray(freq if rope_pieces else np.repeat(freq, 2))]
+        pos_spec = (pl.BlockSpec((per,), lambda r: (r,)) if row_positions
+                    else pl.BlockSpec((1,), lambda r: (r * per // group,)))
+        specs += [pos_spec, pl.BlockSpec((args[-1].shape[0],), lambda r: (0,))]
     if hadamard_fp4:
         args.append(jnp.asarray(hadamard_matrix(dim)))
         specs.append(pl.BlockSpec((dim, dim), lambda r: (0, 0)))
-    out_specs = [pl.BlockSpec((1, dim), lambda r: (r, 0))]
+    out_specs = [pl.BlockSpec((per, dim), lambda r: (r, 0))]
     out_shape = [jax.ShapeDtypeStruct((rows, dim), out_dtype)]
     aliases = {}
     window = None
@@ -178,9 +236,10 @@ def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float | None, 
         out_specs.append(pl.BlockSpec((None, window, dim), lambda r: (r, 0, 0)))
         out_shape.append(jax.ShapeDtypeStruct(ring_buffer.shape, ring_buffer.dtype))
     kernel = functools.partial(_kernel, first=first, dim=dim, chunk=chunk, eps=eps, in_dtype=in_dtype,
-                               has_weight=weight is not None, rope=rope is not None, fp8_nope=fp8_nope,
-                               hadamard=hadamard_fp4, ring_window=window)
-    outs = pl.pallas_call(kernel, grid=(rows,), in_specs=specs, out_specs=out_specs, out_shape=out_shape,
+                               has_weight=weight is not None, rope=rope is not None, rope_pieces=rope_pieces,
+                               row_positions=row_positions, fp8_nope=fp8_nope, hadamard=hadamard_fp4,
+                               ring_window=window)
+    outs = pl.pallas_call(kernel, grid=(rows // per,), in_specs=specs, out_specs=out_specs, out_shape=out_shape,
                           input_output_aliases=aliases, interpret=interpret, name="rms_norm_rows",
                           compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(*args)
     out = outs[0].reshape(*lead, dim)
