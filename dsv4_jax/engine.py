@@ -159,12 +159,14 @@ def decode_rows(params, state, tokens, active, cfg: ModelConfig, ctx: RunContext
     ctx = ctx.in_phase("decode")
     X, new_state, summary = _run_chunk(params, cfg, ctx, state, tokens[:, None], active.astype(jnp.int32),
                                        track_mtp)
-    logits = head_logits(params, params, cfg, X, ctx)[:, 0]
     # Past the buffers' capacity the caches would be wrong, and a token id outside the vocabulary has no embedding
     # (the gather would clamp it): say so with NaN rather than a plausible token. Checking on the host would need
-    # a device read per step.
+    # a device read per step. The NaN goes into the row's streams, so every logit of the row is NaN through the head
+    # (a NaN input makes each of its dot products NaN): a select on the [B, V] logits would be a pass of its own over
+    # them (XLA does not fuse it into the head's GEMM; 2 x 132 MB at batch 256).
     invalid = (state.positions >= max_seq_len) | (tokens < 0) | (tokens >= cfg.vocab_size)
-    return with_stats((jnp.where(invalid[:, None], jnp.nan, logits), new_state), summary)
+    X = jnp.where(invalid[:, None, None, None], jnp.asarray(jnp.nan, X.dtype), X)
+    return with_stats((head_logits(params, params, cfg, X, ctx)[:, 0], new_state), summary)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ctx", "max_seq_len", "track_mtp"), donate_argnames=("state",))

@@ -216,7 +216,7 @@ def test_decode_compiles_once(tiny_f32, tiny_tokens):
     assert engine.decode_step._cache_size() == compiled
 
 
-def test_out_of_range_device_token_ids_give_nan_rows(tiny_f32, tiny_tokens):
+def test_out_of_range_device_token_ids_give_nan_rows(tiny_f32, tiny_tokens, tiny_checkpoint):
     """A device array of ids is not read back on the host (that would be a sync per step): an id outside the
     vocabulary gives NaN logits, as a sequence past max_seq_len does; host ids are refused before the step."""
     vocab = tiny_f32.config.vocab_size
@@ -224,6 +224,16 @@ def test_out_of_range_device_token_ids_give_nan_rows(tiny_f32, tiny_tokens):
         _, state = tiny_f32.prefill(tiny_tokens[:, :9])
         logits, _ = tiny_f32.decode(jnp.asarray([token], jnp.int32), state)
         assert np.isfinite(np.asarray(logits)).all() == finite and (finite or np.isnan(np.asarray(logits)).all())
+    # row by row: in a batch, only the row with the bad id is NaN, every logit of it; the other row's logits are
+    # those of its step alone
+    import dsv4_jax
+    pair = dsv4_jax.load(tiny_checkpoint[0], dtype="float32", max_seq_len=320, max_batch=2)
+    _, state = pair.prefill(np.concatenate([tiny_tokens[:, :9]] * 2))
+    logits = np.asarray(pair.decode(jnp.asarray([5, vocab], jnp.int32), state)[0])
+    _, alone = tiny_f32.prefill(tiny_tokens[:, :9])
+    np.testing.assert_allclose(logits[0], np.asarray(tiny_f32.decode(jnp.asarray([5], jnp.int32), alone)[0])[0],
+                               rtol=1e-5, atol=1e-5)
+    assert np.isnan(logits[1]).all()
     with pytest.raises(ValueError, match=rf"tokens must be token ids in \[0, {vocab}\)"):
         tiny_f32.decode(np.array([vocab], np.int32), tiny_f32.prefill(tiny_tokens[:, :9])[1])
 
