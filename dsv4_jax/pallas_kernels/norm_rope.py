@@ -110,7 +110,17 @@ def _kernel(*refs, first: int, dim: int, chunk: int, eps: float | None, in_dtype
 
     if rope:                                    # the rows' positions: one per row, or one the program's rows share
         position = (pos_ref[...] if row_positions else scalar(pos_ref)[None]).astype(_F32)[:, None]
-    pieces = []                                 # (first column, column stride, float32 values [R, n]) of the output
+    # (first column, column stride, float32 values [R, n]) of the output: stored as made (so a program's rows need
+    # not stay in registers), or kept for the Hadamard rounding and the ring write, which take one row a program
+    pieces = []
+    keep = hadamard or ring_window is not None
+
+    def emit(start, stride, y):
+        if keep:
+            pieces.append((start, stride, y))
+        else:
+            out_ref[:, pl.ds(start, y.shape[1], stride=stride)] = y.astype(dtype)
+
     for j in range(n_chunks):
         start = j * chunk
         if rope and j == n_chunks - 1:          # ops/norm_rope.apply_rope: (y_2i, y_2i+1) turned by position * f_i
@@ -118,15 +128,16 @@ def _kernel(*refs, first: int, dim: int, chunk: int, eps: float | None, in_dtype
             if rope_pieces:
                 half = chunk // 2
                 even, odd = _rotate_pieces(normalised(start, half, 2), normalised(start + 1, half, 2), angle)
-                pieces += [(start, 2, even.astype(dtype).astype(_F32)), (start + 1, 2, odd.astype(dtype).astype(_F32))]
+                emit(start, 2, even.astype(dtype).astype(_F32))
+                emit(start + 1, 2, odd.astype(dtype).astype(_F32))
             else:
                 y = rotate_pairs(normalised(start, chunk)[0], angle[0])[None, :]
-                pieces.append((start, 1, y.astype(dtype).astype(_F32)))
+                emit(start, 1, y.astype(dtype).astype(_F32))
             continue
         y = normalised(start, chunk)
         if fp8_nope:
             y = fp8_fake_quant(y).astype(dtype).astype(_F32)
-        pieces.append((start, 1, y))
+        emit(start, 1, y)
     if hadamard:                                # one row a program, its chunks whole (rope_pieces is off)
         rounded = hadamard_fp4([y[0] for _, _, y in pieces], hadamard_ref, dtype)
         pieces = [(start, 1, y[None, :]) for (start, _, _), y in zip(pieces, rounded)]
