@@ -124,8 +124,8 @@ def main(argv=None) -> int:
                     row["bf16_weight_in_memory"] = bf16_weight_in_memory(fn, x, w, n, k)
                     check += ", bf16 weight in memory" if row["bf16_weight_in_memory"] else ", dequantize fused"
                 results.append(row)
-                print(f"{name:10} {rows:4d} {path:>16} {t[0]:9.2f} {row['gb_per_s']:7.0f} {row['tflops']:8.1f}  {check}",
-                      flush=True)
+                print(f"{name:10} {rows:4d} {path:>16} {t[0]:9.2f} {row['gb_per_s']:7.0f} {row['tflops']:8.1f}  "
+                      f"{check}", flush=True)
                 with open(args.out, "w") as f:
                     json.dump({**meta, "rows": results}, f, indent=1)
     return 0

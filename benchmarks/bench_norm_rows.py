@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         for name, x, kernel, xla, rows, group in cases(batch, args.smoke):
             moved = x.size * 4 + x.size * 2                 # float32 in, bf16 out
             base = np.asarray(jax.jit(kernel(1))(x).astype(jnp.float32))
-            default = default_rows_per_program(rows, group)
+            default = default_rows_per_program(rows, group, x.shape[-1])
             variants = [("xla", xla, None)] + [
                 (f"kernel/{p}" + ("*" if p == default else ""), kernel(p), None)
                 for p in pers if rows % p == 0 and (group == 1 or group % p == 0)]

@@ -260,14 +260,16 @@ def test_several_rows_a_program_equal_one_row_a_program(per):
 
 
 def test_rows_per_program_by_default_and_refused():
-    """One row a program while the rows alone make enough programs; then stacked up to 16, within the rows that
-    share a position; a count that does not divide them is refused."""
-    assert norm_rope.default_rows_per_program(64, 64) == 1                    # batch 1's per-head queries
-    assert norm_rope.default_rows_per_program(256, 1) == 1                    # batch 256's keys
-    assert norm_rope.default_rows_per_program(64 * 64, 64) == 8               # batch 64's per-head queries
-    assert norm_rope.default_rows_per_program(256 * 64, 64) == 16
-    assert norm_rope.default_rows_per_program(256 * 4, 4) == 2                # stays within a token's 4 heads
-    assert norm_rope.default_rows_per_program(3 * 512, 1) == 2
+    """Rows stacked up to 2,048 values a program, within the rows that share a position; a count that does not
+    divide them is refused."""
+    assert norm_rope.default_rows_per_program(64, 64, 512) == 4               # batch 1's per-head queries
+    assert norm_rope.default_rows_per_program(256 * 64, 64, 512) == 4
+    assert norm_rope.default_rows_per_program(256, 1, 512) == 4               # batch 256's keys
+    assert norm_rope.default_rows_per_program(256, 1, 1024) == 2              # the query latent
+    assert norm_rope.default_rows_per_program(256, 1, 1536) == 1              # Pro's
+    assert norm_rope.default_rows_per_program(1, 1, 512) == 1                 # batch 1's keys
+    assert norm_rope.default_rows_per_program(6, 1, 128) == 2                 # what divides the rows
+    assert norm_rope.default_rows_per_program(256 * 2, 2, 128) == 2           # stays within a token's 2 heads
     x = jnp.ones((6, 1, 128), jnp.float32)
     with pytest.raises(ValueError, match="rows_per_program=4"):
         norm_rope.rms_norm_rows(x, None, eps=1e-6, in_dtype=jnp.float32, rows_per_program=4, interpret=True)

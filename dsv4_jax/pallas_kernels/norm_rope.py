@@ -10,14 +10,15 @@ XLA does not fuse a reduction with the elementwise work that reads its result.
 
 The input may be the float32 a matmul kernel wrote: it is first rounded to `in_dtype` (what the matmul would have
 returned in the model's dtype), so the cast costs no launch of its own. A program takes one row, or several
-(`default_rows_per_program`: a serving step's thousands of per-head query rows), in two passes over power-of-two
-column chunks (the sums of squares, then the normalised chunks; with `rope` the chunks are rope_dim wide and the
-last one is rotated). Numerics follow the jnp path operation for operation in float32: the normalised row is
-rounded to the output dtype, then the rope dims are rotated in float32 (read and written as their even and odd
-columns, strided, so each value's pair partner is at hand; with the Hadamard rounding, which needs the chunk
-whole, the partner comes from a 0/1 permutation, exact) and rounded again, and each 64-value block of the other dims is rounded to e4m3 under its
-power-of-two scale; only the order of the sum of squares differs. The indexer's queries take no norm (eps None):
-RoPE, then the normalised Hadamard transform of the row (its float32 sums in chunk order) and FP4 per 32 values.
+(`default_rows_per_program`: up to 2,048 values, e.g. 4 of the 512-wide per-head queries), in two passes over
+power-of-two column chunks (the sums of squares, then the normalised chunks; with `rope` the chunks are rope_dim
+wide and the last one is rotated). Numerics follow the jnp path operation for operation in float32: the normalised
+row is rounded to the output dtype, then the rope dims are rotated in float32 (read and written as their even and
+odd columns, strided, so each value's pair partner is at hand; with the Hadamard rounding, which needs the chunk
+whole, the partner comes from a 0/1 permutation, exact) and rounded again, and each 64-value block of the other dims
+is rounded to e4m3 under its power-of-two scale; only the order of the sum of squares differs. The indexer's queries
+take no norm (eps None): RoPE, then the normalised Hadamard transform of the row (its float32 sums in chunk order)
+and FP4 per 32 values.
 """
 
 from __future__ import annotations
@@ -152,19 +153,19 @@ def _kernel(*refs, first: int, dim: int, chunk: int, eps: float | None, in_dtype
                 ring_ref[pl.ds(slot, 1), pl.ds(start, y.shape[1], stride=stride)] = y.astype(dtype)
 
 
-MAX_ROWS_PER_PROGRAM = 16
-MIN_PROGRAMS = 512           # several programs per SM before rows are stacked into one (132 SMs on an H100)
+VALUES_PER_PROGRAM = 2048   # a program takes rows up to this many values (rows x D) at a time
 
 
-def default_rows_per_program(rows: int, group: int) -> int:
-    """Rows a program normalises together (one chunk of each at a time): one while `rows` alone make MIN_PROGRAMS
-    programs, else the largest power of two up to MAX_ROWS_PER_PROGRAM that keeps MIN_PROGRAMS of them, divides
-    the rows and fits the rows sharing a position (`group`: divides it, or each row has its own). A serving step's
-    per-head queries (batch x 64 heads rows of 512) are thousands of one-row programs of a few microseconds each
-    otherwise."""
+def default_rows_per_program(rows: int, group: int, dim: int) -> int:
+    """Rows a program normalises together (one chunk of each at a time): the largest power of two that keeps rows x
+    dim within VALUES_PER_PROGRAM, divides the rows and fits the rows sharing a position (`group`: divides it, or
+    each row has its own). Measured on one H100 (2026-12-08, benchmarks/bench_norm_rows.py, docs/kernels.md (h)):
+    per-head queries (512 wide) fastest at 4 rows a program at batch 1, 64 and 256 (6.1 / 12.1 / 52.4 us against
+    9.3 / 23.9 / 92.3 at one row), within 7% of the best at 128; keys (512) at 4 at 64-256 rows; the query latent
+    (1,024) at 2."""
     per_program = 1
-    while (per_program < MAX_ROWS_PER_PROGRAM and rows % (2 * per_program) == 0
-           and rows // (2 * per_program) >= MIN_PROGRAMS and (group == 1 or group % (2 * per_program) == 0)):
+    while (2 * per_program * dim <= VALUES_PER_PROGRAM and rows % (2 * per_program) == 0
+           and (group == 1 or group % (2 * per_program) == 0)):
         per_program *= 2
     return per_program
 
@@ -209,7 +210,9 @@ def rms_norm_rows(x: jax.Array, weight: jax.Array | None, *, eps: float | None, 
                              f"{tuple(lead)} (trailing ones allowed)")
         group = rows // max(1, int(np.prod(shape)))
     one_row = hadamard_fp4 or ring is not None       # their kernel code takes a program's rows one at a time
-    per = (1 if one_row else default_rows_per_program(rows, group)) if rows_per_program is None else rows_per_program
+    per = rows_per_program
+    if per is None:
+        per = 1 if one_row else default_rows_per_program(rows, group, dim)
     if per < 1 or rows % per or (per > 1 and (one_row or (group > 1 and group % per))):
         raise ValueError(f"rms_norm_rows: rows_per_program={per} must divide the {rows} rows and the {group} rows "
                          f"sharing a position (or be 1; 1 with hadamard_fp4 or a ring)")
