@@ -77,16 +77,17 @@ def main(argv=None) -> int:
     reference = RunContext.create(kernels="reference")
     fp8_reference = RunContext.create(act_quant="fp8", kernels="reference")
     fp8_model = RunContext.create(act_quant="fp8", kernels=kernels)
+    # name -> (fn(x, w), the reference context its output is checked against, whether it takes the bf16 copies)
     paths = {
-        "gemv": (lambda x, w: fp8_matmul(x, w, jnp.float32), reference),
-        "xla_dequant": (lambda x, w: linear(x, w, jnp.float32, ctx=reference), reference),
-        "xla_bf16": (None, None),
-        "fp8_act": (lambda x, w: linear(x, w, jnp.float32, ctx=fp8_model), fp8_reference),
+        "gemv": (lambda x, w: fp8_matmul(x, w, jnp.float32), reference, False),
+        "xla_dequant": (lambda x, w: linear(x, w, jnp.float32, ctx=reference), reference, False),
+        "xla_bf16": (lambda x, wb: jnp.dot(x, wb.T, preferred_element_type=jnp.float32), reference, True),
+        "fp8_act": (lambda x, w: linear(x, w, jnp.float32, ctx=fp8_model), fp8_reference, False),
     }
     for tiling in filter(None, args.gemv_tilings.split(",")):
         block_n, warps, stages = (int(v) for v in tiling.split("x"))
         paths[f"gemv[{tiling}]"] = (lambda x, w, b=block_n, nw=warps, ns=stages: fp8_matmul(
-            x, w, jnp.float32, block_n=b, num_warps=nw, num_stages=ns), reference)
+            x, w, jnp.float32, block_n=b, num_warps=nw, num_stages=ns), reference, False)
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, command=" ".join(sys.argv),
                 date=datetime.datetime.now().isoformat(timespec="seconds"))
     results = []
@@ -103,26 +104,26 @@ def main(argv=None) -> int:
             x = jax.random.normal(jax.random.fold_in(key, 100 + rows), (rows, k), jnp.float32).astype(jnp.bfloat16)
             reps = 2 if args.smoke else max(2, int(3e4 / copies / max(1.0, n * k / 2 ** 22)))
             flops = 2 * rows * n * k
-            for path, (fn, ref_ctx) in paths.items():
-                if fn is None:                                             # xla_bf16
-                    fn_, weights, check = (lambda x, wb: jnp.dot(x, wb.T, preferred_element_type=jnp.float32)), wbs, ""
-                else:
-                    want = jax.jit(lambda x, w, c=ref_ctx: linear(x, w, jnp.float32, ctx=c))(x, w)
-                    try:
-                        got = jax.jit(fn)(x, w)
-                    except Exception as err:  # noqa: BLE001 - a tiling the kernel refuses: say so, go on
-                        print(f"{name:10} {rows:4d} {path:>16} refused: {str(err).splitlines()[0][:120]}", flush=True)
-                        continue
-                    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-                    fn_, weights, check = fn, ws, f"rel err {err:.1e}"
-                t = bk.time_calls(fn_, weights, x, reps)
+            wants = {c: jax.jit(lambda x, w, c=c: linear(x, w, jnp.float32, ctx=c))(x, w)
+                     for c in (reference, fp8_reference)}
+            for path, (fn, ref_ctx, on_bf16) in paths.items():
+                weights = wbs if on_bf16 else ws
+                try:
+                    got = jax.jit(fn)(x, weights[0])
+                except Exception as err:  # noqa: BLE001 - a tiling the kernel refuses: say so, go on
+                    print(f"{name:10} {rows:4d} {path:>16} refused: {str(err).splitlines()[0][:120]}", flush=True)
+                    continue
+                want = wants[ref_ctx]
+                check = f"rel err {float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))):.1e}"
+                if path == "xla_dequant":
+                    in_memory = bf16_weight_in_memory(fn, x, w, n, k)
+                    check += ", bf16 weight in memory" if in_memory else ", dequantize fused"
+                t = bk.time_calls(fn, weights, x, reps)
                 row = dict(shape=name, n=n, k=k, rows=rows, path=path, us=t[0], min_us=t[1], max_us=t[2],
-                           weight_bytes=weight_bytes(w) if fn is not None else n * k * 2, check=check,
-                           tflops=flops / t[0] / 1e6)
+                           weight_bytes=bk.nbytes(weights[0]), check=check, tflops=flops / t[0] / 1e6)
                 row["gb_per_s"] = row["weight_bytes"] / t[0] / 1e3
                 if path == "xla_dequant":
-                    row["bf16_weight_in_memory"] = bf16_weight_in_memory(fn, x, w, n, k)
-                    check += ", bf16 weight in memory" if row["bf16_weight_in_memory"] else ", dequantize fused"
+                    row["bf16_weight_in_memory"] = in_memory
                 results.append(row)
                 print(f"{name:10} {rows:4d} {path:>16} {t[0]:9.2f} {row['gb_per_s']:7.0f} {row['tflops']:8.1f}  "
                       f"{check}", flush=True)

@@ -18,31 +18,11 @@ import argparse
 import json
 import os
 import sys
-import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-ITERS = 50
-
-
-def _timed(fn, x, iters: int = ITERS) -> float:
-    """Microseconds per call of fn(x), `iters` calls chained in one unrolled program, best of three runs."""
-    import jax
-    import jax.numpy as jnp
-
-    def chain(x):
-        for _ in range(iters):
-            x = x + fn(x).astype(jnp.float32) * 1e-30
-        return x
-
-    run = jax.jit(chain)
-    jax.block_until_ready(run(x))
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(x))
-        best = min(best, (time.perf_counter() - t0) / iters * 1e6)
-    return best
+from bench_decode_attention import ITERS, _timed  # noqa: E402  (chained calls in one program, best of three)
 
 
 def cases(batch: int, interpret: bool):
@@ -122,7 +102,7 @@ def main(argv=None) -> int:
                 if check is None:
                     got = np.asarray(jax.jit(fn)(x).astype(jnp.float32))
                     check = "equal" if np.array_equal(got, base) else f"{np.mean(got != base):.2%} differ"
-                us = _timed(fn, x, iters)
+                us = _timed(fn, (x,), iters)
                 row = {"case": name, "batch": batch, "rows": rows, "path": path, "us": us,
                        "gb_per_s": moved / us / 1e3, "check": check}
                 rows_out.append(row)
